@@ -1,0 +1,49 @@
+"""Shared command-line plumbing: one-line errors with exit code 2, config loading."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxzero import config as config_lib
+from jaxzero.mesh import devices_needed, ensure_virtual_devices
+
+
+class Parser(argparse.ArgumentParser):
+  """An ArgumentParser whose errors are one line, exit code 2."""
+
+  def error(self, message):
+    self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--config", required=True, help="config file defining get_config()")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config field by its dotted name, e.g. train.steps=10")
+
+
+def load_config(args) -> config_lib.Config:
+  """Loads the config and, before JAX starts, creates the CPU devices its mesh needs."""
+  cfg = config_lib.load(args.config, args.set)
+  ensure_virtual_devices(devices_needed(cfg.mesh.replica, cfg.mesh.fsdp))
+  return cfg
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+  """Exceptions that mean bad input, not a bug: reported in one line."""
+  from jaxzero.data import DataError  # pylint: disable=import-outside-toplevel
+  return (config_lib.ConfigError, DataError, FileNotFoundError)
+
+
+def run_main(prog: str, body) -> int:
+  """Runs `body()`; bad input becomes `prog: error: ...` on stderr and exit code 2."""
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                      datefmt="%H:%M:%S")
+  # JAX logs its search for TPU/GPU plugins at INFO; only our own lines matter here.
+  logging.getLogger("jax").setLevel(logging.WARNING)
+  try:
+    return body() or 0
+  except user_errors() as e:
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    return 2

@@ -1,0 +1,276 @@
+"""Typed, frozen configuration, dotted overrides, and loading config files.
+
+A config file defines ``get_config()`` returning a :class:`Config`. Presets are
+a few lines derived from :func:`base` with ``dataclasses.replace``.
+
+This module imports no JAX, so the CLI can read a config (and decide how many
+virtual CPU devices to create) before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+from models.llama import LlamaConfig
+
+
+class ConfigError(ValueError):
+  """Bad user input: a one-line message naming the key and the valid choices."""
+
+
+# Stage and hybrid flag for each FSDP/DeepSpeed spelling.
+STRATEGIES: dict[str, tuple[int, bool]] = {
+    "NO_SHARD": (0, False),
+    "ZERO1": (1, False),
+    "SHARD_GRAD_OP": (2, False),
+    "FULL_SHARD": (3, False),
+    "HYBRID_SHARD_ZERO2": (2, True),
+    "HYBRID_SHARD": (3, True),
+}
+
+Dtype = Literal["float32", "bfloat16"]
+MemoryKind = Literal["device", "pinned_host"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+  # 0 = DDP, 1 = optimizer state sharded, 2 = + gradients, 3 = + parameters.
+  stage: Literal[0, 1, 2, 3] = 3
+  # FSDP spelling; when set it decides stage and hybrid (empty = use `stage`).
+  strategy: Literal["", "NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD",
+                    "HYBRID_SHARD_ZERO2", "HYBRID_SHARD"] = ""
+  # Hybrid: shard over `fsdp` only and replicate over `replica`.
+  hybrid: bool = False
+  # Dtype of gradients and of the gradient-accumulation buffers.
+  grad_dtype: Dtype = "float32"
+
+  @property
+  def resolved(self) -> tuple[int, bool]:
+    """(stage, hybrid) after applying `strategy`."""
+    return STRATEGIES[self.strategy] if self.strategy else (self.stage, self.hybrid)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  replica: int = 1
+  fsdp: int = -1  # -1 = all remaining devices
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 100
+  global_batch: int = 16  # sequences per optimizer step
+  grad_accum: int = 1
+  seq_len: int = 128
+  lr: float = 3e-4
+  warmup_steps: int = 10
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  clip_norm: float = 1.0  # 0 disables clipping
+  log_every: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+  compute: Dtype = "bfloat16"  # dtype of the compute copy of the weights
+
+
+@dataclasses.dataclass(frozen=True)
+class RematConfig:
+  policy: Literal["none", "full", "save_matmuls", "save_attention", "offload_matmuls"] = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+  optimizer: MemoryKind = "device"  # master weights + Adam moments
+  params: MemoryKind = "device"  # the compute copy at rest (stage 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 0  # 0 = only at the end and on preemption
+  keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  # "stdlib": the Python standard library's own source, byte-level tokens.
+  source: str = "stdlib"
+  max_bytes: int = 16_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: LlamaConfig = LlamaConfig()
+  zero: ZeroConfig = ZeroConfig()
+  mesh: MeshConfig = MeshConfig()
+  train: TrainConfig = TrainConfig()
+  precision: PrecisionConfig = PrecisionConfig()
+  remat: RematConfig = RematConfig()
+  offload: OffloadConfig = OffloadConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  data: DataConfig = DataConfig()
+  seed: int = 0
+
+
+def base() -> Config:
+  return Config()
+
+
+# ----------------------------------------------------------------------------
+# Dotted overrides: --set train.steps=10
+
+
+def _field_types(cls) -> dict[str, Any]:
+  hints = typing.get_type_hints(cls)
+  return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _parse_value(key: str, text: str, typ: Any) -> Any:
+  if get_origin(typ) is Literal:
+    choices = get_args(typ)
+    for choice in choices:
+      if str(choice) == text:
+        return choice
+    raise ConfigError(f"{key}={text!r} is not valid; choose one of: "
+                      + ", ".join(repr(c) if c == "" else str(c) for c in choices))
+  if typ is bool:
+    lowered = text.lower()
+    if lowered in ("true", "1", "yes"):
+      return True
+    if lowered in ("false", "0", "no"):
+      return False
+    raise ConfigError(f"{key}={text!r} is not a boolean; use true or false")
+  if typ in (int, float):
+    try:
+      return typ(text)
+    except ValueError:
+      raise ConfigError(f"{key}={text!r} is not a valid {typ.__name__}") from None
+  return text
+
+
+def override(cfg: Any, key: str, text: str, _prefix: str = "") -> Any:
+  """Returns `cfg` with the field at dotted `key` set from the string `text`."""
+  head, _, rest = key.partition(".")
+  types = _field_types(type(cfg))
+  full = _prefix + head
+  if head not in types:
+    raise ConfigError(f"unknown config key {full!r}; valid keys here: "
+                      + ", ".join(_prefix + k for k in types))
+  current = getattr(cfg, head)
+  if dataclasses.is_dataclass(current):
+    if not rest:
+      raise ConfigError(f"{full!r} is a section; set one of its keys: "
+                        + ", ".join(f"{full}.{k}" for k in _field_types(type(current))))
+    value = override(current, rest, text, full + ".")
+  else:
+    if rest:
+      raise ConfigError(f"unknown config key {key!r}: {full!r} has no sub-keys")
+    value = _parse_value(full, text, types[head])
+  return dataclasses.replace(cfg, **{head: value})
+
+
+def apply_overrides(cfg: Config, assignments: list[str]) -> Config:
+  for assignment in assignments:
+    key, eq, text = assignment.partition("=")
+    if not eq:
+      raise ConfigError(f"--set {assignment!r} must look like KEY=VALUE, e.g. train.steps=10")
+    cfg = override(cfg, key.strip(), text.strip())
+  return cfg
+
+
+def check_literals(cfg: Any, _prefix: str = "") -> None:
+  """Rejects a Literal-typed field holding a value outside its choices."""
+  for name, typ in _field_types(type(cfg)).items():
+    value = getattr(cfg, name)
+    if dataclasses.is_dataclass(value):
+      check_literals(value, _prefix + name + ".")
+    elif get_origin(typ) is Literal and value not in get_args(typ):
+      raise ConfigError(f"{_prefix}{name}={value!r} is not valid; choose one of: "
+                        + ", ".join(map(str, get_args(typ))))
+
+
+# ----------------------------------------------------------------------------
+# Loading
+
+
+def load(path: str, assignments: list[str] = ()) -> Config:
+  """Loads `get_config()` from a config file and applies `--set` overrides."""
+  file = pathlib.Path(path)
+  if not file.is_file():
+    raise ConfigError(f"config file {path!r} does not exist; presets are in configs/: "
+                      + ", ".join(sorted(p.name for p in _configs_dir().glob("*.py")
+                                         if p.name != "__init__.py")))
+  spec = importlib.util.spec_from_file_location(f"jaxzero_config_{file.stem}", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"config file {path!r} defines no get_config()")
+  cfg = module.get_config()
+  if not isinstance(cfg, Config):
+    raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not jaxzero Config")
+  cfg = apply_overrides(cfg, list(assignments))
+  validate(cfg)
+  return cfg
+
+
+def _configs_dir() -> pathlib.Path:
+  return pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def validate(cfg: Config) -> None:
+  """Checks everything that does not need to know the devices."""
+  check_literals(cfg)
+  try:
+    cfg.model.validate()
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  t = cfg.train
+  for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
+                     ("train.grad_accum", t.grad_accum), ("train.seq_len", t.seq_len),
+                     ("train.log_every", t.log_every)):
+    if value < 1:
+      raise ConfigError(f"{key}={value} must be at least 1")
+  for key, value in (("mesh.replica", cfg.mesh.replica), ("mesh.fsdp", cfg.mesh.fsdp)):
+    if value == 0 or value < -1:
+      raise ConfigError(f"{key}={value} must be a positive device count or -1 (all remaining)")
+  if cfg.mesh.replica == -1 and cfg.mesh.fsdp == -1:
+    raise ConfigError("mesh.replica and mesh.fsdp cannot both be -1")
+  if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+    raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+  if cfg.offload.params == "pinned_host" and cfg.zero.resolved[0] != 3:
+    raise ConfigError("offload.params=pinned_host needs ZeRO stage 3 (zero.stage=3 or "
+                      "zero.strategy=FULL_SHARD/HYBRID_SHARD)")
+
+
+def mesh_shape(cfg: Config, n_devices: int) -> tuple[int, int]:
+  """(replica, fsdp) for `n_devices`, resolving -1; raises if they do not fit."""
+  replica, fsdp = cfg.mesh.replica, cfg.mesh.fsdp
+  if replica == -1:
+    replica = n_devices // fsdp if n_devices % fsdp == 0 else 0
+  if fsdp == -1:
+    fsdp = n_devices // replica if n_devices % replica == 0 else 0
+  if replica * fsdp != n_devices or replica < 1 or fsdp < 1:
+    raise ConfigError(
+        f"mesh.replica={cfg.mesh.replica} x mesh.fsdp={cfg.mesh.fsdp} does not fit {n_devices} "
+        f"devices; the product must equal the device count (use -1 for 'all remaining')")
+  return replica, fsdp
+
+
+def micro_batch(cfg: Config, n_data_parallel: int) -> int:
+  """Per-device micro-batch, from global_batch = micro x data-parallel devices x grad_accum."""
+  t = cfg.train
+  per_step = n_data_parallel * t.grad_accum
+  if t.global_batch % per_step:
+    raise ConfigError(
+        f"train.global_batch={t.global_batch} is not divisible by data-parallel devices "
+        f"({n_data_parallel}) x train.grad_accum ({t.grad_accum}) = {per_step}; "
+        f"global_batch = micro_batch x devices x grad_accum, so use a multiple of {per_step}")
+  return t.global_batch // per_step

@@ -1,0 +1,40 @@
+"""Activation checkpointing: a policy name -> a wrapper for the per-layer function.
+
+The model tags intermediate values with ``checkpoint_name`` (q_proj, k_proj,
+v_proj, attention, o_proj, mlp_gate, mlp_up, mlp_down); a policy says which of
+those the backward pass may keep instead of recomputing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+
+MATMUL_OUTPUTS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
+ATTENTION_OUTPUTS = ("q_proj", "k_proj", "v_proj", "attention")
+
+_POLICIES: dict[str, Callable[[], object]] = {
+    # Recompute the whole layer in the backward pass; keep only layer inputs.
+    "full": lambda: jax.checkpoint_policies.nothing_saveable,
+    # Keep the matmul outputs; recompute only the cheap elementwise work.
+    "save_matmuls": lambda: jax.checkpoint_policies.save_only_these_names(*MATMUL_OUTPUTS),
+    # Keep q, k, v and the attention context; recompute the MLP.
+    "save_attention": lambda: jax.checkpoint_policies.save_only_these_names(*ATTENTION_OUTPUTS),
+    # Keep the matmul outputs in host memory (pinned_host) instead of on device.
+    "offload_matmuls": lambda: jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(MATMUL_OUTPUTS),
+        offload_src="device", offload_dst="pinned_host"),
+}
+POLICY_NAMES = ("none",) + tuple(_POLICIES)
+
+
+def remat_wrapper(policy: str) -> Callable[[Callable], Callable] | None:
+  """The model's `remat` hook for `policy`, or None for no rematerialisation."""
+  if policy == "none":
+    return None
+  if policy not in _POLICIES:
+    raise ValueError(f"remat.policy={policy!r} is unknown; choose one of: "
+                     + ", ".join(POLICY_NAMES))
+  return functools.partial(jax.checkpoint, policy=_POLICIES[policy](), prevent_cse=False)

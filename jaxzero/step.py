@@ -1,0 +1,177 @@
+"""The train state, its sharded initialisation, and the jitted train step.
+
+The state follows DeepSpeed's mixed-precision split:
+
+* ``params``: the compute copy of the weights (bf16 or fp32), placed by the
+  stage's ``params`` role (replicated for stages 0-2, sharded for stage 3);
+* ``master``: the fp32 master weights, and ``opt_state``: AdamW's moments,
+  both placed by the ``optimizer`` role (sharded from stage 1 on).
+
+After each update the new master weights are cast to the compute dtype and
+placed by the ``params`` role, which for stages 1-2 is the all-gather of the
+updated shards.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxzero.config import Config
+from jaxzero.remat import remat_wrapper
+from jaxzero.zero import Layout
+from models.llama import Llama, ParamSpec, param_specs
+
+
+class TrainState(NamedTuple):
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any  # compute copy, compute dtype
+  master: Any  # fp32 master weights
+  opt_state: Any  # optax state over `master`
+
+
+def dtype_of(name: str):
+  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def learning_rate_schedule(cfg: Config) -> optax.Schedule:
+  t = cfg.train
+  warmup = min(t.warmup_steps, t.steps)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=t.lr, warmup_steps=warmup,
+      decay_steps=max(t.steps, warmup + 1), end_value=t.lr * t.min_lr_ratio)
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+  t = cfg.train
+  adamw = optax.adamw(learning_rate_schedule(cfg), b1=t.b1, b2=t.b2, eps=t.eps,
+                      weight_decay=t.weight_decay, mask=_decay_mask)
+  if t.clip_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(t.clip_norm), adamw)
+  return adamw
+
+
+def _decay_mask(params):
+  # As in Llama and most LM recipes: no weight decay on norm gains.
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+
+
+class StateShardings(NamedTuple):
+  state: TrainState
+  abstract: TrainState  # ShapeDtypeStructs, for planning and byte counts
+
+
+def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformation
+                    ) -> StateShardings:
+  """Shardings of every train-state leaf, computed without allocating anything."""
+  specs = param_specs(cfg.model)
+  compute = dtype_of(cfg.precision.compute)
+  abstract_master = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), specs,
+                                 is_leaf=_is_spec)
+  abstract = TrainState(
+      step=jax.ShapeDtypeStruct((), jnp.int32),
+      params=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, compute), abstract_master),
+      master=abstract_master,
+      opt_state=jax.eval_shape(tx.init, abstract_master))
+  master_sh = layout.tree_shardings(specs, "optimizer")
+  opt_sh = optax.tree_map_params(
+      tx, lambda _, sharding: sharding, abstract.opt_state, master_sh,
+      transform_non_params=lambda _: layout.replicated("optimizer"),
+      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+  shardings = TrainState(step=layout.replicated("grads"),
+                         params=layout.tree_shardings(specs, "params"),
+                         master=master_sh, opt_state=opt_sh)
+  return StateShardings(shardings, abstract)
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, ParamSpec)
+
+
+def init_state(cfg: Config, layout: Layout, tx: optax.GradientTransformation) -> TrainState:
+  """Initialises the state directly into its shards: no device holds a full model."""
+  shardings = state_shardings(cfg, layout, tx).state
+  compute = dtype_of(cfg.precision.compute)
+
+  @functools.partial(jax.jit, out_shardings=shardings)
+  def init():
+    model = Llama(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
+    master = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+    params = jax.tree.map(lambda w: w.astype(compute), master)
+    return TrainState(jnp.zeros((), jnp.int32), params, master, tx.init(master))
+
+  return init()
+
+
+def loss_fn(graphdef, params, tokens_BxT1: jax.Array, layout: Layout, remat) -> jax.Array:
+  """Mean next-token cross-entropy over a batch of sequences of T+1 tokens."""
+  model = nnx.merge(graphdef, params)
+  logits_BxTxV = model(tokens_BxT1[:, :-1], shard=layout.shard_activation, remat=remat)
+  losses_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV,
+                                                               tokens_BxT1[:, 1:])
+  return losses_BxT.mean()
+
+
+def model_graphdef(cfg: Config):
+  abstract_model = nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0)))
+  return nnx.split(abstract_model, nnx.Param)[0]
+
+
+def make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformation):
+  """Returns the jitted step: (state, tokens [A, B, T+1]) -> (state, metrics).
+
+  A is the number of gradient-accumulation micro-steps; B the global
+  micro-batch (split over every data-parallel device).
+  """
+  sh = state_shardings(cfg, layout, tx)
+  graphdef = model_graphdef(cfg)
+  remat = remat_wrapper(cfg.remat.policy)
+  grad_dtype = dtype_of(cfg.zero.grad_dtype)
+  specs = param_specs(cfg.model)
+  grad_sh = layout.tree_shardings(specs, "grads")
+  master_on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), sh.state.master)
+  opt_on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), sh.state.opt_state)
+  params_on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), sh.state.params)
+  schedule = learning_rate_schedule(cfg)
+
+  def micro_step(params, carry, tokens_BxT1):
+    loss_sum, grad_sum = carry
+    loss, grads = jax.value_and_grad(functools.partial(loss_fn, graphdef))(
+        params, tokens_BxT1, layout, remat)
+    # Stages 2-3 accumulate into sharded buffers: the reduce is a reduce-scatter.
+    grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
+    grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grad_sum, grads), grad_sh)
+    return (loss_sum + loss, grad_sum), None
+
+  def train_step(state: TrainState, tokens_AxBxT1: jax.Array):
+    accum = tokens_AxBxT1.shape[0]
+    params = jax.device_put(state.params, params_on_device)
+    zeros = jax.lax.with_sharding_constraint(
+        jax.tree.map(lambda p: jnp.zeros(p.shape, grad_dtype), params), grad_sh)
+    (loss_sum, grad_sum), _ = jax.lax.scan(
+        functools.partial(micro_step, params), (jnp.zeros((), jnp.float32), zeros),
+        tokens_AxBxT1)
+    # To the optimizer's layout: for stage 1 a local slice of replicated grads.
+    grads = jax.lax.with_sharding_constraint(
+        jax.tree.map(lambda g: g.astype(jnp.float32) / accum, grad_sum), master_on_device)
+    grad_norm = optax.global_norm(grads)
+    master = jax.device_put(state.master, master_on_device)
+    opt_state = jax.device_put(state.opt_state, opt_on_device)
+    updates, opt_state = tx.update(grads, opt_state, master)
+    master = optax.apply_updates(master, updates)
+    compute = dtype_of(cfg.precision.compute)
+    params = jax.tree.map(lambda w: w.astype(compute), master)
+    new_state = TrainState(state.step + 1, params, master, opt_state)
+    metrics = {"loss": loss_sum / accum, "grad_norm": grad_norm, "lr": schedule(state.step)}
+    return new_state, metrics
+
+  batch_sh = layout.batch_sharding(leading_dims=1)
+  return jax.jit(train_step, in_shardings=(sh.state, batch_sh),
+                 out_shardings=(sh.state, layout.replicated()), donate_argnums=0)
+

@@ -1,0 +1,37 @@
+"""python -m jaxzero.train --config PATH [--workdir DIR] [--steps N] [--set KEY=VALUE ...]"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+from jaxzero import cli
+
+
+def main(argv=None) -> int:
+  parser = cli.Parser(prog="jaxzero.train", description="Train a Llama model with ZeRO/FSDP.")
+  cli.add_config_args(parser)
+  parser.add_argument("--workdir", help="where metrics and checkpoints go "
+                      "(default: runs/<config name>)")
+  parser.add_argument("--steps", type=int, help="stop after this step; the learning-rate "
+                      "schedule still spans train.steps, so a later run can continue it")
+  parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  args = parser.parse_args(argv)
+
+  def body():
+    cfg = cli.load_config(args)  # before JAX starts: creates virtual CPU devices
+    if args.steps is not None and args.steps < 1:
+      parser.error(f"--steps={args.steps} must be at least 1")
+    workdir = pathlib.Path(args.workdir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
+    from jaxzero import trainer  # pylint: disable=import-outside-toplevel
+    history = trainer.train(cfg, workdir, steps=args.steps, progress=not args.no_progress)
+    if history:
+      first, last = history[0], history[-1]
+      print(f"trained to step {last['step']}: loss {first['loss']:.4f} -> {last['loss']:.4f}; "
+            f"metrics in {workdir / 'metrics.jsonl'}")
+
+  return cli.run_main("jaxzero.train", body)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

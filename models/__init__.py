@@ -1,0 +1,1 @@
+"""Model definitions. Nothing here knows about meshes or devices."""

@@ -1,0 +1,221 @@
+"""Llama-3 in flax NNX, with every weight declared once with logical axis names.
+
+The decoder layers are stacked (leading ``layers`` axis) and run with
+``jax.lax.scan``, so compile time does not grow with depth.
+
+This module knows nothing about meshes. Two hooks let the caller steer
+parallelism and memory without the model knowing how:
+
+* ``shard(x, logical_axes)`` is called on activations at layer boundaries and on
+  each layer's weights inside the scan body ("compute layout"). The default
+  does nothing.
+* ``remat(fn)`` wraps the per-layer function (e.g. ``jax.checkpoint`` with a
+  policy over the ``checkpoint_name`` tags set below). The default does nothing.
+
+Shapes are written into names: B batch, T sequence, D embed, H query heads,
+K key/value heads, E head dim, F mlp hidden, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+Array = jax.Array
+ShardFn = Callable[[Array, tuple], Array]
+RematFn = Callable[[Callable], Callable]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  vocab_size: int = 256
+  dim: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  mlp_dim: int = 256
+  norm_eps: float = 1e-5
+  rope_theta: float = 500_000.0
+  # Llama-3 frequency scaling; rope_scaling_factor <= 1 disables it.
+  rope_scaling_factor: float = 0.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+
+  @property
+  def head_dim(self) -> int:
+    return self.dim // self.n_heads
+
+  def validate(self) -> None:
+    if self.dim % self.n_heads:
+      raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={self.n_kv_heads}")
+
+
+class ParamSpec(NamedTuple):
+  shape: tuple[int, ...]
+  logical_axes: tuple[str, ...]
+  init: str  # "normal" (std = init_std) or "ones"
+
+
+def param_specs(cfg: LlamaConfig) -> dict[str, dict[str, ParamSpec] | ParamSpec]:
+  """The one declaration of every weight: shape, logical axes, initialiser."""
+  L, D, H, K, E, F, V = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                         cfg.mlp_dim, cfg.vocab_size)
+  layers = {
+      "attn_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+      "wq_LxDxHxE": ParamSpec((L, D, H, E), ("layers", "embed", "heads", "head_dim"), "normal"),
+      "wk_LxDxKxE": ParamSpec((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "wv_LxDxKxE": ParamSpec((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "wo_LxHxExD": ParamSpec((L, H, E, D), ("layers", "heads", "head_dim", "embed"), "normal"),
+      "mlp_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+      "w_gate_LxDxF": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+      "w_up_LxDxF": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+      "w_down_LxFxD": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
+  }
+  specs: dict = {
+      "embed_VxD": ParamSpec((V, D), ("vocab", "embed"), "normal"),
+      "layers": layers,
+      "final_norm": ParamSpec((D,), ("embed",), "ones"),
+  }
+  if not cfg.tie_embeddings:
+    specs["lm_head_DxV"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
+  return specs
+
+
+def _new_param(spec: ParamSpec, key: Array, std: float) -> nnx.Param:
+  if spec.init == "ones":
+    value = jnp.ones(spec.shape, jnp.float32)
+  else:
+    value = std * jax.random.normal(key, spec.shape, jnp.float32)
+  return nnx.Param(value, logical_axes=spec.logical_axes)
+
+
+class DecoderLayers(nnx.Module):
+  """All decoder layers' weights, stacked along a leading ``layers`` axis."""
+
+  def __init__(self, specs: dict[str, ParamSpec], cfg: LlamaConfig, rngs: nnx.Rngs):
+    for name, spec in specs.items():
+      setattr(self, name, _new_param(spec, rngs.params(), cfg.init_std))
+
+  def stacked(self) -> dict[str, Array]:
+    names = [n for n in vars(self) if isinstance(getattr(self, n), nnx.Param)]
+    return {n: getattr(self, n)[...] for n in names}
+
+
+class Llama(nnx.Module):
+  """Llama-3 decoder: tokens int32 [B, T] -> logits float32 [B, T, V]."""
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    cfg.validate()
+    self.cfg = cfg
+    specs = param_specs(cfg)
+    self.embed_VxD = _new_param(specs["embed_VxD"], rngs.params(), cfg.init_std)
+    self.layers = DecoderLayers(specs["layers"], cfg, rngs)
+    self.final_norm = _new_param(specs["final_norm"], rngs.params(), cfg.init_std)
+    if not cfg.tie_embeddings:
+      self.lm_head_DxV = _new_param(specs["lm_head_DxV"], rngs.params(), cfg.init_std)
+
+  def __call__(self, tokens_BxT: Array, *, shard: ShardFn | None = None,
+               remat: RematFn | None = None) -> Array:
+    cfg = self.cfg
+    shard = shard or (lambda x, _axes: x)
+    embed_VxD = self.embed_VxD[...]
+    T = tokens_BxT.shape[1]
+
+    x_BxTxD = shard(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
+    cos_TxE, sin_TxE = rope_tables(cfg, T)
+
+    def layer(x_BxTxD, weights):
+      weights = {n: shard(w, param_specs(cfg)["layers"][n].logical_axes[1:])
+                 for n, w in weights.items()}
+      x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE)
+      return shard(x_BxTxD, ("batch", "seq", "embed")), None
+
+    if remat is not None:
+      layer = remat(layer)
+    x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, self.layers.stacked())
+
+    x_BxTxD = rms_norm(x_BxTxD, self.final_norm[...], cfg.norm_eps)
+    head_DxV = embed_VxD.T if cfg.tie_embeddings else self.lm_head_DxV[...]
+    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV,
+                              preferred_element_type=jnp.float32)
+    return shard(logits_BxTxV, ("batch", "seq", "vocab"))
+
+
+def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE: Array,
+                  sin_TxE: Array) -> Array:
+  """One pre-norm transformer block: attention then SwiGLU MLP, both residual."""
+  h_BxTxD = rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps)
+  q_BxTxHxE = checkpoint_name(jnp.einsum("btd,dhe->bthe", h_BxTxD, w["wq_LxDxHxE"]), "q_proj")
+  k_BxTxKxE = checkpoint_name(jnp.einsum("btd,dke->btke", h_BxTxD, w["wk_LxDxKxE"]), "k_proj")
+  v_BxTxKxE = checkpoint_name(jnp.einsum("btd,dke->btke", h_BxTxD, w["wv_LxDxKxE"]), "v_proj")
+  q_BxTxHxE = apply_rope(q_BxTxHxE, cos_TxE, sin_TxE)
+  k_BxTxKxE = apply_rope(k_BxTxKxE, cos_TxE, sin_TxE)
+  # Grouped-query attention is native here: K may divide H.
+  ctx_BxTxHxE = jax.nn.dot_product_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, is_causal=True)
+  ctx_BxTxHxE = checkpoint_name(ctx_BxTxHxE, "attention")
+  attn_BxTxD = checkpoint_name(jnp.einsum("bthe,hed->btd", ctx_BxTxHxE, w["wo_LxHxExD"]), "o_proj")
+  x_BxTxD = x_BxTxD + attn_BxTxD
+
+  h_BxTxD = rms_norm(x_BxTxD, w["mlp_norm"], cfg.norm_eps)
+  gate_BxTxF = checkpoint_name(jnp.einsum("btd,df->btf", h_BxTxD, w["w_gate_LxDxF"]), "mlp_gate")
+  up_BxTxF = checkpoint_name(jnp.einsum("btd,df->btf", h_BxTxD, w["w_up_LxDxF"]), "mlp_up")
+  down_BxTxD = jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BxTxF) * up_BxTxF, w["w_down_LxFxD"])
+  return x_BxTxD + checkpoint_name(down_BxTxD, "mlp_down")
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+  """RMSNorm computed in float32 and cast back, as Hugging Face's Llama does."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight * normed.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> Array:
+  """Inverse RoPE frequencies [E/2], with Llama-3 scaling when configured."""
+  E = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+  factor = cfg.rope_scaling_factor
+  if factor <= 1.0:
+    return inv_freq
+  low_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+  high_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+  smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
+            / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(cfg: LlamaConfig, T: int) -> tuple[Array, Array]:
+  freqs_TxE2 = jnp.arange(T, dtype=jnp.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+  angles_TxE = jnp.concatenate([freqs_TxE2, freqs_TxE2], axis=-1)
+  return jnp.cos(angles_TxE), jnp.sin(angles_TxE)
+
+
+def apply_rope(x_BxTxNxE: Array, cos_TxE: Array, sin_TxE: Array) -> Array:
+  """Rotate-half RoPE (the Hugging Face weight layout), computed in float32."""
+  x32 = x_BxTxNxE.astype(jnp.float32)
+  half = x32.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  out = x32 * cos_TxE[None, :, None, :] + rotated * sin_TxE[None, :, None, :]
+  return out.astype(x_BxTxNxE.dtype)
+
+
+def count_params(cfg: LlamaConfig) -> int:
+  specs = jax.tree.leaves(param_specs(cfg), is_leaf=lambda s: isinstance(s, ParamSpec))
+  return sum(math.prod(s.shape) for s in specs)
