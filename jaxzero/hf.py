@@ -29,7 +29,9 @@ forward is a plain einsum. No head permutation is needed: models.llama applies
 rotate-half RoPE, which is the layout Hugging Face checkpoints are stored in.
 
 Arrays are numpy; this module never imports torch, so it also serves
-safetensors files read with ``safetensors.numpy``.
+safetensors files read with ``safetensors.numpy``. The per-tensor functions
+return views where no transpose is needed (norms, embedding), so treat their
+outputs as read-only; params_from_hf_state_dict always copies.
 """
 
 from __future__ import annotations
@@ -288,9 +290,10 @@ def jaxzero_to_hf_tensors(path: Path, array: np.ndarray, cfg: LlamaConfig
                          ) -> Iterator[tuple[str, np.ndarray]]:
   """Maps one jaxzero leaf (stacked over layers if under ``layers``) to HF tensors.
 
-  Yields:
-    ``(hf_name, array)`` in Hugging Face layout, one per layer for stacked
-    leaves, in layer order. Dtype is kept.
+  Returns:
+    An iterator of ``(hf_name, array)`` in Hugging Face layout, one per layer
+    for stacked leaves, in layer order. Dtype is kept. Lazy, so a big stacked
+    leaf is converted one layer at a time.
 
   Raises:
     KeyError: ``path`` is not a jaxzero parameter for ``cfg``.
@@ -302,8 +305,15 @@ def jaxzero_to_hf_tensors(path: Path, array: np.ndarray, cfg: LlamaConfig
   if array.shape != spec.shape:
     raise ValueError(f"jaxzero parameter {'/'.join(path)!r} has shape {array.shape}, "
                      f"expected {spec.shape}")
+  # Checked above, not in the generator, so errors surface at the call.
+  return _leaf_to_hf(path, array, cfg)
+
+
+def _leaf_to_hf(path: Path, array: np.ndarray, cfg: LlamaConfig
+               ) -> Iterator[tuple[str, np.ndarray]]:
   if path in _PATH_TO_TOP:
-    yield _PATH_TO_TOP[path], _to_hf_layout(array, _TOP_TENSORS[_PATH_TO_TOP[path]])
+    name = _PATH_TO_TOP[path]
+    yield name, _to_hf_layout(array, _TOP_TENSORS[name])
     return
   suffix = _PATH_TO_LAYER[path]
   for i in range(cfg.n_layers):
@@ -328,8 +338,8 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], cfg: LlamaConfig
   for name, array in state_dict.items():
     try:
       mapped = hf_tensor_to_jaxzero(name, array, cfg)
-    except KeyError:
-      unexpected.append(name)
+    except KeyError as e:
+      unexpected.append(e.args[0])  # names the tensor and says why
       continue
     if mapped is None:
       continue
@@ -340,7 +350,7 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], cfg: LlamaConfig
       flat[path][layer] = value
     unfilled.discard((path, layer))
   if unexpected:
-    raise KeyError(f"unexpected tensors in Hugging Face state dict: {sorted(unexpected)}")
+    raise KeyError("unexpected tensors in Hugging Face state dict: " + "; ".join(sorted(unexpected)))
   if unfilled:
     missing = sorted(_hf_name(path, layer) for path, layer in unfilled)
     raise KeyError(f"tensors missing from Hugging Face state dict: {missing}")

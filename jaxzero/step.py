@@ -160,7 +160,7 @@ def make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
     # To the optimizer's layout: for stage 1 a local slice of replicated grads.
     grads = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda g: g.astype(jnp.float32) / accum, grad_sum), master_on_device)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     master = jax.device_put(state.master, master_on_device)
     opt_state = jax.device_put(state.opt_state, opt_on_device)
     updates, opt_state = tx.update(grads, opt_state, master)

@@ -26,8 +26,9 @@ from models import llama
 from models.llama import LlamaConfig
 
 B, T = 2, 24
-# original_max_len 16 < T: with theta 1e4 and head_dim 16 one frequency band is
-# interpolated and five are divided by 8, so scaling visibly moves the logits.
+# original_max_len 16 < T: with theta 1e4 and head_dim 16 the highest of the 8
+# frequencies is interpolated and the other 7 are divided by 8, so scaling
+# visibly moves the logits (checked by test_reference_is_sensitive_to_rope_scaling).
 SCALING = dict(rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                rope_original_max_len=16)
 
@@ -67,9 +68,9 @@ def graphdef(cfg: LlamaConfig):
   return nnx.split(abstract, nnx.Param)[0]
 
 
-def model_logits(cfg: LlamaConfig, params: dict, tokens: np.ndarray, remat=None) -> np.ndarray:
+def model_logits(cfg: LlamaConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
   gd = graphdef(cfg)
-  fwd = jax.jit(lambda p, t: nnx.merge(gd, p)(t, remat=remat))
+  fwd = jax.jit(lambda p, t: nnx.merge(gd, p)(t))
   return np.asarray(fwd(params, tokens))
 
 
@@ -77,7 +78,8 @@ def model_logits(cfg: LlamaConfig, params: dict, tokens: np.ndarray, remat=None)
 
 
 def ref_inv_freq(cfg: LlamaConfig) -> np.ndarray:
-  """RoPE inverse frequencies, Llama-3.1 scaling written as the paper's piecewise rule."""
+  """RoPE inverse frequencies; Llama-3.1 scaling as the piecewise rule of Meta's
+  reference ``apply_scaling``."""
   E = cfg.head_dim
   inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, E, 2, dtype=np.float64) / E)
   factor = cfg.rope_scaling_factor
@@ -154,7 +156,6 @@ def test_matches_numpy_reference(n_kv_heads, tied, scaled):
   params, tokens = random_params(cfg), random_tokens(cfg)
   got = model_logits(cfg, params, tokens)
   want = ref_forward(cfg, params, tokens)
-  print("max|logit|", np.abs(want).max(), "max err", np.abs(got - want).max())
   assert got.dtype == np.float32 and got.shape == (B, T, cfg.vocab_size)
   assert np.abs(want).max() > 1.0  # the comparison is not between near-zeros
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
@@ -253,23 +254,25 @@ def test_state_dict_errors_name_the_tensor():
   with pytest.raises(ValueError, match="lm_head"):
     hf.params_from_hf_state_dict(other_head, cfg)
   with pytest.raises(KeyError, match="lm_head_DxV"):
-    list(hf.jaxzero_to_hf_tensors(("lm_head_DxV",), np.zeros((64, 97)), cfg))
+    hf.jaxzero_to_hf_tensors(("lm_head_DxV",), np.zeros((64, 97)), cfg)
 
 
 def test_per_tensor_layouts():
   """Spot-checks the documented layouts against HF's Linear convention y = x @ W.T."""
   cfg = make_cfg()
   rng = np.random.default_rng(0)
-  x = rng.standard_normal(cfg.dim).astype(np.float32)
-  w_q = rng.standard_normal((cfg.n_heads * cfg.head_dim, cfg.dim)).astype(np.float32)
+  x = rng.standard_normal(cfg.dim)
+  w_q = rng.standard_normal((cfg.n_heads * cfg.head_dim, cfg.dim))
   path, layer, wq = hf.hf_tensor_to_jaxzero("model.layers.1.self_attn.q_proj.weight", w_q, cfg)
   assert (path, layer, wq.shape) == (("layers", "wq_LxDxHxE"), 1, (64, 4, 16))
   # Head h of HF's q is rows [h*E, (h+1)*E) of its projection output.
-  np.testing.assert_allclose(np.einsum("d,dhe->he", x, wq).reshape(-1), w_q @ x, rtol=1e-5)
-  w_o = rng.standard_normal((cfg.dim, cfg.n_heads * cfg.head_dim)).astype(np.float32)
+  np.testing.assert_allclose(np.einsum("d,dhe->he", x, wq).reshape(-1), w_q @ x, rtol=0,
+                             atol=1e-12)
+  w_o = rng.standard_normal((cfg.dim, cfg.n_heads * cfg.head_dim))
   _, _, wo = hf.hf_tensor_to_jaxzero("model.layers.0.self_attn.o_proj.weight", w_o, cfg)
-  ctx = rng.standard_normal((cfg.n_heads, cfg.head_dim)).astype(np.float32)
-  np.testing.assert_allclose(np.einsum("he,hed->d", ctx, wo), w_o @ ctx.reshape(-1), rtol=1e-5)
+  ctx = rng.standard_normal((cfg.n_heads, cfg.head_dim))
+  np.testing.assert_allclose(np.einsum("he,hed->d", ctx, wo), w_o @ ctx.reshape(-1), rtol=0,
+                             atol=1e-12)
   path, layer, norm = hf.hf_tensor_to_jaxzero("model.norm.weight", x, cfg)
   assert (path, layer) == (("final_norm",), None) and np.array_equal(norm, x)
 
@@ -298,9 +301,10 @@ def test_matches_transformers(n_kv_heads, tied, scaled):
       max_position_embeddings=128, tie_word_embeddings=tied, attn_implementation="eager", **rope)
   model = transformers.LlamaForCausalLM(hf_cfg).float().eval()
   with torch.no_grad():
-    for name, p in model.named_parameters():  # tied head is the same Parameter as embed
+    # Same scales as random_params; a tied head is the embedding's Parameter.
+    for name, p in model.named_parameters():
       p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
-              else torch.randn_like(p) / math.sqrt(1 if "embed" in name else p.shape[1]))
+              else torch.randn_like(p) / math.sqrt(p.shape[1]))
 
   cfg = hf.llama_config_from_hf(model.config.to_dict())  # transformers 5 layout
   assert cfg == make_cfg(n_kv_heads, tied, scaled)

@@ -1,0 +1,34 @@
+"""Llama-3-8B with ZeRO-3 (FULL_SHARD) in bf16, for a pod of H100s.
+
+Every device takes part in sharding (mesh.fsdp=-1). With 8 GPUs per node and
+micro-batch 1 x 8192 tokens, global_batch=64 means grad_accum * devices = 64:
+8 GPUs use grad_accum=8, 64 GPUs grad_accum=1 (--set train.grad_accum=1).
+
+Training on your own text (byte-level tokens for now):
+    python -m jaxzero.train --config configs/llama8b_zero3.py --set data.source=/path/to/text.txt
+"""
+
+import dataclasses
+
+from jaxzero import config
+from models.llama import LlamaConfig
+
+LLAMA3_8B = LlamaConfig(
+    vocab_size=128_256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, mlp_dim=14_336,
+    norm_eps=1e-5, rope_theta=500_000.0, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0, rope_original_max_len=8192, tie_embeddings=False)
+
+
+def get_config() -> config.Config:
+  c = config.base()
+  return dataclasses.replace(
+      c,
+      model=LLAMA3_8B,
+      zero=config.ZeroConfig(stage=3, grad_dtype="bfloat16"),
+      mesh=config.MeshConfig(replica=1, fsdp=-1),
+      train=dataclasses.replace(c.train, steps=10_000, global_batch=64, grad_accum=8,
+                                seq_len=8192, lr=3e-4, warmup_steps=500, log_every=10),
+      precision=config.PrecisionConfig(compute="bfloat16"),
+      remat=config.RematConfig(policy="save_attention"),
+      checkpoint=config.CheckpointConfig(every=500, keep=3),
+  )

@@ -1,0 +1,82 @@
+"""Config loading, dotted overrides and their errors."""
+
+import dataclasses
+import pathlib
+
+import pytest
+
+from jaxzero import config
+from jaxzero.config import ConfigError
+
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_override_parses_to_the_field_type():
+  cfg = config.apply_overrides(config.base(), [
+      "train.steps=7", "train.lr=0.5", "model.tie_embeddings=true", "zero.stage=2",
+      "precision.compute=float32", "data.source=/tmp/x.txt"])
+  assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)
+  assert cfg.train.lr == 0.5
+  assert cfg.model.tie_embeddings is True
+  assert cfg.zero.stage == 2
+  assert cfg.precision.compute == "float32"
+  assert cfg.data.source == "/tmp/x.txt"
+
+
+@pytest.mark.parametrize("assignment, expected", [
+    ("train.stepz=3", "unknown config key 'train.stepz'; valid keys here: train.steps"),
+    ("zero.stage=5", "zero.stage='5' is not valid; choose one of: 0, 1, 2, 3"),
+    ("remat.policy=most", "choose one of: none, full, save_matmuls"),
+    ("train.steps=many", "train.steps='many' is not a valid int"),
+    ("train=3", "'train' is a section; set one of its keys: train.steps"),
+    ("zero.strategy=FULL", "HYBRID_SHARD"),
+    ("train.steps", "must look like KEY=VALUE"),
+])
+def test_bad_override_names_key_and_choices(assignment, expected):
+  with pytest.raises(ConfigError, match=None) as info:
+    config.apply_overrides(config.base(), [assignment])
+  assert expected in str(info.value)
+  assert "\n" not in str(info.value)
+
+
+def test_strategy_is_an_alternative_spelling_of_stage():
+  for name, (stage, hybrid) in config.STRATEGIES.items():
+    cfg = config.apply_overrides(config.base(), [f"zero.strategy={name}"])
+    assert cfg.zero.resolved == (stage, hybrid)
+  assert config.base().zero.resolved == (3, False)
+
+
+def test_mesh_shape_resolves_minus_one_and_rejects_misfits():
+  cfg = config.apply_overrides(config.base(), ["mesh.replica=2", "mesh.fsdp=-1"])
+  assert config.mesh_shape(cfg, 8) == (2, 4)
+  cfg = config.apply_overrides(config.base(), ["mesh.replica=3"])
+  with pytest.raises(ConfigError, match="does not fit 8 devices"):
+    config.mesh_shape(cfg, 8)
+  cfg = config.apply_overrides(config.base(), ["mesh.replica=2", "mesh.fsdp=2"])
+  with pytest.raises(ConfigError, match="product must equal the device count"):
+    config.mesh_shape(cfg, 8)
+
+
+def test_micro_batch_arithmetic():
+  cfg = config.apply_overrides(config.base(), ["train.global_batch=32", "train.grad_accum=2"])
+  assert config.micro_batch(cfg, 8) == 2
+  cfg = config.apply_overrides(config.base(), ["train.global_batch=20", "train.grad_accum=2"])
+  with pytest.raises(ConfigError, match="global_batch=20 is not divisible .* multiple of 16"):
+    config.micro_batch(cfg, 8)
+
+
+def test_load_rejects_missing_file_and_lists_presets(tmp_path):
+  with pytest.raises(ConfigError, match="does not exist; presets are in configs/: .*tiny_zero3.py"):
+    config.load(str(tmp_path / "nope.py"))
+
+
+def test_validate_rejects_param_offload_below_stage_3():
+  cfg = config.apply_overrides(config.base(), ["zero.stage=2", "offload.params=pinned_host"])
+  with pytest.raises(ConfigError, match="needs ZeRO stage 3"):
+    config.validate(cfg)
+
+
+def test_every_preset_loads():
+  for name in ("tiny_zero3", "llama8b_zero3", "llama70b_zero3_offload"):
+    cfg = config.load(str(CONFIGS / f"{name}.py"))
+    assert dataclasses.is_dataclass(cfg)

@@ -1,0 +1,53 @@
+"""`python -m jaxzero.train`: bad input is one clear line and exit code 2; a short run works."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny_zero3.py")
+
+
+def run_train(*args):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.run([sys.executable, "-m", "jaxzero.train", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", TINY, "--set", "train.stepz=3"],
+     "unknown config key 'train.stepz'; valid keys here: train.steps"),
+    (["--config", TINY, "--set", "zero.stage=5"],
+     "zero.stage='5' is not valid; choose one of: 0, 1, 2, 3"),
+    (["--config", TINY, "--set", "mesh.replica=3", "--set", "mesh.fsdp=-1"],
+     "mesh.replica=3 x mesh.fsdp=-1 does not fit 1 devices; the product must equal"),
+    (["--config", TINY, "--set", "train.global_batch=36"],
+     "train.global_batch=36 is not divisible by data-parallel devices (8) x train.grad_accum (2)"),
+    (["--config", "configs/nope.py"],
+     "config file 'configs/nope.py' does not exist; presets are in configs/: "),
+    (["--config", TINY, "--set", "data.source=/no/such/file.txt"],
+     "data.source='/no/such/file.txt' is neither 'stdlib' nor an existing text file"),
+    (["--config", TINY, "--steps", "0"], "--steps=0 must be at least 1"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path):
+  result = run_train(*args, "--workdir", str(tmp_path / "w"))
+  assert result.returncode == 2, result.stderr
+  errors = [line for line in result.stderr.splitlines() if "error" in line]
+  assert len(errors) == 1 and message in errors[0], result.stderr
+  assert "Traceback" not in result.stderr
+  assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+def test_short_run_writes_metrics_and_creates_virtual_devices(tmp_path):
+  workdir = tmp_path / "w"
+  result = run_train("--config", TINY, "--workdir", str(workdir), "--steps", "3",
+                     "--set", "train.log_every=1", "--set", "data.max_bytes=500000",
+                     "--no-progress")
+  assert result.returncode == 0, result.stderr
+  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [1, 2, 3]
+  assert "trained to step 3" in result.stdout

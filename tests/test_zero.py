@@ -1,0 +1,137 @@
+"""Stage layouts: the sharding of every leaf, and per-device bytes against the ZeRO table."""
+
+import dataclasses
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxzero import config, step
+from jaxzero.mesh import make_mesh
+from jaxzero.zero import Layout, bytes_per_device
+from models.llama import LlamaConfig, count_params, param_specs
+
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+ALL = ("replica", "fsdp")
+TINY = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128)
+
+
+def _cfg(model=TINY, compute="bfloat16"):
+  return dataclasses.replace(config.base(), model=model,
+                             zero=config.ZeroConfig(grad_dtype=compute),
+                             precision=config.PrecisionConfig(compute=compute))
+
+
+def _layout(stage, hybrid=False, replica=1, fsdp=8, **kw):
+  return Layout(make_mesh(replica, fsdp, jax.devices()[:replica * fsdp]), stage, hybrid, **kw)
+
+
+def _state_bytes(cfg, layout):
+  """Per-device bytes of compute params, grads (in grad dtype), and master + Adam."""
+  tx = step.make_optimizer(cfg)
+  sh = step.state_shardings(cfg, layout, tx)
+  specs = param_specs(cfg.model)
+  grad_dtype = step.dtype_of(cfg.zero.grad_dtype)
+  abstract_grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, grad_dtype),
+                                sh.abstract.master)
+  return {
+      "params": bytes_per_device(sh.abstract.params, sh.state.params),
+      "grads": bytes_per_device(abstract_grads, layout.tree_shardings(specs, "grads")),
+      "optimizer": bytes_per_device(sh.abstract.master, sh.state.master)
+                   + bytes_per_device(sh.abstract.opt_state, sh.state.opt_state),
+  }
+
+
+def _expected_specs(stage, shard_axes):
+  """What each role's PartitionSpec must be: `embed` split when the role is sharded."""
+  def sharded(spec):
+    return P(*[shard_axes if a == "embed" else None for a in spec.logical_axes])
+  roles = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"),
+           3: ("optimizer", "grads", "params")}[stage]
+  return {role: (sharded if role in roles else (lambda _: P())) for role in
+          ("params", "grads", "optimizer")}
+
+
+@pytest.mark.parametrize("stage, hybrid", [(0, False), (1, False), (2, False), (3, False),
+                                           (3, True), (2, True)])
+def test_every_param_and_optimizer_leaf_is_placed_by_the_stage_table(stage, hybrid):
+  cfg = _cfg()
+  layout = _layout(stage, hybrid, replica=2 if hybrid else 1, fsdp=4 if hybrid else 8)
+  shard_axes = ("fsdp",) if hybrid else ALL
+  expected = _expected_specs(stage, shard_axes)
+  tx = step.make_optimizer(cfg)
+  sh = step.state_shardings(cfg, layout, tx).state
+  specs = param_specs(cfg.model)
+  is_spec = lambda x: hasattr(x, "logical_axes")
+  flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
+  assert [s.spec for s in jax.tree.leaves(sh.params)] == [expected["params"](s) for s in flat_specs]
+  assert [s.spec for s in jax.tree.leaves(sh.master)] == [expected["optimizer"](s)
+                                                        for s in flat_specs]
+  grads = jax.tree.leaves(layout.tree_shardings(specs, "grads"))
+  assert [s.spec for s in grads] == [expected["grads"](s) for s in flat_specs]
+  # Adam's mu and nu are placed exactly like the master weights; its counters replicated.
+  adam = sh.opt_state[1][0]
+  for moments in (adam.mu, adam.nu):
+    assert jax.tree.leaves(moments) == jax.tree.leaves(sh.master)
+  assert adam.count.spec == P()
+
+
+def test_initialised_state_really_lives_in_its_shards():
+  cfg = _cfg(compute="float32")
+  layout = _layout(3)
+  tx = step.make_optimizer(cfg)
+  state = step.init_state(cfg, layout, tx)
+  wq = state.params["layers"]["wq_LxDxHxE"]
+  assert wq.sharding.spec == P(None, ALL, None, None)
+  assert {s.data.shape for s in wq.addressable_shards} == {(2, 8, 4, 16)}
+  assert len(wq.addressable_shards) == 8
+
+
+@pytest.mark.parametrize("model", [TINY, dataclasses.replace(TINY, tie_embeddings=True)])
+def test_per_device_model_state_follows_the_zero_formula(model):
+  cfg = _cfg(model)
+  phi, n = count_params(model), 8
+  formula = {0: 2 * phi + 2 * phi + 12 * phi, 1: 2 * phi + 2 * phi + 12 * phi / n,
+             2: 2 * phi + 14 * phi / n, 3: 16 * phi / n}
+  totals = {}
+  for stage, expected in formula.items():
+    got = _state_bytes(cfg, _layout(stage))
+    totals[stage] = sum(got.values())
+    # Adam's step counters (a few bytes) are the only extra.
+    assert expected <= totals[stage] <= expected + 64, (stage, got)
+  assert totals[0] > totals[1] > totals[2] > totals[3]
+  assert totals[3] == pytest.approx(totals[0] / 8, abs=64)
+
+
+def test_hybrid_shards_over_fsdp_only():
+  cfg = _cfg()
+  phi = count_params(cfg.model)
+  got = _state_bytes(cfg, _layout(3, hybrid=True, replica=2, fsdp=4))
+  assert sum(got.values()) == pytest.approx(16 * phi / 4, abs=64)
+
+
+def test_a_leaf_that_does_not_divide_picks_another_dimension_or_replicates():
+  # dim 36 and vocab 257 divide no 8-way axis; mlp 64 does.
+  odd = LlamaConfig(vocab_size=257, dim=36, n_layers=1, n_heads=4, n_kv_heads=2, mlp_dim=64)
+  sh = step.state_shardings(_cfg(odd), _layout(3), step.make_optimizer(_cfg(odd))).state
+  assert sh.params["layers"]["w_up_LxDxF"].spec == P(None, None, ALL)
+  assert sh.params["embed_VxD"].spec == P()
+  assert sh.params["final_norm"].spec == P()
+
+
+def test_rules_reject_unknown_logical_axes():
+  with pytest.raises(ValueError, match="logical axes .* each dimension needs one of"):
+    _layout(3).spec((4, 4), ("embed", "bogus"), "params", "w")
+
+
+@pytest.mark.parametrize("name", ["llama8b_zero3", "llama70b_zero3_offload"])
+def test_big_presets_build_their_sharded_abstract_state(name):
+  cfg = config.load(str(CONFIGS / f"{name}.py"))
+  layout = _layout(3)
+  got = _state_bytes(cfg, layout)
+  phi = count_params(cfg.model)
+  assert phi == (8_030_261_248 if "8b" in name else 70_553_706_496)
+  assert sum(got.values()) == pytest.approx(16 * phi / 8, rel=1e-6)
