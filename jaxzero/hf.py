@@ -95,7 +95,8 @@ def llama_config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
   head_dim = hf_config.get("head_dim")
   if head_dim is not None and int(head_dim) != cfg.head_dim:
     raise ValueError(f"Hugging Face config field 'head_dim'={head_dim} differs from "
-                     f"hidden_size // num_attention_heads = {cfg.head_dim}; jaxzero derives head_dim")
+                     f"hidden_size // num_attention_heads = {cfg.head_dim}; "
+                     "jaxzero derives head_dim")
   return cfg
 
 
@@ -350,13 +351,15 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], cfg: LlamaConfig
       flat[path][layer] = value
     unfilled.discard((path, layer))
   if unexpected:
-    raise KeyError("unexpected tensors in Hugging Face state dict: " + "; ".join(sorted(unexpected)))
+    raise KeyError("unexpected tensors in Hugging Face state dict: "
+                   + "; ".join(sorted(unexpected)))
   if unfilled:
     missing = sorted(_hf_name(path, layer) for path, layer in unfilled)
     raise KeyError(f"tensors missing from Hugging Face state dict: {missing}")
   if cfg.tie_embeddings and "lm_head.weight" in state_dict:
     # A tied model's head is the embedding; a different one means the config is wrong.
-    if not np.array_equal(np.asarray(state_dict["lm_head.weight"], np.float32), flat[("embed_VxD",)]):
+    head = np.asarray(state_dict["lm_head.weight"], np.float32)
+    if not np.array_equal(head, flat[("embed_VxD",)]):
       raise ValueError("tie_word_embeddings is set but 'lm_head.weight' differs from "
                        "'model.embed_tokens.weight'")
   return _unflatten(flat)
