@@ -1,0 +1,28 @@
+"""A Llama-3.2-1B-shaped model for the single-GPU throughput benchmark (scripts/bench.py).
+
+Sequence length 4096, bf16 compute, one device. The ZeRO stage does not matter
+on one device; stage 3 keeps the code path the one pods use.
+"""
+
+import dataclasses
+
+from jaxzero import config
+from models.llama import LlamaConfig
+
+LLAMA32_1B = LlamaConfig(
+    vocab_size=128_256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, mlp_dim=8192,
+    norm_eps=1e-5, rope_theta=500_000.0, rope_scaling_factor=32.0, rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0, rope_original_max_len=8192, tie_embeddings=True)
+
+
+def get_config() -> config.Config:
+  c = config.base()
+  return dataclasses.replace(
+      c,
+      model=LLAMA32_1B,
+      zero=config.ZeroConfig(stage=3, grad_dtype="bfloat16"),
+      mesh=config.MeshConfig(replica=1, fsdp=1),
+      train=dataclasses.replace(c.train, global_batch=8, grad_accum=1, seq_len=4096),
+      precision=config.PrecisionConfig(compute="bfloat16"),
+      remat=config.RematConfig(policy="save_matmuls"),
+  )

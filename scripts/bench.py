@@ -1,0 +1,162 @@
+"""Throughput, MFU and peak memory of the jaxzero train step, beside PyTorch.
+
+    python scripts/bench.py --config configs/llama1b_bench.py [--steps 20] [--warmup 5]
+        [--torch] [--json OUT] [--set KEY=VALUE ...]
+
+Measures the real train step (the one `jaxzero.train` runs) after warm-up and
+reports the median step time, tokens/s, model TFLOP/s, MFU against the
+device's bf16 dense peak, and peak device memory. With `--torch` it also runs
+the same model (dims, batch, sequence length, bf16, AdamW) as Hugging Face
+`LlamaForCausalLM` under `torch.compile` on the same GPU, and prints the
+ratio. On a CPU-only machine it runs the same code on virtual CPU devices
+(no MFU: there is no meaningful peak), which keeps the script tested.
+
+Model FLOPs per token follow the PaLM/torchtitan convention:
+6 * parameters + 12 * layers * dim * seq_len (attention scores and values,
+not halved for causality), so the figures compare with theirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from jaxzero import cli  # noqa: E402  (before JAX: virtual devices)
+
+# bf16 dense peak per device, TFLOP/s (vendor datasheets, without sparsity).
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def model_flops_per_token(model_cfg, seq_len: int) -> float:
+  from models.llama import count_params  # pylint: disable=import-outside-toplevel
+  attention = 12 * model_cfg.n_layers * model_cfg.dim * seq_len
+  return 6 * count_params(model_cfg) + attention
+
+
+def device_peak_tflops(device) -> float | None:
+  kind = getattr(device, "device_kind", "")
+  return next((peak for name, peak in PEAK_TFLOPS.items() if name in kind), None)
+
+
+def median_step_time(run_step, steps: int, warmup: int) -> float:
+  for _ in range(warmup):
+    run_step()
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    run_step()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def bench_jaxzero(cfg, steps: int, warmup: int) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  from jaxzero import step as step_lib, trainer  # pylint: disable=import-outside-toplevel
+
+  run = trainer.build(cfg)
+  holder = {"state": step_lib.init_state(cfg, run.layout, run.tx)}
+  batch = trainer.global_batch(run, 0)
+  compiled = run.step_fn.lower(holder["state"], batch).compile()
+
+  def one_step():
+    holder["state"], metrics = compiled(holder["state"], batch)
+    jax.block_until_ready(metrics["loss"])
+
+  step_time = median_step_time(one_step, steps, warmup)
+  device = jax.devices()[0]
+  stats = device.memory_stats() or {}
+  return {"framework": "jaxzero", "device": device.device_kind, "devices": jax.device_count(),
+          "step_time_s": step_time, "peak_memory_bytes": stats.get("peak_bytes_in_use")}
+
+
+def bench_torch(cfg, steps: int, warmup: int) -> dict:
+  """The same model and batch in PyTorch: transformers Llama, torch.compile, AdamW."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  from jaxzero import hf  # pylint: disable=import-outside-toplevel
+
+  on_gpu = torch.cuda.is_available()
+  device = "cuda" if on_gpu else "cpu"
+  dtype = torch.bfloat16 if cfg.precision.compute == "bfloat16" else torch.float32
+  hf_config = transformers.LlamaConfig(**hf.hf_config_from_llama(cfg.model))
+  hf_config._attn_implementation = "sdpa"  # pylint: disable=protected-access
+  model = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=dtype)
+  optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=on_gpu)
+  step_model = torch.compile(model) if on_gpu else model
+  t = cfg.train
+  tokens = torch.randint(0, cfg.model.vocab_size, (t.global_batch // t.grad_accum, t.seq_len + 1),
+                         device=device)
+
+  def one_step():
+    for _ in range(t.grad_accum):
+      out = step_model(input_ids=tokens[:, :-1], labels=tokens[:, 1:])
+      (out.loss / t.grad_accum).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm or float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if on_gpu:
+      torch.cuda.synchronize()
+
+  if on_gpu:
+    torch.cuda.reset_peak_memory_stats()
+  step_time = median_step_time(one_step, steps, warmup)
+  return {"framework": "pytorch", "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+          "devices": 1, "step_time_s": step_time,
+          "peak_memory_bytes": torch.cuda.max_memory_allocated() if on_gpu else None}
+
+
+def add_rates(result: dict, cfg) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  t = cfg.train
+  tokens = t.global_batch * t.seq_len
+  tflops = model_flops_per_token(cfg.model, t.seq_len) * tokens / result["step_time_s"] / 1e12
+  peak = device_peak_tflops(jax.devices()[0])
+  devices = result["devices"]
+  result.update(tokens_per_sec=tokens / result["step_time_s"], model_tflops=tflops,
+                mfu=tflops / (peak * devices) if peak else None)
+  return result
+
+
+def print_table(results: list[dict]) -> None:
+  print(f"{'framework':<10} {'device':<26} {'step s':>8} {'tokens/s':>12} {'TFLOP/s':>9} "
+        f"{'MFU':>6} {'peak GiB':>9}")
+  for r in results:
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+    peak = f"{r['peak_memory_bytes'] / 2**30:.1f}" if r["peak_memory_bytes"] else "n/a"
+    print(f"{r['framework']:<10} {r['device'][:26]:<26} {r['step_time_s']:>8.3f} "
+          f"{r['tokens_per_sec']:>12,.0f} {r['model_tflops']:>9.1f} {mfu:>6} {peak:>9}")
+  if len(results) == 2:
+    print(f"jaxzero / pytorch tokens/s: {results[0]['tokens_per_sec'] / results[1]['tokens_per_sec']:.2f}x")
+
+
+def main(argv=None) -> int:
+  parser = cli.Parser(prog="bench.py", description=__doc__.split("\n")[0])
+  cli.add_config_args(parser)
+  parser.add_argument("--steps", type=int, default=20, help="timed steps (median reported)")
+  parser.add_argument("--warmup", type=int, default=5, help="untimed steps after compiling")
+  parser.add_argument("--torch", action="store_true", help="also run the PyTorch reference")
+  parser.add_argument("--json", help="write the results here as JSON")
+  args = parser.parse_args(argv)
+
+  def body():
+    if args.steps < 1 or args.warmup < 0:
+      parser.error("--steps must be >= 1 and --warmup >= 0")
+    cfg = cli.load_config(args)
+    results = [add_rates(bench_jaxzero(cfg, args.steps, args.warmup), cfg)]
+    if args.torch:
+      results.append(add_rates(bench_torch(cfg, args.steps, args.warmup), cfg))
+    print_table(results)
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+  return cli.run_main("bench.py", body)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

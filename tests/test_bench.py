@@ -1,0 +1,41 @@
+"""The benchmark's CPU mode runs, so scripts/bench.py cannot rot."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def load_bench():
+  spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_bench_cpu_mode_reports_every_figure(tmp_path):
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  bench = load_bench()
+  out = tmp_path / "bench.json"
+  code = bench.main(["--config", str(ROOT / "configs" / "tiny_zero3.py"), "--steps", "2",
+                     "--warmup", "1", "--torch", "--json", str(out),
+                     "--set", "train.seq_len=32", "--set", "train.global_batch=16",
+                     "--set", "data.max_bytes=200000"])
+  assert code == 0
+  jaxzero_result, torch_result = json.loads(out.read_text())
+  assert jaxzero_result["framework"] == "jaxzero" and torch_result["framework"] == "pytorch"
+  for r in (jaxzero_result, torch_result):
+    assert r["step_time_s"] > 0
+    assert r["tokens_per_sec"] == pytest.approx(16 * 32 / r["step_time_s"])
+    assert r["mfu"] is None  # no peak for a CPU
+
+
+def test_model_flops_follow_the_palm_convention():
+  bench = load_bench()
+  from models.llama import LlamaConfig, count_params
+  cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128)
+  assert bench.model_flops_per_token(cfg, 128) == 6 * count_params(cfg) + 12 * 2 * 64 * 128
