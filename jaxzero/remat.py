@@ -2,7 +2,9 @@
 
 The model tags intermediate values with ``checkpoint_name`` (q_proj, k_proj,
 v_proj, attention, o_proj, mlp_gate, mlp_up, mlp_down); a policy says which of
-those the backward pass may keep instead of recomputing.
+those the backward pass may keep instead of recomputing. Every policy keeps only
+named activations, never a layer's weights: under ZeRO-3 those are re-gathered
+in the backward pass, one layer at a time.
 """
 
 from __future__ import annotations
@@ -14,8 +16,15 @@ import jax
 
 MATMUL_OUTPUTS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down")
 ATTENTION_OUTPUTS = ("q_proj", "k_proj", "v_proj", "attention")
+ALL_ACTIVATIONS = MATMUL_OUTPUTS + ("attention",)
 
 _POLICIES: dict[str, Callable[[], object]] = {
+    # Keep every named activation (all matmul outputs and the attention
+    # context); recompute only elementwise work. Not jax's "save everything":
+    # that would keep each layer's gathered weights (and copies derived from
+    # them) until the backward pass, i.e. the full model under ZeRO-3, where
+    # FSDP's reshard_after_forward re-gathers instead. So do we.
+    "none": lambda: jax.checkpoint_policies.save_only_these_names(*ALL_ACTIVATIONS),
     # Recompute the whole layer in the backward pass; keep only layer inputs.
     "full": lambda: jax.checkpoint_policies.nothing_saveable,
     # Keep the matmul outputs; recompute only the cheap elementwise work.
@@ -27,13 +36,11 @@ _POLICIES: dict[str, Callable[[], object]] = {
         names_which_can_be_saved=[], names_which_can_be_offloaded=list(MATMUL_OUTPUTS),
         offload_src="device", offload_dst="pinned_host"),
 }
-POLICY_NAMES = ("none",) + tuple(_POLICIES)
+POLICY_NAMES = tuple(_POLICIES)
 
 
-def remat_wrapper(policy: str) -> Callable[[Callable], Callable] | None:
-  """The model's `remat` hook for `policy`, or None for no rematerialisation."""
-  if policy == "none":
-    return None
+def remat_wrapper(policy: str) -> Callable[[Callable], Callable]:
+  """The model's `remat` hook for `policy`."""
   if policy not in _POLICIES:
     raise ValueError(f"remat.policy={policy!r} is unknown; choose one of: "
                      + ", ".join(POLICY_NAMES))

@@ -136,9 +136,10 @@ class Llama(nnx.Module):
     x_BxTxD = shard(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
     cos_TxE, sin_TxE = rope_tables(cfg, T)
 
+    layer_axes = {n: spec.logical_axes[1:] for n, spec in param_specs(cfg)["layers"].items()}
+
     def layer(x_BxTxD, weights):
-      weights = {n: shard(w, param_specs(cfg)["layers"][n].logical_axes[1:])
-                 for n, w in weights.items()}
+      weights = {n: shard(w, layer_axes[n]) for n, w in weights.items()}
       x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE)
       return shard(x_BxTxD, ("batch", "seq", "embed")), None
 
