@@ -101,14 +101,38 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  # "stdlib": the Python standard library's own source, byte-level tokens.
+  # "stdlib": the Python standard library's own source, byte-level tokens; or a
+  # file, directory or glob of .txt/.jsonl/.parquet files (see jaxzero.data).
   source: str = "stdlib"
-  max_bytes: int = 16_000_000
+  max_bytes: int = 16_000_000  # "stdlib" only
+  tokenizer: str = "byte"  # "byte" or the path of a Hugging Face tokenizer.json
+  text_field: str = "text"  # the JSON-lines field / Parquet column holding the text
+  # Where tokenized files are cached; empty = WORKDIR/data_cache. Share one
+  # directory between runs to tokenize a corpus once.
+  cache_dir: str = ""
+  eos_token: str = ""  # document separator; empty = the tokenizer's usual end-of-text
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  # Unset (empty, 0, -1) = from JAXZERO_COORDINATOR / JAXZERO_NUM_PROCESSES /
+  # JAXZERO_PROCESS_ID, else from SLURM, Open MPI or Kubernetes, else one process.
+  coordinator_address: str = ""  # host:port where process 0 serves the coordinator
+  num_processes: int = 0
+  process_id: int = -1
+  timeout_s: int = 300  # how long every process waits for all the others to join
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(LlamaConfig):
+  # A Hugging Face Llama directory (config.json + safetensors) whose weights
+  # start training; the architecture fields must match its config.json.
+  hf_checkpoint: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  model: LlamaConfig = LlamaConfig()
+  model: ModelConfig = ModelConfig()
   zero: ZeroConfig = ZeroConfig()
   mesh: MeshConfig = MeshConfig()
   train: TrainConfig = TrainConfig()
@@ -117,7 +141,13 @@ class Config:
   offload: OffloadConfig = OffloadConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   data: DataConfig = DataConfig()
+  distributed: DistributedConfig = DistributedConfig()
   seed: int = 0
+
+  def __post_init__(self):
+    # Presets pass a plain LlamaConfig; widen it so that model.hf_checkpoint exists.
+    if type(self.model) is LlamaConfig:  # pylint: disable=unidiomatic-typecheck
+      object.__setattr__(self, "model", ModelConfig(**dataclasses.asdict(self.model)))
 
 
 def base() -> Config:

@@ -32,17 +32,35 @@ Arrays are numpy; this module never imports torch, so it also serves
 safetensors files read with ``safetensors.numpy``. The per-tensor functions
 return views where no transpose is needed (norms, embedding), so treat their
 outputs as read-only; params_from_hf_state_dict always copies.
+
+Loading a checkpoint directory (``load_llama``, ``load_params``, and
+``init_state`` for ``model.hf_checkpoint``) reads the safetensors files one
+tensor, or one slice of a tensor, at a time, straight into each device's
+shard, so the host never holds the whole model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import math
+import os
+import pathlib
 import re
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 
-from models.llama import LlamaConfig, ParamSpec, param_specs
+from jaxzero import step as step_lib
+from jaxzero.config import Config
+from jaxzero.data import DataError
+from jaxzero.zero import Layout
+from models.llama import Llama, LlamaConfig, ParamSpec, param_specs
 
 Path = tuple[str, ...]
 
@@ -469,3 +487,339 @@ def _unflatten(flat: Mapping[Path, Any]) -> dict[str, Any]:
       node = node.setdefault(key, {})
     node[path[-1]] = value
   return tree
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+# jaxzero field -> where config.json keeps it, for error messages.
+_HF_FIELD_NAMES = {
+    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+    "mlp_dim": "intermediate_size", "tie_embeddings": "tie_word_embeddings",
+    "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+    "rope_scaling_factor": "rope_scaling.factor",
+    "rope_low_freq_factor": "rope_scaling.low_freq_factor",
+    "rope_high_freq_factor": "rope_scaling.high_freq_factor",
+    "rope_original_max_len": "rope_scaling.original_max_position_embeddings",
+}
+# Fields that do nothing while llama3 scaling is off (factor <= 1).
+_SCALING_FIELDS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                   "rope_original_max_len")
+
+
+class HFCheckpointError(DataError):
+  """A Hugging Face checkpoint that cannot be loaded; the message names the file or tensor.
+
+  A DataError, so the command line reports it in one line.
+  """
+
+
+def read_config(path: str | os.PathLike) -> LlamaConfig:
+  """The LlamaConfig of a Hugging Face model directory, from its config.json."""
+  file = _checkpoint_dir(path) / CONFIG_FILE
+  if not file.is_file():
+    raise HFCheckpointError(f"{file.parent}: no {CONFIG_FILE}; expected a Hugging Face model "
+                          f"directory ({CONFIG_FILE} with {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE})")
+  try:
+    hf_config = json.loads(file.read_text())
+  except ValueError as e:
+    raise HFCheckpointError(f"{file}: not valid JSON ({e})") from None
+  if not isinstance(hf_config, dict):
+    raise HFCheckpointError(f"{file}: not a JSON object")
+  try:
+    return llama_config_from_hf(hf_config)
+  except ValueError as e:
+    raise HFCheckpointError(f"{file}: {e}") from None
+
+
+def check_matches(model: LlamaConfig, path: str | os.PathLike) -> LlamaConfig:
+  """Checks the model config against a checkpoint's config.json; returns the latter.
+
+  Raises:
+    HFCheckpointError: naming the first ``model.*`` field that differs, and the
+      value that would match.
+  """
+  found = read_config(path)
+  scaled = found.rope_scaling_factor > 1
+  for name, hf_name in _HF_FIELD_NAMES.items():
+    have, want = getattr(model, name), getattr(found, name)
+    if name in _SCALING_FIELDS and not scaled:
+      if model.rope_scaling_factor > 1:
+        raise HFCheckpointError(
+            f"model.rope_scaling_factor={model.rope_scaling_factor!r} but "
+            f"{_checkpoint_dir(path) / CONFIG_FILE} has no llama3 rope_scaling; the model "
+            "config must match the checkpoint (--set model.rope_scaling_factor=0, or a "
+            "preset made for it)")
+      continue
+    if have != want:
+      raise HFCheckpointError(
+          f"model.{name}={have!r} but {_checkpoint_dir(path) / CONFIG_FILE} has "
+          f"{hf_name}={want!r}; the model config must match the checkpoint "
+          f"(--set model.{name}={want!r}, or a preset made for it)")
+  return found
+
+
+def load_llama(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *,
+               dtype: Any = jnp.float32) -> Llama:
+  """A models.llama.Llama holding a Hugging Face Llama checkpoint's weights.
+
+  Args:
+    path: the model directory: config.json and model.safetensors, or shards
+      listed in model.safetensors.index.json.
+    mesh: None puts the model on the default device; with a jaxzero mesh
+      (jaxzero.mesh.make_mesh) every weight is sharded over all its devices,
+      as ZeRO-3 keeps parameters at rest.
+    dtype: of the weights (float32 or bfloat16).
+
+  Returns:
+    The model; ``model(tokens_BxT)`` on int32 tokens gives float32 logits [B, T, V].
+  """
+  cfg = read_config(path)
+  if mesh is None:
+    shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  else:
+    shardings = Layout(mesh, stage=3).tree_shardings(param_specs(cfg), "params")
+  params = load_params(path, cfg, shardings, dtype)
+  abstract = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  return nnx.merge(nnx.split(abstract, nnx.Param)[0], params)
+
+
+def load_params(path: str | os.PathLike, cfg: LlamaConfig, shardings: Any,
+                dtype: Any = jnp.float32) -> dict[str, Any]:
+  """Reads a Hugging Face Llama checkpoint straight into sharded jaxzero params.
+
+  Each distinct shard of each leaf is read once, one Hugging Face tensor (or
+  the slice of it the shard needs) at a time, and copied to the devices that
+  hold it, so the host holds at most one tensor beyond the shards in flight.
+
+  Args:
+    path: the model directory (see load_llama).
+    cfg: the model config; it must match config.json (see check_matches).
+    shardings: one Sharding for every leaf, or a tree of them shaped like
+      ``param_specs(cfg)``, e.g. ``layout.tree_shardings(param_specs(cfg),
+      "optimizer")`` for the fp32 master weights; memory kinds are kept.
+    dtype: of the result.
+
+  Returns:
+    A pure params dict of jax.Arrays, for ``nnx.merge(graphdef, params)``.
+
+  Raises:
+    HFCheckpointError: naming the file or tensor that is missing or wrong.
+  """
+  check_matches(cfg, path)
+  specs = _flat_specs(cfg)
+  leaf_shardings = _leaf_shardings(shardings, specs)
+  with SafetensorsReader(path) as reader:
+    _check_tensors(reader, cfg)
+    flat = {p: _place(spec.shape, leaf_shardings[p],
+                      functools.partial(_read_shard, reader, cfg, p, np.dtype(dtype)))
+            for p, spec in specs.items()}
+  return _unflatten(flat)
+
+
+def init_state(cfg: Config, layout: Layout, tx: optax.GradientTransformation
+              ) -> step_lib.TrainState:
+  """Step 0 of a run that starts from ``cfg.model.hf_checkpoint``.
+
+  Like step.init_state, with the same shardings, but the fp32 master weights
+  are read from the checkpoint into the optimizer layout; the compute copy is
+  cast from them and the Adam moments start at zero.
+  """
+  shardings = step_lib.state_shardings(cfg, layout, tx).state
+  master = load_params(cfg.model.hf_checkpoint, cfg.model, shardings.master, jnp.float32)
+  compute = step_lib.dtype_of(cfg.precision.compute)
+  # Offloaded (pinned_host) master weights are brought over for the cast, as
+  # the train step does.
+  on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings.master)
+
+  @functools.partial(jax.jit, out_shardings=(shardings.params, shardings.opt_state))
+  def derive(master):
+    master = jax.device_put(master, on_device)
+    return jax.tree.map(lambda w: w.astype(compute), master), tx.init(master)
+
+  params, opt_state = derive(master)
+  step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+  return step_lib.TrainState(step, params, master, opt_state)
+
+
+class SafetensorsReader:
+  """The tensors of one checkpoint directory, read one tensor or slice per call.
+
+  safetensors memory-maps the files, so only what `read` returns is copied
+  into host memory.
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    self.directory = _checkpoint_dir(path)
+    self.file_of = _weight_map(self.directory)  # tensor name -> file
+    sharded = (self.directory / WEIGHTS_INDEX_FILE).is_file()
+    self.listing = WEIGHTS_INDEX_FILE if sharded else WEIGHTS_FILE  # where names are listed
+    self._files = contextlib.ExitStack()
+    self._open: dict[pathlib.Path, tuple[Any, frozenset[str]]] = {}
+
+  def __enter__(self) -> SafetensorsReader:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._files.close()
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._slice(name).get_shape())
+
+  def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """``tensor[index]`` of one tensor, in the checkpoint's dtype."""
+    return self._slice(name)[index]
+
+  def _slice(self, name: str):
+    file = self.file_of.get(name)
+    if file is None:
+      raise HFCheckpointError(f"{self.directory}: tensor {name!r} is missing (not in "
+                            f"{self.listing})")
+    handle, names = self._handle(file)
+    if name not in names:
+      raise HFCheckpointError(f"{file}: tensor {name!r} is missing "
+                            f"({WEIGHTS_INDEX_FILE} lists it in this file)")
+    return handle.get_slice(name)
+
+  def _handle(self, file: pathlib.Path):
+    if file not in self._open:
+      from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+      try:
+        handle = self._files.enter_context(safe_open(str(file), framework="numpy"))
+      except Exception as e:  # SafetensorError, OSError
+        raise HFCheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+      self._open[file] = handle, frozenset(handle.keys())
+    return self._open[file]
+
+
+def _checkpoint_dir(path: str | os.PathLike) -> pathlib.Path:
+  directory = pathlib.Path(path).expanduser()
+  if not directory.is_dir():
+    raise HFCheckpointError(f"Hugging Face checkpoint {str(path)!r} is not a directory")
+  return directory
+
+
+def _weight_map(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+  """Tensor name -> safetensors file, from the shard index or the single file."""
+  index_file, single = directory / WEIGHTS_INDEX_FILE, directory / WEIGHTS_FILE
+  if index_file.is_file():
+    try:
+      weight_map = json.loads(index_file.read_text())["weight_map"]
+      files = {name: directory / file for name, file in weight_map.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      raise HFCheckpointError(f"{index_file}: no valid 'weight_map' ({e!r})") from None
+    for file in sorted(set(files.values())):
+      if not file.is_file():
+        raise HFCheckpointError(f"{file}: no such file ({index_file.name} lists it)")
+    return files
+  if single.is_file():
+    from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+    try:
+      with safe_open(str(single), framework="numpy") as handle:
+        return {name: single for name in handle.keys()}
+    except Exception as e:  # SafetensorError, OSError
+      raise HFCheckpointError(f"{single}: not a readable safetensors file ({e})") from None
+  raise HFCheckpointError(f"{directory}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} "
+                        "(only safetensors checkpoints can be read)")
+
+
+def _check_tensors(reader: SafetensorsReader, cfg: LlamaConfig) -> None:
+  """Fails before any loading if a tensor is missing, misshapen or unexpected."""
+  wanted = set()
+  for path, layer in _slots(cfg):
+    name = _hf_name(path, layer)
+    wanted.add(name)
+    want = _hf_shape(_layer_shape(cfg, path), _tensor_of(path).n_in_axes)
+    have = reader.shape(name)
+    if have != want:
+      raise HFCheckpointError(f"{reader.file_of[name]}: tensor {name!r} has shape {have}, "
+                            f"expected {want} from {CONFIG_FILE}")
+  ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
+  unexpected = sorted(n for n in reader.file_of.keys() - wanted - ignored
+                      if not n.endswith(_IGNORED_SUFFIX))
+  if unexpected:
+    more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
+    raise HFCheckpointError(f"{reader.directory}: tensors that a Llama with this "
+                          f"{CONFIG_FILE} does not have: {', '.join(unexpected[:3])}{more}")
+
+
+def _tensor_of(path: Path) -> _Tensor:
+  return _TOP_TENSORS[_PATH_TO_TOP[path]] if path in _PATH_TO_TOP else \
+      _LAYER_TENSORS[_PATH_TO_LAYER[path]]
+
+
+def _layer_shape(cfg: LlamaConfig, path: Path) -> tuple[int, ...]:
+  """Shape of one layer's slice of a stacked leaf, or of the whole unstacked leaf."""
+  shape = _spec(cfg, path).shape
+  return shape[1:] if path[0] == "layers" else shape
+
+
+def _leaf_shardings(shardings: Any, specs: Mapping[Path, ParamSpec]) -> dict[Path, Any]:
+  if isinstance(shardings, jax.sharding.Sharding):
+    return {path: shardings for path in specs}
+  flat = _flatten(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  if flat.keys() != specs.keys():
+    raise ValueError(f"shardings do not match the parameters: {sorted(flat)} vs {sorted(specs)}")
+  return flat
+
+
+def _place(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
+           read: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+  """A global array whose distinct shards are each read once, then copied to
+  every device that holds them (replicas included) before the next read."""
+  devices_of: dict[tuple, tuple[tuple[slice, ...], list]] = {}
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    full = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+    key = tuple((s.start, s.stop) for s in full)
+    devices_of.setdefault(key, (full, []))[1].append(device)
+  arrays = []
+  for index, devices in devices_of.values():
+    block = read(index)
+    arrays += [jax.device_put(block, jax.sharding.SingleDeviceSharding(
+        d, memory_kind=sharding.memory_kind)) for d in devices]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _read_shard(reader: SafetensorsReader, cfg: LlamaConfig, path: Path, dtype: np.dtype,
+                index: tuple[slice, ...]) -> np.ndarray:
+  """Block `index` of jaxzero leaf `path`, from the Hugging Face tensor(s) it maps."""
+  tensor = _tensor_of(path)
+  if path[0] != "layers":
+    return _read_block(reader, _PATH_TO_TOP[path], tensor, _layer_shape(cfg, path),
+                       index).astype(dtype)
+  layers = range(index[0].start, index[0].stop)
+  out = np.empty([len(range(s.start, s.stop)) for s in index], dtype)
+  for i, layer in enumerate(layers):  # one layer's tensor on the host at a time
+    out[i] = _read_block(reader, _hf_name(path, layer), tensor, _layer_shape(cfg, path),
+                         index[1:])
+  return out
+
+
+def _read_block(reader: SafetensorsReader, name: str, tensor: _Tensor,
+                shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+  """``jaxzero_layout(tensor)[index]``, reading only what `index` needs.
+
+  A Linear weight is stored as [prod(out dims), prod(in dims)]. Slicing the
+  leading dim of a group is a contiguous range of the flattened group (the
+  usual case: ZeRO splits `embed`, which leads its group), so it is read
+  directly; slices of the other dims are taken after the read.
+  """
+  if tensor.n_in_axes is None:
+    return reader.read(name, index)
+  k = tensor.n_in_axes
+  rows = _flat_range(shape[k:], index[k:])
+  cols = _flat_range(shape[:k], index[:k])
+  block = reader.read(name, (rows, cols)).T
+  lead_in, lead_out = index[0].stop - index[0].start, index[k].stop - index[k].start
+  block = block.reshape(lead_in, *shape[1:k], lead_out, *shape[k + 1:])
+  return block[(slice(None), *index[1:k], slice(None), *index[k + 1:])]
+
+
+def _flat_range(shape: tuple[int, ...], index: tuple[slice, ...]) -> slice:
+  """The range of the flattened `shape` under the slice of its leading dim."""
+  inner = math.prod(shape[1:])
+  return slice(index[0].start * inner, index[0].stop * inner)

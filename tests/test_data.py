@@ -1,0 +1,205 @@
+"""Token data: tokenizing files once into a cache, batches by step, bad input.
+
+The tokenizer is a tiny word-level one trained here on the test corpus, with
+a post-processor that starts each document with ``<s>`` as Llama's does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from jaxzero import data
+from jaxzero.config import DataConfig
+
+DOCS_TXT = ["the quick brown fox\njumps over the lazy dog\n", "a dog and a fox\n"]
+DOCS_JSONL = ["the dog sleeps", "", "a quick fox runs over the dog"]
+DOCS_PARQUET = ["brown dogs and lazy foxes", "the end"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"])
+  tok.train_from_iterator(DOCS_TXT + DOCS_JSONL + DOCS_PARQUET, trainer)
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
+      single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+  path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+  tok.save(str(path))
+  return path
+
+
+@pytest.fixture
+def corpus(tmp_path):
+  root = tmp_path / "corpus"
+  (root / "txt").mkdir(parents=True)
+  for i, text in enumerate(DOCS_TXT):
+    (root / "txt" / f"{i}.txt").write_text(text)
+  (root / "b.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n"
+                                        for i, t in enumerate(DOCS_JSONL)) + "\n")
+  pq = pytest.importorskip("pyarrow.parquet")
+  pa = pytest.importorskip("pyarrow")
+  pq.write_table(pa.table({"text": DOCS_PARQUET}), root / "c.parquet")
+  (root / "README.md").write_text("not data: skipped when the source is a directory")
+  return root
+
+
+def config(source, tokenizer="byte", **kw) -> DataConfig:
+  return DataConfig(source=str(source), tokenizer=str(tokenizer), **kw)
+
+
+def documents(tokens: np.ndarray, eos: int) -> list[list[int]]:
+  ends = np.flatnonzero(tokens == eos)
+  assert ends.size and ends[-1] == tokens.size - 1  # every document is closed
+  return [d.tolist() for d in np.split(tokens, ends + 1)[:-1]]
+
+
+# ----------------------------------------------------------------------------- tokenizing
+
+
+def test_every_format_tokenized_in_file_order(corpus, tokenizer_file, tmp_path):
+  from tokenizers import Tokenizer
+  tok = Tokenizer.from_file(str(tokenizer_file))
+  source = data.open_tokens(config(corpus, tokenizer_file), tmp_path / "run", progress=False)
+  assert source.vocab_size == tok.get_vocab_size() and source.order == "epochs"
+  assert source.tokens.dtype == np.uint8 and isinstance(source.tokens, np.memmap)
+  assert source.cache.parent == tmp_path / "run" / "data_cache"
+  # Sorted paths: b.jsonl, c.parquet, txt/0.txt, txt/1.txt; the empty JSON document is dropped.
+  texts = [t for t in DOCS_JSONL if t] + DOCS_PARQUET + DOCS_TXT
+  want = [tok.encode(t).ids + [tok.token_to_id("</s>")] for t in texts]
+  assert documents(np.asarray(source.tokens), tok.token_to_id("</s>")) == want
+  assert want[0][0] == tok.token_to_id("<s>")
+  index = json.loads((source.cache / data.INDEX_FILE).read_text())
+  assert index["tokens"] == sum(map(len, want))
+  assert index["tokenizer_sha256"] == hashlib.sha256(tokenizer_file.read_bytes()).hexdigest()
+  assert [f["documents"] for f in index["files"]] == [2, 2, 1, 1]
+
+
+def test_byte_level_text_file_is_its_bytes_then_nul(tmp_path):
+  path = tmp_path / "one.txt"
+  path.write_text("héllo\n")
+  source = data.open_tokens(config(path, cache_dir=tmp_path / "cache"), None, progress=False)
+  assert np.asarray(source.tokens).tobytes() == "héllo\n".encode() + b"\0"
+  assert source.vocab_size == 256
+
+
+def test_cache_is_reused_until_a_source_file_changes(corpus, tokenizer_file, tmp_path,
+                                                    monkeypatch):
+  calls = []
+  tokenize = data._tokenize  # pylint: disable=protected-access
+  monkeypatch.setattr(data, "_tokenize", lambda *a, **k: calls.append(1) or tokenize(*a, **k))
+  cfg = config(f"{corpus}/**/*.jsonl", tokenizer_file, cache_dir=tmp_path / "shared")
+  first = np.array(data.open_tokens(cfg, None, progress=False).tokens)
+  again = data.open_tokens(cfg, None, progress=False)
+  assert len(calls) == 1 and np.array_equal(again.tokens, first)
+
+  with open(corpus / "b.jsonl", "a") as f:
+    f.write(json.dumps({"text": "lazy lazy dog"}) + "\n")
+  changed = data.open_tokens(cfg, None, progress=False)
+  assert len(calls) == 2 and changed.tokens.size > first.size
+  assert changed.cache == again.cache  # same entry, rewritten
+  data.open_tokens(dataclasses.replace(cfg, tokenizer="byte"), None, progress=False)
+  assert len(calls) == 3  # another tokenizer gets its own entry ...
+  data.open_tokens(cfg, None, progress=False)
+  assert len(calls) == 3  # ... and leaves this one valid
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def batch_hashes(batches: data.Batches, steps) -> list[str]:
+  return [hashlib.sha256(batches(s).tobytes()).hexdigest() for s in steps]
+
+
+def test_resumed_run_sees_the_same_batches(corpus, tokenizer_file, tmp_path):
+  cfg = config(corpus, tokenizer_file)
+
+  def run_batches():  # what a (re)started trainer builds
+    source = data.open_tokens(cfg, tmp_path, progress=False)
+    return data.Batches(source.tokens, seq_len=6, grad_accum=2, micro_batch=4, seed=7,
+                        order=source.order)
+
+  uninterrupted = batch_hashes(run_batches(), range(12))  # > 1 epoch of 11 windows
+  resumed = batch_hashes(run_batches(), range(5, 12))
+  assert resumed == uninterrupted[5:]
+  assert len(set(uninterrupted)) == 12
+  # Each process reads only its rows; together they are the global batch.
+  batches = run_batches()
+  shares = [batches(9, slice(r, r + 1)) for r in range(4)]
+  assert np.array_equal(np.concatenate(shares, axis=1), batches(9))
+
+
+def test_epochs_visit_every_window_once_in_a_new_order():
+  tokens = np.arange(1000, dtype=np.uint16)
+  batches = data.Batches(tokens, seq_len=9, grad_accum=2, micro_batch=4, seed=0, order="epochs")
+  assert batches.n_windows == 111
+  rows = np.concatenate([batches(s).reshape(-1, 10) for s in range(28)])  # 224 samples
+  assert np.array_equal(rows[:, 1:] - rows[:, :-1], np.ones((224, 9)))  # contiguous windows
+  epoch0, epoch1 = rows[:111, 0], rows[111:222, 0]
+  assert sorted(epoch0) == sorted(epoch1) == list(range(0, 999, 9))
+  assert not np.array_equal(epoch0, epoch1)
+
+
+def test_permutation_is_a_bijection():
+  for n in (1, 2, 5, 64, 1000):
+    assert sorted(data.permute(np.arange(n), n, (3, 0)).tolist()) == list(range(n))
+
+
+def test_stdlib_batches_are_unchanged():
+  source = data.open_tokens(DataConfig(max_bytes=50_000), None)
+  assert source.order == "random" and source.vocab_size == 256
+  assert source.tokens.dtype == np.uint8 and source.tokens.size == 50_000
+  batches = data.Batches(source.tokens, 16, 2, 3, seed=5)
+  rng = np.random.default_rng([5, 4])
+  starts = rng.integers(0, source.tokens.size - 17, size=(2, 3))
+  assert np.array_equal(batches(4), source.tokens[starts[..., None] + np.arange(17)])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def write(path, text):
+  path.write_text(text)
+  return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no_match", "nothing/*.jsonl' is neither 'stdlib' nor a file, directory or glob"),
+    ("wrong_suffix", "notes.csv, which is not one of .txt, .jsonl, .parquet"),
+    ("bad_json", "bad.jsonl:2: not valid JSON"),
+    ("no_field", "bad.jsonl:1: no 'text' field (found 'body'); set data.text_field"),
+    ("no_column", "c.parquet: no column 'body' (columns: text); set data.text_field"),
+    ("no_tokenizer", "missing.json'"),
+    ("no_eos", "set data.eos_token"),
+    ("unknown_eos", "data.eos_token='<end>' is not a token"),
+    ("vocab_too_big", "has 256 tokens but model.vocab_size=100"),
+    ("stdlib_tokenizer", "data.source='stdlib' is byte-level"),
+])
+def test_bad_input_is_one_line_naming_the_culprit(case, message, corpus, tokenizer_file,
+                                                 tmp_path):
+  from tokenizers import Tokenizer
+  no_eos = tmp_path / "no_eos.json"
+  # The same tokenizer with its end-of-text token renamed to an unusual name.
+  no_eos.write_text(Tokenizer.from_file(str(tokenizer_file)).to_str().replace('"</s>"', '"<x>"'))
+  cases = {  # built lazily: some write files
+      "no_match": lambda: (config(tmp_path / "nothing" / "*.jsonl"), None),
+      "wrong_suffix": lambda: (config(write(tmp_path / "notes.csv", "a,b")), None),
+      "bad_json": lambda: (config(write(tmp_path / "bad.jsonl", '{"text": "a"}\n{oops\n')), None),
+      "no_field": lambda: (config(write(tmp_path / "bad.jsonl", '{"body": "a"}\n')), None),
+      "no_column": lambda: (config(corpus / "c.parquet", text_field="body"), None),
+      "no_tokenizer": lambda: (config(corpus, tmp_path / "missing.json"), None),
+      "no_eos": lambda: (config(corpus, no_eos), None),
+      "unknown_eos": lambda: (config(corpus, tokenizer_file, eos_token="<end>"), None),
+      "vocab_too_big": lambda: (config(corpus / "txt"), 100),
+      "stdlib_tokenizer": lambda: (config("stdlib", tokenizer_file), None),
+  }
+  cfg, vocab = cases[case]()
+  with pytest.raises(data.DataError) as info:
+    data.open_tokens(cfg, tmp_path / "run", model_vocab_size=vocab, progress=False)
+  assert message in str(info.value) and "\n" not in str(info.value)

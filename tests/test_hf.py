@@ -1,0 +1,254 @@
+"""Loading Hugging Face Llama checkpoint directories into sharded jaxzero weights.
+
+Parity cases are saved by transformers itself (single file and sharded);
+the memory and error cases write safetensors files directly, so they also run
+without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tracemalloc
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxzero import config, hf
+from jaxzero import step as step_lib
+from jaxzero.mesh import make_mesh
+from jaxzero.zero import Layout
+from models.llama import LlamaConfig, param_specs
+
+B, T = 2, 24
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)
+
+
+def hf_model(n_kv_heads: int, tied: bool, scaled: bool):
+  """A random float32 LlamaForCausalLM with weights of order one (see test_model)."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  torch.manual_seed(0)
+  rope = dict(rope_theta=10_000.0, rope_scaling=LLAMA3_ROPE if scaled else None)
+  hf_cfg = transformers.LlamaConfig(
+      vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=n_kv_heads, intermediate_size=128, rms_norm_eps=1e-5,
+      max_position_embeddings=128, tie_word_embeddings=tied, attn_implementation="eager", **rope)
+  model = transformers.LlamaForCausalLM(hf_cfg).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
+              else torch.randn_like(p) / math.sqrt(p.shape[1]))
+  return model
+
+
+def tokens_BxT(vocab: int, shape=(B, T)) -> np.ndarray:
+  return np.random.default_rng(1).integers(0, vocab, shape, dtype=np.int32)
+
+
+def flat(tree) -> dict:
+  return dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("n_kv_heads, tied, scaled, shard_size", [
+    pytest.param(4, False, False, None, id="mha-untied-rope"),
+    pytest.param(2, True, True, None, id="gqa-tied-llama3"),
+    pytest.param(2, False, True, "100KB", id="gqa-untied-llama3-sharded"),
+])
+def test_logits_match_transformers(n_kv_heads, tied, scaled, shard_size, tmp_path):
+  torch = pytest.importorskip("torch")
+  model = hf_model(n_kv_heads, tied, scaled)
+  model.save_pretrained(tmp_path, **({"max_shard_size": shard_size} if shard_size else {}))
+  if shard_size:
+    assert len(list(tmp_path.glob("model-*.safetensors"))) >= 3
+  tokens = tokens_BxT(97)
+  with torch.no_grad():
+    want = model(torch.from_numpy(tokens).long()).logits.numpy()
+
+  ours = hf.load_llama(tmp_path)
+  assert ours.cfg.n_kv_heads == n_kv_heads and ours.cfg.tie_embeddings == tied
+  got = np.asarray(ours(tokens))
+  assert got.dtype == np.float32 and got.shape == (B, T, 97)
+  assert np.abs(want).max() > 1.0  # not a comparison between near-zeros
+  assert np.abs(got - want).max() <= 1e-4
+
+
+# ----------------------------------------------------------------------------- sharded reads
+
+
+def write_checkpoint(directory, cfg: LlamaConfig, state_dict: dict, n_files: int = 1,
+                     hf_config: dict | None = None):
+  """A Hugging Face directory: config.json and safetensors, sharded when n_files > 1."""
+  directory.mkdir(parents=True, exist_ok=True)
+  (directory / "config.json").write_text(json.dumps(hf_config or hf.hf_config_from_llama(cfg)))
+  if n_files == 1:
+    save_file(state_dict, str(directory / "model.safetensors"))
+    return directory
+  names = sorted(state_dict)
+  weight_map = {}
+  for i in range(n_files):
+    file = f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
+    save_file({n: state_dict[n] for n in names[i::n_files]}, str(directory / file))
+    weight_map.update({n: file for n in names[i::n_files]})
+  (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  return directory
+
+
+def random_state_dict(cfg: LlamaConfig, dtype=np.float32) -> dict:
+  rng = np.random.default_rng(0)
+  specs = param_specs(cfg)
+  draw = lambda s: rng.standard_normal(s.shape).astype(dtype)
+  params = {n: draw(s) for n, s in specs.items() if n != "layers"}
+  params["layers"] = {n: draw(s) for n, s in specs["layers"].items()}
+  return hf.hf_state_dict_from_params(params, cfg)
+
+
+def test_zero3_load_reads_each_shard_once_and_never_the_whole_model(tmp_path, monkeypatch):
+  # Big enough (18 MB) that host bookkeeping is small next to the model.
+  cfg = LlamaConfig(vocab_size=1024, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, mlp_dim=1024)
+  state_dict = random_state_dict(cfg)
+  path = write_checkpoint(tmp_path / "ckpt", cfg, state_dict, n_files=5)
+  tensor_bytes = {n: a.nbytes for n, a in state_dict.items()}
+  model_bytes, biggest = sum(tensor_bytes.values()), max(tensor_bytes.values())
+  layout = Layout(make_mesh(1, 8), 3)
+  shardings = layout.tree_shardings(param_specs(cfg), "optimizer")
+
+  reads = []
+  read = hf.SafetensorsReader.read
+
+  def spy(self, name, index):
+    out = read(self, name, index)
+    reads.append((name, out.nbytes))
+    return out
+
+  monkeypatch.setattr(hf.SafetensorsReader, "read", spy)
+  tracemalloc.start()
+  try:
+    params = jax.block_until_ready(hf.load_params(path, cfg, shardings))
+    after, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+
+  # Each call reads one tensor's share for one device: an eighth of it.
+  assert all(nbytes <= tensor_bytes[name] // 8 for name, nbytes in reads)
+  # Every byte of the checkpoint is read exactly once.
+  assert sum(nbytes for _, nbytes in reads) == model_bytes
+  # Host memory beyond what stays alive never reaches two tensors, let alone the model.
+  assert peak - after <= 2 * biggest and peak <= model_bytes / 4
+  want = hf.params_from_hf_state_dict(state_dict, cfg)
+  for (key, leaf), sharding, value in zip(flat(params).items(), jax.tree.leaves(shardings),
+                                          jax.tree.leaves(want)):
+    assert leaf.sharding == sharding, key
+    assert {s.data.shape for s in leaf.addressable_shards} == {sharding.shard_shape(leaf.shape)}
+    np.testing.assert_array_equal(np.asarray(leaf), value)
+
+
+def test_bfloat16_checkpoint_loads_exactly(tmp_path):
+  ml_dtypes = pytest.importorskip("ml_dtypes")
+  cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64)
+  state_dict = random_state_dict(cfg, ml_dtypes.bfloat16)
+  params = hf.load_params(write_checkpoint(tmp_path, cfg, state_dict), cfg,
+                          jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  want = hf.params_from_hf_state_dict(state_dict, cfg)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, want)
+  assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_training_starts_from_the_checkpoint(tmp_path):
+  """model.hf_checkpoint via --set; the first step's loss is transformers' loss."""
+  torch = pytest.importorskip("torch")
+  model = hf_model(2, False, True)
+  model.save_pretrained(tmp_path)
+  base = config.Config(model=hf.read_config(tmp_path), zero=config.ZeroConfig(stage=3),
+                       train=config.TrainConfig(global_batch=8, seq_len=16),
+                       precision=config.PrecisionConfig(compute="float32"))
+  cfg = config.apply_overrides(base, [f"model.hf_checkpoint={tmp_path}"])
+  assert cfg.model.hf_checkpoint == str(tmp_path)
+  layout = Layout(make_mesh(1, 8), 3)
+  tx = step_lib.make_optimizer(cfg)
+  state = hf.init_state(cfg, layout, tx)
+
+  shardings = step_lib.state_shardings(cfg, layout, tx).state
+  for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)):
+    assert leaf.sharding == sharding
+  assert int(state.step) == 0
+  assert not any(np.asarray(x).any() for x in jax.tree.leaves(state.opt_state))  # fresh Adam
+  # The train step's loss on the sharded state is transformers' loss.
+  batch = tokens_BxT(97, (8, 17))
+  graphdef = step_lib.model_graphdef(cfg)
+  loss = jax.jit(lambda p, t: step_lib.loss_fn(graphdef, p, t, layout, None))(state.params, batch)
+  with torch.no_grad():
+    logits = model(torch.from_numpy(batch[:, :-1]).long()).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 97),
+                                             torch.from_numpy(batch[:, 1:]).long().reshape(-1))
+  assert abs(float(loss) - float(want)) < 1e-5
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64)
+
+
+def bad_checkpoint(case: str, root):
+  """A directory that is wrong in one way; returns (path, model config)."""
+  good = random_state_dict(CFG)
+  without = lambda name: {k: v for k, v in good.items() if k != name}
+  root.mkdir()
+  if case == "not_a_directory":
+    (root / "file").write_text("")
+    return root / "file", CFG
+  if case == "no_config":
+    return root, CFG
+  if case == "not_llama":
+    return write_checkpoint(root, CFG, good, hf_config=dict(
+        hf.hf_config_from_llama(CFG), model_type="mistral")), CFG
+  if case == "no_weights":
+    (root / "config.json").write_text(json.dumps(hf.hf_config_from_llama(CFG)))
+    return root, CFG
+  if case == "missing_tensor":
+    return write_checkpoint(root, CFG, without("model.layers.1.mlp.up_proj.weight")), CFG
+  if case == "missing_shard_file":
+    path = write_checkpoint(root, CFG, good, n_files=3)
+    (path / "model-00002-of-00003.safetensors").unlink()
+    return path, CFG
+  if case == "wrong_shape":
+    return write_checkpoint(root, CFG, dict(good, **{
+        "model.layers.0.self_attn.k_proj.weight": np.zeros((32, 32), np.float32)})), CFG
+  if case == "unexpected_tensor":
+    return write_checkpoint(root, CFG, dict(good, **{
+        "model.layers.0.mlp.up_proj.bias": np.zeros(64, np.float32)})), CFG
+  assert case == "config_mismatch"
+  return write_checkpoint(root, CFG, good), LlamaConfig(**{**CFG.__dict__, "n_kv_heads": 4})
+
+
+@pytest.mark.parametrize("case, message", [
+    ("not_a_directory", "file' is not a directory"),
+    ("no_config", "no config.json; expected a Hugging Face model directory"),
+    ("not_llama", "config.json: Hugging Face config field 'model_type' is 'mistral'"),
+    ("no_weights", "no model.safetensors or model.safetensors.index.json"),
+    ("missing_tensor", "tensor 'model.layers.1.mlp.up_proj.weight' is missing"),
+    ("missing_shard_file", "model-00002-of-00003.safetensors: no such file"),
+    ("wrong_shape", "model.safetensors: tensor 'model.layers.0.self_attn.k_proj.weight' has "
+                    "shape (32, 32), expected (16, 32)"),
+    ("unexpected_tensor", "does not have: model.layers.0.mlp.up_proj.bias"),
+    ("config_mismatch", "model.n_kv_heads=4 but"),
+])
+def test_bad_checkpoint_is_one_line_naming_the_culprit(case, message, tmp_path):
+  path, cfg = bad_checkpoint(case, tmp_path / "ckpt")
+  with pytest.raises(hf.HFCheckpointError) as info:
+    hf.load_params(path, cfg, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  text = str(info.value)
+  assert message in text and "\n" not in text
+  if case == "config_mismatch":
+    assert "num_key_value_heads=2; the model config must match" in text
+    assert "--set model.n_kv_heads=2" in text
