@@ -32,8 +32,10 @@ def load_config(args) -> config_lib.Config:
 
 def user_errors() -> tuple[type[Exception], ...]:
   """Exceptions that mean bad input, not a bug: reported in one line."""
-  from jaxzero.data import DataError  # pylint: disable=import-outside-toplevel
-  return (config_lib.ConfigError, DataError, FileNotFoundError)
+  # pylint: disable=import-outside-toplevel
+  from jaxzero.checkpoint import CheckpointError
+  from jaxzero.data import DataError
+  return (config_lib.ConfigError, DataError, CheckpointError, FileNotFoundError)
 
 
 def run_main(prog: str, body) -> int:
@@ -42,6 +44,8 @@ def run_main(prog: str, body) -> int:
                       datefmt="%H:%M:%S")
   # JAX logs its search for TPU/GPU plugins at INFO; only our own lines matter here.
   logging.getLogger("jax").setLevel(logging.WARNING)
+  # orbax narrates every save and restore at INFO through absl.
+  logging.getLogger("absl").setLevel(logging.WARNING)
   try:
     return body() or 0
   except user_errors() as e:

@@ -1,11 +1,12 @@
-"""python -m jaxzero.train --config PATH [--workdir DIR] [--steps N] [--set KEY=VALUE ...]"""
+"""python -m jaxzero.train --config PATH [--workdir DIR] [--steps N] [--set KEY=VALUE ...]
+                          [--resume]"""
 
 from __future__ import annotations
 
 import pathlib
 import sys
 
-from jaxzero import cli
+from jaxzero import cli, distributed
 
 
 def main(argv=None) -> int:
@@ -16,19 +17,27 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, help="stop after this step; the learning-rate "
                       "schedule still spans train.steps, so a later run can continue it")
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  parser.add_argument("--resume", action="store_true", help="fail unless --workdir has a "
+                      "checkpoint (resuming from the latest one is automatic either way)")
   args = parser.parse_args(argv)
 
   def body():
     cfg = cli.load_config(args)  # before JAX starts: creates virtual CPU devices
+    distributed.initialize(cfg, prog=parser.prog)  # joins the other processes, if any
     if args.steps is not None and args.steps < 1:
       parser.error(f"--steps={args.steps} must be at least 1")
     workdir = pathlib.Path(args.workdir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
     from jaxzero import trainer  # pylint: disable=import-outside-toplevel
-    history = trainer.train(cfg, workdir, steps=args.steps, progress=not args.no_progress)
+    outcome = trainer.run_training(cfg, workdir, steps=args.steps, progress=not args.no_progress,
+                                   require_checkpoint=args.resume)
+    history = outcome.history
     if history:
       first, last = history[0], history[-1]
       print(f"trained to step {last['step']}: loss {first['loss']:.4f} -> {last['loss']:.4f}; "
             f"metrics in {workdir / 'metrics.jsonl'}")
+    if outcome.stopped_by:
+      print(f"stopped by {outcome.stopped_by} at step {outcome.step}; ", end="")
+    print(f"checkpoint of step {outcome.step} in {outcome.checkpoint}")
 
   return cli.run_main("jaxzero.train", body)
 

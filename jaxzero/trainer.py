@@ -1,18 +1,30 @@
-"""The training loop: build mesh, layout and state, run steps, log metrics."""
+"""The training loop: build mesh, layout and state, resume, run steps, log, save.
+
+Restarting with the same workdir continues from the latest complete checkpoint,
+on any mesh and stage. metrics.jsonl is appended to; records past the step a
+run resumes from (logged by a run that was killed before saving them) are
+dropped first, so each step appears once.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
 import pathlib
+import signal
+import threading
 import time
 from typing import Callable
 
 import jax
 import numpy as np
 
+from jaxzero import checkpoint as checkpoint_lib
 from jaxzero import config as config_lib
 from jaxzero import data as data_lib
+from jaxzero import hf
 from jaxzero import step as step_lib
 from jaxzero.config import Config
 from jaxzero.mesh import make_mesh
@@ -63,35 +75,191 @@ def global_batch(run: Run, step: int) -> jax.Array:
   return jax.make_array_from_process_local_data(sharding, local, shape)
 
 
+@dataclasses.dataclass
+class Outcome:
+  """How a call to run_training ended."""
+  history: list[dict]  # the metrics this call logged
+  start_step: int  # 0, or the checkpoint step it resumed from
+  step: int  # the step the state reached
+  checkpoint: pathlib.Path  # where the state of `step` is saved
+  stopped_by: str | None = None  # the signal that stopped it early, e.g. "SIGTERM"
+
+
 def train(cfg: Config, workdir: str | pathlib.Path, steps: int | None = None,
           devices=None, progress: bool = True) -> list[dict]:
-  """Trains `cfg` for `steps` (default train.steps); returns the logged metrics."""
-  run = build(cfg, devices)
-  total = steps if steps is not None else cfg.train.steps
-  state = step_lib.init_state(cfg, run.layout, run.tx)
-  start = int(state.step)
+  """Trains `cfg` up to step `steps` (default train.steps); returns the logged metrics."""
+  return run_training(cfg, workdir, steps, devices, progress).history
 
+
+def run_training(cfg: Config, workdir: str | pathlib.Path, steps: int | None = None,
+                 devices=None, progress: bool = True, require_checkpoint: bool = False
+                 ) -> Outcome:
+  """Resumes from the latest checkpoint in `workdir` (or starts afresh) and
+  trains up to step `steps` (default train.steps).
+
+  Saves every `checkpoint.every` steps and at the end. SIGTERM or SIGINT during
+  training stops it at the next step boundary, with that step saved; it then
+  returns normally.
+  """
+  workdir = pathlib.Path(workdir)
+  total = steps if steps is not None else cfg.train.steps
+  checkpoints = checkpoint_lib.Checkpointer(workdir, cfg)
+  stop = _StopSignals()
+  try:
+    if require_checkpoint and checkpoints.latest_step() is None:
+      raise checkpoint_lib.CheckpointError(
+          f"--resume: there is no checkpoint to resume in {checkpoints.directory}")
+    run = build(cfg, devices)
+    state = _restore_or_init(run, checkpoints)
+    start = int(state.step)
+    _drop_metrics_after(workdir / "metrics.jsonl", start)
+    history = []
+    if start < total:
+      compiled = _compile(run, state, start)
+      with stop:
+        state, history = _train_steps(run, compiled, state, start, total, workdir, checkpoints,
+                                      stop, progress)
+    step = int(state.step)
+    saved = checkpoints.save(step, state, wait=True)
+  finally:
+    checkpoints.close()  # waits for saves still in flight
+  return Outcome(history, start, step, saved, stop.received)
+
+
+def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer) -> step_lib.TrainState:
+  """The latest checkpoint; else step 0 from model.hf_checkpoint; else random weights.
+
+  A checkpoint wins over model.hf_checkpoint, so that a fine-tune resumes
+  where it stopped instead of starting over from the pretrained weights.
+  """
+  step = checkpoints.latest_step()
+  if step is not None:
+    shardings = step_lib.state_shardings(run.cfg, run.layout, run.tx)
+    state = checkpoints.restore(step, shardings.abstract, shardings.state)
+    log.info("resumed from step %d (%s)", step, checkpoints.step_dir(step))
+    return state
+  if run.cfg.model.hf_checkpoint:
+    log.info("starting from the Hugging Face weights in %s", run.cfg.model.hf_checkpoint)
+    return hf.init_state(run.cfg, run.layout, run.tx)
+  return step_lib.init_state(run.cfg, run.layout, run.tx)
+
+
+def _compile(run: Run, state, start: int):
   t0 = time.perf_counter()
   compiled = run.step_fn.lower(state, global_batch(run, start)).compile()
   log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
+  return compiled
 
-  tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-  logger = MetricsLogger(pathlib.Path(workdir), total_steps=total, start=start,
-                         enabled=progress)
-  pending, last_time = [], time.perf_counter()
+
+def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pathlib.Path,
+                 checkpoints: checkpoint_lib.Checkpointer, stop: "_StopSignals", progress: bool):
+  """Steps `start`..`total` (or until a stop signal); returns (state, logged metrics)."""
+  cfg = run.cfg
+  logger = MetricsLogger(workdir, total_steps=total, start=start, enabled=progress)
+  metrics = _PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len)
+  done = start
   for step in range(start, total):
-    state, metrics = compiled(state, global_batch(run, step))
-    pending.append(metrics)
-    if (step + 1) % cfg.train.log_every == 0 or step + 1 == total:
-      fetched = jax.device_get(pending)  # the only host sync: once per logged step
-      now = time.perf_counter()
-      step_time = (now - last_time) / len(pending)
-      last_time = now
-      for offset, m in enumerate(fetched):
-        logger.log({"step": step + 2 - len(fetched) + offset,
-                    **{k: float(np.asarray(v)) for k, v in m.items()},
-                    "tokens_per_sec": tokens_per_step / step_time,
-                    "step_time_s": step_time})
-      pending = []
+    if stop.received:
+      break
+    state, step_metrics = compiled(state, global_batch(run, step))
+    metrics.add(step_metrics)
+    done = step + 1
+    if done % cfg.train.log_every == 0 or done == total:
+      metrics.log(done)
+    if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < total:
+      checkpoints.save(done, state)  # asynchronous: training goes on while it is written
+  metrics.log(done)
   logger.close()
-  return logger.history
+  return state, logger.history
+
+
+class _PendingMetrics:
+  """Step metrics held on device until the next logged step: fetching them is
+  the loop's only host sync."""
+
+  def __init__(self, logger: MetricsLogger, tokens_per_step: int):
+    self._logger = logger
+    self._tokens_per_step = tokens_per_step
+    self._pending = []
+    self._last_time = time.perf_counter()
+
+  def add(self, metrics) -> None:
+    self._pending.append(metrics)
+
+  def log(self, done: int) -> None:
+    """Logs the pending steps, the last of which is step `done`."""
+    if not self._pending:
+      return
+    fetched = jax.device_get(self._pending)
+    now = time.perf_counter()
+    step_time = (now - self._last_time) / len(fetched)
+    self._last_time = now
+    for offset, m in enumerate(fetched):
+      self._logger.log({"step": done - len(fetched) + 1 + offset,
+                        **{k: float(np.asarray(v)) for k, v in m.items()},
+                        "tokens_per_sec": self._tokens_per_step / step_time,
+                        "step_time_s": step_time})
+    self._pending = []
+
+
+def _drop_metrics_after(path: pathlib.Path, step: int) -> None:
+  """Keeps metrics.jsonl a record of the steps the state was trained through.
+
+  A run that ends without saving its last steps (killed, or crashed) has logged
+  metrics that the resumed run logs again; those records are dropped, as is a
+  line a kill cut short, so each step appears once. The file is rewritten only
+  when something is dropped, and only after the restore succeeded.
+  """
+  if jax.process_index() != 0 or not path.exists():
+    return
+  lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+  kept = [line if line.endswith("\n") else line + "\n"
+          for line in lines if _logged_step(line) <= step]
+  if kept == lines:
+    return
+  partial = path.with_name(path.name + ".partial")
+  partial.write_text("".join(kept), encoding="utf-8")
+  partial.replace(path)
+  log.info("dropped %d metrics records past step %d from %s", len(lines) - len(kept), step, path)
+
+
+def _logged_step(line: str) -> float:
+  try:
+    return json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError):
+    return math.inf
+
+
+class _StopSignals:
+  """Turns SIGTERM and SIGINT into a request to stop at the next step boundary.
+
+  A preempted job gets SIGTERM and a grace period before SIGKILL: stopping at a
+  step boundary lets it save the current step in that time. The first signal
+  also puts the previous handlers back, so a second one acts at once (Ctrl-C
+  twice interrupts even a save).
+  """
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.received: str | None = None
+    self._previous: dict = {}
+
+  def __enter__(self):
+    # Python only lets the main thread install handlers; elsewhere, signals act as before.
+    if threading.current_thread() is threading.main_thread():
+      self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *exc):
+    self._restore()
+
+  def _handle(self, signum, _frame):
+    self.received = signal.Signals(signum).name
+    log.warning("%s: stopping at the next step boundary (send it again to stop at once)",
+                self.received)
+    self._restore()
+
+  def _restore(self):
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous = {}

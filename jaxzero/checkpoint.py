@@ -1,0 +1,493 @@
+"""Checkpoints of the train state: save, resume on any mesh and stage, export.
+
+The only module that uses orbax. A run's checkpoints are orbax step directories
+``WORKDIR/checkpoints/<step>``, each holding two items:
+
+* ``state``: the whole TrainState (step, compute params, fp32 master weights,
+  optimizer state), written shard by shard from every device;
+* ``info``: a small JSON record of the run: the model config (for shape checks
+  and export), the compute dtype and the data seed.
+
+Nothing else is needed to resume: batches are addressed by step number, so the
+data position is the step.
+
+Orbax writes a step into a temporary directory and renames it only once every
+file is in place, so a step directory that exists is complete and the latest
+one is what a killed run resumes from. Restoring reads each shard straight
+into the layout of the *current* mesh and stage (abstract arrays carrying the
+new shardings), so any stage or mesh can continue any other's checkpoint and
+no device ever holds the full model.
+
+Export reads the fp32 master weights one leaf at a time on the host and streams
+them, layer by layer, into Hugging Face safetensors shards through
+:mod:`jaxzero.hf`'s name and layout mapping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import re
+import shutil
+import struct
+import sys
+import tempfile
+from typing import Any, Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxzero import hf
+from models.llama import LlamaConfig, ParamSpec, param_specs
+
+log = logging.getLogger(__name__)
+
+STATE, INFO = "state", "info"
+Path = tuple[str, ...]
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that is missing, damaged or does not fit, or an export that
+  cannot go ahead: one line naming the leaf or file."""
+
+
+def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
+  return pathlib.Path(workdir) / "checkpoints"
+
+
+def run_info(cfg) -> dict[str, Any]:
+  """What a checkpoint records about its run besides the state: the architecture
+  (LlamaConfig's fields, not where the first weights came from), the compute
+  dtype and the data seed."""
+  model = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(LlamaConfig)}
+  return {"model": model, "compute_dtype": cfg.precision.compute, "seed": cfg.seed}
+
+
+class _Checkpoints:
+  """Listing and metadata, shared by the trainer's Checkpointer and export's reader."""
+
+  def __init__(self, workdir, state_handler, **options):
+    self.directory = checkpoint_dir(workdir)
+    self._manager = ocp.CheckpointManager(
+        self.directory, item_names=(STATE, INFO),
+        item_handlers={STATE: state_handler, INFO: ocp.JsonCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(create=False, **options))
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint (unfinished saves are never listed)."""
+    return self._manager.latest_step()
+
+  def step_dir(self, step: int) -> pathlib.Path:
+    return self.directory / str(step)
+
+  def info(self, step: int) -> dict[str, Any]:
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(info=ocp.args.JsonRestore()))[INFO]
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(_read_error(self.step_dir(step), e, f"its run record ({INFO}/)")) from e
+
+  def leaf_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+    """{leaf name: shape} of the saved state, from its metadata (reads no arrays)."""
+    metadata = f"its state metadata ({STATE}/_METADATA)"
+    try:
+      tree = self._manager.item_metadata(step)[STATE]
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(_read_error(self.step_dir(step), e, metadata)) from e
+    if tree is None:
+      raise CheckpointError(f"checkpoint {self.step_dir(step)} is damaged: {metadata} is missing")
+    return _leaf_shapes(tree)
+
+  def close(self) -> None:
+    self._manager.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+class Checkpointer(_Checkpoints):
+  """The trainer's checkpoints: asynchronous saves, restores into any layout.
+
+  Keeps the newest ``cfg.checkpoint.keep`` steps. The first save removes the
+  temporary directories of saves that never completed (a killed run's), so a
+  run that fails to start leaves the directory exactly as it found it.
+  """
+
+  def __init__(self, workdir: str | pathlib.Path, cfg):
+    super().__init__(
+        workdir, ocp.StandardCheckpointHandler(),
+        preservation_policy=ocp.checkpoint_managers.LatestN(cfg.checkpoint.keep),
+        enable_async_checkpointing=True)
+    self._info = run_info(cfg)
+    self._unfinished_removed = False
+
+  def save(self, step: int, state, *, wait: bool = False) -> pathlib.Path:
+    """Saves `state` as checkpoint `step`; a step that already exists is kept as is.
+
+    Returns once the arrays are copied off the devices (so the caller may donate
+    them) and the files are written in the background; `wait` waits for them.
+    """
+    self._remove_unfinished_saves()
+    if step not in self._manager.all_steps():
+      self._manager.save(step, force=True, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), info=ocp.args.JsonSave(self._info)))
+    if wait:
+      self.wait()
+    return self.step_dir(step)
+
+  def _remove_unfinished_saves(self) -> None:
+    # orbax's own cleanup_tmp_directories runs in a thread that close() does not
+    # join, so a run stopping right after it started could cut it short.
+    if self._unfinished_removed:
+      return
+    self._unfinished_removed = True
+    if jax.process_index() == 0:
+      for unfinished in ocp.path.step.all_temporary_paths(self.directory):
+        log.info("removing %s, a save that never completed", unfinished.get())
+        shutil.rmtree(unfinished.get())
+
+  def wait(self) -> None:
+    """Blocks until every save has been written and renamed into place."""
+    self._manager.wait_until_finished()
+
+  def restore(self, step: int, abstract, shardings):
+    """Checkpoint `step`, each leaf read straight into its sharding in `shardings`.
+
+    Raises:
+      CheckpointError: naming the first leaf whose shape differs from
+        `abstract`, or the leaf or file that cannot be read.
+    """
+    where = self.step_dir(step)
+    info = self.info(step)
+    hint = _model_difference(info.get("model", {}), self._info["model"])
+    _check_fits(self.leaf_shapes(step), _leaf_shapes(abstract), where, "this config", hint)
+    if info.get("seed") != self._info["seed"]:
+      log.warning("checkpoint %s was trained with seed=%s, this config has seed=%s: the data "
+                  "order changes from here on", where, info.get("seed"), self._info["seed"])
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+    try:
+      restored = self._manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[STATE]
+    except Exception as e:  # pylint: disable=broad-except
+      # orbax and tensorstore report a damaged file as a bare Exception.
+      raise CheckpointError(_read_error(where, e) + "; remove that directory to resume from "
+                            "the checkpoint before it") from e
+    if int(restored.step) != step:
+      raise CheckpointError(f"checkpoint {where} holds a state at step {int(restored.step)}, "
+                            f"not {step}")
+    return restored
+
+  def close(self) -> None:
+    """Waits for saves in flight, then releases orbax's threads."""
+    self.wait()
+    super().close()
+
+
+def latest_step(workdir: str | pathlib.Path) -> int | None:
+  """The newest complete checkpoint in `workdir`, or None; writes nothing."""
+  with CheckpointReader(workdir) as reader:
+    return reader.latest_step()
+
+
+class CheckpointReader(_Checkpoints):
+  """Reads leaves one at a time, to the host (for export). It has no way to save,
+  so it never writes or deletes anything (orbax's read_only mode would do the
+  same, with a warning on every use)."""
+
+  def __init__(self, workdir: str | pathlib.Path):
+    super().__init__(workdir, ocp.PyTreeCheckpointHandler(), save_root_metadata=False,
+                     enable_async_checkpointing=False)
+
+  def resolve_step(self, step: int | None) -> int:
+    """`step`, or the latest; raises CheckpointError when there is none."""
+    steps = sorted(self._manager.all_steps())
+    if not steps:
+      raise CheckpointError(f"no checkpoint in {self.directory}: --workdir must be a "
+                            "jaxzero.train workdir that has saved at least once")
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; "
+                            f"available steps: {', '.join(map(str, steps))}")
+    return step
+
+  def read(self, step: int, path: Path, shape: tuple[int, ...]) -> np.ndarray:
+    """One saved leaf as a host array (only that leaf is read)."""
+    item = _nested(path, jax.ShapeDtypeStruct(shape, np.float32))
+    restore_args = _nested(path, ocp.RestoreArgs(restore_type=np.ndarray))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item=item, restore_args=restore_args, partial_restore=True)))[STATE]
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(_read_error(self.step_dir(step), e, f"leaf {'/'.join(path)}")) from e
+    for key in path:
+      restored = restored[key]
+    return restored
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
+  """{"master/layers/w_up_LxDxF": shape, ...}: names that match however the
+  tree is nested (a saved TrainState comes back as dicts and lists)."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _check_fits(saved: dict, wanted: dict, where: pathlib.Path, against: str,
+                hint: str = "") -> None:
+  """Raises CheckpointError naming the first leaf that differs between the trees."""
+  unfit = f"checkpoint {where} does not fit {against}"
+  settings_hint = hint or " (were optimizer settings changed?)"
+  for name, shape in wanted.items():
+    if name not in saved:
+      raise CheckpointError(f"{unfit}: it has no leaf {name}{settings_hint}")
+    if saved[name] != shape:
+      raise CheckpointError(f"{unfit}: leaf {name} has shape {saved[name]} in the checkpoint "
+                            f"but {shape} in {against}{hint}")
+  extra = sorted(saved.keys() - wanted.keys())
+  if extra:
+    raise CheckpointError(f"{unfit}: it has a leaf {extra[0]} that {against} lacks{settings_hint}")
+
+
+def _model_difference(saved: dict, current: dict) -> str:
+  diffs = [f"model.{k}={saved.get(k)} in the checkpoint, {v} here"
+           for k, v in current.items() if saved.get(k) != v]
+  return f" ({'; '.join(diffs)})" if diffs else ""
+
+
+# tensorstore names the array it failed on, e.g. 'Error reading "master.embed_VxD/0.0"'.
+_LEAF_IN_ERROR = re.compile(r'(?:Error reading|Metadata at) "([^"/]+)/')
+_STATE_DIR_IN_ERROR = re.compile(r' in OCDBT database at local file "[^"]*"')
+
+
+def _read_error(where: pathlib.Path, error: BaseException, what: str = "") -> str:
+  """One line for a failed read: the leaf when tensorstore names it, and why."""
+  _ignore_abandoned_reads()
+  leaf = next((m.group(1) for m in map(_LEAF_IN_ERROR.search, map(str, _causes(error))) if m),
+              None)
+  what = f"leaf {leaf.replace('.', '/')}" if leaf else what or "a file"
+  return f"checkpoint {where} is damaged: {what} cannot be read: {_reason(error)}"
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+  while error is not None:
+    yield error
+    error = error.__cause__ or error.__context__
+
+
+def _reason(error: BaseException) -> str:
+  """The innermost cause's first line, without tensorstore's spec dump."""
+  *_, innermost = _causes(error)
+  lines = str(innermost).strip().splitlines() or [type(innermost).__name__]
+  reason = _STATE_DIR_IN_ERROR.sub("", lines[0].split(" [tensorstore_spec")[0])
+  return reason if len(reason) <= 500 else reason[:500] + "..."
+
+
+def _ignore_abandoned_reads() -> None:
+  """Keeps a failed restore's error the last word.
+
+  When one read fails, orbax closes its event loop while tensorstore may still
+  be finishing the other reads; each then reports "Event loop is closed" as a
+  traceback on stderr, which says nothing about the checkpoint.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "ignores_abandoned_reads", False):
+    return
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.ignores_abandoned_reads = True
+  sys.unraisablehook = hook
+
+
+def _nested(path: Path, leaf) -> dict:
+  for key in reversed(path):
+    leaf = {key: leaf}
+  return leaf
+
+
+# ----------------------------------------------------------------------------- export
+
+EXPORT_DTYPES = {"float32": ("F32", np.dtype(np.float32)),
+                 "bfloat16": ("BF16", np.dtype(jnp.bfloat16))}
+DEFAULT_SHARD_BYTES = 5 * 2**30
+# Itemsize 0: hf.py's own mapping yields each tensor's name and shape, no bytes.
+_SHAPE_ONLY = np.dtype([])
+
+
+class Export(NamedTuple):
+  out: pathlib.Path
+  step: int
+  dtype: str
+  files: list[str]
+
+
+class _Planned(NamedTuple):
+  name: str
+  shape: tuple[int, ...]
+  nbytes: int
+
+
+def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
+              dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Export:
+  """Writes a checkpoint as a Hugging Face Llama directory: ``config.json``,
+  ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+
+  Reads the fp32 master weights one leaf at a time and writes them one
+  per-layer tensor at a time, so the host holds one leaf, never the model.
+  `out` must not exist or be an empty directory; the files appear there only
+  once all are written.
+
+  Args:
+    step: the checkpoint step; default the latest.
+    dtype: "float32" or "bfloat16"; default the run's compute dtype.
+    max_shard_bytes: the size of one safetensors file (a bigger tensor gets
+      a file of its own).
+  """
+  with CheckpointReader(workdir) as reader:
+    return _export(reader, pathlib.Path(out), step, dtype, max_shard_bytes)
+
+
+def _export(reader: CheckpointReader, out: pathlib.Path, step: int | None, dtype: str | None,
+            max_shard_bytes: int) -> Export:
+  step = reader.resolve_step(step)
+  info = reader.info(step)
+  model = LlamaConfig(**info["model"])
+  dtype = dtype or info["compute_dtype"]
+  if dtype not in EXPORT_DTYPES:
+    raise CheckpointError(f"export dtype {dtype!r} is not one of: {', '.join(EXPORT_DTYPES)}")
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise CheckpointError(f"--out {out} already exists and is not an empty directory; "
+                          "export writes a new one")
+  leaves = _master_leaves(reader, step, model)
+  shards = _plan_shards(leaves, model, EXPORT_DTYPES[dtype][1].itemsize, max_shard_bytes)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+  try:
+    files = _write_export(partial, reader, step, leaves, model, dtype, shards)
+    if out.exists():
+      out.rmdir()
+    partial.rename(out)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
+  return Export(out, step, dtype, files)
+
+
+def _master_leaves(reader: CheckpointReader, step: int, model: LlamaConfig
+                  ) -> dict[Path, tuple[int, ...]]:
+  """{leaf path: shape} of the master weights, checked against the recorded model."""
+  saved = {tuple(name.split("/")[1:]): shape for name, shape in reader.leaf_shapes(step).items()
+           if name.startswith("master/")}
+  specs = jax.tree_util.tree_flatten_with_path(
+      param_specs(model), is_leaf=lambda x: isinstance(x, ParamSpec))[0]
+  wanted = {tuple(_key_name(k) for k in path): tuple(spec.shape) for path, spec in specs}
+  _check_fits({"/".join(p): s for p, s in saved.items()},
+              {"/".join(p): s for p, s in wanted.items()},
+              reader.step_dir(step), "the model recorded with it")
+  return wanted
+
+
+def _plan_shards(leaves: dict[Path, tuple[int, ...]], model: LlamaConfig, itemsize: int,
+                 max_shard_bytes: int) -> list[list[_Planned]]:
+  """Tensors in write order, cut into files of at most `max_shard_bytes`."""
+  shards: list[list[_Planned]] = [[]]
+  size = 0
+  for path, shape in leaves.items():
+    for name, tensor in hf.jaxzero_to_hf_tensors(path, np.empty(shape, _SHAPE_ONLY), model):
+      nbytes = tensor.size * itemsize
+      if shards[-1] and size + nbytes > max_shard_bytes:
+        shards.append([])
+        size = 0
+      shards[-1].append(_Planned(name, tensor.shape, nbytes))
+      size += nbytes
+  return shards
+
+
+def _write_export(directory: pathlib.Path, reader: CheckpointReader, step: int,
+                  leaves: dict[Path, tuple[int, ...]], model: LlamaConfig, dtype: str,
+                  shards: list[list[_Planned]]) -> list[str]:
+  code, np_dtype = EXPORT_DTYPES[dtype]
+  hf_config = {**hf.hf_config_from_llama(model), "dtype": dtype}
+  (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+  names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  with _SafetensorsWriter(directory, names, shards, code) as writer:
+    for path, shape in leaves.items():
+      leaf = reader.read(step, ("master", *path), shape)
+      for name, tensor in hf.jaxzero_to_hf_tensors(path, leaf, model):
+        writer.write(name, tensor.astype(np_dtype, copy=False))
+      del leaf
+  index = {"metadata": {"total_size": sum(t.nbytes for shard in shards for t in shard)},
+           "weight_map": dict(sorted((t.name, file) for file, shard in zip(names, shards)
+                                     for t in shard))}
+  (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+  return names
+
+
+class _SafetensorsWriter:
+  """Writes planned safetensors files one tensor at a time.
+
+  The safetensors libraries write a file from a dict of all its tensors, so a
+  shard would sit in host memory whole. The format is an 8-byte header length,
+  a JSON header (dtype, shape and byte range of every tensor) and the raw
+  bytes; with the header planned from shapes, tensors can be streamed in.
+  """
+
+  def __init__(self, directory: pathlib.Path, names: list[str], shards: list[list[_Planned]],
+               dtype_code: str):
+    self._files = [(directory / name, shard) for name, shard in zip(names, shards)]
+    self._code = dtype_code
+    self._pending: list[_Planned] = []
+    self._file = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    if self._file is not None:
+      self._file.close()
+    if exc[0] is None and (self._pending or self._files):
+      raise RuntimeError("export wrote fewer tensors than planned")
+
+  def write(self, name: str, array: np.ndarray) -> None:
+    if not self._pending:
+      self._open_next()
+    planned = self._pending.pop(0)
+    if (planned.name, planned.shape, planned.nbytes) != (name, array.shape, array.nbytes):
+      raise RuntimeError(f"export planned {planned} but got {name} {array.shape}")
+    self._file.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+  def _open_next(self) -> None:
+    if self._file is not None:
+      self._file.close()
+    path, shard = self._files.pop(0)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in shard:
+      header[t.name] = {"dtype": self._code, "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+      offset += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as the library does
+    self._file = open(path, "wb")
+    self._file.write(struct.pack("<Q", len(blob)) + blob)
+    self._pending = list(shard)

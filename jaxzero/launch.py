@@ -1,0 +1,193 @@
+"""python -m jaxzero.launch --nproc N [--devices-per-proc K] -- <jaxzero.train arguments>
+
+Rehearses a multi-host run on one machine: N ``jaxzero.train`` processes, each
+with K virtual CPU devices, joined by ``jax.distributed`` over loopback and
+talking through gloo. Output lines carry the process rank. When one process
+fails the launcher stops the others and exits with that process's error, so
+nothing waits on a dead peer; Ctrl-C is forwarded to every process.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from jaxzero import cli, distributed
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+# After a failure the others get SIGTERM, then SIGKILL: a survivor may be stuck
+# in a collective with the dead process and never reach a step boundary.
+_STOP_GRACE_S = 5
+# After Ctrl-C they get time to stop at a step boundary and save it; a second
+# Ctrl-C kills them at once.
+_INTERRUPT_GRACE_S = 60
+_TAIL_LINES = 15
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  own, train_args = _split_at_dashes(argv)
+  parser = cli.Parser(prog="jaxzero.launch",
+                      description="Runs jaxzero.train as N processes joined like hosts.",
+                      usage="python -m jaxzero.launch --nproc N [--devices-per-proc K] "
+                            "-- <jaxzero.train arguments>")
+  parser.add_argument("--nproc", type=int, required=True, help="processes to start")
+  parser.add_argument("--devices-per-proc", type=int, default=1,
+                      help="virtual CPU devices per process, for meshes sized -1; a mesh that "
+                           "names its size is shared evenly by the processes")
+  args = parser.parse_args(own)
+  if args.nproc < 1 or args.devices_per_proc < 1:
+    parser.error("--nproc and --devices-per-proc must be at least 1")
+  if train_args is None:
+    parser.error("put the jaxzero.train arguments after --, e.g. -- --config configs/tiny_zero3.py")
+  return Launch(args.nproc, args.devices_per_proc, train_args).run()
+
+
+def _split_at_dashes(argv: list[str]) -> tuple[list[str], list[str] | None]:
+  if "--" not in argv:
+    return argv, None
+  cut = argv.index("--")
+  return argv[:cut], argv[cut + 1:]
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def child_env(rank: int, nproc: int, devices: int, coordinator: str, base=os.environ) -> dict:
+  """The environment of process `rank`: where to join, and its own CPU devices."""
+  env = dict(base)
+  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+  env.update({
+      distributed.ENV_COORDINATOR: coordinator,
+      distributed.ENV_NUM_PROCESSES: str(nproc),
+      distributed.ENV_PROCESS_ID: str(rank),
+      "XLA_FLAGS": f"{flags.strip()} --xla_force_host_platform_device_count={devices}".strip(),
+      "JAX_PLATFORMS": "cpu",  # a rehearsal: N processes must not share the same GPUs
+      "PYTHONUNBUFFERED": "1",  # lines arrive as they are written, not at exit
+      "PYTHONPATH": os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")])),
+  })
+  return env
+
+
+class Launch:
+  """N child processes, their output streams, and how they are stopped."""
+
+  def __init__(self, nproc: int, devices: int, train_args: list[str]):
+    self.nproc, self.devices, self.train_args = nproc, devices, train_args
+    self.procs: list[subprocess.Popen] = []
+    self.tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(nproc)]
+    self.readers: list[threading.Thread] = []
+    self.interrupted: int | None = None
+
+  def run(self) -> int:
+    coordinator = f"127.0.0.1:{free_port()}"
+    previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+      for rank in range(self.nproc):
+        self._start(rank, coordinator)
+      _say("started " + ", ".join(f"process {r} (pid {p.pid})" for r, p in enumerate(self.procs))
+           + f"; coordinator {coordinator}")
+      failed = self._wait_for_first_failure()
+      self._stop_all()
+    finally:
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    return self._report(failed)
+
+  def _start(self, rank: int, coordinator: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxzero.train", *self.train_args],
+        env=child_env(rank, self.nproc, self.devices, coordinator), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+        start_new_session=True)  # its own process group: signals reach its children too
+    self.procs.append(proc)
+    for stream, sink, tail in ((proc.stdout, sys.stdout, None),
+                               (proc.stderr, sys.stderr, self.tails[rank])):
+      reader = threading.Thread(target=_pump, args=(stream, sink, f"[{rank}] ", tail), daemon=True)
+      reader.start()
+      self.readers.append(reader)
+
+  def _wait_for_first_failure(self) -> int | None:
+    """Rank of the first process to fail, or None when all succeed or on Ctrl-C."""
+    while self.interrupted is None:
+      codes = [p.poll() for p in self.procs]
+      failures = [r for r, code in enumerate(codes) if code not in (None, 0)]
+      if failures:
+        # A process killed by a signal is the likelier cause of its peers' errors.
+        return min(failures, key=lambda r: (codes[r] >= 0, r))
+      if all(code == 0 for code in codes):
+        return None
+      time.sleep(0.1)
+    return None
+
+  def _forward(self, signum, _frame) -> None:
+    if self.interrupted is not None:
+      self._signal_all(signal.SIGKILL)
+    self.interrupted = signum
+    self._signal_all(signum)
+
+  def _signal_all(self, signum) -> None:
+    for proc in self.procs:
+      if proc.poll() is None:
+        try:
+          os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+          pass
+
+  def _stop_all(self) -> None:
+    """Stops whatever still runs: SIGTERM (or the forwarded Ctrl-C), then SIGKILL."""
+    if self.interrupted is None:
+      self._signal_all(signal.SIGTERM)
+    grace = _STOP_GRACE_S if self.interrupted is None else _INTERRUPT_GRACE_S
+    deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    self._signal_all(signal.SIGKILL)
+    for proc in self.procs:
+      proc.wait()
+    for reader in self.readers:
+      reader.join(timeout=5)
+
+  def _report(self, failed: int | None) -> int:
+    if self.interrupted is not None:
+      _say(f"interrupted by {signal.Signals(self.interrupted).name}; stopped all processes")
+      return 128 + self.interrupted
+    if failed is None:
+      return 0
+    code = self.procs[failed].returncode
+    how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+           else f"exited with code {code}")
+    tail = "".join(f"\n  {line}" for line in self.tails[failed]) or " (nothing on stderr)"
+    _say(f"error: process {failed} (pid {self.procs[failed].pid}) {how}; stopped the other "
+         f"processes. Its last lines on stderr:{tail}")
+    return code if code > 0 else 128 - code
+
+
+def _pump(stream, sink, prefix: str, tail) -> None:
+  """Copies a child's stream line by line with its rank, keeping the last lines."""
+  for line in stream:
+    line = line.rstrip("\n")
+    if tail is not None:
+      tail.append(line)
+    sink.write(f"{prefix}{line}\n")
+    sink.flush()
+  stream.close()
+
+
+def _say(message: str) -> None:
+  print(f"jaxzero.launch: {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,241 @@
+"""Checkpoints: resume on any stage and mesh, survive SIGKILL, save on SIGTERM/SIGINT,
+and refuse damaged or mismatched checkpoints without touching anything.
+
+Training runs go through ``python -m jaxzero.train`` and share one XLA
+compilation cache: every 8-device run below is the same program (train.steps
+is fixed, ``--steps`` stops early), so only the first one compiles.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxzero import config, train, trainer
+from jaxzero.checkpoint import CheckpointError, checkpoint_dir, latest_step
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny_zero3.py")
+# tiny_zero3 (stage 3 on 8 devices), smaller; the schedule spans 10k steps.
+SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
+            "train.seq_len=32", "train.steps=10000", "train.log_every=1", "checkpoint.every=3",
+            "data.max_bytes=200000"]
+
+# Runs jaxzero.train with the rename that completes checkpoint HOLD_STEP held
+# back, so that the test can kill the process while that save is in flight.
+HOLD_SAVE = """
+import asyncio, os, pathlib, sys
+from orbax.checkpoint._src.path import atomicity
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+async def held_finalize(self):
+  if self.get_final().name == os.environ["HOLD_STEP"]:
+    pathlib.Path(os.environ["HOLD_MARKER"]).touch()
+    await asyncio.sleep(3600)
+  await finalize(self)
+atomicity.AtomicRenameTemporaryPath.finalize = held_finalize
+from jaxzero import train
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory):
+  """No XLA_FLAGS (the CLI makes its own devices); one compilation cache for the session."""
+  cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return {**env, "JAX_COMPILATION_CACHE_DIR": str(cache),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def start_train(env, workdir, *args, code=None, **extra_env):
+  command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "jaxzero.train"]
+  settings = [arg for s in SETTINGS for arg in ("--set", s)]
+  return subprocess.Popen(
+      [*command, "--config", TINY, *settings, "--workdir", str(workdir), "--no-progress", *args],
+      cwd=ROOT, env={**env, **extra_env}, text=True, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE)
+
+
+def train_cli(env, workdir, *args):
+  process = start_train(env, workdir, *args)
+  stdout, stderr = process.communicate(timeout=600)
+  assert process.returncode == 0, stderr
+  return stdout, stderr
+
+
+def logged(workdir):
+  """metrics.jsonl's records (a line being written is skipped)."""
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def losses(workdir):
+  return {r["step"]: r["loss"] for r in logged(workdir)}
+
+
+def snapshot(directory):
+  """{relative path: content hash} of every file, to show nothing was touched."""
+  root = pathlib.Path(directory)
+  return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def saved_steps(workdir):
+  return sorted(int(p.name) for p in checkpoint_dir(workdir).iterdir())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cli_env):
+  """Run A: 6 steps of stage 3 on 8 devices, saving at 3 and 6."""
+  workdir = tmp_path_factory.mktemp("a")
+  train_cli(cli_env, workdir, "--steps", "6")
+  assert saved_steps(workdir) == [3, 6]
+  return losses(workdir)
+
+
+@pytest.fixture(scope="module")
+def stopped_at_3(tmp_path_factory, cli_env, uninterrupted):
+  """Run B, first part: the same config stopped after step 3."""
+  workdir = tmp_path_factory.mktemp("b")
+  stdout, _ = train_cli(cli_env, workdir, "--steps", "3")
+  assert f"checkpoint of step 3 in {checkpoint_dir(workdir) / '3'}" in stdout
+  assert saved_steps(workdir) == [3]
+  assert losses(workdir) == {s: uninterrupted[s] for s in (1, 2, 3)}
+  return workdir
+
+
+@pytest.fixture
+def workdir_at_3(stopped_at_3, tmp_path):
+  workdir = tmp_path / "w"
+  shutil.copytree(stopped_at_3, workdir)
+  return workdir
+
+
+def test_resume_under_stage1_on_4_devices_matches_the_uninterrupted_run(workdir_at_3,
+                                                                        uninterrupted):
+  cfg = config.load(TINY, [*SETTINGS, "zero.stage=1", "mesh.fsdp=4"])
+  outcome = trainer.run_training(cfg, workdir_at_3, steps=6, devices=jax.devices()[:4],
+                                 progress=False)
+  assert (outcome.start_step, outcome.step) == (3, 6)
+  resumed = {h["step"]: h["loss"] for h in outcome.history}
+  assert list(resumed) == [4, 5, 6]
+  np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)],
+                             [uninterrupted[s] for s in (4, 5, 6)], rtol=1e-5)
+  assert [r["step"] for r in logged(workdir_at_3)] == [1, 2, 3, 4, 5, 6]
+  assert saved_steps(workdir_at_3) == [3, 6]
+
+
+def test_resume_on_the_same_mesh_is_bitwise_equal_and_drops_unsaved_metrics(
+    workdir_at_3, uninterrupted, cli_env):
+  # As if the run had logged steps 4 and 5, the last line cut short, and been
+  # killed before saving them: the resumed run logs them again, once.
+  with open(workdir_at_3 / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write(json.dumps({"step": 4, "loss": 9.0}) + "\n" + '{"step": 5, "lo')
+  _, stderr = train_cli(cli_env, workdir_at_3, "--steps", "6", "--resume")
+  assert "resumed from step 3" in stderr
+  assert [r["step"] for r in logged(workdir_at_3)] == [1, 2, 3, 4, 5, 6]
+  assert losses(workdir_at_3) == uninterrupted
+
+
+def test_another_model_shape_is_refused_naming_the_leaf_and_both_shapes(workdir_at_3):
+  cfg = config.load(TINY, [*SETTINGS, "model.dim=128"])
+  before = snapshot(workdir_at_3)
+  with pytest.raises(CheckpointError) as error:
+    trainer.run_training(cfg, workdir_at_3, progress=False)
+  message = str(error.value)
+  assert "leaf params/embed_VxD has shape (256, 64) in the checkpoint but (256, 128)" in message
+  assert "model.dim=64 in the checkpoint, 128 here" in message
+  assert "\n" not in message
+  assert snapshot(workdir_at_3) == before
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("truncate_data_file", "is damaged: leaf "),
+    ("delete_state_metadata", "is damaged: its state metadata (state/_METADATA) "),
+    ("delete_info", "is damaged: its run record (info/) cannot be read"),
+])
+def test_a_damaged_checkpoint_is_refused_and_nothing_is_overwritten(workdir_at_3, damage,
+                                                                      expected):
+  step_dir = checkpoint_dir(workdir_at_3) / "3"
+  if damage == "truncate_data_file":
+    data_file = max((p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"),
+                    key=lambda p: p.stat().st_size)
+    data_file.write_bytes(data_file.read_bytes()[:10])
+  elif damage == "delete_state_metadata":
+    (step_dir / "state" / "_METADATA").unlink()
+  else:
+    shutil.rmtree(step_dir / "info")
+  before = snapshot(workdir_at_3)
+  with pytest.raises(CheckpointError) as error:
+    trainer.run_training(config.load(TINY, SETTINGS), workdir_at_3, progress=False)
+  assert expected in str(error.value) and str(step_dir) in str(error.value)
+  assert "\n" not in str(error.value)
+  assert snapshot(workdir_at_3) == before
+
+
+def test_resume_flag_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
+  code = train.main(["--config", TINY, "--workdir", str(tmp_path / "w"), "--resume"])
+  errors = capsys.readouterr().err.strip().splitlines()
+  assert code == 2
+  assert errors[-1].startswith("jaxzero.train: error: --resume: there is no checkpoint")
+  assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def wait_for(condition, process, timeout=300):
+  deadline = time.monotonic() + timeout
+  while not condition():
+    if process.poll() is not None:
+      raise AssertionError(f"training exited early ({process.returncode}): "
+                           + process.communicate()[1][-3000:])
+    if time.monotonic() > deadline:
+      process.kill()
+      raise AssertionError("timed out: " + process.communicate()[1][-3000:])
+    time.sleep(0.05)
+
+
+def test_sigkill_during_an_async_save_resumes_from_the_last_complete_checkpoint(
+    tmp_path, cli_env, uninterrupted):
+  workdir, marker = tmp_path / "w", tmp_path / "save_in_flight"
+  killed = start_train(cli_env, workdir, "--steps", "9", code=HOLD_SAVE, HOLD_STEP="6",
+                       HOLD_MARKER=str(marker))
+  wait_for(marker.exists, killed)
+  killed.send_signal(signal.SIGKILL)
+  killed.wait(timeout=60)
+  checkpoints = checkpoint_dir(workdir)
+  assert [p.name for p in checkpoints.iterdir() if p.name.startswith("6.")], \
+      "step 6 should have been killed mid-save"
+  assert latest_step(workdir) == 3
+
+  stdout, stderr = train_cli(cli_env, workdir, "--steps", "9")
+  assert "resumed from step 3" in stderr
+  assert f"checkpoint of step 9 in {checkpoints / '9'}" in stdout
+  assert [r["step"] for r in logged(workdir)] == list(range(1, 10))
+  resumed = losses(workdir)
+  assert {s: resumed[s] for s in range(1, 7)} == uninterrupted  # to the bit
+  assert sorted(p.name for p in checkpoints.iterdir()) == ["3", "6", "9"]  # leftovers gone
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_saves_the_current_step_and_exits_0(tmp_path, cli_env, sig):
+  workdir = tmp_path / "w"
+  process = start_train(cli_env, workdir, "--set", "checkpoint.every=0")
+  wait_for(lambda: len(logged(workdir)) >= 2, process)
+  process.send_signal(sig)
+  stdout, stderr = process.communicate(timeout=120)
+  assert process.returncode == 0, stderr
+  step = latest_step(workdir)
+  assert step is not None and 2 <= step < 10000
+  assert (f"stopped by {sig.name} at step {step}; checkpoint of step {step} in "
+          f"{checkpoint_dir(workdir) / str(step)}") in stdout
+  assert [r["step"] for r in logged(workdir)] == list(range(1, step + 1))

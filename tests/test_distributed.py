@@ -1,0 +1,171 @@
+"""Joining a multi-process run: where the coordinates come from, GPU flags, and
+clear errors (not hangs) when the coordinator is wrong or a peer never comes."""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from jaxzero import xla_flags
+from jaxzero.config import ConfigError, DistributedConfig
+from jaxzero.distributed import EXPLICIT, Peers, resolve
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny_zero3.py")
+
+SLURM = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "node[001-004]", "SLURM_NTASKS": "4",
+         "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}
+LAUNCHED = {"JAXZERO_COORDINATOR": "10.0.0.1:1234", "JAXZERO_NUM_PROCESSES": "2",
+            "JAXZERO_PROCESS_ID": "1"}
+
+
+# ----------------------------------------------------------------------------- resolve
+
+
+def test_no_environment_is_a_single_process():
+  assert resolve(DistributedConfig(), {}) is None
+  assert resolve(DistributedConfig(), {"SLURM_JOB_ID": "77"}) is None  # sbatch, outside srun
+
+
+def test_jaxzero_variables_and_config_values_that_win_over_them():
+  assert resolve(DistributedConfig(), LAUNCHED) == Peers("10.0.0.1:1234", 2, 1, EXPLICIT)
+  cfg = DistributedConfig(coordinator_address="10.0.0.9:99", process_id=0)
+  assert resolve(cfg, LAUNCHED) == Peers("10.0.0.9:99", 2, 0, EXPLICIT)
+
+
+def test_clusters_are_detected_and_explicit_values_win():
+  assert resolve(DistributedConfig(), SLURM) == Peers(None, 4, 2, "SLURM")
+  assert resolve(DistributedConfig(), {**SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+  assert resolve(DistributedConfig(), {**SLURM, **LAUNCHED}) == Peers("10.0.0.1:1234", 2, 1,
+                                                                      EXPLICIT)
+  mpi = {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:3", "OMPI_COMM_WORLD_SIZE": "8",
+         "OMPI_COMM_WORLD_RANK": "5"}
+  assert resolve(DistributedConfig(), mpi) == Peers(None, 8, 5, "Open MPI")
+  k8s = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "JOB_COMPLETION_INDEX": "3"}
+  assert resolve(DistributedConfig(), k8s) == Peers(None, None, 3, "Kubernetes")
+
+
+@pytest.mark.parametrize("cfg, environ, message", [
+    (DistributedConfig(), {"JAXZERO_COORDINATOR": "10.0.0.1:1234"},
+     "missing: JAXZERO_NUM_PROCESSES or distributed.num_processes, JAXZERO_PROCESS_ID or"),
+    (DistributedConfig(), {**LAUNCHED, "JAXZERO_COORDINATOR": "10.0.0.1"},
+     "coordinator address '10.0.0.1' must look like HOST:PORT"),
+    (DistributedConfig(), {**LAUNCHED, "JAXZERO_PROCESS_ID": "2"},
+     "process id 2 is out of range for 2 processes (0..1)"),
+    (DistributedConfig(), {**LAUNCHED, "JAXZERO_NUM_PROCESSES": "two"},
+     "JAXZERO_NUM_PROCESSES='two' must be an integer >= 1"),
+    (DistributedConfig(timeout_s=0), {}, "distributed.timeout_s=0 must be at least 1"),
+])
+def test_incomplete_or_bad_coordinates_are_one_clear_error(cfg, environ, message):
+  with pytest.raises(ConfigError) as error:
+    resolve(cfg, environ)
+  assert message in str(error.value)
+
+
+# ----------------------------------------------------------------------------- XLA GPU flags
+
+
+def test_gpu_flags_are_added_and_user_values_win():
+  user = "--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=/tmp/x"
+  merged = xla_flags.merge(user, xla_flags.GPU_DEFAULTS)
+  assert merged.startswith(user)
+  assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in merged
+  assert "--xla_gpu_enable_pipelined_all_gather=true" in merged
+  names = merged.split()
+  assert len(names) == len(xla_flags.GPU_DEFAULTS) + 1  # no flag appears twice
+  assert xla_flags.merge(merged, xla_flags.GPU_DEFAULTS) == merged
+
+
+@pytest.mark.parametrize("environ, applied", [
+    ({"JAX_PLATFORMS": "cuda"}, True),
+    ({"JAX_PLATFORMS": "cpu"}, False),
+    ({"JAX_PLATFORMS": "cuda", "JAXZERO_XLA_GPU_FLAGS": "0"}, False),
+])
+def test_gpu_flags_only_when_a_gpu_will_be_used(environ, applied):
+  environ = dict(environ, XLA_FLAGS="--xla_gpu_all_gather_combine_threshold_bytes=1")
+  assert xla_flags.apply_gpu_defaults(environ) is applied
+  assert environ["XLA_FLAGS"].count("all_gather_combine_threshold_bytes") == 1
+  assert ("--xla_gpu_enable_latency_hiding_scheduler=true" in environ["XLA_FLAGS"]) is applied
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def clean_env(**extra) -> dict:
+  """This environment without anything that would make a child join or size its devices."""
+  drop = ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAXZERO_", "SLURM_", "OMPI_", "KUBERNETES_")
+  env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+  return {**env, "JAX_PLATFORMS": "cpu", **extra}
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+JOIN_AND_SUM = textwrap.dedent("""
+    import dataclasses
+    from jaxzero import config, distributed
+    cfg = dataclasses.replace(config.base(), mesh=config.MeshConfig(replica=1, fsdp=8),
+                              distributed=config.DistributedConfig(timeout_s=60))
+    distributed.initialize(cfg, prog="join")
+    import jax, jax.numpy as jnp
+    from jax.experimental import multihost_utils
+    distributed.wait_for_all("joined")
+    ranks = multihost_utils.process_allgather(jnp.int32(jax.process_index()))
+    print("devices", jax.local_device_count(), jax.device_count(), "ranks", ranks.tolist())
+""")
+
+
+def test_two_processes_join_share_the_mesh_devices_and_talk():
+  coordinator = f"127.0.0.1:{free_port()}"
+  procs = [subprocess.Popen(
+      [sys.executable, "-c", JOIN_AND_SUM], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      env=clean_env(JAXZERO_COORDINATOR=coordinator, JAXZERO_NUM_PROCESSES="2",
+                    JAXZERO_PROCESS_ID=str(rank))) for rank in range(2)]
+  outputs = [p.communicate(timeout=120) for p in procs]
+  for proc, (out, err) in zip(procs, outputs):
+    assert proc.returncode == 0, err
+    # The mesh names 8 devices: 4 in each process, 8 in all; gloo carries the gather.
+    assert "devices 4 8 ranks [0, 1]" in out, err
+
+
+def train_alone(tmp_path, rank: int, coordinator: str, timeout_s: int) -> subprocess.Popen:
+  """One process of a two-process run whose other process never starts."""
+  return subprocess.Popen(
+      [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--workdir", str(tmp_path / "w"),
+       "--set", f"distributed.timeout_s={timeout_s}", "--set",
+       f"distributed.coordinator_address={coordinator}"],
+      cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      env=clean_env(JAXZERO_NUM_PROCESSES="2", JAXZERO_PROCESS_ID=str(rank)))
+
+
+def test_missing_peer_and_wrong_coordinator_fail_within_the_timeout(tmp_path):
+  timeout_s = 10
+  address = f"127.0.0.1:{free_port()}"
+  started = time.monotonic()
+  # Process 0 serves the coordinator and waits for a process 1 that never comes;
+  # a process 1 elsewhere looks for a coordinator where nothing listens.
+  alone = train_alone(tmp_path, 0, address, timeout_s)
+  lost = train_alone(tmp_path, 1, f"127.0.0.1:{free_port()}", timeout_s)
+  for proc, message in (
+      (alone, f"process 0 of 2: not all 2 processes joined the run at {address} within "
+              f"distributed.timeout_s={timeout_s} s"),
+      (lost, "process 1 of 2 found no coordinator at 127.0.0.1:")):
+    _, err = proc.communicate(timeout=120)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2, err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0], err
+    assert errors[0].startswith("jaxzero.train: error: ")
+    assert "Traceback" not in err and "Check failure" not in err
+    # The configured timeout, plus starting Python and importing JAX on a busy machine.
+    assert timeout_s <= elapsed < timeout_s + 40
+  assert not (tmp_path / "w" / "metrics.jsonl").exists()

@@ -1,0 +1,223 @@
+"""Export: a sharded checkpoint becomes a Hugging Face Llama directory that
+transformers and jaxzero load to the same logits; bad input is one clear line."""
+
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from jaxzero import config, export, hf, trainer
+from jaxzero import step as step_lib
+from jaxzero.checkpoint import Checkpointer, CheckpointReader, checkpoint_dir, export_hf
+from models.llama import Llama
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny_zero3.py")
+# As in test_checkpoint, so that the training run reuses its compiled program.
+SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
+            "train.seq_len=32", "train.steps=10000", "train.log_every=1", "checkpoint.every=3",
+            "data.max_bytes=200000"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """Two steps of stage 3 on 8 devices: every saved leaf is sharded."""
+  workdir = tmp_path_factory.mktemp("run")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  settings = [arg for s in SETTINGS for arg in ("--set", s)]
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxzero.train", "--config", TINY, *settings, "--steps", "2",
+       "--workdir", str(workdir), "--no-progress"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr
+  return config.load(TINY, SETTINGS), workdir
+
+
+def master_weights(workdir) -> dict:
+  """The fp32 master weights, read straight from the checkpoint."""
+  with CheckpointReader(workdir) as reader:
+    step = reader.resolve_step(None)
+    shapes = {tuple(name.split("/")[1:]): shape
+              for name, shape in reader.leaf_shapes(step).items() if name.startswith("master/")}
+    flat = {path: reader.read(step, ("master", *path), shape) for path, shape in shapes.items()}
+  tree = {}
+  for path, value in flat.items():
+    node = tree
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return tree
+
+
+def jaxzero_logits(cfg, params, tokens):
+  model = nnx.merge(step_lib.model_graphdef(cfg), jax.tree.map(jnp.asarray, params))
+  return np.asarray(model(jnp.asarray(tokens)))
+
+
+def snapshot(directory):
+  root = pathlib.Path(directory)
+  return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_export_loads_into_transformers_and_jaxzero_with_the_same_logits(trained, tmp_path,
+                                                                        capsys):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  cfg, workdir = trained
+  out = tmp_path / "hf"
+  code = export.main(["--workdir", str(workdir), "--out", str(out),
+                      "--max-shard-gb", str(60_000 / 2**30)])  # several files
+  assert code == 0
+  assert "exported step 2 (float32, " in capsys.readouterr().out
+
+  index = json.loads((out / "model.safetensors.index.json").read_text())
+  files = sorted(set(index["weight_map"].values()))
+  assert len(files) >= 3
+  assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                   for i in range(1, len(files) + 1)]
+  assert sorted(p.name for p in out.iterdir()) == sorted(
+      ["config.json", "model.safetensors.index.json", *files])
+  assert sorted(index["weight_map"]) == sorted(hf.hf_tensor_names(cfg.model))
+  state_dict = {}
+  for name in files:
+    with safe_open(out / name, "np") as f:
+      assert all(index["weight_map"][k] == name for k in f.keys())
+    state_dict.update(load_file(out / name))
+  assert index["metadata"]["total_size"] == sum(a.nbytes for a in state_dict.values())
+  assert all(a.dtype == np.float32 for a in state_dict.values())
+
+  # Exported weights are the checkpoint's master weights, bit for bit.
+  master = master_weights(workdir)
+  exported = hf.params_from_hf_state_dict(state_dict, cfg.model)
+  jax.tree.map(np.testing.assert_array_equal, exported, master)
+
+  tokens = np.random.default_rng(0).integers(0, 256, size=(2, 24))
+  expected = jaxzero_logits(cfg, master, tokens)
+  np.testing.assert_array_equal(jaxzero_logits(cfg, exported, tokens), expected)
+  model = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+  with torch.no_grad():
+    got = model(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_export_is_the_rounded_master_weights(trained, tmp_path):
+  cfg, workdir = trained
+  done = export_hf(workdir, tmp_path / "hf", dtype="bfloat16")
+  assert done.files == ["model-00001-of-00001.safetensors"]
+  assert json.loads((done.out / "config.json").read_text())["dtype"] == "bfloat16"
+  with safe_open(done.out / done.files[0], "np") as f:
+    assert f.metadata() == {"format": "pt"}
+  raw = (done.out / done.files[0]).read_bytes()
+  header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+  assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+  master = master_weights(workdir)
+  expected = hf.hf_state_dict_from_params(
+      jax.tree.map(lambda w: w.astype(jnp.bfloat16), master), cfg.model)
+  for name, value in expected.items():
+    begin, end = header[name]["data_offsets"]
+    data_start = 8 + int.from_bytes(raw[:8], "little")
+    got = np.frombuffer(raw[data_start + begin:data_start + end], jnp.bfloat16)
+    np.testing.assert_array_equal(got.reshape(header[name]["shape"]), value)
+
+
+def damage(workdir, how):
+  state = checkpoint_dir(workdir) / "2" / "state"
+  if how == "truncated":
+    for data_file in state.rglob("*"):
+      if data_file.is_file() and data_file.parent.name == "d":
+        data_file.write_bytes(data_file.read_bytes()[:10])
+  elif how == "no_metadata":
+    (state / "_METADATA").unlink()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty", r"no checkpoint in \S+/checkpoints: --workdir must be a jaxzero.train workdir"),
+    ("foreign", r"no checkpoint in \S+/checkpoints: --workdir must be a jaxzero.train workdir"),
+    ("missing_step", r"no checkpoint of step 7 in \S+; available steps: 2"),
+    ("truncated", r"checkpoint \S+/checkpoints/2 is damaged: leaf master/\S+ cannot be read: "),
+    ("no_metadata", r"checkpoint \S+/2 is damaged: its state metadata \(state/_METADATA\) "),
+    ("out_not_empty", r"--out \S+ already exists and is not an empty directory"),
+])
+def test_bad_input_is_one_line_and_nothing_is_overwritten(trained, tmp_path, capsys, case,
+                                                           message):
+  _, run_dir = trained
+  workdir, out = tmp_path / "w", tmp_path / "out"
+  args = []
+  if case == "empty":
+    workdir.mkdir()
+  elif case == "foreign":
+    (workdir / "checkpoints" / "latest").mkdir(parents=True)
+    (workdir / "notes.txt").write_text("not a run")
+  else:
+    shutil.copytree(run_dir, workdir)
+    damage(workdir, case)
+  if case == "missing_step":
+    args = ["--step", "7"]
+  if case == "out_not_empty":
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+  before = snapshot(tmp_path)
+  code = export.main(["--workdir", str(workdir), "--out", str(out), *args])
+  stderr = capsys.readouterr().err
+  assert code == 2, stderr
+  errors = [line for line in stderr.splitlines() if "error" in line]
+  assert len(errors) == 1 and re.search(message, errors[0]), stderr
+  assert errors[0].startswith("jaxzero.export: error: ")
+  assert "Traceback" not in stderr
+  assert snapshot(tmp_path) == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+      ["w", "out"] if case == "out_not_empty" else ["w"])
+
+
+def test_tied_embeddings_export_without_an_lm_head(tmp_path):
+  """A checkpoint of a tied model (saved directly, no training) exports without
+  lm_head.weight, and transformers ties it back to the same logits."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  cfg = config.load(TINY, [*SETTINGS, "model.tie_embeddings=true"])
+  model = Llama(cfg.model, rngs=nnx.Rngs(params=1))
+  master = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+  tx = step_lib.make_optimizer(cfg)
+  state = step_lib.TrainState(jnp.int32(5), master, master, tx.init(master))
+  with Checkpointer(tmp_path / "w", cfg) as checkpoints:
+    checkpoints.save(5, state, wait=True)
+
+  done = export_hf(tmp_path / "w", tmp_path / "hf")
+  index = json.loads((done.out / "model.safetensors.index.json").read_text())
+  assert "lm_head.weight" not in index["weight_map"]
+  assert json.loads((done.out / "config.json").read_text())["tie_word_embeddings"] is True
+  tokens = np.random.default_rng(1).integers(0, 256, size=(1, 12))
+  expected = np.asarray(model(jnp.asarray(tokens)))
+  hf_model = transformers.LlamaForCausalLM.from_pretrained(done.out, dtype=torch.float32)
+  with torch.no_grad():
+    got = hf_model(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_an_export_starts_a_new_run_with_the_same_weights(trained, tmp_path):
+  cfg, workdir = trained
+  done = export_hf(workdir, tmp_path / "hf")
+  from_hf = config.load(TINY, [*SETTINGS, f"model.hf_checkpoint={done.out}"])
+  outcome = trainer.run_training(from_hf, tmp_path / "new", steps=0, progress=False)
+  assert (outcome.start_step, outcome.step) == (0, 0)
+  jax.tree.map(np.testing.assert_array_equal, master_weights(tmp_path / "new"),
+               master_weights(workdir))
+  # Once the run has a checkpoint, that is what it continues from.
+  elsewhere = config.load(TINY, [*SETTINGS, "model.hf_checkpoint=/no/such/model"])
+  outcome = trainer.run_training(elsewhere, tmp_path / "new", steps=0, progress=False)
+  assert outcome.start_step == 0

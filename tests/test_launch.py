@@ -1,0 +1,153 @@
+"""`python -m jaxzero.launch`: two processes train to the same losses as one, checkpoints
+move between process counts, and a dead process ends the launch instead of hanging it."""
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxzero import config, trainer
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny_zero3.py")
+
+# tests/test_step.py's tiny model; the schedule spans 6 steps, runs stop earlier with --steps.
+SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
+        "train.global_batch=16", "train.grad_accum=2", "train.lr=3e-3", "train.warmup_steps=2",
+        "train.steps=6", "train.log_every=1", "data.max_bytes=200000", "mesh.replica=1",
+        "mesh.fsdp=8"]
+HYBRID = ["zero.strategy=HYBRID_SHARD", "mesh.replica=2", "mesh.fsdp=4"]
+
+
+def set_args(sets):
+  return [arg for s in sets for arg in ("--set", s)]
+
+
+def launch_cmd(workdir, *train_args, sets=()):
+  return [sys.executable, "-m", "jaxzero.launch", "--nproc", "2", "--devices-per-proc", "4",
+          "--", "--config", TINY, "--workdir", str(workdir), "--no-progress",
+          *set_args([*SETS, *sets]), *train_args]
+
+
+def launch_env() -> dict:
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("XLA_FLAGS", "JAXZERO_", "SLURM_", "OMPI_"))}
+  # Level 0 halves XLA's CPU compile time; results change only in the last bits.
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+  return env
+
+
+def launch(workdir, *train_args, sets=()):
+  result = subprocess.run(launch_cmd(workdir, *train_args, sets=sets), cwd=ROOT,
+                          env=launch_env(), capture_output=True, text=True, timeout=400,
+                          check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+def logged_losses(workdir) -> np.ndarray:
+  lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
+  records = [json.loads(line) for line in lines]
+  assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+  return np.array([r["loss"] for r in records])
+
+
+def one_process(workdir, steps=None):
+  """Trains (or resumes) in this process: one process with 8 virtual devices."""
+  cfg = config.load(TINY, SETS)
+  return trainer.train(cfg, workdir, steps=steps, devices=jax.devices()[:8], progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """Losses of steps 1-6 of one uninterrupted run in one process."""
+  workdir = tmp_path_factory.mktemp("one_process")
+  one_process(workdir)
+  return logged_losses(workdir)
+
+
+@pytest.fixture(scope="module")
+def two_process_stage3(tmp_path_factory):
+  """The workdir of 2 processes x 4 devices, ZeRO-3 over all 8, after steps 1-3."""
+  workdir = tmp_path_factory.mktemp("two_process_stage3")
+  launch(workdir, "--steps", "3")
+  return workdir
+
+
+def test_two_processes_train_like_one_under_stage3(two_process_stage3, reference):
+  np.testing.assert_allclose(logged_losses(two_process_stage3), reference[:3], rtol=1e-5)
+
+
+def test_two_processes_train_like_one_under_hybrid_shard(tmp_path, reference):
+  # replica=2 x fsdp=4: each process holds one whole replica, sharded over its 4 devices.
+  launch(tmp_path, "--steps", "3", sets=HYBRID)
+  np.testing.assert_allclose(logged_losses(tmp_path), reference[:3], rtol=1e-5)
+
+
+def test_checkpoints_move_between_process_counts(two_process_stage3, reference, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(two_process_stage3, workdir)
+  one_process(workdir, steps=5)  # restores step 3, written by 2 processes
+  launch(workdir, "--steps", "6")  # 2 processes restore step 5, written by 1
+  np.testing.assert_allclose(logged_losses(workdir), reference, rtol=1e-5)
+
+
+def test_a_killed_process_ends_the_launch_within_60s(tmp_path):
+  out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+  with open(out, "w") as out_file, open(err, "w") as err_file:
+    launcher = subprocess.Popen(
+        launch_cmd(tmp_path / "w", sets=["train.steps=1000"]), cwd=ROOT, env=launch_env(),
+        stdout=out_file, stderr=err_file, start_new_session=True)
+  try:
+    pids = wait_for(lambda: re.search(r"process 0 \(pid (\d+)\), process 1 \(pid (\d+)\)",
+                                      err.read_text()), launcher)
+    victim, survivor = int(pids.group(2)), int(pids.group(1))
+    wait_for(lambda: (tmp_path / "w" / "metrics.jsonl").exists(), launcher)  # mid-run
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    code = launcher.wait(timeout=90)
+    assert time.monotonic() - killed < 60
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+  assert code != 0
+  assert f"error: process 1 (pid {victim}) was killed by SIGKILL" in err.read_text()
+  assert not pathlib.Path(f"/proc/{survivor}").exists(), "the other process was left running"
+
+
+def wait_for(condition, launcher, timeout_s=300):
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    found = condition()
+    if found:
+      return found
+    assert launcher.poll() is None, "the launch ended early"
+    time.sleep(0.2)
+  raise AssertionError("timed out")
+
+
+def test_a_failing_process_ends_the_launch_with_its_error(tmp_path):
+  result = subprocess.run(
+      launch_cmd(tmp_path, "--set", "zero.stage=5"), cwd=ROOT, env=launch_env(),
+      capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 2
+  assert re.search(r"error: process \d \(pid \d+\) exited with code 2", result.stderr)
+  assert "jaxzero.train: error: zero.stage='5' is not valid" in result.stderr.split("exited")[-1]
+
+
+def test_launch_needs_the_train_arguments_after_dashes():
+  result = subprocess.run([sys.executable, "-m", "jaxzero.launch", "--nproc", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      "jaxzero.launch: error: put the jaxzero.train arguments after --, e.g. -- --config "
+      "configs/tiny_zero3.py"]
