@@ -114,19 +114,6 @@ def stdlib_corpus(max_bytes: int) -> np.ndarray:
   return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
-def load_tokens(source: str, max_bytes: int) -> np.ndarray:
-  """Byte-level tokens of "stdlib" or of one text file, uncached (see open_tokens)."""
-  if source == "stdlib":
-    return stdlib_corpus(max_bytes)
-  path = pathlib.Path(source)
-  if not path.is_file():
-    raise DataError(f"data.source={source!r} is neither 'stdlib' nor an existing text file")
-  tokens = np.frombuffer(path.read_bytes()[:max_bytes], dtype=np.uint8)
-  if tokens.size == 0:
-    raise DataError(f"data file {source!r} is empty")
-  return tokens
-
-
 # ----------------------------------------------------------------------------- source files
 
 

@@ -30,6 +30,9 @@ def main(argv=None) -> int:
     from jaxzero import trainer  # pylint: disable=import-outside-toplevel
     outcome = trainer.run_training(cfg, workdir, steps=args.steps, progress=not args.no_progress,
                                    require_checkpoint=args.resume)
+    import jax  # pylint: disable=import-outside-toplevel
+    if jax.process_index() != 0:
+      return
     history = outcome.history
     if history:
       first, last = history[0], history[-1]

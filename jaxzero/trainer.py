@@ -20,9 +20,11 @@ from typing import Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxzero import checkpoint as checkpoint_lib
 from jaxzero import config as config_lib
+from jaxzero import distributed
 from jaxzero import data as data_lib
 from jaxzero import hf
 from jaxzero import step as step_lib
@@ -44,8 +46,12 @@ class Run:
   step_fn: Callable
 
 
-def build(cfg: Config, devices=None) -> Run:
-  """Mesh, layout, optimizer, data and the jitted step for `cfg` (no state yet)."""
+def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
+          progress: bool = True) -> Run:
+  """Mesh, layout, optimizer, data and the jitted step for `cfg` (no state yet).
+
+  `workdir` holds the token cache of file data sources (unless data.cache_dir).
+  """
   devices = list(jax.devices() if devices is None else devices)
   replica, fsdp = config_lib.mesh_shape(cfg, len(devices))
   stage, hybrid = cfg.zero.resolved
@@ -54,12 +60,12 @@ def build(cfg: Config, devices=None) -> Run:
   layout = Layout(make_mesh(replica, fsdp, devices), stage, hybrid,
                   params_memory=cfg.offload.params, optimizer_memory=cfg.offload.optimizer)
   micro = config_lib.micro_batch(cfg, layout.data_parallel_size)
-  tokens = data_lib.load_tokens(cfg.data.source, cfg.data.max_bytes)
-  if cfg.model.vocab_size < data_lib.BYTE_VOCAB:
-    raise config_lib.ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                                 f"byte vocabulary ({data_lib.BYTE_VOCAB})")
-  batches = data_lib.Batches(tokens, cfg.train.seq_len, cfg.train.grad_accum,
-                             micro * layout.data_parallel_size, cfg.seed)
+  if cfg.model.hf_checkpoint:  # a mismatched preset fails before tokenizing or compiling
+    hf.check_matches(cfg.model, cfg.model.hf_checkpoint)
+  source = data_lib.open_tokens(cfg.data, workdir, model_vocab_size=cfg.model.vocab_size,
+                                progress=progress and jax.process_index() == 0)
+  batches = data_lib.Batches(source.tokens, cfg.train.seq_len, cfg.train.grad_accum,
+                             micro * layout.data_parallel_size, cfg.seed, order=source.order)
   tx = step_lib.make_optimizer(cfg)
   return Run(cfg, layout, tx, batches, step_lib.make_train_step(cfg, layout, tx))
 
@@ -109,7 +115,7 @@ def run_training(cfg: Config, workdir: str | pathlib.Path, steps: int | None = N
     if require_checkpoint and checkpoints.latest_step() is None:
       raise checkpoint_lib.CheckpointError(
           f"--resume: there is no checkpoint to resume in {checkpoints.directory}")
-    run = build(cfg, devices)
+    run = build(cfg, devices, workdir, progress)
     state = _restore_or_init(run, checkpoints)
     start = int(state.step)
     _drop_metrics_after(workdir / "metrics.jsonl", start)
@@ -148,6 +154,9 @@ def _compile(run: Run, state, start: int):
   t0 = time.perf_counter()
   compiled = run.step_fn.lower(state, global_batch(run, start)).compile()
   log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
+  # Hosts compile at different speeds; gloo (CPU) allows only 30 s between the
+  # first and the last process reaching the first collective.
+  distributed.wait_for_all("train step compiled")
   return compiled
 
 
@@ -159,13 +168,14 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
   metrics = _PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len)
   done = start
   for step in range(start, total):
-    if stop.received:
-      break
     state, step_metrics = compiled(state, global_batch(run, step))
     metrics.add(step_metrics)
     done = step + 1
-    if done % cfg.train.log_every == 0 or done == total:
+    logged = done % cfg.train.log_every == 0 or done == total
+    if logged:
       metrics.log(done)
+    if stop.agreed(at_sync_point=logged):
+      break
     if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < total:
       checkpoints.save(done, state)  # asynchronous: training goes on while it is written
   metrics.log(done)
@@ -252,6 +262,21 @@ class _StopSignals:
 
   def __exit__(self, *exc):
     self._restore()
+
+  def agreed(self, at_sync_point: bool) -> bool:
+    """Whether every process stops after the current step.
+
+    Alone, a process stops at once. Processes must stop at the same step (the
+    save is collective), and a preemption signal reaches them at different
+    moments: so they compare flags at logged steps, where the loop syncs with
+    the host anyway, and stop together if any of them was signalled.
+    """
+    if jax.process_count() == 1:
+      return self.received is not None
+    if not at_sync_point:
+      return False
+    flags = multihost_utils.process_allgather(np.int32(self.received is not None))
+    return bool(np.any(flags))
 
   def _handle(self, signum, _frame):
     self.received = signal.Signals(signum).name

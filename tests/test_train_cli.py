@@ -30,7 +30,7 @@ def run_train(*args):
     (["--config", "configs/nope.py"],
      "config file 'configs/nope.py' does not exist; presets are in configs/: "),
     (["--config", TINY, "--set", "data.source=/no/such/file.txt"],
-     "data.source='/no/such/file.txt' is neither 'stdlib' nor an existing text file"),
+     "data.source='/no/such/file.txt' is neither 'stdlib' nor a file, directory or glob"),
     (["--config", TINY, "--steps", "0"], "--steps=0 must be at least 1"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path):

@@ -1,0 +1,446 @@
+"""Memory planning: per-device bytes of every ZeRO stage, read from XLA itself.
+
+For each row of the plan (a stage, a remat policy or an offload setting) the
+planner lowers and compiles the very train step that training runs, ahead of
+time, on N virtual CPU devices. Its inputs are ``ShapeDtypeStruct``s that carry
+only shapes and shardings, so no weight is ever allocated: a 70B model plans
+on a laptop. Two kinds of figures come out:
+
+* model state (params, grads, optimizer) counted from the shardings, next to
+  the ZeRO paper's formula for it;
+* XLA's own figures from ``compiled.memory_analysis()``: the temporaries of the
+  step and the total the device must hold while the step runs.
+
+The figures are those of XLA's CPU compiler. A GPU compiler makes other
+choices (e.g. fused attention keeps no T x T score matrix), so treat
+``activation_bytes`` as an estimate of the GPU's; model state is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxzero import config as config_lib
+from jaxzero import step as step_lib
+from jaxzero.config import ConfigError, Config
+from jaxzero.mesh import make_mesh
+from jaxzero.remat import POLICY_NAMES
+from jaxzero.zero import SHARDED_ROLES, Layout, bytes_per_device
+from models.llama import count_params, param_specs
+
+log = logging.getLogger(__name__)
+
+# The plan needs XLA's buffer assignment, which is fixed before code generation;
+# LLVM's optimisations and the MLIR fusion emitters only make the CPU kernels
+# faster. Without them Llama-3-8B and 70B steps compile about 6x faster, with
+# the same argument and output bytes and temporaries within a few hundred bytes.
+FAST_COMPILE_OPTIONS = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_use_fusion_emitters": False,
+}
+# The largest micro-batch per device the search tries.
+MICRO_BATCH_LIMIT = 1024
+SWEEPS = ("stages", "remat", "offload")
+# Remat policies that move saved activations to pinned_host.
+OFFLOADING_POLICIES = frozenset({"offload_matmuls"})
+# AdamW's fp32 master weights and its two moments, per parameter.
+OPTIMIZER_BYTES_PER_PARAM = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One row of a plan: where the state lives and how activations are kept."""
+  stage: int
+  hybrid: bool
+  remat: str
+  offload_optimizer: str = "device"
+  offload_params: str = "device"
+
+  @property
+  def strategy(self) -> str:
+    """The FSDP/DeepSpeed name of (stage, hybrid)."""
+    names = {value: name for name, value in config_lib.STRATEGIES.items()}
+    return names.get((self.stage, self.hybrid), f"HYBRID_ZERO{self.stage}")
+
+  def apply(self, cfg: Config) -> Config:
+    return dataclasses.replace(
+        cfg, zero=dataclasses.replace(cfg.zero, stage=self.stage, strategy="", hybrid=self.hybrid),
+        remat=dataclasses.replace(cfg.remat, policy=self.remat),
+        offload=dataclasses.replace(cfg.offload, optimizer=self.offload_optimizer,
+                                    params=self.offload_params))
+
+
+@dataclasses.dataclass
+class Row:
+  """The plan of one variant, per device. Field names are the documented contract."""
+  strategy: str
+  stage: int
+  hybrid: bool
+  devices: int
+  mesh: tuple[int, int]  # (replica, fsdp)
+  micro_batch: int  # sequences per device per micro-step
+  grad_accum: int
+  seq_len: int
+  remat: str
+  offload_optimizer: str
+  offload_params: str
+  params_bytes: int  # compute copy of the weights
+  grads_bytes: int  # gradients in zero.grad_dtype, placed by the stage's grads role
+  optimizer_bytes: int  # fp32 master weights + Adam moments
+  activation_bytes: int  # XLA's temporaries of the step
+  host_bytes: int  # state leaves placed in pinned_host
+  total_bytes: int  # XLA's figure for what the device holds during the step
+  theory_state_bytes: int  # the ZeRO formula for params + grads + optimizer
+  theory_formula: str
+  fits: bool  # total_bytes <= the HBM budget
+  max_micro_batch: int | None  # largest micro_batch that fits; None when not searched
+  xla_host_bytes: int  # what XLA reports in host memory (state and offloaded activations)
+  # False when something was placed in pinned_host but XLA counted it in its
+  # device figures (the CPU compiler does): then total_bytes includes host_bytes
+  # and offloaded activations.
+  xla_separates_host: bool
+
+  @property
+  def state_bytes(self) -> int:
+    return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+@dataclasses.dataclass
+class Plan:
+  rows: list[Row]
+  notes: list[str]
+  n_params: int
+  hbm_bytes: int
+  compiles: int
+  seconds: float
+
+
+# ----------------------------------------------------------------------------
+# What to plan
+
+
+def variants(cfg: Config, sweep: str, replica: int) -> list[Variant]:
+  """The rows of a plan: every stage, every remat policy, or every offload setting."""
+  stage, hybrid = cfg.zero.resolved
+  policy, offload = cfg.remat.policy, cfg.offload
+  if sweep == "stages":
+    rows = [Variant(s, False, policy, offload.optimizer, offload.params if s == 3 else "device")
+            for s in range(4)]
+    if replica > 1:
+      rows += [Variant(3, True, policy, offload.optimizer, offload.params),
+               Variant(2, True, policy, offload.optimizer)]
+    return rows
+  if sweep == "remat":
+    return [Variant(stage, hybrid, name, offload.optimizer, offload.params)
+            for name in POLICY_NAMES]
+  if sweep == "offload":
+    kinds = [("device", "device"), ("pinned_host", "device")]
+    if stage == 3:
+      kinds += [("device", "pinned_host"), ("pinned_host", "pinned_host")]
+    return [Variant(stage, hybrid, policy, opt, params) for opt, params in kinds]
+  raise ValueError(f"sweep={sweep!r}; choose one of: {', '.join(SWEEPS)}")
+
+
+def fit_batch_arithmetic(cfg: Config, n_data_parallel: int) -> tuple[Config, list[str]]:
+  """`cfg` with a grad_accum that splits train.global_batch over the devices.
+
+  A preset written for 8 devices (global_batch 64 = micro 1 x 8 x grad_accum
+  8) does not divide 64 devices. Planning keeps global_batch and takes the
+  largest grad_accum up to the configured one that divides it, as one would
+  when moving to more devices; the plan says so.
+  """
+  t = cfg.train
+  for accum in range(t.grad_accum, 0, -1):
+    if t.global_batch % (n_data_parallel * accum) == 0:
+      break
+  else:
+    raise ConfigError(f"train.global_batch={t.global_batch} cannot be split over "
+                      f"{n_data_parallel} data-parallel devices; use a multiple of "
+                      f"{n_data_parallel} (--set train.global_batch=...)")
+  if accum == t.grad_accum:
+    return cfg, []
+  note = (f"train.grad_accum {t.grad_accum} -> {accum} so that global_batch {t.global_batch} "
+          f"= micro-batch {t.global_batch // (n_data_parallel * accum)} x {n_data_parallel} "
+          f"devices x {accum}")
+  return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum=accum)), [note]
+
+
+def cpu_devices(n: int) -> list:
+  devices = jax.devices("cpu")
+  if n > len(devices):
+    raise ConfigError(f"planning for {n} devices needs {n} virtual CPU devices, but JAX started "
+                      f"with {len(devices)}; run jaxzero.plan in a fresh process")
+  return devices[:n]
+
+
+# ----------------------------------------------------------------------------
+# Model state from the shardings
+
+
+def state_bytes(cfg: Config, layout: Layout, tx) -> dict[str, int]:
+  """Per-device bytes of each role, and of the leaves placed in pinned_host."""
+  sh = step_lib.state_shardings(cfg, layout, tx)
+  grad_dtype = step_lib.dtype_of(cfg.zero.grad_dtype)
+  abstract_grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, grad_dtype),
+                                sh.abstract.master)
+  host = sum(_bytes_in_memory(getattr(sh.abstract, name), getattr(sh.state, name), "pinned_host")
+             for name in ("params", "master", "opt_state"))
+  return {
+      "params": bytes_per_device(sh.abstract.params, sh.state.params),
+      "grads": bytes_per_device(abstract_grads,
+                                layout.tree_shardings(param_specs(cfg.model), "grads")),
+      "optimizer": (bytes_per_device(sh.abstract.master, sh.state.master)
+                    + bytes_per_device(sh.abstract.opt_state, sh.state.opt_state)),
+      "host": host,
+  }
+
+
+def _bytes_in_memory(abstract, shardings, kind: str) -> int:
+  pairs = [(a, s) for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))
+           if s.memory_kind == kind]
+  return bytes_per_device([a for a, _ in pairs], [s for _, s in pairs])
+
+
+def bytes_per_param(cfg: Config) -> dict[str, int]:
+  return {"params": jnp.dtype(step_lib.dtype_of(cfg.precision.compute)).itemsize,
+          "grads": jnp.dtype(step_lib.dtype_of(cfg.zero.grad_dtype)).itemsize,
+          "optimizer": OPTIMIZER_BYTES_PER_PARAM}
+
+
+def theory_state_bytes(cfg: Config, layout: Layout) -> tuple[int, str]:
+  """The ZeRO paper's per-device model state, and the formula as text.
+
+  Each role costs its bytes per parameter times Φ, divided by N where the
+  stage shards it. With bf16 compute and bf16 grads this is the paper's
+  16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N for stages 0-3.
+  """
+  phi, n = count_params(cfg.model), layout.shard_size
+  per_param = bytes_per_param(cfg)
+  sharded = sum(b for role, b in per_param.items() if role in SHARDED_ROLES[layout.stage])
+  replicated = sum(per_param.values()) - sharded
+  terms = ([f"{replicated}Φ"] if replicated else []) + ([f"{sharded}Φ/N"] if sharded else [])
+  return round(replicated * phi + sharded * phi / n), " + ".join(terms)
+
+
+# ----------------------------------------------------------------------------
+# XLA's figures from the compiled step
+
+
+def abstract_inputs(cfg: Config, layout: Layout, tx, micro_batch: int):
+  """The step's (state, tokens) as shapes with shardings: nothing is allocated."""
+  sh = step_lib.state_shardings(cfg, layout, tx)
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                       sh.abstract, sh.state)
+  shape = (cfg.train.grad_accum, micro_batch * layout.data_parallel_size, cfg.train.seq_len + 1)
+  tokens = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=layout.batch_sharding(leading_dims=1))
+  return state, tokens
+
+
+def compiled_memory(cfg: Config, layout: Layout, tx, micro_batch: int):
+  """memory_analysis() of the real train step, compiled ahead of time."""
+  lowered = step_lib.make_train_step(cfg, layout, tx).lower(
+      *abstract_inputs(cfg, layout, tx, micro_batch))
+  try:
+    compiled = lowered.compile(compiler_options=FAST_COMPILE_OPTIONS)
+  except jax.errors.JaxRuntimeError as e:
+    if "No such compile option" not in str(e):
+      raise
+    log.info("this XLA lacks a fast-compile option (%s); compiling with defaults", e)
+    compiled = lowered.compile()
+  return compiled.memory_analysis()
+
+
+def xla_total_bytes(stats) -> int:
+  """What the device holds while the step runs, by XLA's buffer assignment.
+
+  Arguments (the state and the batch) and outputs live across the call and
+  temporaries only during it, so their sum bounds the peak. Donated state is
+  an argument aliased to an output: counted once, hence "- alias". Buffers in
+  host memory are reported apart (host_*) by compilers that separate them.
+  (`peak_memory_in_bytes` is not used: the CPU compiler leaves temporaries
+  out of it.)
+  """
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+          + stats.generated_code_size_in_bytes)
+
+
+def xla_host_bytes(stats) -> int:
+  return (stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes
+          - stats.host_alias_size_in_bytes + stats.host_temp_size_in_bytes)
+
+
+def largest_micro_batch(total_at: Callable[[int], int], budget: int, start: int,
+                        start_total: int, limit: int = MICRO_BATCH_LIMIT) -> int:
+  """Largest micro-batch whose step fits `budget` (0 if none), from a known point.
+
+  Each probe is one compile, so it predicts instead of doubling: device
+  bytes grow affinely with the micro-batch (activations and the batch scale,
+  the state does not), and the next probe is the prediction from the last
+  two points, clamped into the bracket (fits, fails) so that every probe
+  narrows it. Usually three compiles.
+  """
+  if start_total > budget:  # downward: plain bisection over [0, start)
+    fits, fails = 0, start
+    while fails - fits > 1:
+      mid = (fits + fails) // 2
+      fits, fails = (mid, fails) if total_at(mid) <= budget else (fits, mid)
+    return fits
+  fits, fits_total, fails = start, start_total, None
+  last = (start, start_total)
+  probe = min(2 * start, limit)
+  while fits < limit and (fails is None or fails - fits > 1):
+    total = total_at(probe)
+    if total <= budget:
+      fits, fits_total = probe, total
+    else:
+      fails = probe
+    slope = (total - last[1]) / (probe - last[0]) if probe != last[0] else 0
+    last = (probe, total)
+    guess = fits + int((budget - fits_total) // slope) if slope > 0 else limit
+    upper = fails - 1 if fails is not None else limit
+    probe = max(fits + 1, min(guess, upper))
+  return fits
+
+
+# ----------------------------------------------------------------------------
+# The plan
+
+
+def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant] = "stages",
+         search: bool = True) -> Plan:
+  """Plans each variant of `sweep` (a name in SWEEPS, or the variants themselves)
+  for `cfg` on `n_devices` virtual CPU devices."""
+  t0 = time.perf_counter()
+  devices = cpu_devices(n_devices)
+  replica, fsdp = config_lib.mesh_shape(cfg, n_devices)
+  cfg, notes = fit_batch_arithmetic(cfg, n_devices)
+  mesh = make_mesh(replica, fsdp, devices)
+  tx = step_lib.make_optimizer(cfg)
+  rows, compiles = [], 0
+  for variant in variants(cfg, sweep, replica) if isinstance(sweep, str) else sweep:
+    row, n = _plan_variant(variant.apply(cfg), variant, mesh, tx, hbm_bytes, search)
+    rows.append(row)
+    compiles += n
+  notes += _notes(cfg, sweep, rows)
+  return Plan(rows, notes, count_params(cfg.model), hbm_bytes, compiles,
+              time.perf_counter() - t0)
+
+
+def _plan_variant(cfg: Config, variant: Variant, mesh, tx, hbm_bytes: int,
+                  search: bool) -> tuple[Row, int]:
+  """The row of one variant, and how many compiles it took."""
+  layout = Layout(mesh, variant.stage, variant.hybrid, params_memory=variant.offload_params,
+                  optimizer_memory=variant.offload_optimizer)
+  micro = config_lib.micro_batch(cfg, layout.data_parallel_size)
+  row = _row(cfg, variant, layout, tx, compiled_memory(cfg, layout, tx, micro), micro,
+             hbm_bytes)
+  compiles = 1
+  if search:
+    def total_at(micro_batch: int) -> int:
+      nonlocal compiles
+      compiles += 1
+      return xla_total_bytes(compiled_memory(cfg, layout, tx, micro_batch))
+    row.max_micro_batch = largest_micro_batch(total_at, hbm_bytes, micro, row.total_bytes)
+  return row, compiles
+
+
+def _row(cfg: Config, variant: Variant, layout: Layout, tx, stats, micro: int,
+         hbm_bytes: int) -> Row:
+  state = state_bytes(cfg, layout, tx)
+  theory, formula = theory_state_bytes(cfg, layout)
+  total = xla_total_bytes(stats)
+  return Row(
+      strategy=variant.strategy, stage=variant.stage, hybrid=variant.hybrid,
+      devices=layout.data_parallel_size, mesh=(layout.mesh.shape["replica"],
+                                               layout.mesh.shape["fsdp"]),
+      micro_batch=micro, grad_accum=cfg.train.grad_accum, seq_len=cfg.train.seq_len,
+      remat=variant.remat, offload_optimizer=variant.offload_optimizer,
+      offload_params=variant.offload_params,
+      params_bytes=state["params"], grads_bytes=state["grads"],
+      optimizer_bytes=state["optimizer"], activation_bytes=stats.temp_size_in_bytes,
+      host_bytes=state["host"], total_bytes=total, theory_state_bytes=theory,
+      theory_formula=formula, fits=total <= hbm_bytes, max_micro_batch=None,
+      xla_host_bytes=xla_host_bytes(stats),
+      xla_separates_host=xla_host_bytes(stats) > 0 or not (
+          state["host"] or variant.remat in OFFLOADING_POLICIES))
+
+
+def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:
+  notes = []
+  if cfg.precision.compute == "bfloat16":
+    notes.append("XLA's CPU compiler computes bf16 matmuls in fp32 and keeps some activations "
+                 "and gradient buffers in fp32: a GPU's activations are smaller")
+  if sweep == "stages" and cfg.offload.params == "pinned_host":
+    notes.append("offload.params=pinned_host applies to the stage-3 rows only")
+  if any(not r.xla_separates_host for r in rows):
+    notes.append("XLA's CPU compiler does not separate pinned_host memory: its figures count "
+                 "the host column and offloaded activations as device memory (a GPU compiler "
+                 "reports them apart)")
+  return notes
+
+
+# ----------------------------------------------------------------------------
+# Output
+
+
+def as_json(plan_: Plan) -> list[dict]:
+  return [dict(dataclasses.asdict(r), mesh=list(r.mesh)) for r in plan_.rows]
+
+
+def format_table(plan_: Plan, title: str) -> str:
+  """A plain aligned table, sizes per device in one unit chosen for the largest."""
+  rows = plan_.rows
+  scale, unit = _unit(max(max(r.total_bytes, r.theory_state_bytes) for r in rows))
+  size = lambda b: f"{b / scale:.1f}"
+  header = ["stage", "remat", "offload", "params", "grads", "optimizer", "state",
+            "ZeRO formula", "activations", "host", "XLA total", "fits", "max micro"]
+  body = []
+  for r in rows:
+    body.append([
+        f"{r.stage} {r.strategy}", r.remat, _offload_label(r), size(r.params_bytes),
+        size(r.grads_bytes), size(r.optimizer_bytes), size(r.state_bytes),
+        f"{r.theory_formula} = {size(r.theory_state_bytes)}", size(r.activation_bytes),
+        size(r.host_bytes), size(r.total_bytes), "yes" if r.fits else "no",
+        "-" if r.max_micro_batch is None else str(r.max_micro_batch)])
+  widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
+  text_columns = 3  # left-aligned; the numbers are right-aligned
+  fmt = lambda line: "  ".join(c.ljust(w) if i < text_columns else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(line, widths)))
+  r0 = rows[0]
+  lines = [
+      title,
+      f"Φ = {_count(plan_.n_params)} parameters on {r0.devices} virtual CPU devices "
+      f"(mesh replica {r0.mesh[0]} x fsdp {r0.mesh[1]}); micro-batch {r0.micro_batch} x "
+      f"{r0.seq_len} tokens, grad_accum {r0.grad_accum}; budget {plan_.hbm_bytes / 1e9:g} GB",
+      f"per device, in {unit}; state = params + grads + optimizer (fp32 master + Adam m, v), "
+      f"N = sharding devices; activations = XLA temporaries (activations, gradient "
+      f"buffers, gathered weights)",
+      "", fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body), ""]
+  lines += [f"note: {n}" for n in plan_.notes]
+  lines.append(f"{plan_.compiles} compiles in {plan_.seconds:.1f} s")
+  return "\n".join(lines)
+
+
+def _offload_label(r: Row) -> str:
+  placed = [name for name, kind in (("optimizer", r.offload_optimizer),
+                                    ("params", r.offload_params)) if kind == "pinned_host"]
+  return "+".join(placed) if placed else "-"
+
+
+def _count(n: int) -> str:
+  return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _unit(largest: int) -> tuple[float, str]:
+  for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
+    if largest >= 10 * scale:
+      return scale, unit
+  return 1.0, "bytes"

@@ -1,0 +1,148 @@
+"""jaxzero.plan: per-device memory of each ZeRO stage from the real, AOT-compiled step."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jaxzero import config, planner
+from jaxzero.planner import Variant
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+LLAMA_8B = str(CONFIGS / "llama8b_zero3.py")
+LLAMA_70B = str(CONFIGS / "llama70b_zero3_offload.py")
+H100 = int(80e9)
+PAPER_FORMULAS = ["16Φ", "4Φ + 12Φ/N", "2Φ + 14Φ/N", "16Φ/N"]
+
+
+def live_bytes() -> dict[int, int]:
+  return {id(a): a.nbytes for a in jax.live_arrays()}
+
+
+def assert_follows_zero(rows):
+  """Model state within 3% of the paper's formula; XLA's total falls at each stage."""
+  assert [r.theory_formula for r in rows] == PAPER_FORMULAS
+  for r in rows:
+    assert abs(r.state_bytes - r.theory_state_bytes) <= 0.03 * r.theory_state_bytes, r
+  totals = [r.total_bytes for r in rows]
+  assert all(a > b for a, b in zip(totals, totals[1:])), totals
+
+
+def test_llama8b_follows_the_zero_formula_without_allocating_the_model():
+  cfg = config.load(LLAMA_8B)
+  before = live_bytes()
+  plan = planner.plan(cfg, 8, H100)
+  new = {k: v for k, v in live_bytes().items() if k not in before}
+  assert sum(new.values()) < 1 << 20, "planning must not allocate the model"
+  assert [(r.stage, r.strategy) for r in plan.rows] == [
+      (0, "NO_SHARD"), (1, "ZERO1"), (2, "SHARD_GRAD_OP"), (3, "FULL_SHARD")]
+  assert_follows_zero(plan.rows)
+  phi = plan.n_params
+  # bf16 grads: replicated (2Φ) for stages 0-1, sharded (2Φ/8) for 2-3.
+  assert [r.grads_bytes for r in plan.rows] == pytest.approx(
+      [2 * phi, 2 * phi, 2 * phi / 8, 2 * phi / 8], rel=1e-3)
+  assert all(r.micro_batch == 1 and r.grad_accum == 8 and r.host_bytes == 0
+             for r in plan.rows)
+  # Only ZeRO-3 fits an 80 GB device, and then with micro-batch 1 of 8192 tokens.
+  assert [r.fits for r in plan.rows] == [False, False, False, True]
+  assert [r.max_micro_batch for r in plan.rows] == [0, 0, 0, 1]
+
+
+def test_llama70b_follows_the_zero_formula_with_the_optimizer_on_the_host():
+  plan = planner.plan(config.load(LLAMA_70B), 8, H100, search=False)
+  assert_follows_zero(plan.rows)
+  assert all(r.host_bytes == r.optimizer_bytes > 0 for r in plan.rows)
+  assert not any(r.fits for r in plan.rows)  # 70B needs more than 8 x 80 GB
+
+
+def test_remat_policies_order_the_activation_bytes():
+  cfg = config.load(LLAMA_70B)
+  policies = ["full", "save_matmuls", "none", "offload_matmuls"]
+  plan = planner.plan(cfg, 8, H100, [Variant(3, False, p) for p in policies], search=False)
+  full, save_matmuls, none, offload = (r.activation_bytes for r in plan.rows)
+  assert full < save_matmuls < none
+  # The offloaded matmul outputs leave the device where XLA separates host memory.
+  assert offload < save_matmuls if plan.rows[3].xla_separates_host else offload == save_matmuls
+  assert len({r.state_bytes for r in plan.rows}) == 1
+
+
+def test_offload_moves_state_to_the_host():
+  cfg = config.load(LLAMA_70B)
+  settings = [("device", "device"), ("pinned_host", "device"), ("device", "pinned_host")]
+  plan = planner.plan(cfg, 8, H100, [Variant(3, False, "full", opt, params)
+                                     for opt, params in settings], search=False)
+  device, optimizer, params = plan.rows
+  assert device.host_bytes == 0
+  assert optimizer.host_bytes == optimizer.optimizer_bytes
+  assert params.host_bytes == params.params_bytes
+  for row in (optimizer, params):
+    assert row.state_bytes == device.state_bytes
+    if row.xla_separates_host:
+      assert row.total_bytes < device.total_bytes
+    else:  # the CPU compiler: same buffers, and the plan says so
+      assert row.total_bytes == pytest.approx(device.total_bytes, rel=1e-3)
+      assert any("does not separate pinned_host" in note for note in plan.notes)
+
+
+def test_largest_micro_batch_search_needs_few_compiles():
+  probes = []
+
+  def total_at(micro):  # 10 GB of state, 3 GB per sequence
+    probes.append(micro)
+    return int(10e9 + 3e9 * micro)
+
+  assert planner.largest_micro_batch(total_at, H100, 1, total_at(1)) == 23
+  assert len(probes) <= 5, probes
+  assert planner.largest_micro_batch(total_at, H100, 32, total_at(32)) == 23
+  assert planner.largest_micro_batch(total_at, int(5e9), 1, total_at(1)) == 0
+  assert planner.largest_micro_batch(total_at, int(1e15), 1, total_at(1), limit=64) == 64
+
+
+def test_a_preset_for_8_devices_plans_on_64_by_adjusting_grad_accum():
+  cfg, notes = planner.fit_batch_arithmetic(config.load(LLAMA_70B), 64)
+  assert cfg.train.grad_accum == 1 and "grad_accum 8 -> 1" in notes[0]
+  with pytest.raises(config.ConfigError, match="cannot be split over 128"):
+    planner.fit_batch_arithmetic(cfg, 128)
+
+
+def run_plan(*args):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.run([sys.executable, "-m", "jaxzero.plan", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_cli_plans_llama70b_on_64_virtual_devices():
+  result = run_plan("--config", LLAMA_70B, "--devices", "64", "--no-search", "--json")
+  assert result.returncode == 0, result.stderr
+  rows = json.loads(result.stdout)
+  assert [r["strategy"] for r in rows] == ["NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD"]
+  for r in rows:
+    assert r["devices"] == 64 and r["mesh"] == [1, 64]
+    assert r["grad_accum"] == 1 and r["micro_batch"] == 1 and r["offload_optimizer"] == "pinned_host"
+    assert {"params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "host_bytes",
+            "total_bytes", "theory_state_bytes", "fits"} <= set(r)
+  state = [r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] for r in rows]
+  for got, r in zip(state, rows):
+    assert abs(got - r["theory_state_bytes"]) <= 0.03 * r["theory_state_bytes"]
+  totals = [r["total_bytes"] for r in rows]
+  assert all(a > b for a, b in zip(totals, totals[1:])), totals
+  assert rows[3]["fits"] and not rows[0]["fits"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--devices", "0"], "--devices=0 must be at least 1"),
+    (["--devices", "6"], "mesh.replica=1 x mesh.fsdp=8 does not fit 6 devices"),
+    (["--set", "remat.policy=nope"], "remat.policy='nope' is not valid; choose one of: none, full"),
+    (["--hbm-gb", "-1"], "--hbm-gb=-1 must be positive"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, message):
+  result = run_plan("--config", str(CONFIGS / "tiny_zero3.py"), *args)
+  assert result.returncode == 2, result.stderr
+  errors = [line for line in result.stderr.splitlines() if "error" in line]
+  assert len(errors) == 1 and message in errors[0], result.stderr
+  assert "Traceback" not in result.stderr

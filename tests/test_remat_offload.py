@@ -1,0 +1,81 @@
+"""Remat policies and host offload change where memory goes, never the numbers."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxzero import config, planner, step, trainer
+from jaxzero.remat import POLICY_NAMES
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny_zero3.py")
+# test_step's tiny model (float32, ZeRO-3 on 8 devices), for four steps.
+SMALL = {"model.dim": "64", "model.n_layers": "2", "model.mlp_dim": "128",
+         "train.global_batch": "16", "train.seq_len": "32", "train.steps": "4",
+         "train.log_every": "1", "data.max_bytes": "500000"}
+
+
+def train_losses(workdir: pathlib.Path, **overrides) -> np.ndarray:
+  """Losses of `python -m jaxzero.train` (i.e. trainer.train) on the small model.
+
+  A fresh process compiles with the planner's fast-compile flags: LLVM
+  optimisation off, which triples the speed of this test and changes no
+  arithmetic (every run here uses the same flags).
+  """
+  sets = [arg for key, value in {**SMALL, **overrides}.items()
+          for arg in ("--set", f"{key}={value}")]
+  flags = " ".join(f"--{k}={str(v).lower()}" for k, v in planner.FAST_COMPILE_OPTIONS.items())
+  env = dict(os.environ, XLA_FLAGS=flags)
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--workdir", str(workdir),
+       "--no-progress", *sets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+      check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = (workdir / "metrics.jsonl").read_text().splitlines()
+  return np.array([json.loads(line)["loss"] for line in records])
+
+
+@pytest.fixture(scope="module")
+def default_losses(tmp_path_factory):
+  got = train_losses(tmp_path_factory.mktemp("default"))
+  assert len(got) == 4 and got[-1] < got[0]
+  return got
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICY_NAMES if p != "none"])
+def test_remat_policy_trains_to_the_same_losses(policy, default_losses, tmp_path):
+  got = train_losses(tmp_path, **{"remat.policy": policy})
+  np.testing.assert_allclose(got, default_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("setting", ["offload.optimizer", "offload.params"])
+def test_offload_trains_to_the_same_losses(setting, default_losses, tmp_path):
+  got = train_losses(tmp_path, **{setting: "pinned_host"})
+  np.testing.assert_allclose(got, default_losses, rtol=1e-5)
+
+
+def memory_kinds(tree) -> set[str]:
+  return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}
+
+
+def test_offloaded_state_lives_in_pinned_host_after_init_and_after_a_step(default_losses):
+  cfg = config.load(TINY, [f"{k}={v}" for k, v in SMALL.items()]
+                    + ["offload.optimizer=pinned_host", "offload.params=pinned_host"])
+  run = trainer.build(cfg)
+  state = step.init_state(cfg, run.layout, run.tx)
+  for name in ("params", "master", "opt_state"):
+    assert memory_kinds(getattr(state, name)) == {"pinned_host"}, name
+  batch = trainer.global_batch(run, 0)
+  compiled = run.step_fn.lower(state, batch).compile(
+      compiler_options=planner.FAST_COMPILE_OPTIONS)
+  state, metrics = compiled(state, batch)
+  for name in ("params", "master", "opt_state"):
+    assert memory_kinds(getattr(state, name)) == {"pinned_host"}, name
+  assert memory_kinds(state.step) == {"device"}
+  np.testing.assert_allclose(float(metrics["loss"]), default_losses[0], rtol=1e-5)
