@@ -60,8 +60,6 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
   layout = Layout(make_mesh(replica, fsdp, devices), stage, hybrid,
                   params_memory=cfg.offload.params, optimizer_memory=cfg.offload.optimizer)
   micro = config_lib.micro_batch(cfg, layout.data_parallel_size)
-  if cfg.model.hf_checkpoint:  # a mismatched preset fails before tokenizing or compiling
-    hf.check_matches(cfg.model, cfg.model.hf_checkpoint)
   source = data_lib.open_tokens(cfg.data, workdir, model_vocab_size=cfg.model.vocab_size,
                                 progress=progress and jax.process_index() == 0)
   batches = data_lib.Batches(source.tokens, cfg.train.seq_len, cfg.train.grad_accum,
@@ -115,6 +113,10 @@ def run_training(cfg: Config, workdir: str | pathlib.Path, steps: int | None = N
     if require_checkpoint and checkpoints.latest_step() is None:
       raise checkpoint_lib.CheckpointError(
           f"--resume: there is no checkpoint to resume in {checkpoints.directory}")
+    if cfg.model.hf_checkpoint and checkpoints.latest_step() is None:
+      # A mismatched preset fails before tokenizing or compiling. With a
+      # checkpoint the run resumes from it and the HF weights are not read.
+      hf.check_matches(cfg.model, cfg.model.hf_checkpoint)
     run = build(cfg, devices, workdir, progress)
     state = _restore_or_init(run, checkpoints)
     start = int(state.step)
