@@ -56,7 +56,8 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
-  return pathlib.Path(workdir) / "checkpoints"
+  # Absolute: orbax refuses relative paths (e.g. the default runs/<config>).
+  return pathlib.Path(workdir).absolute() / "checkpoints"
 
 
 def run_info(cfg) -> dict[str, Any]:

@@ -42,12 +42,18 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path):
   assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
-def test_short_run_writes_metrics_and_creates_virtual_devices(tmp_path):
-  workdir = tmp_path / "w"
-  result = run_train("--config", TINY, "--workdir", str(workdir), "--steps", "3",
-                     "--set", "train.log_every=1", "--set", "data.max_bytes=500000",
-                     "--no-progress")
+def test_short_run_writes_metrics_and_a_checkpoint_in_the_default_relative_workdir(tmp_path):
+  # Run from tmp_path without --workdir: the default is runs/<config name>,
+  # a relative path, which orbax only accepts once made absolute.
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = str(ROOT)
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--steps", "3",
+       "--set", "train.log_every=1", "--set", "data.max_bytes=500000", "--no-progress"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr
+  workdir = tmp_path / "runs" / "tiny_zero3"
   records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == [1, 2, 3]
   assert "trained to step 3" in result.stdout
+  assert (workdir / "checkpoints" / "3").is_dir()
