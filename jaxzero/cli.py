@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from jaxzero import config as config_lib
@@ -50,4 +51,15 @@ def run_main(prog: str, body) -> int:
     return body() or 0
   except user_errors() as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
+    if _joined_other_processes():
+      # A normal exit would wait in JAX's shutdown barrier while the other
+      # processes wait in a collective for this one: leave at once instead.
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(2)  # pylint: disable=protected-access
     return 2
+
+
+def _joined_other_processes() -> bool:
+  distributed = sys.modules.get("jax._src.distributed")
+  return distributed is not None and distributed.global_state.client is not None

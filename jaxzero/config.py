@@ -3,8 +3,8 @@
 A config file defines ``get_config()`` returning a :class:`Config`. Presets are
 a few lines derived from :func:`base` with ``dataclasses.replace``.
 
-This module imports no JAX, so the CLI can read a config (and decide how many
-virtual CPU devices to create) before JAX starts.
+Reading a config starts no JAX backend, so the CLI can decide how many
+virtual CPU devices to create before JAX starts.
 """
 
 from __future__ import annotations
@@ -258,6 +258,15 @@ def _configs_dir() -> pathlib.Path:
 def validate(cfg: Config) -> None:
   """Checks everything that does not need to know the devices."""
   check_literals(cfg)
+  m = cfg.model
+  for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "mlp_dim"):
+    if getattr(m, key) < 1:
+      raise ConfigError(f"model.{key}={getattr(m, key)} must be at least 1")
+  for key, value in (("seed", cfg.seed), ("train.warmup_steps", cfg.train.warmup_steps),
+                     ("train.lr", cfg.train.lr), ("train.weight_decay", cfg.train.weight_decay),
+                     ("train.clip_norm", cfg.train.clip_norm)):
+    if value < 0:
+      raise ConfigError(f"{key}={value} must not be negative")
   try:
     cfg.model.validate()
   except ValueError as e:

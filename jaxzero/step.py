@@ -10,10 +10,16 @@ The state follows DeepSpeed's mixed-precision split:
 After each update the new master weights are cast to the compute dtype and
 placed by the ``params`` role, which for stages 1-2 is the all-gather of the
 updated shards.
+
+Gradient accumulation: stages 2-3 reduce-scatter each micro-step into sharded
+buffers (that is their memory saving). Stages 0-1 keep each device's gradient
+unreduced across micro-steps and reduce once per step, as DeepSpeed does; for
+stage 1 that one reduce lands directly in the optimizer's shards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -24,7 +30,8 @@ from flax import nnx
 
 from jaxzero.config import Config
 from jaxzero.remat import remat_wrapper
-from jaxzero.zero import Layout
+from jaxzero.mesh import AXES
+from jaxzero.zero import Layout, per_device_sharding
 from models.llama import Llama, ParamSpec, param_specs
 
 
@@ -140,24 +147,49 @@ def make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
   params_on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), sh.state.params)
   schedule = learning_rate_schedule(cfg)
 
+  value_and_grad = jax.value_and_grad(functools.partial(loss_fn, graphdef))
+  n_devices = layout.data_parallel_size
+  # With one micro-step there is nothing to save by reducing late.
+  reduce_once = layout.reduces_once and cfg.train.grad_accum > 1
+  if reduce_once:
+    # Each device's gradient of its own rows, unreduced: vmap over a leading
+    # device axis that `spmd_axis_name` places one row per device.
+    local_layout = dataclasses.replace(layout, per_device=True)
+    per_device_grads = jax.vmap(lambda p, t: value_and_grad(p, t, local_layout, remat),
+                                in_axes=(None, 0), spmd_axis_name=AXES)
+    accum_sh = jax.tree.map(lambda s: per_device_sharding(layout, len(s.shape)),
+                            param_specs(cfg.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+    accum_shape = lambda p: (n_devices, *p.shape)
+  else:
+    accum_sh, accum_shape = grad_sh, lambda p: p.shape
+
   def micro_step(params, carry, tokens_BxT1):
     loss_sum, grad_sum = carry
-    loss, grads = jax.value_and_grad(functools.partial(loss_fn, graphdef))(
-        params, tokens_BxT1, layout, remat)
-    # Stages 2-3 accumulate into sharded buffers: the reduce is a reduce-scatter.
+    if reduce_once:
+      tokens_NxbxT1 = jax.lax.with_sharding_constraint(
+          tokens_BxT1.reshape(n_devices, -1, tokens_BxT1.shape[-1]),
+          per_device_sharding(layout, 2))
+      losses_N, grads = per_device_grads(params, tokens_NxbxT1)
+      loss = losses_N.mean()  # equal rows per device: the mean of means is the mean
+    else:
+      # Stages 2-3 accumulate into sharded buffers: each reduce is a reduce-scatter.
+      loss, grads = value_and_grad(params, tokens_BxT1, layout, remat)
     grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
-    grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grad_sum, grads), grad_sh)
+    grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grad_sum, grads),
+                                                accum_sh)
     return (loss_sum + loss, grad_sum), None
 
   def train_step(state: TrainState, tokens_AxBxT1: jax.Array):
     accum = tokens_AxBxT1.shape[0]
     params = jax.device_put(state.params, params_on_device)
     zeros = jax.lax.with_sharding_constraint(
-        jax.tree.map(lambda p: jnp.zeros(p.shape, grad_dtype), params), grad_sh)
+        jax.tree.map(lambda p: jnp.zeros(accum_shape(p), grad_dtype), params), accum_sh)
     (loss_sum, grad_sum), _ = jax.lax.scan(
         functools.partial(micro_step, params), (jnp.zeros((), jnp.float32), zeros),
         tokens_AxBxT1)
-    # To the optimizer's layout: for stage 1 a local slice of replicated grads.
+    if reduce_once:  # the one reduce of the step (stage 1: into shards), in fp32
+      grad_sum = jax.tree.map(lambda g: g.astype(jnp.float32).sum(axis=0) / n_devices, grad_sum)
+    # To the optimizer's layout: for stage 1 a reduce-scatter or a local slice.
     grads = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda g: g.astype(jnp.float32) / accum, grad_sum), master_on_device)
     grad_norm = optax.tree.norm(grads)

@@ -59,6 +59,9 @@ class Layout:
   hybrid: bool = False
   params_memory: str = "device"
   optimizer_memory: str = "device"
+  # Inside a per-device vmap (see step.py) the batch is already split: the
+  # activation hook must not split it again.
+  per_device: bool = False
 
   def __post_init__(self):
     if self.stage not in SHARDED_ROLES:
@@ -75,6 +78,17 @@ class Layout:
   @property
   def data_parallel_size(self) -> int:
     return math.prod(self.mesh.shape[a] for a in AXES)
+
+  @property
+  def reduces_once(self) -> bool:
+    """Whether gradients stay unreduced per device until the last micro-step.
+
+    Stages 0-1 keep replicated gradients, so accumulating them reduced would
+    all-reduce every micro-step; like DeepSpeed they accumulate locally and
+    reduce once. Stages 2-3 reduce-scatter every micro-step into sharded
+    buffers, which is what saves their memory.
+    """
+    return not self.is_sharded("grads") and self.data_parallel_size > 1
 
   def is_sharded(self, role: str) -> bool:
     return role in SHARDED_ROLES[self.stage]
@@ -119,8 +133,14 @@ class Layout:
 
   def shard_activation(self, x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
     """The model's `shard` hook: batch over data axes, weights replicated."""
-    spec = P(*[ACTIVATION_RULES.get(a) for a in logical_axes])
+    rules = {} if self.per_device else ACTIVATION_RULES
+    spec = P(*[rules.get(a) for a in logical_axes])
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+def per_device_sharding(layout: Layout, ndim: int) -> NamedSharding:
+  """Sharding of a stack of per-device values [devices, ...]: one row per device."""
+  return NamedSharding(layout.mesh, P(AXES, *([None] * ndim)))
 
 
 def _has_logical_axes(x: Any) -> bool:

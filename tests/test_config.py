@@ -39,6 +39,19 @@ def test_bad_override_names_key_and_choices(assignment, expected):
   assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("assignment, expected", [
+    ("model.n_kv_heads=0", "model.n_kv_heads=0 must be at least 1"),
+    ("model.n_heads=0", "model.n_heads=0 must be at least 1"),
+    ("seed=-1", "seed=-1 must not be negative"),
+    ("train.warmup_steps=-3", "train.warmup_steps=-3 must not be negative"),
+    ("model.n_heads=3", "model.dim=128 must be divisible by model.n_heads=3"),
+])
+def test_validate_rejects_values_that_would_fail_later(assignment, expected):
+  with pytest.raises(ConfigError) as info:
+    config.validate(config.apply_overrides(config.base(), [assignment]))
+  assert expected in str(info.value)
+
+
 def test_strategy_is_an_alternative_spelling_of_stage():
   for name, (stage, hybrid) in config.STRATEGIES.items():
     cfg = config.apply_overrides(config.base(), [f"zero.strategy={name}"])
