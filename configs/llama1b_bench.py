@@ -7,12 +7,7 @@ on one device; stage 3 keeps the code path the one pods use.
 import dataclasses
 
 from jaxzero import config
-from models.llama import LlamaConfig
-
-LLAMA32_1B = LlamaConfig(
-    vocab_size=128_256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, mlp_dim=8192,
-    norm_eps=1e-5, rope_theta=500_000.0, rope_scaling_factor=32.0, rope_low_freq_factor=1.0,
-    rope_high_freq_factor=4.0, rope_original_max_len=8192, tie_embeddings=True)
+from models.llama import LLAMA32_1B
 
 
 def get_config() -> config.Config:

@@ -16,19 +16,14 @@ The original Llama-3-8B (no RoPE scaling) needs --set model.rope_scaling_factor=
 import dataclasses
 
 from jaxzero import config
-from models.llama import LlamaConfig
-
-LLAMA3_8B = LlamaConfig(
-    vocab_size=128_256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, mlp_dim=14_336,
-    norm_eps=1e-5, rope_theta=500_000.0, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
-    rope_high_freq_factor=4.0, rope_original_max_len=8192, tie_embeddings=False)
+from models.llama import LLAMA31_8B
 
 
 def get_config() -> config.Config:
   c = config.base()
   return dataclasses.replace(
       c,
-      model=LLAMA3_8B,
+      model=LLAMA31_8B,
       zero=config.ZeroConfig(stage=3, grad_dtype="bfloat16"),
       mesh=config.MeshConfig(replica=1, fsdp=-1),
       train=dataclasses.replace(c.train, steps=10_000, global_batch=64, grad_accum=8,

@@ -62,6 +62,17 @@ class LlamaConfig:
           f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={self.n_kv_heads}")
 
 
+# Published shapes (the values of Meta's Hugging Face config.json files).
+LLAMA31_8B = LlamaConfig(
+    vocab_size=128_256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, mlp_dim=14_336,
+    norm_eps=1e-5, rope_theta=500_000.0, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0, rope_original_max_len=8192, tie_embeddings=False)
+LLAMA31_70B = dataclasses.replace(LLAMA31_8B, dim=8192, n_layers=80, n_heads=64,
+                                  mlp_dim=28_672)
+LLAMA32_1B = dataclasses.replace(LLAMA31_8B, dim=2048, n_layers=16, mlp_dim=8192,
+                                 rope_scaling_factor=32.0, tie_embeddings=True)
+
+
 class ParamSpec(NamedTuple):
   shape: tuple[int, ...]
   logical_axes: tuple[str, ...]

@@ -110,7 +110,7 @@ def free_port() -> int:
 
 
 JOIN_AND_SUM = textwrap.dedent("""
-    import dataclasses
+    import dataclasses, os
     from jaxzero import config, distributed
     cfg = dataclasses.replace(config.base(), mesh=config.MeshConfig(replica=1, fsdp=8),
                               distributed=config.DistributedConfig(timeout_s=60))
@@ -119,22 +119,26 @@ JOIN_AND_SUM = textwrap.dedent("""
     from jax.experimental import multihost_utils
     distributed.wait_for_all("joined")
     ranks = multihost_utils.process_allgather(jnp.int32(jax.process_index()))
-    print("devices", jax.local_device_count(), jax.device_count(), "ranks", ranks.tolist())
+    # A file, not stdout: gloo's own logging writes to stdout from C++ and can
+    # land in the middle of a printed line.
+    with open(os.environ["JOIN_RESULT"], "w") as f:
+      f.write(f"devices {jax.local_device_count()} {jax.device_count()} ranks {ranks.tolist()}")
 """)
 
 
-def test_two_processes_join_share_the_mesh_devices_and_talk():
+def test_two_processes_join_share_the_mesh_devices_and_talk(tmp_path):
   coordinator = f"127.0.0.1:{free_port()}"
   procs = [subprocess.Popen(
       [sys.executable, "-c", JOIN_AND_SUM], cwd=ROOT, text=True, stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       env=clean_env(JAXZERO_COORDINATOR=coordinator, JAXZERO_NUM_PROCESSES="2",
-                    JAXZERO_PROCESS_ID=str(rank))) for rank in range(2)]
+                    JAXZERO_PROCESS_ID=str(rank), JOIN_RESULT=str(tmp_path / f"rank{rank}")))
+           for rank in range(2)]
   outputs = [p.communicate(timeout=120) for p in procs]
-  for proc, (out, err) in zip(procs, outputs):
+  for rank, (proc, (_, err)) in enumerate(zip(procs, outputs)):
     assert proc.returncode == 0, err
     # The mesh names 8 devices: 4 in each process, 8 in all; gloo carries the gather.
-    assert "devices 4 8 ranks [0, 1]" in out, err
+    assert (tmp_path / f"rank{rank}").read_text() == "devices 4 8 ranks [0, 1]", err
 
 
 def train_alone(tmp_path, rank: int, coordinator: str, timeout_s: int) -> subprocess.Popen:
