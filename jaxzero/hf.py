@@ -320,9 +320,11 @@ def jaxzero_to_hf_tensors(path: Path, array: np.ndarray, cfg: LlamaConfig
   """
   path = tuple(path)
   spec = _spec(cfg, path)
-  array = np.asarray(array)
-  if array.shape != spec.shape:
-    raise ValueError(f"jaxzero parameter {'/'.join(path)!r} has shape {array.shape}, "
+  # A stacked leaf may be any array-like that reads one layer when indexed
+  # (export passes such a reader), so it is not converted to numpy whole.
+  array = array if hasattr(array, "shape") and path not in _PATH_TO_TOP else np.asarray(array)
+  if tuple(array.shape) != spec.shape:
+    raise ValueError(f"jaxzero parameter {'/'.join(path)!r} has shape {tuple(array.shape)}, "
                      f"expected {spec.shape}")
   # Checked above, not in the generator, so errors surface at the call.
   return _leaf_to_hf(path, array, cfg)

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from jaxzero import config, export, hf, trainer
+from jaxzero import checkpoint as checkpoint_lib
 from jaxzero import step as step_lib
 from jaxzero.checkpoint import Checkpointer, CheckpointReader, checkpoint_dir, export_hf
 from models.llama import Llama
@@ -221,3 +222,26 @@ def test_an_export_starts_a_new_run_with_the_same_weights(trained, tmp_path):
   elsewhere = config.load(TINY, [*SETTINGS, "model.hf_checkpoint=/no/such/model"])
   outcome = trainer.run_training(elsewhere, tmp_path / "new", steps=0, progress=False)
   assert outcome.start_step == 0
+
+
+def test_export_reads_stacked_weights_one_layer_at_a_time(trained, tmp_path, monkeypatch):
+  cfg, workdir = trained
+  whole_reads, layer_reads = [], []
+  read, layer_reader = CheckpointReader.read, checkpoint_lib._LayerReader.__getitem__
+  monkeypatch.setattr(CheckpointReader, "read",
+                      lambda self, step, path, shape: whole_reads.append(path)
+                      or read(self, step, path, shape))
+  monkeypatch.setattr(checkpoint_lib._LayerReader, "__getitem__",
+                      lambda self, i: layer_reads.append(i) or layer_reader(self, i))
+  done = export_hf(workdir, tmp_path / "hf", dtype="float32")
+  # Only the unstacked leaves (embedding, final norm, head) are read whole.
+  assert all(path[1] != "layers" for path in whole_reads), whole_reads
+  n_stacked = len(step_lib.param_specs(cfg.model)["layers"])
+  assert len(layer_reads) == n_stacked * cfg.model.n_layers
+  # And the layer-by-layer values are the checkpoint's, bit for bit.
+  exported = {}
+  for file in done.files:
+    exported.update(load_file(done.out / file))
+  expected = hf.hf_state_dict_from_params(master_weights(workdir), cfg.model)
+  for name, value in expected.items():
+    np.testing.assert_array_equal(exported[name], value)
