@@ -43,7 +43,7 @@ import tensorstore as ts
 import orbax.checkpoint as ocp
 
 from jaxzero import hf
-from models.llama import LlamaConfig, ParamSpec, param_specs
+from models.llama import LlamaConfig, is_param_spec, param_specs
 
 log = logging.getLogger(__name__)
 
@@ -434,7 +434,7 @@ def _master_leaves(reader: CheckpointReader, step: int, model: LlamaConfig
   saved = {tuple(name.split("/")[1:]): shape for name, shape in reader.leaf_shapes(step).items()
            if name.startswith("master/")}
   specs = jax.tree_util.tree_flatten_with_path(
-      param_specs(model), is_leaf=lambda x: isinstance(x, ParamSpec))[0]
+      param_specs(model), is_leaf=is_param_spec)[0]
   wanted = {tuple(_key_name(k) for k in path): tuple(spec.shape) for path, spec in specs}
   _check_fits({"/".join(p): s for p, s in saved.items()},
               {"/".join(p): s for p, s in wanted.items()},

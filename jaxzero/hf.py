@@ -59,8 +59,9 @@ from flax import nnx
 from jaxzero import step as step_lib
 from jaxzero.config import Config
 from jaxzero.data import DataError
+from jaxzero import zero
 from jaxzero.zero import Layout
-from models.llama import Llama, LlamaConfig, ParamSpec, param_specs
+from models.llama import Llama, LlamaConfig, ParamSpec, is_param_spec, param_specs
 
 Path = tuple[str, ...]
 
@@ -465,7 +466,7 @@ def _spec(cfg: LlamaConfig, path: Path) -> ParamSpec:
 
 
 def _flat_specs(cfg: LlamaConfig) -> dict[Path, ParamSpec]:
-  return _flatten(param_specs(cfg), is_leaf=lambda x: isinstance(x, ParamSpec))
+  return _flatten(param_specs(cfg), is_leaf=is_param_spec)
 
 
 def _flatten(tree: Mapping[str, Any], prefix: Path = (), is_leaf=None) -> dict[Path, Any]:
@@ -636,11 +637,11 @@ def init_state(cfg: Config, layout: Layout, tx: optax.GradientTransformation
   compute = step_lib.dtype_of(cfg.precision.compute)
   # Offloaded (pinned_host) master weights are brought over for the cast, as
   # the train step does.
-  on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings.master)
+  master_on_device = zero.on_device(shardings.master)
 
   @functools.partial(jax.jit, out_shardings=(shardings.params, shardings.opt_state))
   def derive(master):
-    master = jax.device_put(master, on_device)
+    master = jax.device_put(master, master_on_device)
     return jax.tree.map(lambda w: w.astype(compute), master), tx.init(master)
 
   params, opt_state = derive(master)

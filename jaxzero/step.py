@@ -31,8 +31,8 @@ from flax import nnx
 from jaxzero.config import Config
 from jaxzero.remat import remat_wrapper
 from jaxzero.mesh import AXES
-from jaxzero.zero import Layout, per_device_sharding
-from models.llama import Llama, ParamSpec, param_specs
+from jaxzero.zero import Layout, on_device, per_device_sharding
+from models.llama import Llama, is_param_spec, param_specs
 
 
 class TrainState(NamedTuple):
@@ -80,7 +80,7 @@ def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
   specs = param_specs(cfg.model)
   compute = dtype_of(cfg.precision.compute)
   abstract_master = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), specs,
-                                 is_leaf=_is_spec)
+                                 is_leaf=is_param_spec)
   abstract = TrainState(
       step=jax.ShapeDtypeStruct((), jnp.int32),
       params=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, compute), abstract_master),
@@ -95,10 +95,6 @@ def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
                          params=layout.tree_shardings(specs, "params"),
                          master=master_sh, opt_state=opt_sh)
   return StateShardings(shardings, abstract)
-
-
-def _is_spec(x) -> bool:
-  return isinstance(x, ParamSpec)
 
 
 def init_state(cfg: Config, layout: Layout, tx: optax.GradientTransformation) -> TrainState:
@@ -142,9 +138,9 @@ def make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
   grad_dtype = dtype_of(cfg.zero.grad_dtype)
   specs = param_specs(cfg.model)
   grad_sh = layout.tree_shardings(specs, "grads")
-  master_on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), sh.state.master)
-  opt_on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), sh.state.opt_state)
-  params_on_device = jax.tree.map(lambda s: s.with_memory_kind("device"), sh.state.params)
+  master_on_device = on_device(sh.state.master)
+  opt_on_device = on_device(sh.state.opt_state)
+  params_on_device = on_device(sh.state.params)
   schedule = learning_rate_schedule(cfg)
 
   value_and_grad = jax.value_and_grad(functools.partial(loss_fn, graphdef))
@@ -158,7 +154,7 @@ def make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
     per_device_grads = jax.vmap(lambda p, t: value_and_grad(p, t, local_layout, remat),
                                 in_axes=(None, 0), spmd_axis_name=AXES)
     accum_sh = jax.tree.map(lambda s: per_device_sharding(layout, len(s.shape)),
-                            param_specs(cfg.model), is_leaf=lambda x: isinstance(x, ParamSpec))
+                            param_specs(cfg.model), is_leaf=is_param_spec)
     accum_shape = lambda p: (n_devices, *p.shape)
   else:
     accum_sh, accum_shape = grad_sh, lambda p: p.shape

@@ -32,7 +32,6 @@ from jaxzero.mesh import AXES
 
 log = logging.getLogger(__name__)
 
-ROLES = ("params", "grads", "optimizer")
 SHARDED_ROLES: dict[int, frozenset[str]] = {
     0: frozenset(),
     1: frozenset({"optimizer"}),
@@ -136,6 +135,11 @@ class Layout:
     rules = {} if self.per_device else ACTIVATION_RULES
     spec = P(*[rules.get(a) for a in logical_axes])
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+def on_device(shardings: Any) -> Any:
+  """The same placements in device memory: where offloaded state is used."""
+  return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
 
 def per_device_sharding(layout: Layout, ndim: int) -> NamedSharding:

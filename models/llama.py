@@ -79,6 +79,11 @@ class ParamSpec(NamedTuple):
   init: str  # "normal" (std = init_std) or "ones"
 
 
+def is_param_spec(x) -> bool:
+  """`is_leaf` for trees of ParamSpec (a NamedTuple, which jax would flatten)."""
+  return isinstance(x, ParamSpec)
+
+
 def param_specs(cfg: LlamaConfig) -> dict[str, dict[str, ParamSpec] | ParamSpec]:
   """The one declaration of every weight: shape, logical axes, initialiser."""
   L, D, H, K, E, F, V = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
@@ -229,5 +234,5 @@ def apply_rope(x_BxTxNxE: Array, cos_TxE: Array, sin_TxE: Array) -> Array:
 
 
 def count_params(cfg: LlamaConfig) -> int:
-  specs = jax.tree.leaves(param_specs(cfg), is_leaf=lambda s: isinstance(s, ParamSpec))
+  specs = jax.tree.leaves(param_specs(cfg), is_leaf=is_param_spec)
   return sum(math.prod(s.shape) for s in specs)

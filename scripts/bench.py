@@ -18,7 +18,6 @@ causality), the PaLM convention.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import statistics

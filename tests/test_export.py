@@ -55,13 +55,7 @@ def master_weights(workdir) -> dict:
     shapes = {tuple(name.split("/")[1:]): shape
               for name, shape in reader.leaf_shapes(step).items() if name.startswith("master/")}
     flat = {path: reader.read(step, ("master", *path), shape) for path, shape in shapes.items()}
-  tree = {}
-  for path, value in flat.items():
-    node = tree
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = value
-  return tree
+  return hf._unflatten(flat)  # pylint: disable=protected-access
 
 
 def jaxzero_logits(cfg, params, tokens):

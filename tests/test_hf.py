@@ -8,7 +8,6 @@ without torch.
 from __future__ import annotations
 
 import json
-import math
 import tracemalloc
 
 import jax
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from hf_reference import random_hf_llama
 from jaxzero import config, hf
 from jaxzero import step as step_lib
 from jaxzero.mesh import make_mesh
@@ -23,26 +23,7 @@ from jaxzero.zero import Layout
 from models.llama import LlamaConfig, param_specs
 
 B, T = 2, 24
-LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=16)
-
-
-def hf_model(n_kv_heads: int, tied: bool, scaled: bool):
-  """A random float32 LlamaForCausalLM with weights of order one (see test_model)."""
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  torch.manual_seed(0)
-  rope = dict(rope_theta=10_000.0, rope_scaling=LLAMA3_ROPE if scaled else None)
-  hf_cfg = transformers.LlamaConfig(
-      vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-      num_key_value_heads=n_kv_heads, intermediate_size=128, rms_norm_eps=1e-5,
-      max_position_embeddings=128, tie_word_embeddings=tied, attn_implementation="eager", **rope)
-  model = transformers.LlamaForCausalLM(hf_cfg).float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
-              else torch.randn_like(p) / math.sqrt(p.shape[1]))
-  return model
+hf_model = random_hf_llama
 
 
 def tokens_BxT(vocab: int, shape=(B, T)) -> np.ndarray:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hf_reference import random_hf_llama
 from jaxzero import hf
 from models import llama
 from models.llama import LlamaConfig
@@ -290,21 +291,7 @@ HF_CASES = [
 def test_matches_transformers(n_kv_heads, tied, scaled):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  torch.manual_seed(0)
-  rope = dict(rope_theta=10_000.0)
-  if scaled:
-    rope["rope_scaling"] = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                high_freq_factor=4.0, original_max_position_embeddings=16)
-  hf_cfg = transformers.LlamaConfig(
-      vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-      num_key_value_heads=n_kv_heads, intermediate_size=128, rms_norm_eps=1e-5,
-      max_position_embeddings=128, tie_word_embeddings=tied, attn_implementation="eager", **rope)
-  model = transformers.LlamaForCausalLM(hf_cfg).float().eval()
-  with torch.no_grad():
-    # Same scales as random_params; a tied head is the embedding's Parameter.
-    for name, p in model.named_parameters():
-      p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
-              else torch.randn_like(p) / math.sqrt(p.shape[1]))
+  model = random_hf_llama(n_kv_heads, tied, scaled)
 
   cfg = hf.llama_config_from_hf(model.config.to_dict())  # transformers 5 layout
   assert cfg == make_cfg(n_kv_heads, tied, scaled)

@@ -1,11 +1,9 @@
 """Stage layouts: the sharding of every leaf, and per-device bytes against the ZeRO table."""
 
 import dataclasses
-import math
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
