@@ -1,12 +1,15 @@
 """Checkpoints of the train state: save, resume on any mesh and stage, read back.
 
 The only module that uses orbax. A run's checkpoints are orbax step directories
-``WORKDIR/checkpoints/<step>``, each holding two items:
+``WORKDIR/checkpoints/<step>``, each holding three items:
 
 * ``state``: the whole TrainState (step, compute params, fp32 master weights,
   optimizer state), written shard by shard from every device;
 * ``info``: a small JSON record of the run: the model config (for shape checks
-  and export), the compute dtype and the data seed.
+  and export), the compute dtype and the data seed;
+* ``checksums``: one checksum per state leaf (jaxzero.integrity), computed on
+  the devices before the save and verified after every restore, so that bytes
+  damaged on disk are never trained on.
 
 Nothing else is needed to resume: batches are addressed by step number, so the
 data position is the step.
@@ -37,19 +40,26 @@ import jax
 import numpy as np
 import tensorstore as ts
 import orbax.checkpoint as ocp
+from orbax.checkpoint import multihost
 
-from jaxzero.errors import CheckpointError
+from jaxzero import integrity
+from jaxzero.errors import CheckpointError, DamagedCheckpointError
 from models.llama import LlamaConfig
 
 log = logging.getLogger(__name__)
 
-STATE, INFO = "state", "info"
+STATE, INFO, CHECKSUMS = "state", "info", "checksums"
 Path = tuple[str, ...]
 
 
 def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
   # Absolute: orbax refuses relative paths (e.g. the default runs/<config>).
   return pathlib.Path(workdir).absolute() / "checkpoints"
+
+
+def damaged_dir(workdir: str | pathlib.Path) -> pathlib.Path:
+  """Where checkpoints that failed verification are moved, kept for inspection."""
+  return pathlib.Path(workdir).absolute() / "checkpoints.damaged"
 
 
 # LlamaConfig fields that choose a kernel, not the architecture: not recorded.
@@ -70,13 +80,18 @@ class _Checkpoints:
   def __init__(self, workdir, state_handler, **options):
     self.directory = checkpoint_dir(workdir)
     self._manager = ocp.CheckpointManager(
-        self.directory, item_names=(STATE, INFO),
-        item_handlers={STATE: state_handler, INFO: ocp.JsonCheckpointHandler()},
+        self.directory, item_names=(STATE, INFO, CHECKSUMS),
+        item_handlers={STATE: state_handler, INFO: ocp.JsonCheckpointHandler(),
+                       CHECKSUMS: ocp.JsonCheckpointHandler()},
         options=ocp.CheckpointManagerOptions(create=False, **options))
 
   def latest_step(self) -> int | None:
     """The newest complete checkpoint (unfinished saves are never listed)."""
     return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Every complete checkpoint's step, oldest first."""
+    return sorted(self._manager.all_steps())
 
   def step_dir(self, step: int) -> pathlib.Path:
     return self.directory / str(step)
@@ -85,7 +100,8 @@ class _Checkpoints:
     try:
       return self._manager.restore(step, args=ocp.args.Composite(info=ocp.args.JsonRestore()))[INFO]
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(_read_error(self.step_dir(step), e, f"its run record ({INFO}/)")) from e
+      raise DamagedCheckpointError(
+          _read_error(self.step_dir(step), e, f"its run record ({INFO}/)")) from e
 
   def leaf_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
     """{leaf name: shape} of the saved state, from its metadata (reads no arrays)."""
@@ -93,9 +109,10 @@ class _Checkpoints:
     try:
       tree = self._manager.item_metadata(step)[STATE]
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(_read_error(self.step_dir(step), e, metadata)) from e
+      raise DamagedCheckpointError(_read_error(self.step_dir(step), e, metadata)) from e
     if tree is None:
-      raise CheckpointError(f"checkpoint {self.step_dir(step)} is damaged: {metadata} is missing")
+      raise DamagedCheckpointError(
+          f"checkpoint {self.step_dir(step)} is damaged: {metadata} is missing")
     return _leaf_shapes(tree)
 
   def close(self) -> None:
@@ -133,8 +150,11 @@ class Checkpointer(_Checkpoints):
     """
     self._remove_unfinished_saves()
     if step not in self._manager.all_steps():
+      # Computed on the devices before the save copies the state off them.
+      checksums = integrity.record(state)
       self._manager.save(step, force=True, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), info=ocp.args.JsonSave(self._info)))
+          state=ocp.args.StandardSave(state), info=ocp.args.JsonSave(self._info),
+          checksums=ocp.args.JsonSave(checksums)))
     if wait:
       self.wait()
     return self.step_dir(step)
@@ -156,11 +176,13 @@ class Checkpointer(_Checkpoints):
 
   def restore(self, step: int, target):
     """Checkpoint `step`, each leaf read straight into the sharding of its
-    ShapeDtypeStruct in `target` (e.g. step.Engine.abstract_state()).
+    ShapeDtypeStruct in `target` (e.g. step.Engine.abstract_state()), and
+    verified against the checksums saved with it.
 
     Raises:
-      CheckpointError: naming the first leaf whose shape differs from
-        `target`, or the leaf or file that cannot be read.
+      CheckpointError: naming the first leaf whose shape differs from `target`.
+      DamagedCheckpointError: naming the leaf or file that cannot be read, or
+        whose values differ from its checksum or are not finite.
     """
     where = self.step_dir(step)
     info = self.info(step)
@@ -174,12 +196,51 @@ class Checkpointer(_Checkpoints):
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[STATE]
     except Exception as e:  # pylint: disable=broad-except
       # orbax and tensorstore report a damaged file as a bare Exception.
-      raise CheckpointError(_read_error(where, e) + "; remove that directory to resume from "
-                            "the checkpoint before it") from e
+      raise DamagedCheckpointError(_read_error(where, e)) from e
     if int(restored.step) != step:
-      raise CheckpointError(f"checkpoint {where} holds a state at step {int(restored.step)}, "
-                            f"not {step}")
+      raise DamagedCheckpointError(f"checkpoint {where} holds a state at step "
+                                   f"{int(restored.step)}, not {step}")
+    self._verify(step, restored)
     return restored
+
+  def _verify(self, step: int, restored) -> None:
+    """Raises DamagedCheckpointError unless `restored` matches its saved checksums
+    and is finite. Checkpoints from before checksums were saved are only
+    checked to be finite."""
+    where = self.step_dir(step)
+    recorded = {}
+    if (where / CHECKSUMS).exists():
+      try:
+        recorded = self._manager.restore(
+            step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))[CHECKSUMS]
+      except Exception as e:  # pylint: disable=broad-except
+        raise DamagedCheckpointError(
+            _read_error(where, e, f"its checksums ({CHECKSUMS}/)")) from e
+    else:
+      log.warning("checkpoint %s has no checksums (saved by an older jaxzero): its values are "
+                  "only checked to be finite", where)
+    differ, nonfinite = integrity.mismatches(restored, recorded)
+    for bad, what in ((differ, "do not match the checksum saved with them"),
+                      (nonfinite, "are not finite")):
+      if bad:
+        more = f" and {len(bad) - 1} more leaves" if len(bad) > 1 else ""
+        raise DamagedCheckpointError(f"checkpoint {where} is damaged: the values of leaf "
+                                     f"{bad[0]}{more} {what}")
+
+  def set_aside(self, step: int) -> pathlib.Path:
+    """Moves damaged checkpoint `step` out of the way, into damaged_dir, so that
+    the run can save that step again; nothing is deleted."""
+    source = self.step_dir(step)
+    target = damaged_dir(self.directory.parent) / source.name
+    if jax.process_index() == 0:
+      target.parent.mkdir(exist_ok=True)
+      if target.exists():  # damaged twice at the same step: keep both
+        target = target.with_name(f"{source.name}.{len(list(target.parent.iterdir()))}")
+      source.rename(target)
+    multihost.sync_global_processes(f"jaxzero:set aside checkpoint {step}",
+                                    processes=set(range(jax.process_count())))
+    self._manager.reload()
+    return target
 
   def close(self) -> None:
     """Waits for saves in flight, then releases orbax's threads."""
@@ -265,18 +326,11 @@ class _LayerReader:
 # ----------------------------------------------------------------------------- checks
 
 
-def _key_name(key) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
 def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
   """{"master/layers/w_up_LxDxF": shape, ...}: names that match however the
   tree is nested (a saved TrainState comes back as dicts and lists)."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+  return {integrity.leaf_name(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 def check_fits(saved: dict, wanted: dict, where: pathlib.Path, against: str,

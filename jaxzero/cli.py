@@ -10,6 +10,7 @@ import sys
 from jaxzero import config as config_lib
 from jaxzero import distributed
 from jaxzero import mesh as mesh_lib
+from jaxzero import peerwatch
 from jaxzero.errors import UserError
 
 
@@ -68,7 +69,9 @@ def run_main(prog: str, body) -> int:
     print(f"{prog}: error: {e}", file=sys.stderr)
     if distributed.joined():
       # A normal exit would wait in JAX's shutdown barrier while the other
-      # processes wait in a collective for this one: leave at once instead.
+      # processes wait in a collective for this one: leave at once instead,
+      # telling them why (they stop on the same error, or name this process).
+      peerwatch.leaving(failed=True)
       sys.stdout.flush()
       sys.stderr.flush()
       os._exit(2)  # pylint: disable=protected-access

@@ -131,6 +131,10 @@ class OffloadConfig:
 class CheckpointConfig:
   every: int = 0  # 0 = only at the end and on preemption
   keep: int = 3
+  # A latest checkpoint that fails verification: "fallback" resumes from the
+  # newest one that verifies (moving the damaged one to checkpoints.damaged/),
+  # "refuse" stops with the error and changes nothing.
+  on_damaged: Literal["fallback", "refuse"] = "fallback"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ import sys
 import threading
 
 from jaxzero import mesh as mesh_lib
+from jaxzero import peerwatch
 from jaxzero import xla_flags
 from jaxzero.config import Config, DistributedConfig
 from jaxzero.errors import ConfigError
@@ -65,6 +66,7 @@ def initialize(cfg: Config, prog: str = "jaxzero") -> Peers | None:
   _share_virtual_devices(cfg, peers.num_processes)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   _join(peers, cfg.distributed.timeout_s, prog)
+  peerwatch.start(peers.coordinator, prog)
   _exit_at_once_on_crash()
   global _joined  # pylint: disable=global-statement
   _joined = True

@@ -25,6 +25,11 @@ class CheckpointError(UserError):
   cannot go ahead: one line naming the leaf or file."""
 
 
+class DamagedCheckpointError(CheckpointError):
+  """A checkpoint whose files cannot be read or whose values fail verification
+  (as opposed to one that does not fit the config)."""
+
+
 class PathError(UserError):
   """A workdir, checkpoint, data-cache or export path that cannot be used."""
 

@@ -15,7 +15,6 @@ import pathlib
 import time
 
 import jax
-import jax.numpy as jnp
 from orbax.checkpoint import multihost
 
 from jaxzero import batches as batches_lib
@@ -26,7 +25,7 @@ from jaxzero import step as step_lib
 from jaxzero import tokens as tokens_lib
 from jaxzero import workdir as workdir_lib
 from jaxzero.config import Config
-from jaxzero.errors import CheckpointError, NonFiniteError
+from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
 from jaxzero.metrics import MetricsLogger, PendingMetrics, drop_metrics_after
 from jaxzero.preemption import StopSignals
 from jaxzero.zero import Layout
@@ -133,17 +132,42 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
   return Outcome(history, start, step, saved, stop.received)
 
 
-def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer) -> step_lib.TrainState:
-  """The latest checkpoint; else step 0 from init.hf_checkpoint; else random weights.
+def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
+                     resume_step: int | None = None) -> step_lib.TrainState:
+  """The latest checkpoint that verifies (or checkpoint `resume_step`); else step
+  0 from init.hf_checkpoint; else random weights.
 
   A checkpoint wins over init.hf_checkpoint, so that a fine-tune resumes
-  where it stopped instead of starting over from the pretrained weights.
+  where it stopped instead of starting over from the pretrained weights. A run
+  that has checkpoints never starts from scratch: when none verifies, it stops.
   """
-  step = checkpoints.latest_step()
-  if step is not None:
-    state = checkpoints.restore(step, run.engine.abstract_state())
-    _check_finite(state, checkpoints.step_dir(step))
-    log.info("resumed from step %d (%s)", step, checkpoints.step_dir(step))
+  steps = checkpoints.all_steps()
+  if resume_step is not None:
+    if resume_step not in steps:
+      raise CheckpointError(f"--resume-step {resume_step}: no such checkpoint in "
+                            f"{checkpoints.directory}; available steps: "
+                            f"{', '.join(map(str, steps)) or 'none'}")
+    return _restore(run, checkpoints, resume_step)
+  for newer, step in enumerate(reversed(steps)):
+    try:
+      state = _restore(run, checkpoints, step)
+    except DamagedCheckpointError as damaged:
+      older = steps[:len(steps) - newer - 1]
+      if run.cfg.checkpoint.on_damaged == "refuse":
+        raise DamagedCheckpointError(
+            f"{damaged} (checkpoint.on_damaged=refuse; "
+            + (f"--resume-step {older[-1]} resumes from the one before it)" if older else
+               "there is no earlier checkpoint)")) from damaged
+      if not older:
+        raise DamagedCheckpointError(
+            f"{damaged}; no earlier checkpoint verifies, and a run with checkpoints is not "
+            "restarted from scratch: move the checkpoints directory away to start over"
+        ) from damaged
+      aside = checkpoints.set_aside(step)
+      log.warning("%s; moved it to %s and trying checkpoint %d", damaged, aside, older[-1])
+      continue
+    if newer:
+      log.warning("resuming from checkpoint %d, the newest that verifies", step)
     return state
   path = run.cfg.init.hf_checkpoint
   if path:
@@ -153,17 +177,11 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer) -> step
   return run.engine.init()
 
 
-def _check_finite(state: step_lib.TrainState, where: pathlib.Path) -> None:
-  """Refuses a restored state holding NaN or Inf (damaged bytes can decode to them)."""
-  leaves, _ = jax.tree_util.tree_flatten_with_path(state)
-  floats = [(path, leaf) for path, leaf in leaves if jnp.issubdtype(leaf.dtype, jnp.floating)]
-  finite = jax.device_get(jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])(
-      [leaf for _, leaf in floats]))
-  bad = [jax.tree_util.keystr(path) for (path, _), ok in zip(floats, finite) if not ok]
-  if bad:
-    raise CheckpointError(f"checkpoint {where} holds non-finite values in {bad[0]}"
-                          + (f" and {len(bad) - 1} more leaves" if len(bad) > 1 else "")
-                          + "; remove that directory to resume from the checkpoint before it")
+def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,
+             step: int) -> step_lib.TrainState:
+  state = checkpoints.restore(step, run.engine.abstract_state())  # verified, finite
+  log.info("resumed from step %d (%s)", step, checkpoints.step_dir(step))
+  return state
 
 
 def _compile(run: Run, state, start: int):

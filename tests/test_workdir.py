@@ -180,7 +180,8 @@ def test_a_damaged_state_metadata_is_named_in_words(two_runs, tmp_path):
   step_dir = checkpoint_dir(workdir) / str(two_runs["latest"] + 1)
   (step_dir / "state" / "_METADATA").write_bytes(b"\x00 not json")
   with pytest.raises(CheckpointError) as error:
-    trainer.run_training(config.load(TINY, SETTINGS), workdir, progress=False)
+    trainer.run_training(config.load(TINY, [*SETTINGS, "checkpoint.on_damaged=refuse"]), workdir,
+                         progress=False)
   message = str(error.value)
   assert (f"checkpoint {step_dir} is damaged: its state metadata (state/_METADATA) cannot be "
           "read: not valid JSON: expecting value (line 1, column 1)") in message, message

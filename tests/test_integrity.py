@@ -1,0 +1,159 @@
+"""Damaged checkpoints are never trained on: checksums, fallback, refusal.
+
+One run saves checkpoints 2, 4 and 6; each test damages a copy of its newest
+checkpoint in another way and resumes it.
+"""
+
+import dataclasses
+import hashlib
+import logging
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxzero import checkpoint, config, integrity, trainer
+from jaxzero.errors import DamagedCheckpointError
+from test_nonfinite import tiny_config
+
+DEVICES = 8
+
+
+def make_config(on_damaged="fallback", steps=6):
+  cfg = tiny_config(3, "stop")
+  return dataclasses.replace(
+      cfg, train=dataclasses.replace(cfg.train, steps=steps),
+      checkpoint=config.CheckpointConfig(every=2, keep=10, on_damaged=on_damaged))
+
+
+def snapshot(directory):
+  return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A run to step 6 (checkpoints 2, 4, 6) and its logged losses."""
+  workdir = tmp_path_factory.mktemp("run")
+  history = trainer.train(make_config(), workdir, devices=jax.devices()[:DEVICES],
+                          progress=False)
+  return workdir, {r["step"]: r["loss"] for r in history}
+
+
+@pytest.fixture
+def copy_of(trained, tmp_path):
+  workdir = tmp_path / "w"
+  shutil.copytree(trained[0], workdir)
+  return workdir
+
+
+def data_files(step_dir):
+  """The state's data files, largest first."""
+  files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+  return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
+
+
+def garbage_at_several_offsets(step_dir):
+  rng = np.random.default_rng(0)
+  for data_file in data_files(step_dir)[:2]:
+    data = bytearray(data_file.read_bytes())
+    for fraction in (0.3, 0.7):
+      at = int(len(data) * fraction)
+      data[at:at + 4096] = rng.bytes(len(data[at:at + 4096]))
+    data_file.write_bytes(bytes(data))
+
+
+def truncate(step_dir):
+  data_file = data_files(step_dir)[0]
+  data_file.write_bytes(data_file.read_bytes()[:len(data_file.read_bytes()) // 2])
+
+
+def delete_a_file(step_dir):
+  data_files(step_dir)[0].unlink()
+
+
+@pytest.mark.parametrize("damage", [garbage_at_several_offsets, truncate, delete_a_file])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(damage, trained, copy_of,
+                                                                       caplog):
+  workdir, losses = copy_of, trained[1]
+  directory = checkpoint.checkpoint_dir(workdir)
+  earlier = {step: snapshot(directory / step) for step in ("2", "4")}
+  damage(directory / "6")
+  with caplog.at_level(logging.WARNING):
+    outcome = trainer.run_training(make_config(), workdir, steps=6,
+                                   devices=jax.devices()[:DEVICES], progress=False)
+  assert outcome.start_step == 4
+  # Steps 5 and 6 trained again from the good state: the same losses to the bit.
+  assert {r["step"]: r["loss"] for r in outcome.history} == {5: losses[5], 6: losses[6]}
+  assert f"checkpoint {directory / '6'} is damaged: " in caplog.text
+  assert "resuming from checkpoint 4, the newest that verifies" in caplog.text
+  assert {step: snapshot(directory / step) for step in ("2", "4")} == earlier
+  assert (checkpoint.damaged_dir(workdir) / "6").is_dir()  # kept, not deleted
+  assert (directory / "6").is_dir()  # saved anew
+
+
+def test_refuse_names_the_damage_and_changes_nothing(copy_of):
+  directory = checkpoint.checkpoint_dir(copy_of)
+  garbage_at_several_offsets(directory / "6")
+  before = snapshot(copy_of)
+  with pytest.raises(DamagedCheckpointError) as error:
+    trainer.run_training(make_config(on_damaged="refuse"), copy_of,
+                         devices=jax.devices()[:DEVICES], progress=False)
+  message = str(error.value)
+  assert message.startswith(f"checkpoint {directory / '6'} is damaged: ")
+  assert "(checkpoint.on_damaged=refuse; --resume-step 4 resumes from the one before it)" in message
+  assert "\n" not in message
+  assert snapshot(copy_of) == before
+
+
+def test_values_that_differ_from_their_checksum_are_caught(copy_of, monkeypatch):
+  """Damage that still decodes (here: one weight changed after its checksum was
+  taken) is caught by the checksum alone."""
+  record = integrity.record
+
+  def record_then_change(state):
+    saved = record(state)
+    state.master["final_norm"] += 1.0  # in place of bytes changed on disk
+    return saved
+  workdir = copy_of
+  shutil.rmtree(checkpoint.checkpoint_dir(workdir) / "6")
+  cfg = make_config()
+  monkeypatch.setattr(integrity, "record", record_then_change)
+  trainer.run_training(cfg, workdir, steps=6, devices=jax.devices()[:DEVICES], progress=False)
+  monkeypatch.undo()
+  with pytest.raises(DamagedCheckpointError, match=r"the values of leaf master/final_norm do "
+                     "not match the checksum saved with them"):
+    trainer.run_training(make_config(on_damaged="refuse"), workdir,
+                         devices=jax.devices()[:DEVICES], progress=False)
+
+
+def test_a_restored_state_must_be_finite(copy_of):
+  directory = checkpoint.checkpoint_dir(copy_of)
+  cfg = make_config(on_damaged="refuse")
+  run = trainer.build(cfg, jax.devices()[:DEVICES])
+  info = checkpoint.run_info(cfg.model, cfg.precision.compute, cfg.seed)
+  with checkpoint.Checkpointer(copy_of, 10, info) as checkpoints:
+    state = checkpoints.restore(6, run.engine.abstract_state())
+    poisoned = state._replace(step=state.step + 1, master=dict(
+        state.master, final_norm=state.master["final_norm"].at[0].set(jnp.nan)))
+    checkpoints.save(7, poisoned, wait=True)  # its checksums match: only finiteness fails
+  with pytest.raises(DamagedCheckpointError, match=r"the values of leaf master/final_norm are "
+                     "not finite"):
+    trainer.run_training(cfg, copy_of, devices=jax.devices()[:DEVICES], progress=False)
+  assert (directory / "7").is_dir()
+
+
+def test_checksums_do_not_depend_on_the_sharding():
+  mesh = jax.make_mesh((DEVICES,), ("d",))
+  x = jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128) / 7
+  by_rows = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+  by_cols = jax.device_put(x, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(None, "d")))
+  state = {"w": x, "b": jnp.ones(3, jnp.bfloat16), "step": jnp.int32(4)}
+  fingerprint = integrity.fingerprint(state)
+  assert integrity.fingerprint(dict(state, w=by_rows)) == fingerprint
+  assert integrity.fingerprint(dict(state, w=by_cols)) == fingerprint
+  swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])  # same values, other places
+  assert integrity.mismatches(dict(state, w=swapped), integrity.record(state)) == (["w"], [])

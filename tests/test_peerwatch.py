@@ -1,0 +1,110 @@
+"""A process lost from a multi-process run started without jaxzero.launch (as a
+cluster scheduler starts them) ends the others within 60 s, naming it.
+
+Two ``jaxzero.train`` processes join through JAXZERO_* variables; one is
+SIGKILLed while compiling, while training, or while saving.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from processes import ROOT, TINY, cli_env
+from test_distributed import clean_env, free_port
+
+SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
+            "train.seq_len=32", "train.steps=10000", "train.log_every=1", "checkpoint.every=2",
+            "data.max_bytes=200000"]
+
+# jaxzero.train, held where HOLD_AT says (after touching HOLD_MARKER), so that
+# the test can kill it there.
+HOLD = """
+import os, pathlib, sys, time
+from jaxzero import checkpoint, train, trainer
+def hold(*args, **kwargs):
+  pathlib.Path(os.environ["HOLD_MARKER"]).touch()
+  time.sleep(3600)
+if os.environ["HOLD_AT"] == "compile":
+  trainer._compile = hold
+elif os.environ["HOLD_AT"] == "save":
+  checkpoint.Checkpointer.save = hold
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def start(rank, coordinator, workdir, env, hold_at="", marker=""):
+  settings = [arg for s in SETTINGS for arg in ("--set", s)]
+  return subprocess.Popen(  # pylint: disable=consider-using-with
+      [sys.executable, "-c", HOLD, "--config", TINY, *settings, "--workdir", str(workdir),
+       "--no-progress"],
+      cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+      env=clean_env(**env, JAXZERO_COORDINATOR=coordinator, JAXZERO_NUM_PROCESSES="2",
+                    JAXZERO_PROCESS_ID=str(rank), HOLD_AT=hold_at, HOLD_MARKER=str(marker)))
+
+
+def wait_until(condition, procs, timeout_s=300):
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    for proc in procs:
+      assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.1)
+
+
+PHASES = {"compile": 1, "step": 0, "save": 1}  # phase: the process killed in it
+
+
+@pytest.fixture(scope="module")
+def lost(tmp_path_factory):
+  """The three runs at once (they spend most of their time starting up and
+  compiling): {phase: (victim, survivor's return code, its stderr, seconds
+  from the kill to its exit)}."""
+  env = cli_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
+  runs = {}
+  for phase, victim in PHASES.items():
+    tmp = tmp_path_factory.mktemp(phase)
+    coordinator, marker, workdir = f"127.0.0.1:{free_port()}", tmp / "held", tmp / "w"
+    procs = [start(rank, coordinator, workdir, env,
+                   *((phase, marker) if rank == victim and phase != "step" else ()))
+             for rank in range(2)]
+    trigger = ((lambda w=workdir: (w / "metrics.jsonl").exists()) if phase == "step"
+               else marker.exists)
+    runs[phase] = (victim, procs, trigger)
+  results = {}
+  try:
+    for phase, (victim, procs, trigger) in runs.items():
+      wait_until(trigger, procs)
+      procs[victim].send_signal(signal.SIGKILL)
+      killed = time.monotonic()
+      survivor = procs[1 - victim]
+      _, stderr = survivor.communicate(timeout=90)
+      results[phase] = (victim, survivor.returncode, stderr, time.monotonic() - killed)
+  finally:
+    for _, procs, _ in runs.values():
+      for proc in procs:
+        if proc.poll() is None:
+          os.kill(proc.pid, signal.SIGKILL)
+          proc.wait()
+  return results
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_the_survivor_exits_within_60s_naming_the_lost_process(phase, lost):
+  victim, returncode, stderr, elapsed = lost[phase]
+  assert elapsed < 60
+  ours = (f"jaxzero.train: error: process {victim} of the run stopped answering "
+          f"({'the connection to it closed' if victim == 0 else 'its connection to process 0 closed'}); "
+          f"process {1 - victim} stops too")
+  assert returncode == 1, stderr
+  assert "Check failure" not in stderr and "Traceback" not in stderr
+  errors = [line for line in stderr.splitlines() if "error" in line.lower()]
+  if victim == 0 and ours not in errors:
+    # Process 0 hosts JAX's coordination service: when it dies, JAX's own client
+    # sees that at the same moment as the watch, and may report it first.
+    assert "This most likely indicates that another task died" in stderr, stderr
+  else:
+    assert errors == [ours], stderr
