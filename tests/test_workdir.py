@@ -3,6 +3,7 @@ compiling, a second run on a live run's workdir is refused, a dead run's lock is
 taken over, and export directories get the umask's mode."""
 
 import ctypes
+import json
 import os
 import re
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import chex
 import pytest
 
 from jaxzero import checkpoint, config, hf_export, trainer
@@ -122,36 +124,60 @@ def test_an_export_path_problem_is_one_line(out_problem, tmp_path, cli_env):
   assert_one_line_error("jaxzero.export", returncode, stderr, *expected)
 
 
+FIRST_STEPS = 4
+
+
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory, cli_env):
-  """Run A trains on a workdir; run B starts on it too; A is SIGKILLed after a
-  save; run C reruns A's command and resumes."""
-  workdir = tmp_path_factory.mktemp("w")
-  first = start(cli_env, "jaxzero.train", "--workdir", str(workdir))
+  """Run A trains FIRST_STEPS steps on a workdir while run B starts on it too; a
+  lone run L trains the same elsewhere. Then run K continues A's workdir and is
+  SIGKILLed after a save, and run C reruns K's command and resumes."""
+  workdir, alone = tmp_path_factory.mktemp("w"), tmp_path_factory.mktemp("alone")
+  first = start(cli_env, "jaxzero.train", "--workdir", str(workdir), "--steps", str(FIRST_STEPS))
+  lone = None
   lock = workdir / LOCK_FILE
   try:
     wait_for(lambda: lock.exists() and lock.read_text().strip(), first)
     t0 = time.monotonic()
     second = finish(start(cli_env, "jaxzero.train", "--workdir", str(workdir)), timeout=60)
     second_s = time.monotonic() - t0
-    first_still_running = first.poll() is None
-    wait_for(lambda: saved_steps(workdir), first)
+    lone = start(cli_env, "jaxzero.train", "--workdir", str(alone), "--steps", str(FIRST_STEPS))
+    first_result, lone_result = finish(first), finish(lone)
   finally:
-    first.kill()
-    first.wait()  # reaped: a zombie's pid would still look alive
+    for process in (first, lone):
+      if process is not None:
+        process.kill()
+        process.wait()
+  killed = start(cli_env, "jaxzero.train", "--workdir", str(workdir))
+  try:
+    wait_for(lambda: max(saved_steps(workdir)) > FIRST_STEPS, killed)
+  finally:
+    killed.kill()
+    killed.wait()  # reaped: a zombie's pid would still look alive
   latest = max(saved_steps(workdir))
   rerun = finish(start(cli_env, "jaxzero.train", "--workdir", str(workdir),
                        "--steps", str(latest + 1)))
-  return {"workdir": workdir, "first_pid": first.pid, "second": second, "second_s": second_s,
-          "first_still_running": first_still_running, "latest": latest, "rerun": rerun}
-
+  return {"workdir": workdir, "alone": alone, "first_pid": first.pid, "first": first_result,
+          "lone": lone_result, "killed_pid": killed.pid, "second": second, "second_s": second_s,
+          "latest": latest, "rerun": rerun}
 
 
 def saved_steps(workdir):
   directory = checkpoint_dir(workdir)
   if not directory.is_dir():
-    return []
-  return [int(p.name) for p in directory.iterdir() if p.name.isdigit()]  # not unfinished saves
+    return [0]
+  return [0] + [int(p.name) for p in directory.iterdir() if p.name.isdigit()]  # complete saves
+
+
+def losses(workdir):
+  return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def saved_state(workdir, step):
+  with checkpoint.CheckpointReader(workdir) as reader:
+    return {name: reader.read(step, tuple(name.split("/")), shape)
+            for name, shape in reader.leaf_shapes(step).items()
+            if name.startswith(("master/", "params/"))}  # read by name: the dict-keyed leaves
 
 
 def test_a_second_run_on_a_live_runs_workdir_exits_at_once_naming_the_holder(two_runs):
@@ -160,14 +186,22 @@ def test_a_second_run_on_a_live_runs_workdir_exits_at_once_naming_the_holder(two
                         f"{two_runs['first_pid']} on host {socket.gethostname()} (running since ")
   assert "compiled the train step" not in stderr
   assert two_runs["second_s"] < 10
-  assert two_runs["first_still_running"]
+
+
+def test_the_first_run_finishes_as_if_alone(two_runs):
+  for result in (two_runs["first"], two_runs["lone"]):
+    assert result[0] == 0, result[2]
+  first, alone = two_runs["workdir"], two_runs["alone"]
+  assert losses(first)[:FIRST_STEPS] == losses(alone)  # to the bit, each step once
+  assert len(losses(alone)) == FIRST_STEPS
+  chex.assert_trees_all_equal(saved_state(first, FIRST_STEPS), saved_state(alone, FIRST_STEPS))
 
 
 def test_a_rerun_after_sigkill_takes_the_lock_over_and_resumes(two_runs):
   returncode, stdout, stderr = two_runs["rerun"]
   assert returncode == 0, stderr
   assert (f"taking over the lock {two_runs['workdir'] / LOCK_FILE} from process "
-          f"{two_runs['first_pid']} on host {socket.gethostname()}") in stderr
+          f"{two_runs['killed_pid']} on host {socket.gethostname()}") in stderr
   assert "which is no longer running" in stderr
   assert f"resumed from step {two_runs['latest']}" in stderr
   assert f"trained to step {two_runs['latest'] + 1}" in stdout
