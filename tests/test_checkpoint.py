@@ -8,6 +8,7 @@ is fixed, ``--steps`` stops early), so only the first one compiles.
 
 import hashlib
 import json
+import re
 import pathlib
 import shutil
 import signal
@@ -176,6 +177,41 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_is_overwritten(workdir_at_3
   assert expected in str(error.value) and str(step_dir) in str(error.value)
   assert "\n" not in str(error.value)
   assert snapshot(workdir_at_3) == before
+
+
+# Ten restores of damaged checkpoints by jaxzero.train's own main(), in one process.
+RESTORE_TEN_TIMES = """
+import sys
+from jaxzero import train
+config, workdirs = sys.argv[1:-10], sys.argv[-10:]
+codes = [train.main([*config, "--workdir", workdir]) for workdir in workdirs]
+sys.exit(0 if codes == [2] * 10 else 1)
+"""
+
+
+def test_after_a_damaged_restore_stderr_holds_only_its_error(stopped_at_3, tmp_path, cli_env):
+  """Tensorstore reads abandoned by a failed restore report nothing: ten
+  restores of checkpoints truncated at ten lengths."""
+  workdirs = []
+  for attempt in range(10):
+    workdir = tmp_path / f"w{attempt}"
+    shutil.copytree(stopped_at_3, workdir)
+    data_files = sorted((p for p in (checkpoint_dir(workdir) / "3").rglob("*")
+                         if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
+    damaged = data_files[-1 - attempt % 2]
+    damaged.write_bytes(damaged.read_bytes()[:damaged.stat().st_size * attempt // 10])
+    workdirs.append(str(workdir))
+  settings = [arg for s in SETTINGS for arg in ("--set", s)]
+  result = subprocess.run(
+      [sys.executable, "-c", RESTORE_TEN_TIMES, "--config", TINY, *settings, "--no-progress",
+       *workdirs], cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  log_line = re.compile(r"^\d\d:\d\d:\d\d [\w.]+: ")  # jaxzero's own log lines
+  others = [line for line in result.stderr.splitlines() if not log_line.match(line)]
+  assert len(others) == 10, result.stderr[-3000:]
+  for line, workdir in zip(others, workdirs):
+    assert line.startswith(f"jaxzero.train: error: checkpoint {checkpoint_dir(workdir) / '3'} is "
+                           "damaged: "), line
 
 
 def test_resume_flag_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
