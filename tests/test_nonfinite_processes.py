@@ -55,14 +55,16 @@ def start(workdir, mode, env, rank=None, coordinator=None):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """{name: (workdir, [(returncode, stdout, stderr) per process])} for a two-process
-  run with each mode and a one-process run with `skip`, started together."""
+  run with each mode and a one-process run with `skip`, one after another (the
+  second two-process run finds the step compiled in the shared cache)."""
   env = cli_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
-  started = {}
+  results = {}
   for name, mode, ranks in (("stop", "stop", (0, 1)), ("skip", "skip", (0, 1)),
                             ("skip alone", "skip", (None,))):
     workdir, coordinator = tmp_path_factory.mktemp(mode) / "w", f"127.0.0.1:{free_port()}"
-    started[name] = workdir, [start(workdir, mode, env, rank, coordinator) for rank in ranks]
-  return {name: (workdir, [finish(p) for p in procs]) for name, (workdir, procs) in started.items()}
+    procs = [start(workdir, mode, env, rank, coordinator) for rank in ranks]
+    results[name] = workdir, [finish(p) for p in procs]
+  return results
 
 
 def finish(process):

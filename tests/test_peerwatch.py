@@ -60,31 +60,26 @@ PHASES = {"compile": 1, "step": 0, "save": 1}  # phase: the process killed in it
 
 @pytest.fixture(scope="module")
 def lost(tmp_path_factory):
-  """The three runs at once (they spend most of their time starting up and
-  compiling): {phase: (victim, survivor's return code, its stderr, seconds
-  from the kill to its exit)}."""
+  """{phase: (victim, survivor's return code, its stderr, seconds from the kill
+  to its exit)}. One run after another: the later ones find the step compiled
+  in the shared cache."""
   env = cli_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
-  runs = {}
+  results = {}
   for phase, victim in PHASES.items():
     tmp = tmp_path_factory.mktemp(phase)
     coordinator, marker, workdir = f"127.0.0.1:{free_port()}", tmp / "held", tmp / "w"
     procs = [start(rank, coordinator, workdir, env,
                    *((phase, marker) if rank == victim and phase != "step" else ()))
              for rank in range(2)]
-    trigger = ((lambda w=workdir: (w / "metrics.jsonl").exists()) if phase == "step"
-               else marker.exists)
-    runs[phase] = (victim, procs, trigger)
-  results = {}
-  try:
-    for phase, (victim, procs, trigger) in runs.items():
-      wait_until(trigger, procs)
+    try:
+      wait_until((lambda: (workdir / "metrics.jsonl").exists()) if phase == "step"
+                 else marker.exists, procs)
       procs[victim].send_signal(signal.SIGKILL)
       killed = time.monotonic()
       survivor = procs[1 - victim]
       _, stderr = survivor.communicate(timeout=90)
       results[phase] = (victim, survivor.returncode, stderr, time.monotonic() - killed)
-  finally:
-    for _, procs, _ in runs.values():
+    finally:
       for proc in procs:
         if proc.poll() is None:
           os.kill(proc.pid, signal.SIGKILL)
