@@ -84,6 +84,30 @@ def _named_leaves(state) -> tuple[list[str], list[jax.Array]]:
   return [leaf_name(path) for path, _ in leaves], [leaf for _, leaf in leaves]
 
 
+def _in_device_memory(x: jax.Array) -> bool:
+  return getattr(x.sharding, "memory_kind", None) in (None, "device")
+
+
+def _compute(leaves: list[jax.Array], with_finite: bool) -> list[list[int]]:
+  """[checksums] or [checksums, finite flags] of `leaves`, as Python ints.
+
+  Leaves in device memory go in one call. Offloaded (pinned_host) leaves are
+  brought to the device one at a time, so that checking them never needs more
+  device memory than one leaf's shards.
+  """
+  function = _checksums_and_finite if with_finite else _checksums
+  on_device = [i for i, x in enumerate(leaves) if _in_device_memory(x)]
+  columns: dict[int, list[int]] = {}
+  if on_device:
+    values = jax.device_get(function([leaves[i] for i in on_device])).reshape(-1, len(on_device))
+    columns.update({i: values[:, k].tolist() for k, i in enumerate(on_device)})
+  for i, x in enumerate(leaves):
+    if i not in columns:
+      moved = jax.device_put(x, x.sharding.with_memory_kind("device"))
+      columns[i] = jax.device_get(function([moved])).reshape(-1).tolist()
+  return [list(row) for row in zip(*(columns[i] for i in range(len(leaves))))]
+
+
 def _hex(checksums) -> list[str]:
   return [f"{int(c):08x}" for c in checksums]
 
@@ -94,7 +118,7 @@ def record(state) -> dict:
   Every process gets the same values (the sums are over the global arrays).
   """
   names, leaves = _named_leaves(state)
-  checksums = _hex(jax.device_get(_checksums(leaves)))
+  checksums = _hex(_compute(leaves, with_finite=False)[0])
   return {"algorithm": ALGORITHM, "checksums": dict(zip(names, checksums))}
 
 
@@ -105,7 +129,7 @@ def mismatches(state, recorded: dict) -> tuple[list[str], list[str]]:
   checked to be finite).
   """
   names, leaves = _named_leaves(state)
-  checksums, finite = jax.device_get(_checksums_and_finite(leaves)).tolist()
+  checksums, finite = _compute(leaves, with_finite=True)
   nonfinite = [name for name, ok in zip(names, finite) if not ok]
   if recorded.get("algorithm") != ALGORITHM:
     return [], nonfinite
