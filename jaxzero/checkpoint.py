@@ -34,6 +34,7 @@ import pathlib
 import re
 import shutil
 import sys
+import warnings
 from typing import Any, Iterator
 
 import jax
@@ -400,24 +401,59 @@ def _reason(error: BaseException) -> str:
   return reason if len(reason) <= 500 else reason[:500] + "..."
 
 
+# orbax's coroutine that reads one shard of one array.
+_SHARD_READ = "_read_array_index_and_device_put"
+
+
+class _AbandonedReadTasks(logging.Filter):
+  """Drops asyncio's "Task/Future/_GatheringFuture exception was never
+  retrieved" for the reads of a failed restore (orbax's, tensorstore's)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (re.match(r"\w+ exception was never retrieved", message)
+                and any(mark in message for mark in ("async_deserialize", _SHARD_READ,
+                                                     "OCDBT database", "TensorStore")))
+
+
 def _ignore_abandoned_reads() -> None:
   """Keeps a failed restore's error the last word.
 
-  When one read fails, orbax closes its event loop while tensorstore may still
-  be finishing the other reads; each then reports "Event loop is closed" as a
-  traceback on stderr, which says nothing about the checkpoint.
+  When one read fails, orbax stops awaiting the others: each of those then
+  reports its own failure, or "Event loop is closed", as an unraisable
+  exception or an unretrieved task exception (a traceback with TensorStore's
+  whole spec on stderr), or is reported as never awaited. None of it says
+  more than the error raised.
   """
+  warnings.filterwarnings("ignore", message=f"coroutine '{_SHARD_READ}' was never awaited",
+                          category=RuntimeWarning)
+  asyncio_log = logging.getLogger("asyncio")
+  if not any(isinstance(f, _AbandonedReadTasks) for f in asyncio_log.filters):
+    asyncio_log.addFilter(_AbandonedReadTasks())
   previous = sys.unraisablehook
   if getattr(previous, "ignores_abandoned_reads", False):
     return
 
   def hook(unraisable):
-    error = unraisable.exc_value
-    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+    error, where = unraisable.exc_value, unraisable.object
+    abandoned_read = getattr(getattr(where, "cr_code", None), "co_name", None) == _SHARD_READ
+    if not (abandoned_read or _loop_closed(error)):
       previous(unraisable)
 
   hook.ignores_abandoned_reads = True
   sys.unraisablehook = hook
+  # Tensorstore's callbacks report a closed loop through sys.excepthook.
+  report = sys.excepthook
+
+  def excepthook(kind, error, traceback):
+    if not _loop_closed(error):
+      report(kind, error, traceback)
+
+  sys.excepthook = excepthook
+
+
+def _loop_closed(error: BaseException | None) -> bool:
+  return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
 
 def _nested(path: Path, leaf) -> dict:
