@@ -9,8 +9,8 @@ import sys
 
 from jaxzero import config as config_lib
 from jaxzero import distributed
-from jaxzero import mesh as mesh_lib
 from jaxzero import peerwatch
+from jaxzero import preflight
 from jaxzero.errors import UserError
 
 
@@ -47,7 +47,7 @@ def load_config(args) -> config_lib.Config:
     config_lib.validate(cfg)
   else:
     cfg = config_lib.load(args.config, args.set)
-  mesh_lib.use_virtual_cpu_devices(mesh_lib.devices_needed(cfg.mesh))
+  preflight.use_cpu_devices_for(cfg.mesh)  # -1 means what it means to jaxzero.plan
   return cfg
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import pathlib
 import typing
 from typing import Any, Literal, get_args, get_origin
@@ -73,6 +74,9 @@ def strategy_name(stage: int, hybrid: bool) -> str:
 class MeshConfig:
   replica: int = 1
   fsdp: int = -1  # -1 = all remaining devices
+  # Tensor (Megatron) and sequence parallelism, innermost: inside a host.
+  # Divides the devices, the heads, the MLP width and the vocabulary.
+  tensor: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +153,16 @@ class DataConfig:
   # directory between runs to tokenize a corpus once.
   cache_dir: str = ""
   eos_token: str = ""  # document separator; empty = the tokenizer's usual end-of-text
+  # Held-out text for evaluation (eval.*): the last `eval_fraction` of the token
+  # stream (training uses the rest), or a separate source tokenized the same way.
+  eval_fraction: float = 0.0
+  eval_source: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  every: int = 0  # steps between evaluations of the held-out split; 0 = never
+  batches: int = 4  # global micro-batches (train.global_batch / grad_accum rows) per evaluation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +195,7 @@ class Config:
   offload: OffloadConfig = OffloadConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   data: DataConfig = DataConfig()
+  eval: EvalConfig = EvalConfig()
   distributed: DistributedConfig = DistributedConfig()
   seed: int = 0
 
@@ -341,9 +356,38 @@ def validate(cfg: Config) -> None:
       raise ConfigError(f"{key}={value} must be a positive device count or -1 (all remaining)")
   if cfg.mesh.replica == -1 and cfg.mesh.fsdp == -1:
     raise ConfigError("mesh.replica and mesh.fsdp cannot both be -1")
+  _check_tensor(cfg.mesh.tensor, cfg.model)
   if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
     raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+  _validate_eval(cfg)
   if cfg.offload.params == "pinned_host" and cfg.zero.resolved[0] != 3:
     raise ConfigError("offload.params=pinned_host needs ZeRO stage 3 (zero.stage=3 or "
                       "zero.strategy=FULL_SHARD/HYBRID_SHARD)")
 
+
+def _check_tensor(tensor: int, model) -> None:
+  """mesh.tensor must divide the heads, the MLP width and the vocabulary (the
+  KV heads are replicated across the tensor group when it does not divide them)."""
+  if tensor < 1:
+    raise ConfigError(f"mesh.tensor={tensor} must be a positive device count (1 = off)")
+  common = math.gcd(model.n_heads, model.mlp_dim, model.vocab_size)
+  if common % tensor:
+    valid = [d for d in range(1, common + 1) if common % d == 0]
+    raise ConfigError(
+        f"mesh.tensor={tensor} must divide model.n_heads={model.n_heads}, "
+        f"model.mlp_dim={model.mlp_dim} and model.vocab_size={model.vocab_size}; valid values: "
+        f"{', '.join(map(str, valid))}")
+
+
+def _validate_eval(cfg: Config) -> None:
+  d, e = cfg.data, cfg.eval
+  if not 0 <= d.eval_fraction < 1:
+    raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
+  if d.eval_fraction and d.eval_source:
+    raise ConfigError("data.eval_fraction and data.eval_source both name a held-out split; "
+                      "set one")
+  if e.every < 0 or e.batches < 1:
+    raise ConfigError(f"eval.every={e.every} must be >= 0 and eval.batches={e.batches} >= 1")
+  if e.every and not (d.eval_fraction or d.eval_source):
+    raise ConfigError(f"eval.every={e.every} needs a held-out split: set data.eval_fraction "
+                      "(e.g. 0.01) or data.eval_source")

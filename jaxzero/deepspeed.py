@@ -67,6 +67,7 @@ UNNEEDED_TOP = {
     "checkpoint": _RESHARD,
     "compile": "every step is compiled by XLA",
     "aio": "NVMe-tier I/O; the NVMe tier is not available",
+    "tensorboard": "jaxzero always writes TensorBoard events to WORKDIR/tb/",
 }
 UNNEEDED_ACTIVATIONS = {
     "partition_activations": "activations are sharded over the batch at layer boundaries",
@@ -76,9 +77,10 @@ UNNEEDED_ACTIVATIONS = {
     "profile": "remat.policy decides what each layer keeps",
 }
 # Blocks jaxzero knows but cannot honour when enabled: key -> why.
-MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger")
+MONITORS = ("wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger")
 REFUSED_WHEN_ENABLED = {
-    **{k: "is not available; jaxzero writes WORKDIR/metrics.jsonl" for k in MONITORS},
+    **{k: "is not available; jaxzero writes WORKDIR/metrics.jsonl and TensorBoard events in "
+          "WORKDIR/tb/" for k in MONITORS},
     "amp": "(NVIDIA Apex AMP) is not available; use bf16",
     "elasticity": "(elastic batch sizes) is not available",
 }
@@ -336,7 +338,7 @@ def _batch(tr: Translation, ds: dict, base: config_lib.Config) -> None:
   """
   t = base.train
   mesh_cfg = tr.apply(base).mesh
-  world = mesh_lib.devices_needed(mesh_cfg) or None
+  world = mesh_lib.data_parallel_needed(mesh_cfg) or None
   base_micro = (t.global_batch // (world * t.grad_accum)
                 if world and t.global_batch % (world * t.grad_accum) == 0 else None)
   names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

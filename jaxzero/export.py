@@ -7,10 +7,16 @@ Writes a training checkpoint as a Hugging Face Llama model directory
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import pathlib
+import shutil
 import sys
 
 from jaxzero import cli
+
+log = logging.getLogger(__name__)
 
 
 def main(argv=None) -> int:
@@ -33,10 +39,52 @@ def main(argv=None) -> int:
     from jaxzero import hf_export  # pylint: disable=import-outside-toplevel
     done = hf_export.export_hf(args.workdir, args.out, step=args.step, dtype=args.dtype,
                            max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"exported step {done.step} ({done.dtype}, {len(done.files)} safetensors files) "
-          f"to {done.out}")
+    tokenizer = copy_tokenizer(args.workdir, done.out)
+    print(f"exported step {done.step} ({done.dtype}, {len(done.files)} safetensors files"
+          + (f", tokenizer files {', '.join(tokenizer)}" if tokenizer else "")
+          + f") to {done.out}")
 
   return cli.run_main("jaxzero.export", body)
+
+
+# The Hugging Face tokenizer files AutoTokenizer reads, beside tokenizer.json.
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer(workdir, out) -> list[str]:
+  """Copies the run's Hugging Face tokenizer (data.tokenizer, as recorded in
+  WORKDIR/config.json) into the export, so AutoTokenizer.from_pretrained(out)
+  works; returns the files copied. A byte-level run has none to copy (token id =
+  byte value); so has a workdir from before config.json was written.
+  """
+  recorded = pathlib.Path(workdir) / "config.json"
+  if not recorded.is_file():
+    log.warning("%s has no config.json (a run from before it was written): the tokenizer is "
+                "not exported", workdir)
+    return []
+  name = json.loads(recorded.read_text(encoding="utf-8"))["data"]["tokenizer"]
+  if name == "byte":
+    log.info("the run used the byte-level tokenizer (token id = byte value): no tokenizer files")
+    return []
+  path = pathlib.Path(name).expanduser()
+  source = path / "tokenizer.json" if path.is_dir() else path
+  if not source.is_file():
+    log.warning("the run's data.tokenizer=%s no longer exists: the tokenizer is not exported",
+                name)
+    return []
+  out = pathlib.Path(out)
+  shutil.copyfile(source, out / "tokenizer.json")
+  copied = ["tokenizer.json"]
+  for side in TOKENIZER_SIDE_FILES:
+    if (source.parent / side).is_file():
+      shutil.copyfile(source.parent / side, out / side)
+      copied.append(side)
+  if "tokenizer_config.json" not in copied:
+    # AutoTokenizer needs a class; the fast tokenizer reads tokenizer.json as is.
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+    copied.append("tokenizer_config.json")
+  return copied
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -42,11 +43,14 @@ def main(argv=None) -> int:
   parser.add_argument("--devices-per-proc", type=int, default=1,
                       help="virtual CPU devices per process, for meshes sized -1; a mesh that "
                            "names its size is shared evenly by the processes")
-  args = parser.parse_args(own)
+  hint = "put the jaxzero.train arguments after --, e.g. -- --config configs/tiny_zero3.py"
+  args, unknown = parser.parse_known_args(own)
+  if unknown:  # jaxzero.train's arguments without the --
+    parser.error(f"{' '.join(unknown)} is not a jaxzero.launch argument; {hint}")
   if args.nproc < 1 or args.devices_per_proc < 1:
     parser.error("--nproc and --devices-per-proc must be at least 1")
   if train_args is None:
-    parser.error("put the jaxzero.train arguments after --, e.g. -- --config configs/tiny_zero3.py")
+    parser.error(hint)
   return Launch(args.nproc, args.devices_per_proc, train_args).run()
 
 
@@ -174,10 +178,21 @@ class Launch:
     return code if code > 0 else 128 - code
 
 
+# gloo (C++) prints this on stdout for every communicator it connects, several
+# times per process; it says nothing a user can act on.
+_GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+                           r"Expected number of connected peer ranks is : \d+")
+
+
 def _pump(stream, sink, prefix: str, tail) -> None:
-  """Copies a child's stream line by line with its rank, keeping the last lines."""
+  """Copies a child's stream line by line with its rank, keeping the last lines;
+  gloo's connection chatter is dropped (it can land in the middle of a line)."""
   for line in stream:
     line = line.rstrip("\n")
+    if "[Gloo]" in line:
+      line = _GLOO_CHATTER.sub("", line)
+      if not line.strip():
+        continue
     if tail is not None:
       tail.append(line)
     sink.write(f"{prefix}{line}\n")

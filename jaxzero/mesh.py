@@ -1,5 +1,10 @@
-"""The named device mesh ``(replica, fsdp)``: how many devices, their shape and
-order, the batch arithmetic over them, and virtual CPU devices for laptops.
+"""The named device mesh ``(replica, fsdp, tensor)``: how many devices, their
+shape and order, the batch arithmetic over them, and virtual CPU devices for
+laptops.
+
+``replica`` and ``fsdp`` are the data axes: the batch is split over them and
+ZeRO shards the state over them. ``tensor`` is innermost (it stays inside a
+host, on NVLink): Megatron-style tensor and sequence parallelism (zero.py).
 
 Second stop of the config's path (after ``config``, before ``zero``): the
 ``mesh`` and ``train`` sections become a mesh and a per-device micro-batch.
@@ -11,7 +16,9 @@ from __future__ import annotations
 
 from jaxzero.errors import ConfigError
 
-AXES = ("replica", "fsdp")
+AXES = ("replica", "fsdp")  # the data-parallel axes
+TENSOR = "tensor"
+MESH_AXES = (*AXES, TENSOR)
 
 
 def use_virtual_cpu_devices(n: int, *, exact: bool = False) -> None:
@@ -37,21 +44,36 @@ def use_virtual_cpu_devices(n: int, *, exact: bool = False) -> None:
 def devices_needed(mesh_cfg) -> int:
   """Devices a MeshConfig asks for, or 0 when it takes 'all remaining'."""
   replica, fsdp = mesh_cfg.replica, mesh_cfg.fsdp
-  return replica * fsdp if replica > 0 and fsdp > 0 else 0
+  return replica * fsdp * mesh_cfg.tensor if replica > 0 and fsdp > 0 else 0
 
 
-def resolve_shape(mesh_cfg, n_devices: int) -> tuple[int, int]:
-  """(replica, fsdp) for `n_devices`, resolving -1; raises if they do not fit."""
-  replica, fsdp = mesh_cfg.replica, mesh_cfg.fsdp
+def data_parallel_needed(mesh_cfg) -> int:
+  """Data-parallel devices (replica x fsdp) a MeshConfig asks for, or 0 for 'all remaining'."""
+  return devices_needed(mesh_cfg) // mesh_cfg.tensor
+
+
+def divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
+  """(replica, fsdp, tensor) for `n_devices`, resolving -1; raises if they do not fit."""
+  replica, fsdp, tensor = mesh_cfg.replica, mesh_cfg.fsdp, mesh_cfg.tensor
+  if n_devices % tensor:
+    raise ConfigError(f"mesh.tensor={tensor} does not divide the {n_devices} devices; "
+                      f"valid values: {', '.join(map(str, divisors(n_devices)))}")
+  n_data = n_devices // tensor
   if replica == -1:
-    replica = n_devices // fsdp if n_devices % fsdp == 0 else 0
+    replica = n_data // fsdp if n_data % fsdp == 0 else 0
   if fsdp == -1:
-    fsdp = n_devices // replica if n_devices % replica == 0 else 0
-  if replica * fsdp != n_devices or replica < 1 or fsdp < 1:
+    fsdp = n_data // replica if n_data % replica == 0 else 0
+  if replica * fsdp != n_data or replica < 1 or fsdp < 1:
+    tensor_part = f" x mesh.tensor={tensor}" if tensor > 1 else ""
     raise ConfigError(
-        f"mesh.replica={mesh_cfg.replica} x mesh.fsdp={mesh_cfg.fsdp} does not fit {n_devices} "
-        f"devices; the product must equal the device count (use -1 for 'all remaining')")
-  return replica, fsdp
+        f"mesh.replica={mesh_cfg.replica} x mesh.fsdp={mesh_cfg.fsdp}{tensor_part} does not fit "
+        f"{n_devices} devices; the product must equal the device count (use -1 for 'all "
+        f"remaining')")
+  return replica, fsdp, tensor
 
 
 def micro_batch(train_cfg, n_data_parallel: int) -> int:
@@ -65,19 +87,39 @@ def micro_batch(train_cfg, n_data_parallel: int) -> int:
   return train_cfg.global_batch // per_step
 
 
-def make_mesh(replica: int, fsdp: int, devices=None):
-  """A mesh over `devices` (default: all), ordered by the hardware's topology.
+def make_mesh(replica: int, fsdp: int, devices=None, tensor: int = 1):
+  """A mesh ``(replica, fsdp, tensor)`` over `devices` (default: all), ordered
+  by the hardware's topology.
 
   ``jax.make_mesh`` puts devices that share the fast links (a node's NVLink)
-  next to each other along the innermost axis, ``fsdp``. Axes are Auto:
-  XLA's sharding propagation decides the layouts between our annotations.
+  next to each other along the innermost axes, ``tensor`` then ``fsdp``. A
+  tensor group must lie inside one process (its collectives run every layer);
+  one that would span processes is an error. Axes are Auto: XLA's sharding
+  propagation decides the layouts between our annotations.
   """
   import jax  # pylint: disable=import-outside-toplevel
   from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
 
   devices = list(jax.devices() if devices is None else devices)
-  if replica * fsdp != len(devices):
-    raise ConfigError(f"mesh {replica}x{fsdp} needs {replica * fsdp} devices, "
+  if replica * fsdp * tensor != len(devices):
+    raise ConfigError(f"mesh {replica}x{fsdp}x{tensor} needs {replica * fsdp * tensor} devices, "
                       f"got {len(devices)}")
-  return jax.make_mesh((replica, fsdp), AXES, axis_types=(AxisType.Auto, AxisType.Auto),
+  mesh = jax.make_mesh((replica, fsdp, tensor), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
                        devices=devices)
+  check_tensor_groups(mesh.devices.reshape(-1, tensor))
+  return mesh
+
+
+def check_tensor_groups(groups) -> None:
+  """Raises ConfigError when a tensor group (a row of `groups`, devices with a
+  ``process_index``) spans processes: its collectives run every layer."""
+  processes = [[d.process_index for d in group] for group in groups]
+  if all(len(set(p)) == 1 for p in processes):
+    return
+  per_process = {}
+  for p in (i for group in processes for i in group):
+    per_process[p] = per_process.get(p, 0) + 1
+  local = min(per_process.values())
+  raise ConfigError(f"mesh.tensor={len(processes[0])} would span processes (a tensor group must "
+                    f"stay inside one process of {local} devices); valid values: "
+                    f"{', '.join(map(str, divisors(local)))}")

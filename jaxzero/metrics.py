@@ -1,7 +1,13 @@
-"""Metrics: ``metrics.jsonl`` in the workdir and a progress bar, from process 0 only.
+"""Metrics: ``metrics.jsonl``, TensorBoard events and the screen, from process 0 only.
 
-Step metrics stay on the device until a logged step, where the loop syncs with
-the host anyway; a resumed run first drops records past its checkpoint.
+Every step gets a record with its own loss, gradient norm, learning rate and
+timing. The loop never waits on the step it just dispatched: it waits on the
+one before (the device always has the next step queued), and a step's time is
+from the moment the previous step's result was ready to the moment its own
+was. Records reach the file, TensorBoard and the screen at logged steps
+(``train.log_every``, evaluations, the end), where the loop syncs with the host
+anyway. On a terminal the screen shows a progress bar; otherwise (a cluster
+log, a pipe, ``--no-progress``) one plain line per logged step.
 """
 
 from __future__ import annotations
@@ -10,74 +16,183 @@ import json
 import logging
 import math
 import pathlib
+import sys
 import time
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxzero import throughput
+
 log = logging.getLogger(__name__)
+
+TB_DIR = "tb"
+# metrics.jsonl field -> TensorBoard tag.
+TB_TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
+           "tokens_per_sec": "perf/tokens_per_sec", "step_time_s": "perf/step_time_s",
+           "tflops": "perf/model_tflops", "mfu": "perf/mfu",
+           "device_memory_bytes": "memory/device_bytes_in_use",
+           "host_rss_bytes": "memory/host_rss_bytes",
+           "eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity"}
+
+
+def use_progress_bar(progress: bool) -> bool:
+  """A bar only when asked for and both streams are terminals; else plain lines."""
+  return progress and sys.stdout.isatty() and sys.stderr.isatty()
 
 
 class MetricsLogger:
-  """Appends one JSON object per logged step and drives a tqdm progress bar."""
+  """Writes records to metrics.jsonl and TensorBoard, and shows logged steps."""
 
   def __init__(self, workdir: pathlib.Path, total_steps: int, start: int = 0,
-               enabled: bool = True):
+               progress: bool = True, tensorboard: bool = True):
     self.history: list[dict] = []
     self.is_main = jax.process_index() == 0
-    self._file = None
-    self._bar = None
-    if self.is_main:
-      workdir.mkdir(parents=True, exist_ok=True)
-      self._file = open(workdir / "metrics.jsonl", "a", encoding="utf-8")
-      self._bar = tqdm(total=total_steps, initial=start, unit="step", disable=not enabled,
-                       dynamic_ncols=True)
-
-  def log(self, record: dict) -> None:
-    self.history.append(record)
+    self.total_steps = total_steps
+    self._file = self._bar = self._tb = None
     if not self.is_main:
       return
-    self._file.write(json.dumps(record) + "\n")
+    workdir.mkdir(parents=True, exist_ok=True)
+    self._file = open(workdir / "metrics.jsonl", "a", encoding="utf-8")
+    if use_progress_bar(progress):
+      self._bar = tqdm(total=total_steps, initial=start, unit="step", dynamic_ncols=True)
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      # purge_step: TensorBoard hides events a run logged past the step it resumes from.
+      self._tb = SummaryWriter(str(workdir / TB_DIR), purge_step=start or None, flush_secs=30)
+
+  def log(self, records: list[dict]) -> None:
+    """Writes `records` (consecutive steps) and shows the last, a logged step."""
+    self.history.extend(records)
+    if not self.is_main or not records:
+      return
+    for record in records:
+      self._file.write(json.dumps(record) + "\n")
+      if self._tb is not None:
+        for key, tag in TB_TAGS.items():
+          if record.get(key) is not None:
+            self._tb.add_scalar(tag, record[key], record["step"])
     self._file.flush()
-    self._bar.set_postfix(loss=f"{record['loss']:.4f}",
-                          tok_s=f"{record['tokens_per_sec']:,.0f}", refresh=False)
-    self._bar.update(record["step"] - self._bar.n)
+    last = records[-1]
+    if self._bar is None:
+      print(format_line(last, self.total_steps), flush=True)
+      return
+    postfix = {"loss": f"{last['loss']:.4f}", "tok_s": f"{last['tokens_per_sec']:,.0f}"}
+    if last.get("mfu") is not None:
+      postfix["mfu"] = f"{last['mfu']:.1%}"
+    if last.get("eval_loss") is not None:
+      postfix["eval"] = f"{last['eval_loss']:.4f}"
+    self._bar.set_postfix(postfix, refresh=False)
+    self._bar.update(last["step"] - self._bar.n)
+
+  def log_initial_eval(self, result: dict) -> None:
+    """The held-out loss before the first step: TensorBoard's step 0 and one line
+    (metrics.jsonl holds trained steps only)."""
+    if not self.is_main:
+      return
+    if self._tb is not None:
+      for key in ("eval_loss", "eval_perplexity"):
+        self._tb.add_scalar(TB_TAGS[key], result[key], 0)
+    line = (f"step 0/{self.total_steps} | eval loss {result['eval_loss']:.4f} "
+            f"(ppl {result['eval_perplexity']:.2f})")
+    if self._bar is None:
+      print(line, flush=True)
+    else:
+      self._bar.write(line)
 
   def close(self) -> None:
     if self.is_main:
-      self._bar.close()
+      if self._bar is not None:
+        self._bar.close()
+      if self._tb is not None:
+        self._tb.close()
       self._file.close()
 
 
-class PendingMetrics:
-  """Step metrics held on device until the next logged step: fetching them is
-  the loop's only host sync."""
+def format_line(r: dict, total_steps: int) -> str:
+  """One plain log line for a record, e.g. for a cluster's log file."""
+  width = len(str(total_steps))
+  parts = [f"step {r['step']:>{width}}/{total_steps}", f"loss {r['loss']:.4f}",
+           f"grad norm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
+           f"{r['tokens_per_sec']:,.0f} tok/s", f"{r['step_time_s']:.3f} s/step",
+           f"{r['tflops']:.3g} TFLOP/s"]
+  if r.get("mfu") is not None:
+    parts.append(f"MFU {r['mfu']:.1%}")
+  if r.get("device_memory_bytes") is not None:
+    parts.append(f"device mem {r['device_memory_bytes'] / 1e9:.2f} GB")
+  elif r.get("host_rss_bytes") is not None:
+    parts.append(f"host mem {r['host_rss_bytes'] / 1e9:.2f} GB")
+  if r.get("eval_loss") is not None:
+    parts.append(f"eval loss {r['eval_loss']:.4f} (ppl {r['eval_perplexity']:.2f})")
+  if r.get("nonfinite"):
+    parts.append("NON-FINITE: update skipped")
+  return " | ".join(parts)
 
-  def __init__(self, logger: MetricsLogger, tokens_per_step: int):
+
+class PendingMetrics:
+  """Step metrics held on device until the next logged step, each step timed.
+
+  `add` waits for the step before the one just dispatched, so the device
+  always has work queued and the wait costs nothing; the time it returns is
+  that step's end.
+  """
+
+  def __init__(self, logger: MetricsLogger, tokens_per_step: int, flops_per_token: float,
+               devices):
     self._logger = logger
     self._tokens_per_step = tokens_per_step
-    self._pending = []
-    self._last_time = time.perf_counter()
+    self._flops_per_step = flops_per_token * tokens_per_step
+    peak = throughput.device_peak_tflops(devices[0])
+    self._peak_flops = peak * 1e12 * len(devices) if peak else None
+    self._local_devices = [d for d in devices if d.process_index == jax.process_index()]
+    self._pending: list = []
+    self._ends: list[float] = []
+    self.restart_clock()
+
+  def restart_clock(self) -> None:
+    """The next step's time counts from now (after compiling, evaluating)."""
+    self._last_end = time.perf_counter()
 
   def add(self, metrics) -> None:
     self._pending.append(metrics)
+    if len(self._pending) >= 2:
+      jax.block_until_ready(self._pending[-2])
+      self._ends.append(time.perf_counter())
 
-  def log(self, done: int) -> list[dict]:
-    """Logs the pending steps, the last of which is step `done`; returns their records."""
+  def log(self, done: int, evaluate=None) -> list[dict]:
+    """Logs the pending steps, the last of which is step `done`; returns their records.
+
+    `evaluate()`, when given, runs after step `done` and its fields join that
+    step's record (its time is not any step's).
+    """
     if not self._pending:
       return []
     fetched = jax.device_get(self._pending)
-    now = time.perf_counter()
-    step_time = (now - self._last_time) / len(fetched)
-    self._last_time = now
-    records = [{"step": done - len(fetched) + 1 + offset,
+    self._ends.append(time.perf_counter())
+    extra = evaluate() if evaluate is not None else {}
+    records = []
+    previous = self._last_end
+    for offset, (m, end) in enumerate(zip(fetched, self._ends)):
+      step_time = max(end - previous, 1e-9)
+      previous = end
+      record = {"step": done - len(fetched) + 1 + offset,
                 **{k: float(np.asarray(v)) for k, v in m.items()},
+                "step_time_s": step_time,
                 "tokens_per_sec": self._tokens_per_step / step_time,
-                "step_time_s": step_time} for offset, m in enumerate(fetched)]
-    for record in records:
-      self._logger.log(record)
-    self._pending = []
+                "tflops": self._flops_per_step / step_time / 1e12}
+      if self._peak_flops:
+        record["mfu"] = self._flops_per_step / step_time / self._peak_flops
+      records.append(record)
+    memory = throughput.memory_in_use(self._local_devices)
+    if memory is not None:
+      records[-1][memory[0]] = memory[1]
+    records[-1].update(extra)
+    self._pending, self._ends = [], []
+    self._last_end = previous
+    if extra:
+      self.restart_clock()
+    self._logger.log(records)
     return records
 
 

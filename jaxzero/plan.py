@@ -15,15 +15,17 @@ from jaxzero import cli
 from jaxzero import comm as comm_lib
 from jaxzero import config as config_lib
 from jaxzero import mesh as mesh_lib
+from jaxzero import preflight
 
-DEFAULT_DEVICES = 8  # one GPU node, when the config's mesh takes "all remaining"
+DEFAULT_DEVICES = preflight.DEFAULT_DEVICES  # one GPU node, for a mesh of -1
 
 
 def main(argv=None) -> int:
   parser = cli.Parser(prog="jaxzero.plan", description="Per-device memory of each ZeRO stage.")
   cli.add_config_args(parser)
   parser.add_argument("--devices", type=int, help="devices to plan for (default: the config's "
-                      f"mesh, or {DEFAULT_DEVICES} when it says -1)")
+                      f"mesh; for -1, JAX_NUM_CPU_DEVICES or {DEFAULT_DEVICES}, as jaxzero.train "
+                      "resolves it on a CPU)")
   parser.add_argument("--hbm-gb", type=float, default=80.0,
                       help="device memory budget in GB (1e9 bytes); default 80 (H100)")
   parser.add_argument("--sweep", choices=("stages", "remat", "offload"), default="stages",
@@ -43,7 +45,8 @@ def main(argv=None) -> int:
     if args.hbm_gb <= 0:
       parser.error(f"--hbm-gb={args.hbm_gb:g} must be positive")
     cfg = config_lib.load(args.config, args.set)
-    n_devices = args.devices or mesh_lib.devices_needed(cfg.mesh) or DEFAULT_DEVICES
+    # The count jaxzero.train uses on a CPU for the same mesh (jaxzero.preflight).
+    n_devices = args.devices or preflight.devices_for(cfg.mesh)
     mesh_lib.resolve_shape(cfg.mesh, n_devices)  # a mesh that does not fit fails before JAX starts
     mesh_lib.use_virtual_cpu_devices(n_devices)
     from jaxzero import planner  # pylint: disable=import-outside-toplevel
@@ -93,7 +96,8 @@ def format_table(plan_, title: str) -> str:
   lines = [
       title,
       f"Φ = {_count(plan_.n_params)} parameters on {r0.devices} virtual CPU devices "
-      f"(mesh replica {r0.mesh[0]} x fsdp {r0.mesh[1]}); micro-batch {r0.micro_batch} x "
+      f"(mesh replica {r0.mesh[0]} x fsdp {r0.mesh[1]}"
+      f"{f' x tensor {r0.tensor}' if r0.tensor > 1 else ''}); micro-batch {r0.micro_batch} x "
       f"{r0.seq_len} tokens, grad_accum {r0.grad_accum}; budget {plan_.hbm_bytes / 1e9:g} GB",
       f"per device, in {unit}; state = params + grads + optimizer (fp32 master + Adam m, v), "
       f"N = sharding devices; activations = XLA temporaries (activations, gradient "

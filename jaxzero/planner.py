@@ -109,6 +109,7 @@ class Row:
   # With comm=True: every collective of the compiled step, counted the ZeRO way
   # (a jaxzero.comm.CommReport); None otherwise.
   comm_report: object = dataclasses.field(default=None, repr=False, compare=False)
+  tensor: int = 1  # mesh.tensor: `devices` = replica x fsdp x tensor
 
   @property
   def state_bytes(self) -> int:
@@ -224,12 +225,13 @@ def theory_state_bytes(cfg: Config, layout: Layout) -> tuple[int, str]:
   stage shards it. With bf16 compute and bf16 grads this is the paper's
   16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N for stages 0-3.
   """
-  phi, n = count_params(cfg.model), layout.shard_size
+  phi, n, t = count_params(cfg.model), layout.shard_size, layout.tensor_size
   per_param = bytes_per_param(cfg)
   sharded = sum(b for role, b in per_param.items() if role in SHARDED_ROLES[layout.stage])
   replicated = sum(per_param.values()) - sharded
   terms = ([f"{replicated}Φ"] if replicated else []) + ([f"{sharded}Φ/N"] if sharded else [])
-  return round(replicated * phi + sharded * phi / n), " + ".join(terms)
+  formula = " + ".join(terms) if t == 1 else f"({' + '.join(terms)})/T"  # T = mesh.tensor
+  return round((replicated * phi + sharded * phi / n) / t), formula
 
 
 # ----------------------------------------------------------------------------
@@ -312,9 +314,9 @@ def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant]
   variant's collectives (jaxzero.comm)."""
   t0 = time.perf_counter()
   devices = cpu_devices(n_devices)
-  replica, fsdp = mesh_lib.resolve_shape(cfg.mesh, n_devices)
-  cfg, notes = fit_batch_arithmetic(cfg, n_devices)
-  mesh = mesh_lib.make_mesh(replica, fsdp, devices)
+  replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, n_devices)
+  cfg, notes = fit_batch_arithmetic(cfg, replica * fsdp)
+  mesh = mesh_lib.make_mesh(replica, fsdp, devices, tensor)
   rows, compiles = [], 0
   for variant in variants(cfg, sweep, replica) if isinstance(sweep, str) else sweep:
     variant_cfg = variant.apply(cfg)
@@ -354,8 +356,8 @@ def _row(engine: step_lib.Engine, variant: Variant, stats, micro: int, hbm_bytes
   total = xla_total_bytes(stats)
   return Row(
       strategy=variant.strategy, stage=variant.stage, hybrid=variant.hybrid,
-      devices=layout.data_parallel_size, mesh=(layout.mesh.shape["replica"],
-                                               layout.mesh.shape["fsdp"]),
+      devices=layout.mesh.size, mesh=(layout.mesh.shape["replica"], layout.mesh.shape["fsdp"]),
+      tensor=layout.tensor_size,
       micro_batch=micro, grad_accum=cfg.train.grad_accum, seq_len=cfg.train.seq_len,
       remat=variant.remat, offload_optimizer=variant.offload_optimizer,
       offload_params=variant.offload_params,

@@ -231,9 +231,12 @@ def _make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformati
     local_layout = dataclasses.replace(layout, vmapped_axes=local_axes)
     grouped_grads = jax.vmap(lambda p, t: value_and_grad(p, t, local_layout, remat),
                              in_axes=(None, 0), spmd_axis_name=local_axes)
-    # Within a group, a gradient is whole (per device) or in its reduce layout.
+    # Within a group, a gradient is whole (per device; split over `tensor` as its
+    # weight is used) or in its reduce layout.
+    compute_sh = layout.tree_shardings(specs, "compute")
     accum_sh = jax.tree.map(
-        lambda s: local_sharding(layout, s.spec if layout.hybrid else P()), reduced_sh)
+        lambda r, c: local_sharding(layout, (r if layout.hybrid else c).spec), reduced_sh,
+        compute_sh)
     accum_shape = lambda p: (n_groups, *p.shape)
   else:
     accum_sh, accum_shape = reduced_sh, lambda p: p.shape
@@ -268,21 +271,26 @@ def _make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformati
           lambda g, sh: jax.lax.with_sharding_constraint(g.astype(reduce_dtype).sum(axis=0), sh)
           .astype(jnp.float32) / n_groups, grad_sum, master_on_device)
     # To the optimizer's layout: for stage 1 a reduce-scatter or a local slice.
-    grads = jax.lax.with_sharding_constraint(
+    # Widened to float32 where used (the norm; the update), never all at once.
+    as_f32 = lambda grad_sum: jax.lax.with_sharding_constraint(
         jax.tree.map(lambda g: g.astype(jnp.float32) / accum, grad_sum), master_on_device)
-    grad_norm = optax.tree.norm(grads)
+    grad_norm = optax.tree.norm(as_f32(grad_sum))
     loss = loss_sum / accum
     master = jax.device_put(state.master, master_on_device)
     opt_state = jax.device_put(state.opt_state, opt_on_device)
-    updates, new_opt_state = tx.update(grads, opt_state, master)
-    new_master = optax.apply_updates(master, updates)
     # A non-finite loss or gradient never reaches the state: the update is
     # dropped (every process computes the same global flag, so all agree) and
-    # the loop decides, by train.nonfinite, whether to stop or go on.
+    # the loop decides, by train.nonfinite, whether to stop or go on. A cond,
+    # not a select of new against old: the update then runs in place, without
+    # a second copy of the optimizer state (12Φ/N) among the temporaries.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    master = keep_if_finite(new_master, master)
-    opt_state = keep_if_finite(new_opt_state, opt_state)
+
+    def update(grad_sum, master, opt_state):
+      updates, opt_state = tx.update(as_f32(grad_sum), opt_state, master)
+      return optax.apply_updates(master, updates), opt_state
+
+    master, opt_state = jax.lax.cond(finite, update, lambda _, *old: old, grad_sum, master,
+                                     opt_state)
     compute = dtype_of(cfg.precision.compute)
     params = jax.tree.map(lambda w: w.astype(compute), master)
     new_state = TrainState(state.step + 1, params, master, opt_state)

@@ -1,16 +1,58 @@
 """python -m jaxzero.train --config PATH [--workdir DIR] [--steps N] [--set KEY=VALUE ...]
                           [--deepspeed ds_config.json] [--accelerate-config fsdp.yaml]
-                          [--resume] [--print-config]"""
+                          [--resume] [--resume-step N] [--force] [--no-progress]
+                          [--print-config]"""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import signal
 import sys
+import threading
 
-from jaxzero import cli, distributed
+# Only the standard library before main(): a Ctrl-C while JAX is imported is
+# caught there too.
+
+INTERRUPTED = 130  # exit code after Ctrl-C (128 + SIGINT), as shells report it
+
+
+INTERRUPTED_LINE = ("jaxzero.train: interrupted; the next run resumes from the last complete "
+                    "checkpoint, if any")
 
 
 def main(argv=None) -> int:
+  """Runs the command; Ctrl-C at any moment ends it with one line (exit code 130).
+
+  Ctrl-C during training stops at the next step boundary and saves that step
+  (jaxzero.preemption installs its own handler for the loop). Before the loop,
+  and for a second Ctrl-C, there is nothing to save: the process leaves at once.
+  A KeyboardInterrupt would not do: raised inside a garbage-collector callback
+  (JAX has one) Python ignores it, and start-up goes on.
+  """
+  in_main_thread = threading.current_thread() is threading.main_thread()
+  previous = signal.signal(signal.SIGINT, _leave_at_once) if in_main_thread else None
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:  # raised before the handler was in place
+    print(INTERRUPTED_LINE, file=sys.stderr, flush=True)
+    return INTERRUPTED
+  finally:
+    if in_main_thread:
+      signal.signal(signal.SIGINT, previous)
+
+
+def _leave_at_once(_signum, _frame) -> None:
+  print(INTERRUPTED_LINE, file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  # No `finally` needs to run: no save is in flight outside the loop, and the
+  # kernel releases the workdir lock. Other processes of the run get the same
+  # signal from the launcher or the scheduler.
+  os._exit(INTERRUPTED)  # pylint: disable=protected-access
+
+
+def _main(argv) -> int:
+  from jaxzero import cli, distributed  # pylint: disable=import-outside-toplevel
   parser = cli.Parser(prog="jaxzero.train", description="Train a Llama model with ZeRO/FSDP.")
   cli.add_config_args(parser)
   parser.add_argument("--deepspeed", metavar="ds_config.json",
@@ -22,9 +64,16 @@ def main(argv=None) -> int:
                       "(default: runs/<config name>)")
   parser.add_argument("--steps", type=int, help="stop after this step; the learning-rate "
                       "schedule still spans train.steps, so a later run can continue it")
-  parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  parser.add_argument("--no-progress", action="store_true",
+                      help="no progress bar: one plain line per logged step (the default when "
+                      "stdout is not a terminal)")
   parser.add_argument("--resume", action="store_true", help="fail unless --workdir has a "
                       "checkpoint (resuming from the latest one is automatic either way)")
+  parser.add_argument("--resume-step", type=int, metavar="N",
+                      help="resume from checkpoint N instead of the latest; later checkpoints "
+                      "are moved to checkpoints.damaged/ (nothing is deleted)")
+  parser.add_argument("--force", action="store_true",
+                      help="start even when the memory check says the run does not fit")
   parser.add_argument("--print-config", action="store_true", help="print the resolved config, "
                       "one KEY=VALUE per line (each usable as --set), and exit")
   args = parser.parse_args(argv)
@@ -38,24 +87,49 @@ def main(argv=None) -> int:
     distributed.initialize(cfg, prog=parser.prog)  # joins the other processes, if any
     if args.steps is not None and args.steps < 1:
       parser.error(f"--steps={args.steps} must be at least 1")
+    if args.resume_step is not None and args.resume_step < 0:
+      parser.error(f"--resume-step={args.resume_step} must be a checkpoint's step (>= 0)")
     workdir = pathlib.Path(args.workdir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
     from jaxzero import trainer  # pylint: disable=import-outside-toplevel
     outcome = trainer.run_training(cfg, workdir, steps=args.steps, progress=not args.no_progress,
-                                   require_checkpoint=args.resume)
+                                   require_checkpoint=args.resume, resume_step=args.resume_step,
+                                   force=args.force)
     import jax  # pylint: disable=import-outside-toplevel
     if jax.process_index() != 0:
       return
-    history = outcome.history
-    if history:
-      first, last = history[0], history[-1]
-      print(f"trained to step {last['step']}: loss {first['loss']:.4f} -> {last['loss']:.4f}; "
-            f"metrics in {workdir / 'metrics.jsonl'}")
-    if outcome.stopped_by:
-      print(f"stopped by {outcome.stopped_by} at step {outcome.step}; ", end="")
-    print(f"checkpoint of step {outcome.step} in {outcome.checkpoint}")
+    print(summary(outcome, workdir, args.steps, cfg.train.steps))
 
   return cli.run_main("jaxzero.train", body)
 
 
+def summary(outcome, workdir: pathlib.Path, steps: int | None, train_steps: int) -> str:
+  """The last lines of a run: what it reached, where it is saved, how to go on."""
+  if outcome.finished:
+    asked = f"--steps {steps}" if steps is not None else f"train.steps={train_steps}"
+    return (f"nothing to do: {workdir} is already at step {outcome.step} ({asked}); checkpoint "
+            f"in {outcome.checkpoint}. To train further, run again with a higher "
+            f"--set train.steps=N (the learning-rate schedule then spans N steps) or --steps N "
+            f"(up to train.steps), or choose a new --workdir to start over")
+  lines = []
+  history = outcome.history
+  if history:
+    first, last = history[0], history[-1]
+    lines.append(f"trained to step {last['step']}: loss {first['loss']:.4f} -> "
+                 f"{last['loss']:.4f}; metrics in {workdir / 'metrics.jsonl'}, TensorBoard: "
+                 f"tensorboard --logdir {workdir}")
+  stopped = f"stopped by {outcome.stopped_by} at step {outcome.step}; " if outcome.stopped_by else ""
+  lines.append(f"{stopped}checkpoint of step {outcome.step} in {outcome.checkpoint}")
+  return "\n".join(lines)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  _code = main()
+  if _code == INTERRUPTED:
+    # Leave at once, the `finally` blocks (checkpoint saves, the workdir lock)
+    # having run: threads cut off mid-import or mid-compile can hang or crash
+    # the interpreter's shutdown, and other processes would wait at JAX's exit
+    # barrier.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)  # pylint: disable=protected-access
+  sys.exit(_code)

@@ -17,11 +17,15 @@ import time
 import jax
 from orbax.checkpoint import multihost
 
+from jaxzero import banner
 from jaxzero import batches as batches_lib
 from jaxzero import checkpoint as checkpoint_lib
+from jaxzero import evaluation
 from jaxzero import hf_io
 from jaxzero import mesh as mesh_lib
+from jaxzero import preflight
 from jaxzero import step as step_lib
+from jaxzero import throughput
 from jaxzero import tokens as tokens_lib
 from jaxzero import workdir as workdir_lib
 from jaxzero.config import Config
@@ -43,6 +47,11 @@ class Run:
   layout: Layout
   engine: step_lib.Engine
   batches: batches_lib.Batches
+  eval_batches: evaluation.EvalBatches | None = None  # the held-out split, if any
+
+  @property
+  def devices(self) -> list:
+    return list(self.layout.mesh.devices.flat)
 
   def batch(self, step: int) -> jax.Array:
     """The batch of `step` as one global array; each process supplies only its rows."""
@@ -56,14 +65,20 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
   `workdir` holds the token cache of file data sources (unless data.cache_dir).
   """
   devices = list(jax.devices() if devices is None else devices)
-  replica, fsdp = mesh_lib.resolve_shape(cfg.mesh, len(devices))
-  layout = Layout.from_config(cfg, mesh_lib.make_mesh(replica, fsdp, devices))
+  replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, len(devices))
+  layout = Layout.from_config(cfg, mesh_lib.make_mesh(replica, fsdp, devices, tensor))
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
+  progress = progress and jax.process_index() == 0
   source = tokens_lib.open_tokens(cfg.data, workdir, model_vocab_size=cfg.model.vocab_size,
-                                  progress=progress and jax.process_index() == 0)
-  batches = batches_lib.Batches(source.tokens, cfg.train.seq_len, cfg.train.grad_accum,
+                                  progress=progress)
+  tokens, held_out = evaluation.split(source.tokens, cfg.data)
+  if cfg.data.eval_source:
+    held_out = evaluation.open_eval_source(cfg.data, workdir, progress=progress,
+                                           model_vocab_size=cfg.model.vocab_size)
+  batches = batches_lib.Batches(tokens, cfg.train.seq_len, cfg.train.grad_accum,
                                 micro * layout.data_parallel_size, cfg.seed, order=source.order)
-  return Run(cfg, layout, step_lib.Engine(cfg, layout), batches)
+  eval_batches = None if held_out is None else evaluation.make_eval_batches(cfg, held_out)
+  return Run(cfg, layout, step_lib.Engine(cfg, layout), batches, eval_batches)
 
 
 @dataclasses.dataclass
@@ -74,6 +89,7 @@ class Outcome:
   step: int  # the step the state reached
   checkpoint: pathlib.Path  # where the state of `step` is saved
   stopped_by: str | None = None  # the signal that stopped it early, e.g. "SIGTERM"
+  finished: bool = False  # the workdir was already at (or past) the step asked for
 
 
 def train(cfg: Config, workdir: str | pathlib.Path, steps: int | None = None,
@@ -83,24 +99,29 @@ def train(cfg: Config, workdir: str | pathlib.Path, steps: int | None = None,
 
 
 def run_training(cfg: Config, workdir: str | pathlib.Path, steps: int | None = None,
-                 devices=None, progress: bool = True, require_checkpoint: bool = False
-                 ) -> Outcome:
-  """Resumes from the latest checkpoint in `workdir` (or starts afresh) and
-  trains up to step `steps` (default train.steps).
+                 devices=None, progress: bool = True, require_checkpoint: bool = False,
+                 resume_step: int | None = None, force: bool = False) -> Outcome:
+  """Resumes from the latest checkpoint in `workdir` (or `resume_step`, or starts
+  afresh) and trains up to step `steps` (default train.steps).
 
-  Saves every `checkpoint.every` steps and at the end. SIGTERM or SIGINT during
-  training stops it at the next step boundary, with that step saved; it then
-  returns normally.
+  Before the state is created, checks that the run fits the devices' memory
+  (jaxzero.preflight; `force` goes on anyway), prints the start-up banner and
+  writes WORKDIR/config.json. Saves every `checkpoint.every` steps and at the
+  end. SIGTERM or SIGINT during training stops it at the next step boundary,
+  with that step saved; it then returns normally. A workdir already at `steps`
+  (its checkpoint verified as for a resume) trains nothing (Outcome.finished).
   """
   workdir = pathlib.Path(workdir)
   # Before anything is built: a bad path or a second run costs one line, not a compile.
   workdir_lib.check_paths(cfg, workdir)
   with workdir_lib.hold(workdir):
-    return _run_locked(cfg, workdir, steps, devices, progress, require_checkpoint)
+    return _run_locked(cfg, workdir, steps, devices, progress, require_checkpoint, resume_step,
+                       force)
 
 
 def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, progress: bool,
-                require_checkpoint: bool) -> Outcome:
+                require_checkpoint: bool, resume_step: int | None = None,
+                force: bool = False) -> Outcome:
   """run_training's body, with the workdir checked and locked."""
   total = steps if steps is not None else cfg.train.steps
   checkpoints = checkpoint_lib.Checkpointer(
@@ -108,28 +129,38 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
       checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed))
   stop = StopSignals()
   try:
-    if require_checkpoint and checkpoints.latest_step() is None:
+    latest = checkpoints.latest_step()
+    if require_checkpoint and latest is None:
       raise CheckpointError(
           f"--resume: there is no checkpoint to resume in {checkpoints.directory}")
-    if cfg.init.hf_checkpoint and checkpoints.latest_step() is None:
+    if cfg.init.hf_checkpoint and latest is None:
       # A mismatched preset fails before tokenizing or compiling. With a
       # checkpoint the run resumes from it and the HF weights are not read.
       hf_io.check_matches(cfg.model, cfg.init.hf_checkpoint)
     run = build(cfg, devices, workdir, progress)
-    state = _restore_or_init(run, checkpoints)
+    budget = preflight.check(run.engine, run.devices, force)  # before any state exists
+    if jax.process_index() == 0:
+      print(banner.text(run, budget, workdir, total), flush=True)
+    state = _restore_or_init(run, checkpoints, resume_step)
     start = int(state.step)
+    if jax.process_index() == 0:  # once the restore succeeded: a refused run changes nothing
+      banner.write_config(cfg, workdir)
+    if resume_step is not None:
+      _set_aside_later(checkpoints, start)
     drop_metrics_after(workdir / "metrics.jsonl", start)
     history = []
     if start < total:
+      evaluator = (evaluation.Evaluator(run.engine, run.eval_batches, state)
+                   if run.eval_batches is not None and cfg.eval.every else None)
       compiled = _compile(run, state, start)
       with stop:
         state, history = _train_steps(run, compiled, state, start, total, workdir, checkpoints,
-                                      stop, progress)
+                                      stop, progress, evaluator)
     step = int(state.step)
     saved = checkpoints.save(step, state, wait=True)
   finally:
     checkpoints.close()  # waits for saves still in flight
-  return Outcome(history, start, step, saved, stop.received)
+  return Outcome(history, start, step, saved, stop.received, finished=start >= total)
 
 
 def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
@@ -184,6 +215,14 @@ def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,
   return state
 
 
+def _set_aside_later(checkpoints: checkpoint_lib.Checkpointer, start: int) -> None:
+  """After --resume-step: checkpoints past it belong to the abandoned history;
+  moved aside (nothing is deleted) so that the run saves those steps anew."""
+  for later in [s for s in checkpoints.all_steps() if s > start]:
+    log.warning("--resume-step %d: moved checkpoint %d to %s", start, later,
+                checkpoints.set_aside(later))
+
+
 def _compile(run: Run, state, start: int):
   t0 = time.perf_counter()
   compiled = run.engine.train_step.lower(state, run.batch(start)).compile()
@@ -197,26 +236,39 @@ def _compile(run: Run, state, start: int):
 
 
 def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pathlib.Path,
-                 checkpoints: checkpoint_lib.Checkpointer, stop: StopSignals, progress: bool):
-  """Steps `start`..`total` (or until a stop signal); returns (state, logged metrics)."""
+                 checkpoints: checkpoint_lib.Checkpointer, stop: StopSignals, progress: bool,
+                 evaluator: evaluation.Evaluator | None = None):
+  """Steps `start`..`total` (or until a stop signal); returns (state, logged metrics).
+
+  Evaluates the held-out split before the first step, every eval.every steps
+  and at `total`.
+  """
   cfg = run.cfg
-  logger = MetricsLogger(workdir, total_steps=total, start=start, enabled=progress)
-  metrics = PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len)
+  logger = MetricsLogger(workdir, total_steps=total, start=start, progress=progress)
+  metrics = PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len,
+                           throughput.model_flops_per_token(cfg.model, cfg.train.seq_len),
+                           run.devices)
   guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_nonfinite, checkpoints)
   done = start
-  for step in range(start, total):
-    state, step_metrics = compiled(state, run.batch(step))
-    metrics.add(step_metrics)
-    done = step + 1
-    logged = done % cfg.train.log_every == 0 or done == total
-    if logged:
-      guard.check(metrics.log(done))
-    if stop.agreed(at_sync_point=logged):
-      break
-    if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < total:
-      checkpoints.save(done, state)  # asynchronous: training goes on while it is written
-  guard.check(metrics.log(done))
-  logger.close()
+  try:
+    if evaluator is not None and start == 0:
+      logger.log_initial_eval(evaluator(state))
+      metrics.restart_clock()
+    for step in range(start, total):
+      state, step_metrics = compiled(state, run.batch(step))
+      metrics.add(step_metrics)
+      done = step + 1
+      evaluate = evaluator is not None and (done % cfg.eval.every == 0 or done == total)
+      logged = done % cfg.train.log_every == 0 or done == total or evaluate
+      if logged:
+        guard.check(metrics.log(done, (lambda: evaluator(state)) if evaluate else None))
+      if stop.agreed(at_sync_point=logged):
+        break
+      if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < total:
+        checkpoints.save(done, state)  # asynchronous: training goes on while it is written
+    guard.check(metrics.log(done))
+  finally:
+    logger.close()
   return state, logger.history
 
 

@@ -14,6 +14,18 @@ sharded across the data-parallel devices. XLA inserts the collectives:
 Hybrid (HYBRID_SHARD, HYBRID_SHARD_ZERO2) shards over the ``fsdp`` mesh axis
 only and replicates over ``replica``. The batch is always split over both.
 
+The ``tensor`` mesh axis adds Megatron's splits on top of every stage, as
+rules on logical axes: a weight is split over ``tensor`` along its first of
+``TENSOR_DIMS`` (q/k/v and the output projection by heads, gate/up/down by
+the MLP width, embedding and head by the vocabulary) in every role, compute
+layout included, while ZeRO's split stays on ``embed`` over the data axes;
+per-device state is the stage's figure divided by the tensor size. A weight
+``tensor`` leaves whole (norm gains; KV heads it does not divide, replicated
+across the tensor group as Megatron does) is sharded over the data axes and
+``tensor`` together in the roles the stage shards.
+Activations with one of those axes are split along it; the residual stream
+between blocks is split along the sequence (sequence parallelism).
+
 Inside a layer the weights use the *compute* layout (replicated over the data
 axes), so under stage 3 XLA all-gathers one layer at a time inside the scan.
 Their gradients leave in the *reduce* layout: sharded from stage 2 on, the
@@ -36,7 +48,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxzero.mesh import AXES
+from jaxzero.errors import ConfigError
+from jaxzero.mesh import AXES, TENSOR, divisors
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +67,10 @@ SHARDED_ROLES: dict[int, frozenset[str]] = {
 # the scan slices it, one layer per step.
 FSDP_DIM_PREFERENCE = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim")
 KNOWN_LOGICAL_AXES = frozenset(FSDP_DIM_PREFERENCE) | {"layers"}
+# Megatron's tensor-parallel dimensions, best first: a weight or activation is
+# split over `tensor` along the first it has. Only `kv_heads` may fall back
+# (KV heads replicated across the tensor group); the others must divide.
+TENSOR_DIMS = ("heads", "kv_heads", "mlp", "vocab")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +98,10 @@ class Layout:
     stage, hybrid = cfg.zero.resolved
     if hybrid and mesh.shape["replica"] == 1:
       log.warning("hybrid sharding with mesh.replica=1 is plain stage %d", stage)
+    tensor = mesh.shape.get(TENSOR, 1)
+    if cfg.model.n_kv_heads % tensor:
+      log.info("replicating the %d KV heads across each tensor group of %d (mesh.tensor does "
+               "not divide them), as Megatron does", cfg.model.n_kv_heads, tensor)
     return cls(mesh, stage, hybrid, params_memory=cfg.offload.params,
                optimizer_memory=cfg.offload.optimizer,
                reduce_dtype=cfg.zero.reduce_dtype or cfg.zero.grad_dtype)
@@ -92,6 +113,10 @@ class Layout:
   @property
   def shard_size(self) -> int:
     return math.prod(self.mesh.shape[a] for a in self.shard_axes)
+
+  @property
+  def tensor_size(self) -> int:
+    return self.mesh.shape.get(TENSOR, 1)
 
   @property
   def data_parallel_size(self) -> int:
@@ -140,14 +165,43 @@ class Layout:
     if unknown or len(logical_axes) != len(shape):
       raise ValueError(f"weight {name!r} has logical axes {logical_axes} for shape {shape}; "
                        f"each dimension needs one of {sorted(KNOWN_LOGICAL_AXES)}")
-    if not self.is_sharded(role) or self.shard_size == 1:
-      return P()
-    dim = shard_dim(shape, logical_axes, self.shard_size)
-    if dim is None:
-      log.info("replicating %s %s: no dimension divides the %d sharding devices", name, shape,
-               self.shard_size)
-      return P()
-    return P(*[self.shard_axes if i == dim else None for i in range(len(shape))])
+    axes: list = [None] * len(shape)
+    tensor_dim = self.tensor_dim(shape, logical_axes, name)
+    if tensor_dim is not None:
+      axes[tensor_dim] = TENSOR
+    if self.is_sharded(role):
+      # A leaf that `tensor` leaves whole (norm gains, replicated KV heads) is
+      # sharded over it as well: its gradient, a partial sum over the sequence
+      # shards, is then reduce-scattered over the whole group.
+      choices = [self.shard_axes]
+      if tensor_dim is None and self.tensor_size > 1:
+        choices.insert(0, (*self.shard_axes, TENSOR))
+      for mesh_axes in choices:
+        size = math.prod(self.mesh.shape[a] for a in mesh_axes)
+        dim = shard_dim(shape, logical_axes, size, skip=tensor_dim) if size > 1 else None
+        if dim is not None:
+          axes[dim] = mesh_axes
+          break
+      else:
+        if self.shard_size > 1:
+          log.info("replicating %s %s over the data axes: no dimension divides the %d sharding "
+                   "devices", name, shape, self.shard_size)
+    return P(*axes) if any(axes) else P()
+
+  def tensor_dim(self, shape: tuple[int, ...], logical_axes: tuple[str, ...],
+                 name: str = "?") -> int | None:
+    """The dimension `tensor` splits (Megatron's), or None (replicated over it)."""
+    t = self.tensor_size
+    for axis in TENSOR_DIMS if t > 1 else ():
+      if axis in logical_axes:
+        i = logical_axes.index(axis)
+        if shape[i] % t == 0:
+          return i
+        if axis == "kv_heads":
+          return None  # replicated across the tensor group (logged by from_config)
+        raise ConfigError(f"mesh.tensor={t} does not divide {name}'s {axis} dimension "
+                          f"({shape[i]}); valid values: {', '.join(map(str, divisors(shape[i])))}")
+    return None
 
   def sharding(self, spec: P, role: str) -> NamedSharding:
     return NamedSharding(self.mesh, spec, memory_kind=self.memory_kind(role))
@@ -169,19 +223,28 @@ class Layout:
     return NamedSharding(self.mesh, P(*([None] * leading_dims), AXES, None))
 
   def shard_activation(self, x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
-    """The model's `shard` hook: batch over the data axes, nothing else split."""
+    """The model's `shard` hook: batch over the data axes; over `tensor`, the
+    activation's Megatron dimension if it has one (e.g. q by heads, logits by
+    vocabulary), else its sequence (the residual stream: sequence parallelism)."""
     batch_axes = tuple(a for a in AXES if a not in self.vmapped_axes)
-    spec = P(*[(batch_axes or None) if a == "batch" else None for a in logical_axes])
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+    axes = [(batch_axes or None) if a == "batch" else None for a in logical_axes]
+    t = self.tensor_size
+    megatron = [a for a in TENSOR_DIMS if a in logical_axes]
+    split = megatron[0] if megatron else "seq"
+    if t > 1 and split in logical_axes and x.shape[logical_axes.index(split)] % t == 0:
+      axes[logical_axes.index(split)] = TENSOR
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*axes)))
 
   def gather_for_compute(self, w: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
     """The model's `gather` hook: a weight in the compute layout (replicated over
-    the data axes) where it is used; its gradient leaves in the reduce layout."""
+    the data axes, split over `tensor`) where it is used; its gradient leaves in
+    the reduce layout."""
+    compute = NamedSharding(self.mesh, self.spec(w.shape, logical_axes, "compute"))
     if set(AXES) <= set(self.vmapped_axes):  # a per-device gradient stays whole, unreduced
-      return w
+      return w if self.tensor_size == 1 else jax.lax.with_sharding_constraint(w, compute)
     reduced = self.spec(w.shape, logical_axes, self.reduce_role)
-    return gather_for_compute(w, NamedSharding(self.mesh, P()),
-                              NamedSharding(self.mesh, reduced), jax.numpy.dtype(self.reduce_dtype))
+    return gather_for_compute(w, compute, NamedSharding(self.mesh, reduced),
+                              jax.numpy.dtype(self.reduce_dtype))
 
 
 # A custom_vjp because the partitioned HLO shows XLA cannot get there alone: the
@@ -226,11 +289,12 @@ def _has_logical_axes(x: Any) -> bool:
   return hasattr(x, "logical_axes")
 
 
-def shard_dim(shape: tuple[int, ...], logical_axes: tuple[str, ...], size: int) -> int | None:
-  """Index of the dimension to split `size` ways, or None to replicate."""
+def shard_dim(shape: tuple[int, ...], logical_axes: tuple[str, ...], size: int,
+              skip: int | None = None) -> int | None:
+  """Index of the dimension to split `size` ways (never `skip`), or None to replicate."""
   for name in FSDP_DIM_PREFERENCE:
     for i, axis in enumerate(logical_axes):
-      if axis == name and shape[i] % size == 0:
+      if axis == name and i != skip and shape[i] % size == 0:
         return i
   return None
 

@@ -8,7 +8,12 @@ kernel is ``cfg.attention`` (models.attention); training takes the loss from
 This module knows nothing about meshes. Three hooks let the caller steer
 parallelism and memory without the model knowing how:
 
-* ``shard(x, logical_axes)`` is called on activations at layer boundaries.
+* ``shard(x, logical_axes)`` is called on activations: the residual stream at
+  layer boundaries (``("batch", "seq", "embed")``) and, inside a layer, the
+  projections' outputs (q/k/v by ``heads``/``kv_heads``, the MLP's by ``mlp``)
+  and the blocks' outputs before the residual adds. A caller that splits the
+  heads and the MLP width (tensor parallelism) and the residual stream's
+  sequence (sequence parallelism) needs them all.
 * ``gather(w, logical_axes)`` is called on each weight where it is used
   ("compute layout"): a layer's weights inside the scan body, the head at the
   end. A tied embedding is gathered once and serves as both lookup table and
@@ -179,15 +184,15 @@ class Llama(nnx.Module):
     embed_VxD = self.embed_VxD[...]
     if cfg.tie_embeddings:
       embed_VxD = gather(embed_VxD, EMBED_AXES)
-    x_BxTxD = shard(jnp.take(embed_VxD, tokens_BxT, axis=0), ("batch", "seq", "embed"))
+    x_BxTxD = shard(jnp.take(embed_VxD, tokens_BxT, axis=0), RESIDUAL_AXES)
     cos_TxE, sin_TxE = rope_tables(cfg, T)
 
     layer_axes = {n: spec.logical_axes[1:] for n, spec in param_specs(cfg)["layers"].items()}
 
     def layer(x_BxTxD, weights):
       weights = {n: gather(w, layer_axes[n]) for n, w in weights.items()}
-      x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE)
-      return shard(x_BxTxD, ("batch", "seq", "embed")), None
+      x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard)
+      return shard(x_BxTxD, RESIDUAL_AXES), None
 
     if remat is not None:
       layer = remat(layer)
@@ -205,26 +210,36 @@ def _no_shard(x: Array, _logical_axes: tuple) -> Array:
   return x
 
 
+HEADS_AXES = ("batch", "seq", "heads", "head_dim")
+KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
+MLP_AXES = ("batch", "seq", "mlp")
+RESIDUAL_AXES = ("batch", "seq", "embed")
+
+
 def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE: Array,
-                  sin_TxE: Array) -> Array:
+                  sin_TxE: Array, shard: ShardFn = _no_shard) -> Array:
   """One pre-norm transformer block: attention then SwiGLU MLP, both residual."""
-  h_BxTxD = rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps)
-  q_BxTxHxE = checkpoint_name(jnp.einsum("btd,dhe->bthe", h_BxTxD, w["wq_LxDxHxE"]), "q_proj")
-  k_BxTxKxE = checkpoint_name(jnp.einsum("btd,dke->btke", h_BxTxD, w["wk_LxDxKxE"]), "k_proj")
-  v_BxTxKxE = checkpoint_name(jnp.einsum("btd,dke->btke", h_BxTxD, w["wv_LxDxKxE"]), "v_proj")
+  def proj(spec, h, weight, axes, name):
+    return checkpoint_name(shard(jnp.einsum(spec, h, weight), axes), name)
+
+  h_BxTxD = shard(rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps), RESIDUAL_AXES)
+  q_BxTxHxE = proj("btd,dhe->bthe", h_BxTxD, w["wq_LxDxHxE"], HEADS_AXES, "q_proj")
+  k_BxTxKxE = proj("btd,dke->btke", h_BxTxD, w["wk_LxDxKxE"], KV_AXES, "k_proj")
+  v_BxTxKxE = proj("btd,dke->btke", h_BxTxD, w["wv_LxDxKxE"], KV_AXES, "v_proj")
   q_BxTxHxE = apply_rope(q_BxTxHxE, cos_TxE, sin_TxE)
   k_BxTxKxE = apply_rope(k_BxTxKxE, cos_TxE, sin_TxE)
   # Grouped-query attention is native here: K may divide H.
   ctx_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, implementation=cfg.attention)
-  ctx_BxTxHxE = checkpoint_name(ctx_BxTxHxE, "attention")
-  attn_BxTxD = checkpoint_name(jnp.einsum("bthe,hed->btd", ctx_BxTxHxE, w["wo_LxHxExD"]), "o_proj")
+  ctx_BxTxHxE = checkpoint_name(shard(ctx_BxTxHxE, HEADS_AXES), "attention")
+  attn_BxTxD = proj("bthe,hed->btd", ctx_BxTxHxE, w["wo_LxHxExD"], RESIDUAL_AXES, "o_proj")
   x_BxTxD = x_BxTxD + attn_BxTxD
 
-  h_BxTxD = rms_norm(x_BxTxD, w["mlp_norm"], cfg.norm_eps)
-  gate_BxTxF = checkpoint_name(jnp.einsum("btd,df->btf", h_BxTxD, w["w_gate_LxDxF"]), "mlp_gate")
-  up_BxTxF = checkpoint_name(jnp.einsum("btd,df->btf", h_BxTxD, w["w_up_LxDxF"]), "mlp_up")
-  down_BxTxD = jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BxTxF) * up_BxTxF, w["w_down_LxFxD"])
-  return x_BxTxD + checkpoint_name(down_BxTxD, "mlp_down")
+  h_BxTxD = shard(rms_norm(x_BxTxD, w["mlp_norm"], cfg.norm_eps), RESIDUAL_AXES)
+  gate_BxTxF = proj("btd,df->btf", h_BxTxD, w["w_gate_LxDxF"], MLP_AXES, "mlp_gate")
+  up_BxTxF = proj("btd,df->btf", h_BxTxD, w["w_up_LxDxF"], MLP_AXES, "mlp_up")
+  down_BxTxD = proj("btf,fd->btd", jax.nn.silu(gate_BxTxF) * up_BxTxF, w["w_down_LxFxD"],
+                    RESIDUAL_AXES, "mlp_down")
+  return x_BxTxD + down_BxTxD
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:

@@ -13,6 +13,14 @@ each chunk's columns of that gradient are produced once, so it is reduced
 once in all. Over sequence chunks every chunk adds to the whole [D, V]
 gradient, and XLA reduces it across devices in every iteration (measured on
 XLA:CPU: an all-reduce of [D, V] inside the loop), i.e. once per chunk.
+
+A chunk takes every n-th vocabulary entry (chunk k: entries k, k + n, ...),
+not a contiguous range: a head split over devices along the vocabulary in
+contiguous blocks (tensor parallelism) is then split along each chunk's
+columns, never along the chunk index the loop runs over, so every device
+keeps its own slice of every chunk and no device builds a chunk's full
+logits (XLA partitions the label's lookup as Megatron's vocabulary-parallel
+cross-entropy does: a masked local lookup, then a sum over the devices).
 """
 
 from __future__ import annotations
@@ -45,26 +53,26 @@ def cross_entropy(x_BxTxD: Array, head_DxV: Array, labels_BxT: Array, *, chunk: 
   D, V = head_DxV.shape
   C = -(-V // -(-V // chunk))  # equal chunks of at most `chunk`
   n = -(-V // C)  # the last chunk holds at least one real column
-  head_NxDxC = jnp.moveaxis(jnp.pad(head_DxV, ((0, 0), (0, n * C - V))).reshape(D, n, C), 1, 0)
+  # Column v = c * n + k is entry c of chunk k.
+  head_NxDxC = jnp.moveaxis(jnp.pad(head_DxV, ((0, 0), (0, n * C - V))).reshape(D, C, n), 2, 0)
   # The gradient wrt x sums over the chunks: carry it in float32, rounded once.
   x32_BxTxD = x_BxTxD.astype(jnp.float32)
 
   # Saves nothing but its inputs: the backward recomputes this chunk's logits.
   @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
-  def chunk_stats(head_DxC, start):
+  def chunk_stats(head_DxC, k):
     # In the compute dtype, then widened, as a bf16 lm_head does in PyTorch: the
     # gradients then leave the matmul (and are reduced across devices) in it too.
     logits_BxTxC = shard(jnp.einsum("btd,dc->btc", x32_BxTxD.astype(x_BxTxD.dtype),
                                     head_DxC).astype(jnp.float32),
                          ("batch", "seq", "vocab"))
-    logits_BxTxC = jnp.where(start + jnp.arange(C) < V, logits_BxTxC, -jnp.inf)  # padding
-    local_BxT = labels_BxT - start
-    label_logit_BxT = jnp.take_along_axis(logits_BxTxC, jnp.clip(local_BxT, 0, C - 1)[..., None],
+    columns_C = jnp.arange(C) * n + k
+    logits_BxTxC = jnp.where(columns_C < V, logits_BxTxC, -jnp.inf)  # padding
+    label_logit_BxT = jnp.take_along_axis(logits_BxTxC, (labels_BxT // n)[..., None],
                                           axis=-1)[..., 0]
-    in_chunk_BxT = (local_BxT >= 0) & (local_BxT < C)
     return (jax.nn.logsumexp(logits_BxTxC, axis=-1),
-            jnp.where(in_chunk_BxT, label_logit_BxT, 0.0))
+            jnp.where(labels_BxT % n == k, label_logit_BxT, 0.0))
 
   lse_NxBxT, label_logit_NxBxT = jax.lax.map(lambda a: chunk_stats(*a),
-                                             (head_NxDxC, jnp.arange(n) * C))
+                                             (head_NxDxC, jnp.arange(n)))
   return jnp.mean(jax.nn.logsumexp(lse_NxBxT, axis=0) - label_logit_NxBxT.sum(axis=0))

@@ -28,20 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxzero import cli, xla_flags  # noqa: E402  (before JAX: virtual devices)
 
-# bf16 dense peak per device, TFLOP/s (vendor datasheets, without sparsity).
-# The H100 figure is the SXM part's; PCIe H100s peak lower (756 TFLOP/s).
-PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
-
-
-def model_flops_per_token(model_cfg, seq_len: int) -> float:
-  from models.llama import count_params  # pylint: disable=import-outside-toplevel
-  attention = 12 * model_cfg.n_layers * model_cfg.dim * seq_len
-  return 6 * count_params(model_cfg) + attention
-
-
-def device_peak_tflops(device) -> float | None:
-  kind = getattr(device, "device_kind", "")
-  return next((peak for name, peak in PEAK_TFLOPS.items() if name in kind), None)
+from jaxzero.throughput import device_peak_tflops, model_flops_per_token  # noqa: E402
 
 
 def median_step_time(run_step, steps: int, warmup: int) -> float:

@@ -65,7 +65,7 @@ def test_strategy_is_an_alternative_spelling_of_stage():
 
 def test_mesh_shape_resolves_minus_one_and_rejects_misfits():
   cfg = config.apply_overrides(config.base(), ["mesh.replica=2", "mesh.fsdp=-1"])
-  assert mesh.resolve_shape(cfg.mesh, 8) == (2, 4)
+  assert mesh.resolve_shape(cfg.mesh, 8) == (2, 4, 1)
   cfg = config.apply_overrides(config.base(), ["mesh.replica=3"])
   with pytest.raises(ConfigError, match="does not fit 8 devices"):
     mesh.resolve_shape(cfg.mesh, 8)

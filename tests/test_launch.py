@@ -24,7 +24,7 @@ TINY = str(ROOT / "configs" / "tiny_zero3.py")
 SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
         "train.global_batch=16", "train.grad_accum=2", "train.lr=3e-3", "train.warmup_steps=2",
         "train.steps=6", "train.log_every=1", "data.max_bytes=200000", "mesh.replica=1",
-        "mesh.fsdp=8"]
+        "mesh.fsdp=8", "eval.every=3", "eval.batches=2", "data.eval_fraction=0.1"]
 HYBRID = ["zero.strategy=HYBRID_SHARD", "mesh.replica=2", "mesh.fsdp=4"]
 
 
@@ -68,11 +68,23 @@ def one_process(workdir, steps=None):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-  """Losses of steps 1-6 of one uninterrupted run in one process."""
+def reference_run(tmp_path_factory):
+  """The workdir of one uninterrupted run of steps 1-6 in one process."""
   workdir = tmp_path_factory.mktemp("one_process")
   one_process(workdir)
-  return logged_losses(workdir)
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+  """Losses of steps 1-6 of one uninterrupted run in one process."""
+  return logged_losses(reference_run)
+
+
+def eval_losses(workdir) -> dict[int, float]:
+  records = [json.loads(line) for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text()
+             .splitlines()]
+  return {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +99,22 @@ def test_two_processes_train_like_one_under_stage3(two_process_stage3, reference
   np.testing.assert_allclose(logged_losses(two_process_stage3), reference[:3], rtol=1e-5)
 
 
+def test_two_processes_evaluate_like_one(two_process_stage3, reference_run):
+  # Each process supplies the held-out rows its devices hold, as for training.
+  two, one = eval_losses(two_process_stage3), eval_losses(reference_run)
+  assert sorted(two) == [3] and sorted(one) == [3, 6]
+  np.testing.assert_allclose(two[3], one[3], rtol=1e-5)
+
+
 def test_two_processes_train_like_one_under_hybrid_shard(tmp_path, reference):
   # replica=2 x fsdp=4: each process holds one whole replica, sharded over its 4 devices.
   launch(tmp_path, "--steps", "3", sets=HYBRID)
+  np.testing.assert_allclose(logged_losses(tmp_path), reference[:3], rtol=1e-5)
+
+
+def test_two_processes_train_like_one_with_tensor_parallelism(tmp_path, reference):
+  # fsdp=4 x tensor=2: each tensor group inside one process (issue 16).
+  launch(tmp_path, "--steps", "3", sets=["mesh.fsdp=4", "mesh.tensor=2"])
   np.testing.assert_allclose(logged_losses(tmp_path), reference[:3], rtol=1e-5)
 
 

@@ -33,7 +33,7 @@ def test_print_config_gives_every_key_as_a_set_argument():
     (["--config", TINY, "--set", "zero.stage=5"],
      "zero.stage='5' is not valid; choose one of: 0, 1, 2, 3"),
     (["--config", TINY, "--set", "mesh.replica=3", "--set", "mesh.fsdp=-1"],
-     "mesh.replica=3 x mesh.fsdp=-1 does not fit 1 devices; the product must equal"),
+     "mesh.replica=3 x mesh.fsdp=-1 does not fit 8 devices; the product must equal"),
     (["--config", TINY, "--set", "train.global_batch=36"],
      "train.global_batch=36 is not divisible by data-parallel devices (8) x train.grad_accum (2)"),
     (["--config", "configs/nope.py"],
