@@ -28,14 +28,10 @@ for jaxzero.hf_io's Hugging Face export.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import pathlib
-import re
 import shutil
-import sys
-import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -44,6 +40,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import multihost
 
 from jaxzero import integrity
+from jaxzero import read_errors
 from jaxzero.errors import CheckpointError, DamagedCheckpointError
 from models.llama import LlamaConfig
 
@@ -102,7 +99,7 @@ class _Checkpoints:
       return self._manager.restore(step, args=ocp.args.Composite(info=ocp.args.JsonRestore()))[INFO]
     except Exception as e:  # pylint: disable=broad-except
       raise DamagedCheckpointError(
-          _read_error(self.step_dir(step), e, f"its run record ({INFO}/)")) from e
+          read_errors.read_error(self.step_dir(step), e, f"its run record ({INFO}/)")) from e
 
   def leaf_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
     """{leaf name: shape} of the saved state, from its metadata (reads no arrays)."""
@@ -110,7 +107,7 @@ class _Checkpoints:
     try:
       tree = self._manager.item_metadata(step)[STATE]
     except Exception as e:  # pylint: disable=broad-except
-      raise DamagedCheckpointError(_read_error(self.step_dir(step), e, metadata)) from e
+      raise DamagedCheckpointError(read_errors.read_error(self.step_dir(step), e, metadata)) from e
     if tree is None:
       raise DamagedCheckpointError(
           f"checkpoint {self.step_dir(step)} is damaged: {metadata} is missing")
@@ -197,7 +194,7 @@ class Checkpointer(_Checkpoints):
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[STATE]
     except Exception as e:  # pylint: disable=broad-except
       # orbax and tensorstore report a damaged file as a bare Exception.
-      raise DamagedCheckpointError(_read_error(where, e)) from e
+      raise DamagedCheckpointError(read_errors.read_error(where, e)) from e
     if int(restored.step) != step:
       raise DamagedCheckpointError(f"checkpoint {where} holds a state at step "
                                    f"{int(restored.step)}, not {step}")
@@ -216,7 +213,7 @@ class Checkpointer(_Checkpoints):
             step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))[CHECKSUMS]
       except Exception as e:  # pylint: disable=broad-except
         raise DamagedCheckpointError(
-            _read_error(where, e, f"its checksums ({CHECKSUMS}/)")) from e
+            read_errors.read_error(where, e, f"its checksums ({CHECKSUMS}/)")) from e
     else:
       log.warning("checkpoint %s has no checksums (saved by an older jaxzero): its values are "
                   "only checked to be finite", where)
@@ -285,7 +282,8 @@ class CheckpointReader(_Checkpoints):
       restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
           item=item, restore_args=restore_args, partial_restore=True)))[STATE]
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(_read_error(self.step_dir(step), e, f"leaf {'/'.join(path)}")) from e
+      raise CheckpointError(read_errors.read_error(self.step_dir(step), e,
+                                                   f"leaf {'/'.join(path)}")) from e
     for key in path:
       restored = restored[key]
     return restored
@@ -305,7 +303,7 @@ class CheckpointReader(_Checkpoints):
       store = ts.open(spec, open=True, read=True).result()
     except Exception as e:  # pylint: disable=broad-except
       log.warning("reading %s whole: its layers cannot be read one by one (%s)",
-                  "/".join(path), _reason(e))
+                  "/".join(path), read_errors.reason(e))
       return self.read(step, path, shape)
     if tuple(store.shape) != tuple(shape):
       raise CheckpointError(f"checkpoint {self.step_dir(step)}: leaf {'/'.join(path)} has shape "
@@ -355,105 +353,6 @@ def _model_difference(saved: dict, current: dict) -> str:
   diffs = [f"model.{k}={saved.get(k)} in the checkpoint, {v} here"
            for k, v in current.items() if saved.get(k) != v]
   return f" ({'; '.join(diffs)})" if diffs else ""
-
-
-# tensorstore names the array it failed on, e.g. 'Error reading "master.embed_VxD/0.0"'.
-_LEAF_IN_ERROR = re.compile(r'(?:Error reading|Metadata at) "([^"/]+)/')
-_STATE_DIR_IN_ERROR = re.compile(r' in OCDBT database at local file "[^"]*"')
-
-
-def _read_error(where: pathlib.Path, error: BaseException, what: str = "") -> str:
-  """One line for a failed read: the leaf when tensorstore names it, and why."""
-  _ignore_abandoned_reads()
-  leaf = next((m.group(1) for m in map(_LEAF_IN_ERROR.search, map(str, _causes(error))) if m),
-              None)
-  what = f"leaf {leaf.replace('.', '/')}" if leaf else what or "a file"
-  return f"checkpoint {where} is damaged: {what} cannot be read: {_reason(error)}"
-
-
-def _causes(error: BaseException) -> Iterator[BaseException]:
-  """`error` and its causes, as a traceback shows them: an exception raised
-  `from None` (json's over its internal StopIteration) hides its context."""
-  while error is not None:
-    yield error
-    error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
-
-
-# Errors whose message alone is only a key, an index or nothing, in words.
-_IN_WORDS = {KeyError: "missing entry", IndexError: "index out of range",
-             StopIteration: "unexpected end of data", EOFError: "unexpected end of file"}
-
-
-def _reason(error: BaseException) -> str:
-  """The innermost cause's first line, without tensorstore's spec dump, in words:
-  a bare KeyError's "0" becomes "missing entry 0"."""
-  *_, innermost = _causes(error)
-  if isinstance(innermost, json.JSONDecodeError):
-    return (f"not valid JSON: {innermost.msg.lower()} (line {innermost.lineno}, "
-            f"column {innermost.colno})")
-  lines = str(innermost).strip().splitlines()
-  reason = _STATE_DIR_IN_ERROR.sub("", lines[0].split(" [tensorstore_spec")[0]) if lines else ""
-  if not re.search(r"\s", reason.strip("'\"")):  # nothing, or one word: no sentence
-    words = next((w for kind, w in _IN_WORDS.items() if isinstance(innermost, kind)), None)
-    reason = (f"{words} {reason}" if words else
-              f"{type(innermost).__name__}: {reason}" if reason else type(innermost).__name__)
-    reason = reason.strip()
-  return reason if len(reason) <= 500 else reason[:500] + "..."
-
-
-# orbax's coroutine that reads one shard of one array.
-_SHARD_READ = "_read_array_index_and_device_put"
-
-
-class _AbandonedReadTasks(logging.Filter):
-  """Drops asyncio's "Task/Future/_GatheringFuture exception was never
-  retrieved" for the reads of a failed restore (orbax's, tensorstore's)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    message = record.getMessage()
-    return not (re.match(r"\w+ exception was never retrieved", message)
-                and any(mark in message for mark in ("async_deserialize", _SHARD_READ,
-                                                     "OCDBT database", "TensorStore")))
-
-
-def _ignore_abandoned_reads() -> None:
-  """Keeps a failed restore's error the last word.
-
-  When one read fails, orbax stops awaiting the others: each of those then
-  reports its own failure, or "Event loop is closed", as an unraisable
-  exception or an unretrieved task exception (a traceback with TensorStore's
-  whole spec on stderr), or is reported as never awaited. None of it says
-  more than the error raised.
-  """
-  warnings.filterwarnings("ignore", message=f"coroutine '{_SHARD_READ}' was never awaited",
-                          category=RuntimeWarning)
-  asyncio_log = logging.getLogger("asyncio")
-  if not any(isinstance(f, _AbandonedReadTasks) for f in asyncio_log.filters):
-    asyncio_log.addFilter(_AbandonedReadTasks())
-  previous = sys.unraisablehook
-  if getattr(previous, "ignores_abandoned_reads", False):
-    return
-
-  def hook(unraisable):
-    error, where = unraisable.exc_value, unraisable.object
-    abandoned_read = getattr(getattr(where, "cr_code", None), "co_name", None) == _SHARD_READ
-    if not (abandoned_read or _loop_closed(error)):
-      previous(unraisable)
-
-  hook.ignores_abandoned_reads = True
-  sys.unraisablehook = hook
-  # Tensorstore's callbacks report a closed loop through sys.excepthook.
-  report = sys.excepthook
-
-  def excepthook(kind, error, traceback):
-    if not _loop_closed(error):
-      report(kind, error, traceback)
-
-  sys.excepthook = excepthook
-
-
-def _loop_closed(error: BaseException | None) -> bool:
-  return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
 
 def _nested(path: Path, leaf) -> dict:

@@ -15,7 +15,7 @@ import time
 import chex
 import pytest
 
-from jaxzero import checkpoint, config, hf_export, trainer
+from jaxzero import checkpoint, config, hf_export, read_errors, trainer
 from jaxzero.checkpoint import CheckpointError, checkpoint_dir
 from jaxzero.workdir import LOCK_FILE
 from processes import ROOT, TINY, cli_env as cli_environment, wait_for
@@ -223,7 +223,7 @@ def test_a_damaged_state_metadata_is_named_in_words(two_runs, tmp_path):
 
 
 def test_a_bare_key_or_index_error_is_said_in_words():
-  reason = checkpoint._reason  # pylint: disable=protected-access
+  reason = read_errors.reason
   assert reason(KeyError(0)) == "missing entry 0"
   assert reason(IndexError()) == "index out of range"
 
