@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.config import Config
@@ -82,7 +83,13 @@ def learning_rate_schedule(cfg: Config) -> optax.Schedule:
   return lambda count: jnp.asarray(lr_by_update)[jnp.minimum(count, last)]
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+def make_optimizer(cfg: Config, clip: bool = True) -> optax.GradientTransformation:
+  """AdamW (or Adam with L2) on the schedule, after global-norm clipping.
+
+  `clip=False` leaves the clipping out (the state has the same leaves): for an
+  update that runs apart from the gradient norm, which then clips with
+  :func:`clip_by_norm` (the update on the host, the NVMe tier).
+  """
   t = cfg.train
   schedule = learning_rate_schedule(cfg)
   if t.optimizer == "adamw":
@@ -94,9 +101,27 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     adam = optax.chain(optax.add_decayed_weights(t.weight_decay, mask=_decay_mask),
                        optax.scale_by_adam(b1=t.b1, b2=t.b2, eps=t.eps),
                        optax.scale_by_learning_rate(schedule))
-  if t.clip_norm > 0:
+  if clip and t.clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(t.clip_norm), adam)
   return adam
+
+
+def clip_by_norm(grads: Any, grad_norm: jax.Array, max_norm: float) -> Any:
+  """optax.clip_by_global_norm's arithmetic, with the norm already computed."""
+  trigger = grad_norm < max_norm
+  return jax.tree.map(
+      lambda g: jax.lax.select(trigger, g, (g / grad_norm.astype(g.dtype)) * max_norm), grads)
+
+
+def split_clip(cfg: Config, opt_state: Any) -> tuple[Any, Any]:
+  """(the clipping's state or None, the state of `make_optimizer(cfg, clip=False)`)."""
+  if cfg.train.clip_norm > 0:
+    return opt_state[0], opt_state[1]
+  return None, opt_state
+
+
+def join_clip(clip_state: Any, inner_state: Any) -> Any:
+  return inner_state if clip_state is None else (clip_state, inner_state)
 
 
 def _decay_mask(params):
@@ -120,6 +145,16 @@ class Engine:
     self.tx = make_optimizer(cfg)
     self.shardings, self.abstract = _state_shardings(cfg, layout, self.tx)
     self.train_step = _make_train_step(cfg, layout, self.tx, self.shardings)
+
+  @functools.cached_property
+  def grad_step(self):
+    """Jitted (params, tokens [A, B, T+1]) -> (gradient sum, loss, norm): the
+    step without its update, for an optimizer that runs outside it (see
+    :func:`_make_grad_fn`; divide the sum by A with :func:`mean_grad`)."""
+    grads_sh = on_device(self.shardings.master)
+    return jax.jit(_make_grad_fn(self.cfg, self.layout, self.shardings),
+                   in_shardings=(self.shardings.params, self.batch_sharding),
+                   out_shardings=(grads_sh, self.layout.replicated(), self.layout.replicated()))
 
   def abstract_state(self) -> TrainState:
     """The state as shapes carrying their shardings: a restore target, or a
@@ -177,7 +212,9 @@ def _state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformati
   master_sh = layout.tree_shardings(specs, "optimizer")
   opt_sh = optax.tree_map_params(
       tx, lambda _, sharding: sharding, abstract.opt_state, master_sh,
-      transform_non_params=lambda _: layout.replicated("optimizer"),
+      # Scalars (Adam's step count) stay on the device even when the moments are
+      # offloaded: the update on the host reads it from there.
+      transform_non_params=lambda _: layout.replicated("grads"),
       is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
   shardings = TrainState(step=layout.replicated("grads"),
                          params=layout.tree_shardings(specs, "params"),
@@ -199,12 +236,15 @@ def model_graphdef(cfg: Config):
   return nnx.split(abstract_model, nnx.Param)[0]
 
 
-def _make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformation,
-                     state_sh: TrainState):
-  """Returns the jitted step: (state, tokens [A, B, T+1]) -> (state, metrics).
+def _make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
+  """(params, tokens [A, B, T+1]) -> (gradient sum, mean loss, gradient norm).
 
   A is the number of gradient-accumulation micro-steps; B the global
-  micro-batch (split over every data-parallel device).
+  micro-batch (split over every data-parallel device). The gradient sum is
+  over the A micro-steps, in the grad dtype (float32 where it was reduced
+  across groups), placed in the optimizer's layout on the device; divided by
+  A in float32 where used (:func:`mean_grad`). The norm is that of the mean
+  gradient in float32.
   """
   graphdef = model_graphdef(cfg)
   remat = remat_wrapper(cfg.remat.policy)
@@ -214,9 +254,7 @@ def _make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformati
   reduced_sh = on_device(layout.tree_shardings(specs, layout.reduce_role))
   reduce_dtype = dtype_of(layout.reduce_dtype)
   master_on_device = on_device(state_sh.master)
-  opt_on_device = on_device(state_sh.opt_state)
   params_on_device = on_device(state_sh.params)
-  schedule = learning_rate_schedule(cfg)
 
   value_and_grad = jax.value_and_grad(functools.partial(loss_fn, graphdef))
   # Gradients kept apart per group of `local_axes` and reduced across them once
@@ -258,9 +296,12 @@ def _make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformati
                                                 accum_sh)
     return (loss_sum + loss, grad_sum), None
 
-  def train_step(state: TrainState, tokens_AxBxT1: jax.Array):
+  def grad_fn(params, tokens_AxBxT1: jax.Array):
     accum = tokens_AxBxT1.shape[0]
-    params = jax.device_put(state.params, params_on_device)
+    # Offloaded (pinned_host) weights come to the device whole, here: a
+    # transfer inside the layer scan would need the gradient of a host array,
+    # which jax types as a host array (custom_vjp cannot return a device one).
+    params = jax.device_put(params, params_on_device)
     zeros = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda p: jnp.zeros(accum_shape(p), grad_dtype), params), accum_sh)
     (loss_sum, grad_sum), _ = jax.lax.scan(
@@ -271,28 +312,80 @@ def _make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformati
           lambda g, sh: jax.lax.with_sharding_constraint(g.astype(reduce_dtype).sum(axis=0), sh)
           .astype(jnp.float32) / n_groups, grad_sum, master_on_device)
     # To the optimizer's layout: for stage 1 a reduce-scatter or a local slice.
-    # Widened to float32 where used (the norm; the update), never all at once.
-    as_f32 = lambda grad_sum: jax.lax.with_sharding_constraint(
-        jax.tree.map(lambda g: g.astype(jnp.float32) / accum, grad_sum), master_on_device)
-    grad_norm = optax.tree.norm(as_f32(grad_sum))
-    loss = loss_sum / accum
-    master = jax.device_put(state.master, master_on_device)
-    opt_state = jax.device_put(state.opt_state, opt_on_device)
-    # A non-finite loss or gradient never reaches the state: the update is
-    # dropped (every process computes the same global flag, so all agree) and
-    # the loop decides, by train.nonfinite, whether to stop or go on. A cond,
-    # not a select of new against old: the update then runs in place, without
-    # a second copy of the optimizer state (12Φ/N) among the temporaries.
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    grad_sum = jax.lax.with_sharding_constraint(grad_sum, master_on_device)
+    grad_norm = optax.tree.norm(mean_grad(grad_sum, accum))
+    return grad_sum, loss_sum / accum, grad_norm
 
-    def update(grad_sum, master, opt_state):
-      updates, opt_state = tx.update(as_f32(grad_sum), opt_state, master)
-      return optax.apply_updates(master, updates), opt_state
+  return grad_fn
 
-    master, opt_state = jax.lax.cond(finite, update, lambda _, *old: old, grad_sum, master,
+
+def mean_grad(grad_sum: Any, accum: int) -> Any:
+  """The mean gradient in float32, from a sum over `accum` micro-steps. Widened
+  where used (the norm; the update), never all at once."""
+  return jax.tree.map(lambda g: g.astype(jnp.float32) / accum, grad_sum)
+
+
+def _make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformation,
+                     state_sh: TrainState):
+  """Returns the jitted step: (state, tokens [A, B, T+1]) -> (state, metrics)."""
+  grad_fn = _make_grad_fn(cfg, layout, state_sh)
+  schedule = learning_rate_schedule(cfg)
+  compute = dtype_of(cfg.precision.compute)
+  optimizer_on_host = layout.optimizer_memory == "pinned_host"
+
+  def update(grad_sum, grad_norm, master, opt_state, finite, accum):
+    """AdamW on the master weights; the new compute copy cast from them.
+
+    A non-finite loss or gradient never reaches the state: the update is
+    dropped (every process computes the same global flag, so all agree) and
+    the loop decides, by train.nonfinite, whether to stop or go on. A cond,
+    not a select of new against old: the update then runs in place, without
+    a second copy of the optimizer state (12Φ/N) among the temporaries.
+    """
+    def apply(grad_sum, master, opt_state):
+      if not optimizer_on_host:
+        updates, opt_state = tx.update(mean_grad(grad_sum, accum), opt_state, master)
+        return optax.apply_updates(master, updates), opt_state
+      # On the host the norm computed on the device clips: optax's own norm
+      # cannot be traced there (jax.numpy's real-array `.imag` is a device
+      # constant), and it would read every gradient a second time.
+      grads = mean_grad(grad_sum, accum)
+      if cfg.train.clip_norm > 0:
+        grads = clip_by_norm(grads, grad_norm, cfg.train.clip_norm)
+      clip_state, inner_state = split_clip(cfg, opt_state)
+      updates, inner_state = unclipped.update(grads, inner_state, master)
+      return optax.apply_updates(master, updates), join_clip(clip_state, inner_state)
+
+    master, opt_state = jax.lax.cond(finite, apply, lambda _, *old: old, grad_sum, master,
                                      opt_state)
-    compute = dtype_of(cfg.precision.compute)
-    params = jax.tree.map(lambda w: w.astype(compute), master)
+    return master, opt_state, jax.tree.map(lambda w: w.astype(compute), master)
+
+  if optimizer_on_host:
+    # ZeRO-Offload: the update runs where the state lives. The gradient shards
+    # go down to the host, AdamW runs there, and only the new compute copy
+    # comes back; no master or moment leaf is ever moved to the device.
+    grads_on_host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), state_sh.master)
+    unclipped = make_optimizer(cfg, clip=False)
+    host_update = compute_on("device_host")(jax.jit(update, static_argnums=5))
+  # The new compute copy leaves a host update in the optimizer's layout (its
+  # shards: 2Φ/N up).
+  cast_on_device = on_device(state_sh.master)
+
+  def train_step(state: TrainState, tokens_AxBxT1: jax.Array):
+    accum = tokens_AxBxT1.shape[0]
+    grad_sum, loss, grad_norm = grad_fn(state.params, tokens_AxBxT1)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if optimizer_on_host:
+      master, opt_state, params = host_update(jax.device_put(grad_sum, grads_on_host),
+                                              grad_norm, state.master, state.opt_state, finite,
+                                              accum)
+      if layout.params_memory != "pinned_host":  # (else stage 3: already where it rests)
+        params = jax.device_put(params, cast_on_device)
+    else:
+      master, opt_state, params = update(grad_sum, grad_norm, state.master, state.opt_state,
+                                         finite, accum)
+    # The step's out_shardings place the new compute copy by the params' layout:
+    # for stages 1-2 an all-gather of the cast (compute dtype) shards.
     new_state = TrainState(state.step + 1, params, master, opt_state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
                "nonfinite": (~finite).astype(jnp.int32)}

@@ -1,0 +1,155 @@
+"""ZeRO-Offload: the optimizer runs on the host where its state lives, and every
+offload setting trains to the losses of no offload.
+
+The CUDA lowering of the step (made on this CPU machine) shows what a GPU
+would run: the master weights and Adam moments are used only by the update,
+which is host compute; only the new compute copy goes to the device.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxzero import config, planner, trainer
+from jaxzero import mesh as mesh_lib
+from jaxzero.step import Engine
+from jaxzero.zero import Layout
+from models.llama import LlamaConfig
+
+STEPS = 3
+
+
+def tiny(stage: int, optimizer="device", params="device", compute="float32") -> config.Config:
+  c = config.base()
+  return dataclasses.replace(
+      c,
+      model=LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128,
+                        rope_theta=10_000.0),
+      zero=config.ZeroConfig(stage=stage),
+      mesh=config.MeshConfig(replica=1, fsdp=8),
+      train=dataclasses.replace(c.train, steps=STEPS, global_batch=16, grad_accum=2, seq_len=32,
+                                lr=3e-3, warmup_steps=1, clip_norm=0.05),
+      precision=config.PrecisionConfig(compute=compute),
+      offload=config.OffloadConfig(optimizer=optimizer, params=params))
+
+
+def engine(cfg: config.Config) -> Engine:
+  mesh = mesh_lib.make_mesh(1, 8, jax.devices()[:8])
+  return Engine(cfg, Layout.from_config(cfg, mesh))
+
+
+def losses(cfg: config.Config) -> np.ndarray:
+  e = engine(cfg)
+  tokens = jax.random.randint(jax.random.key(0), (STEPS, 2, 16, 33), 0, 256, jnp.int32)
+  state = e.init()
+  step = e.train_step.lower(state, e.abstract_batch(2)).compile(
+      compiler_options=planner.FAST_COMPILE_OPTIONS)
+  out = []
+  for batch in tokens:
+    state, metrics = step(state, jax.device_put(batch, e.batch_sharding))
+    out.append(float(metrics["loss"]))
+  return np.array(out)
+
+
+@pytest.fixture(scope="module")
+def no_offload():
+  got = {stage: losses(tiny(stage)) for stage in (1, 2, 3)}
+  assert all(np.all(np.diff(g) != 0) for g in got.values())  # the updates change the losses
+  return got
+
+
+# clip_norm=0.05 clips every step, so the host's clipping (by the norm computed
+# on the device) is exercised too.
+@pytest.mark.parametrize("stage,optimizer,params", [
+    (1, "pinned_host", "device"), (2, "pinned_host", "device"), (3, "pinned_host", "device"),
+    (3, "device", "pinned_host"), (3, "pinned_host", "pinned_host")])
+def test_offload_trains_like_no_offload(no_offload, stage, optimizer, params):
+  got = losses(tiny(stage, optimizer, params))
+  np.testing.assert_allclose(got, no_offload[stage], rtol=1e-6, atol=0)
+
+
+def cuda_main(cfg: config.Config) -> tuple[str, str]:
+  """(the signature of the CUDA-lowered step's main function, its body)."""
+  e = engine(cfg)
+  text = e.train_step.trace(e.abstract_state(), e.abstract_batch(2)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  main = text[text.index("func.func public @main("):]
+  main = main[:main.index("\n  }\n")]
+  signature, body = main.split("\n", 1)
+  return text, signature, body
+
+
+def host_arguments(signature: str) -> list[str]:
+  args = re.findall(r"(%arg\d+): tensor<([^>]*)> \{([^}]*)\}", signature)
+  return [(name, shape) for name, shape, attrs in args if '"pinned_host"' in attrs]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_cuda_step_keeps_optimizer_state_on_the_host(stage):
+  cfg = tiny(stage, optimizer="pinned_host", compute="bfloat16")
+  text, signature, body = cuda_main(cfg)
+  host = host_arguments(signature)
+  n_weights = len(jax.tree.leaves(engine(cfg).abstract.master))
+  assert len(host) == 3 * n_weights  # master, Adam mu, Adam nu; all float32
+  assert all(shape.endswith("xf32") for _, shape in host)
+  # Each is used by one operation only: the call of the host-compute update.
+  calls = re.findall(r"= call @(\w+)\(([^)]*)\)", body)
+  for name, _ in host:
+    users = [callee for callee, operands in calls if re.search(rf"{name}\b", operands)]
+    assert len(users) == 1, name
+    assert len(re.findall(rf"{name}\b", body)) == 1, f"{name} has a use besides the update"
+  (update,) = {callee for callee, operands in calls if host[0][0] in operands}
+  fn = text[text.index(f"func.func private @{update}("):]
+  fn = fn[:fn.index("\n  }\n")]
+  # Every array operation is marked host compute (scalars, e.g. Adam's step
+  # count as a float, and constants may be left to the device).
+  ops = [line for line in fn.splitlines()[1:] if " = stablehlo." in line
+         and "x" in re.findall(r"tensor<([^>]*)>", line)[-1]]
+  assert len(ops) > 10 * n_weights
+  assert all('_xla_compute_type = "host"' in line for line in ops)
+  # What comes back to the device: the gradient shards go down to the host,
+  # and the only device placements after the update are the new bf16 weights.
+  after = body[body.index(f"call @{update}("):]
+  to_device = re.findall(r'annotate_device_placement\(%[\w#]+\) \{[^}]*_xla_buffer_placement = '
+                         r'"device"\}[^:]*: \(tensor<([^>]*)>\)', after)
+  arrays_to_device = [s for s in to_device if "x" in s]  # (scalars: the step, metrics)
+  assert len(arrays_to_device) >= n_weights
+  assert all(s.endswith("xbf16") for s in arrays_to_device), arrays_to_device
+  to_host = re.findall(r'_xla_buffer_placement = "pinned_host"\}[^:]*: \(tensor<([^>]*)>\)', body)
+  assert len(to_host) >= n_weights
+
+
+# Two processes of 4 devices each (jaxzero.launch), ZeRO-3 with the optimizer
+# state and the weights in host memory, against one process without offload.
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny_zero3.py")
+LAUNCH_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
+               "train.global_batch=16", "train.grad_accum=2", "train.lr=3e-3",
+               "train.warmup_steps=1", "train.steps=3", "train.log_every=1",
+               "data.max_bytes=200000", "mesh.replica=1", "mesh.fsdp=8"]
+
+
+def test_two_processes_with_offload_train_like_one_without(tmp_path):
+  one = trainer.train(config.load(TINY, LAUNCH_SETS), tmp_path / "one",
+                      devices=jax.devices()[:8], progress=False)
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAXZERO_"))}
+  offload = ["offload.optimizer=pinned_host", "offload.params=pinned_host"]
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxzero.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+       "--config", TINY, "--workdir", str(tmp_path / "two"), "--no-progress",
+       *[a for s in LAUNCH_SETS + offload for a in ("--set", s)]],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=400, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+  two = [json.loads(line)["loss"] for line in lines]
+  assert len(two) == 3
+  np.testing.assert_allclose(two, [h["loss"] for h in one], rtol=1e-6, atol=0)
