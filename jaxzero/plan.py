@@ -79,14 +79,15 @@ def format_table(plan_, title: str) -> str:
   scale, unit = _unit(max(max(r.total_bytes, r.theory_state_bytes) for r in rows))
   size = lambda b: f"{b / scale:.1f}"
   header = ["stage", "remat", "offload", "params", "grads", "optimizer", "state",
-            "ZeRO formula", "activations", "host", "XLA total", "fits", "max micro"]
+            "ZeRO formula", "activations", "host", "host<->device/step", "XLA total", "fits",
+            "max micro"]
   body = []
   for r in rows:
     body.append([
         f"{r.stage} {r.strategy}", r.remat, _offload_label(r), size(r.params_bytes),
         size(r.grads_bytes), size(r.optimizer_bytes), size(r.state_bytes),
         f"{r.theory_formula} = {size(r.theory_state_bytes)}", size(r.activation_bytes),
-        size(r.host_bytes), size(r.total_bytes), "yes" if r.fits else "no",
+        size(r.host_bytes), size(r.transfer_bytes), size(r.total_bytes), "yes" if r.fits else "no",
         "-" if r.max_micro_batch is None else str(r.max_micro_batch)])
   widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
   text_columns = 3  # left-aligned; the numbers are right-aligned

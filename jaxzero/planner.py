@@ -96,6 +96,7 @@ class Row:
   optimizer_bytes: int  # fp32 master weights + Adam moments
   activation_bytes: int  # XLA's temporaries of the step
   host_bytes: int  # state leaves placed in pinned_host
+  transfer_bytes: int  # host <-> device bytes per step, both ways (planner.transfer_bytes)
   total_bytes: int  # XLA's figure for what the device holds during the step
   theory_state_bytes: int  # the ZeRO formula for params + grads + optimizer
   theory_formula: str
@@ -197,6 +198,7 @@ def state_bytes(engine: step_lib.Engine) -> dict[str, int]:
   host = sum(_bytes_in_memory(getattr(abstract, name), getattr(sh, name), "pinned_host")
              for name in ("params", "master", "opt_state"))
   return {
+      "transfer": transfer_bytes(engine),
       "params": bytes_per_device(abstract.params, sh.params),
       "grads": bytes_per_device(abstract_grads,
                                 layout.tree_shardings(param_specs(cfg.model), "grads")),
@@ -204,6 +206,29 @@ def state_bytes(engine: step_lib.Engine) -> dict[str, int]:
                     + bytes_per_device(abstract.opt_state, sh.opt_state)),
       "host": host,
   }
+
+
+def transfer_bytes(engine: step_lib.Engine) -> int:
+  """Bytes one device moves between host and device memory in a step, both ways.
+
+  Optimizer in pinned_host (ZeRO-Offload): the gradient shards go down in the
+  dtype they were reduced in, and the new compute-dtype shards come up (a
+  host-resident compute copy at stage 3 stays on the host). Weights in
+  pinned_host: the compute copy comes to the device for the step and, when
+  the update runs on the device, goes back.
+  """
+  cfg, layout, abstract, sh = engine.cfg, engine.layout, engine.abstract, engine.shardings
+  cast_shards = bytes_per_device(abstract.params, sh.master)  # compute dtype, optimizer layout
+  moved = 0
+  if layout.optimizer_memory == "pinned_host":
+    reduced = jnp.float32 if layout.reduces_once else step_lib.dtype_of(cfg.zero.grad_dtype)
+    grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, reduced), abstract.master)
+    moved += bytes_per_device(grads, sh.master)
+    moved += 0 if layout.params_memory == "pinned_host" else cast_shards
+  if layout.params_memory == "pinned_host":
+    params = bytes_per_device(abstract.params, sh.params)
+    moved += params if layout.optimizer_memory == "pinned_host" else 2 * params
+  return moved
 
 
 def _bytes_in_memory(abstract, shardings, kind: str) -> int:
@@ -363,7 +388,7 @@ def _row(engine: step_lib.Engine, variant: Variant, stats, micro: int, hbm_bytes
       offload_params=variant.offload_params,
       params_bytes=state["params"], grads_bytes=state["grads"],
       optimizer_bytes=state["optimizer"], activation_bytes=stats.temp_size_in_bytes,
-      host_bytes=state["host"], total_bytes=total, theory_state_bytes=theory,
+      host_bytes=state["host"], transfer_bytes=state["transfer"], total_bytes=total, theory_state_bytes=theory,
       theory_formula=formula, fits=total <= hbm_bytes, max_micro_batch=None,
       xla_host_bytes=xla_host_bytes(stats),
       xla_separates_host=xla_host_bytes(stats) > 0 or not (

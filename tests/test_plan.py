@@ -57,7 +57,9 @@ def test_llama8b_follows_the_zero_formula_without_allocating_the_model():
 def test_llama70b_follows_the_zero_formula_with_the_optimizer_on_the_host():
   plan = planner.plan(config.load(LLAMA_70B), 8, H100, search=False)
   assert_follows_zero(plan.rows)
-  assert all(r.host_bytes == r.optimizer_bytes > 0 for r in plan.rows)
+  # (optax's scalar step counts, a few bytes, stay on the device)
+  assert all(r.host_bytes == pytest.approx(r.optimizer_bytes, abs=64) for r in plan.rows)
+  assert all(r.host_bytes > 0 for r in plan.rows)
   assert not any(r.fits for r in plan.rows)  # 70B needs more than 8 x 80 GB
 
 
@@ -72,6 +74,11 @@ def test_remat_policies_order_the_activation_bytes():
   assert len({r.state_bytes for r in plan.rows}) == 1
 
 
+def cfg_params(cfg) -> int:
+  from models.llama import count_params  # pylint: disable=import-outside-toplevel
+  return count_params(cfg.model)
+
+
 def test_offload_moves_state_to_the_host():
   cfg = config.load(LLAMA_70B)
   settings = [("device", "device"), ("pinned_host", "device"), ("device", "pinned_host")]
@@ -79,8 +86,15 @@ def test_offload_moves_state_to_the_host():
                                      for opt, params in settings], search=False)
   device, optimizer, params = plan.rows
   assert device.host_bytes == 0
-  assert optimizer.host_bytes == optimizer.optimizer_bytes
+  assert optimizer.host_bytes == pytest.approx(optimizer.optimizer_bytes, abs=64)
   assert params.host_bytes == params.params_bytes
+  # Per step: nothing moves without offload; ZeRO-Offload sends the bf16
+  # gradient shards down and the new bf16 shards up (2Φ/N each way); offloaded
+  # weights come up for the step and the updated copy goes back.
+  assert device.transfer_bytes == 0
+  assert optimizer.transfer_bytes == optimizer.grads_bytes + optimizer.params_bytes
+  assert params.transfer_bytes == 2 * params.params_bytes
+  assert optimizer.params_bytes == optimizer.grads_bytes == 2 * cfg_params(cfg) // 8
   for row in (optimizer, params):
     assert row.state_bytes == device.state_bytes
     if row.xla_separates_host:
