@@ -1,13 +1,19 @@
 """Every test process sees 8 virtual CPU devices, made the way jaxzero makes them,
-and one persistent XLA compilation cache for the session: the many tests that
-build the same program (a run and its resume) compile it once."""
+compiles with the fast-compile XLA flags (processes.FAST_XLA_FLAGS; flags already
+in XLA_FLAGS come after them and win), and has one persistent XLA compilation
+cache for the session: the many tests that build the same program (a run and its
+resume) compile it once."""
 
+import os
 import tempfile
 
 import jax
 
 from jaxzero import mesh
+from processes import FAST_XLA_FLAGS
 
+# Before JAX's backend starts (it reads XLA_FLAGS once, at its first use).
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [FAST_XLA_FLAGS, os.environ.get("XLA_FLAGS")]))
 mesh.use_virtual_cpu_devices(8)
 jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jaxzero_test_xla_cache_"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -24,7 +24,8 @@ def test_bench_cpu_mode_reports_every_figure(tmp_path):
   code = bench.main(["--config", str(ROOT / "configs" / "tiny_zero3.py"), "--steps", "2",
                      "--warmup", "1", "--torch", "--json", str(out),
                      "--set", "train.seq_len=32", "--set", "train.global_batch=16",
-                     "--set", "data.max_bytes=200000"])
+                     "--set", "data.max_bytes=200000", "--set", "model.dim=64",
+                     "--set", "model.n_layers=2", "--set", "model.mlp_dim=128"])
   assert code == 0
   jaxzero_result, torch_result = json.loads(out.read_text())
   assert jaxzero_result["framework"] == "jaxzero" and torch_result["framework"] == "pytorch"

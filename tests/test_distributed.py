@@ -14,6 +14,7 @@ import pytest
 from jaxzero import xla_flags
 from jaxzero.config import ConfigError, DistributedConfig
 from jaxzero.distributed import EXPLICIT, Peers, resolve
+from processes import FAST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
@@ -97,10 +98,11 @@ def test_gpu_flags_only_when_a_gpu_will_be_used(environ, applied):
 
 
 def clean_env(**extra) -> dict:
-  """This environment without anything that would make a child join or size its devices."""
+  """This environment without anything that would make a child join or size its
+  devices; XLA_FLAGS holds only the tests' fast-compile flags."""
   drop = ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAXZERO_", "SLURM_", "OMPI_", "KUBERNETES_")
   env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-  return {**env, "JAX_PLATFORMS": "cpu", **extra}
+  return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_XLA_FLAGS, **extra}
 
 
 def free_port() -> int:

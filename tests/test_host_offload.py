@@ -24,6 +24,7 @@ from jaxzero import mesh as mesh_lib
 from jaxzero.step import Engine
 from jaxzero.zero import Layout
 from models.llama import LlamaConfig
+from processes import FAST_XLA_FLAGS
 
 STEPS = 3
 
@@ -142,6 +143,7 @@ def test_two_processes_with_offload_train_like_one_without(tmp_path):
   one = trainer.train(config.load(TINY, LAUNCH_SETS), tmp_path / "one",
                       devices=jax.devices()[:8], progress=False)
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAXZERO_"))}
+  env["XLA_FLAGS"] = FAST_XLA_FLAGS  # as this process compiles (conftest.py)
   offload = ["offload.optimizer=pinned_host", "offload.params=pinned_host"]
   result = subprocess.run(
       [sys.executable, "-m", "jaxzero.launch", "--nproc", "2", "--devices-per-proc", "4", "--",

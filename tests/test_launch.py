@@ -16,9 +16,7 @@ import numpy as np
 import pytest
 
 from jaxzero import config, trainer
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "configs" / "tiny_zero3.py")
+from processes import FAST_XLA_FLAGS, ROOT, TINY
 
 # tests/test_step.py's tiny model; the schedule spans 6 steps, runs stop earlier with --steps.
 SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
@@ -38,18 +36,21 @@ def launch_cmd(workdir, *train_args, sets=()):
           *set_args([*SETS, *sets]), *train_args]
 
 
-def launch_env() -> dict:
+@pytest.fixture(scope="module")
+def launch_env(tmp_path_factory) -> dict:
+  """The launcher's environment: the tests' fast-compile XLA flags (results change
+  only in the last bits) and one compilation cache for the module's launches, so
+  launches of the same program (the same SETS) compile it once."""
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("XLA_FLAGS", "JAXZERO_", "SLURM_", "OMPI_"))}
-  # Level 0 halves XLA's CPU compile time; results change only in the last bits.
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-  return env
+  return {**env, "XLA_FLAGS": FAST_XLA_FLAGS,
+          "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("launch_compilation_cache")),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
-def launch(workdir, *train_args, sets=()):
+def launch(env, workdir, *train_args, sets=()):
   result = subprocess.run(launch_cmd(workdir, *train_args, sets=sets), cwd=ROOT,
-                          env=launch_env(), capture_output=True, text=True, timeout=400,
-                          check=False)
+                          env=env, capture_output=True, text=True, timeout=400, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   return result
 
@@ -88,10 +89,10 @@ def eval_losses(workdir) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def two_process_stage3(tmp_path_factory):
+def two_process_stage3(tmp_path_factory, launch_env):
   """The workdir of 2 processes x 4 devices, ZeRO-3 over all 8, after steps 1-3."""
   workdir = tmp_path_factory.mktemp("two_process_stage3")
-  launch(workdir, "--steps", "3")
+  launch(launch_env, workdir, "--steps", "3")
   return workdir
 
 
@@ -106,31 +107,34 @@ def test_two_processes_evaluate_like_one(two_process_stage3, reference_run):
   np.testing.assert_allclose(two[3], one[3], rtol=1e-5)
 
 
-def test_two_processes_train_like_one_under_hybrid_shard(tmp_path, reference):
+def test_two_processes_train_like_one_under_hybrid_shard(tmp_path, reference, launch_env):
   # replica=2 x fsdp=4: each process holds one whole replica, sharded over its 4 devices.
-  launch(tmp_path, "--steps", "3", sets=HYBRID)
+  launch(launch_env, tmp_path, "--steps", "3", sets=HYBRID)
   np.testing.assert_allclose(logged_losses(tmp_path), reference[:3], rtol=1e-5)
 
 
-def test_two_processes_train_like_one_with_tensor_parallelism(tmp_path, reference):
+def test_two_processes_train_like_one_with_tensor_parallelism(tmp_path, reference, launch_env):
   # fsdp=4 x tensor=2: each tensor group inside one process (issue 16).
-  launch(tmp_path, "--steps", "3", sets=["mesh.fsdp=4", "mesh.tensor=2"])
+  launch(launch_env, tmp_path, "--steps", "3", sets=["mesh.fsdp=4", "mesh.tensor=2"])
   np.testing.assert_allclose(logged_losses(tmp_path), reference[:3], rtol=1e-5)
 
 
-def test_checkpoints_move_between_process_counts(two_process_stage3, reference, tmp_path):
+def test_checkpoints_move_between_process_counts(two_process_stage3, reference, tmp_path,
+                                                launch_env):
   workdir = tmp_path / "run"
   shutil.copytree(two_process_stage3, workdir)
   one_process(workdir, steps=5)  # restores step 3, written by 2 processes
-  launch(workdir, "--steps", "6")  # 2 processes restore step 5, written by 1
+  launch(launch_env, workdir, "--steps", "6")  # 2 processes restore step 5, written by 1
   np.testing.assert_allclose(logged_losses(workdir), reference, rtol=1e-5)
 
 
-def test_a_killed_process_ends_the_launch_within_60s(tmp_path):
+def test_a_killed_process_ends_the_launch_within_60s(tmp_path, launch_env):
   out, err = tmp_path / "out.txt", tmp_path / "err.txt"
   with open(out, "w") as out_file, open(err, "w") as err_file:
+    # --steps past the schedule's 6: still training when killed, with the program
+    # of the launches above (in the compilation cache).
     launcher = subprocess.Popen(
-        launch_cmd(tmp_path / "w", sets=["train.steps=1000"]), cwd=ROOT, env=launch_env(),
+        launch_cmd(tmp_path / "w", "--steps", "1000"), cwd=ROOT, env=launch_env,
         stdout=out_file, stderr=err_file, start_new_session=True)
   try:
     pids = wait_for(lambda: re.search(r"process 0 \(pid (\d+)\), process 1 \(pid (\d+)\)",
@@ -160,9 +164,9 @@ def wait_for(condition, launcher, timeout_s=300):
   raise AssertionError("timed out")
 
 
-def test_a_failing_process_ends_the_launch_with_its_error(tmp_path):
+def test_a_failing_process_ends_the_launch_with_its_error(tmp_path, launch_env):
   result = subprocess.run(
-      launch_cmd(tmp_path, "--set", "zero.stage=5"), cwd=ROOT, env=launch_env(),
+      launch_cmd(tmp_path, "--set", "zero.stage=5"), cwd=ROOT, env=launch_env,
       capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 2
   assert re.search(r"error: process \d \(pid \d+\) exited with code 2", result.stderr)

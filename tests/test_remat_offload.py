@@ -1,10 +1,6 @@
 """Remat policies and host offload change where memory goes, never the numbers."""
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -22,23 +18,15 @@ SMALL = {"model.dim": "64", "model.n_layers": "2", "model.mlp_dim": "128",
 
 
 def train_losses(workdir: pathlib.Path, **overrides) -> np.ndarray:
-  """Losses of `python -m jaxzero.train` (i.e. trainer.train) on the small model.
+  """Losses of trainer.train (what `python -m jaxzero.train` runs) on the small model.
 
-  A fresh process compiles with the planner's fast-compile flags: LLVM
-  optimisation off, which triples the speed of this test and changes no
-  arithmetic (every run here uses the same flags).
+  In this process, which compiles with the planner's fast-compile flags
+  (conftest.py): LLVM optimisation off, which triples the speed of this test
+  and changes no arithmetic (every run here uses the same flags).
   """
-  sets = [arg for key, value in {**SMALL, **overrides}.items()
-          for arg in ("--set", f"{key}={value}")]
-  flags = " ".join(f"--{k}={str(v).lower()}" for k, v in planner.FAST_COMPILE_OPTIONS.items())
-  env = dict(os.environ, XLA_FLAGS=flags)
-  result = subprocess.run(
-      [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--workdir", str(workdir),
-       "--no-progress", *sets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-      check=False)
-  assert result.returncode == 0, result.stderr[-3000:]
-  records = (workdir / "metrics.jsonl").read_text().splitlines()
-  return np.array([json.loads(line)["loss"] for line in records])
+  cfg = config.load(TINY, [f"{key}={value}" for key, value in {**SMALL, **overrides}.items()])
+  history = trainer.train(cfg, workdir, devices=jax.devices()[:8], progress=False)
+  return np.array([h["loss"] for h in history])
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from processes import FAST_XLA_FLAGS
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
 
@@ -55,7 +57,7 @@ def test_short_run_writes_metrics_and_a_checkpoint_in_the_default_relative_workd
   # Run from tmp_path without --workdir: the default is runs/<config name>,
   # a relative path, which orbax only accepts once made absolute.
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = str(ROOT)
+  env["PYTHONPATH"], env["XLA_FLAGS"] = str(ROOT), FAST_XLA_FLAGS
   result = subprocess.run(
       [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--steps", "3",
        "--set", "train.log_every=1", "--set", "data.max_bytes=500000", "--no-progress"],
