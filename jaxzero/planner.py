@@ -388,8 +388,9 @@ def _row(engine: step_lib.Engine, variant: Variant, stats, micro: int, hbm_bytes
       offload_params=variant.offload_params,
       params_bytes=state["params"], grads_bytes=state["grads"],
       optimizer_bytes=state["optimizer"], activation_bytes=stats.temp_size_in_bytes,
-      host_bytes=state["host"], transfer_bytes=state["transfer"], total_bytes=total, theory_state_bytes=theory,
-      theory_formula=formula, fits=total <= hbm_bytes, max_micro_batch=None,
+      host_bytes=state["host"], transfer_bytes=state["transfer"], total_bytes=total,
+      theory_state_bytes=theory, theory_formula=formula, fits=total <= hbm_bytes,
+      max_micro_batch=None,
       xla_host_bytes=xla_host_bytes(stats),
       xla_separates_host=xla_host_bytes(stats) > 0 or not (
           state["host"] or variant.remat in OFFLOADING_POLICIES))

@@ -86,9 +86,8 @@ def learning_rate_schedule(cfg: Config) -> optax.Schedule:
 def make_optimizer(cfg: Config, clip: bool = True) -> optax.GradientTransformation:
   """AdamW (or Adam with L2) on the schedule, after global-norm clipping.
 
-  `clip=False` leaves the clipping out (the state has the same leaves): for an
-  update that runs apart from the gradient norm, which then clips with
-  :func:`clip_by_norm` (the update on the host, the NVMe tier).
+  `clip=False` leaves the clipping out (the state has the same leaves): the
+  train step clips with :func:`clip_by_norm` by the norm it already computed.
   """
   t = cfg.train
   schedule = learning_rate_schedule(cfg)
@@ -144,7 +143,7 @@ class Engine:
     self.cfg, self.layout = cfg, layout
     self.tx = make_optimizer(cfg)
     self.shardings, self.abstract = _state_shardings(cfg, layout, self.tx)
-    self.train_step = _make_train_step(cfg, layout, self.tx, self.shardings)
+    self.train_step = _make_train_step(cfg, layout, self.shardings)
 
   @functools.cached_property
   def grad_step(self):
@@ -325,13 +324,13 @@ def mean_grad(grad_sum: Any, accum: int) -> Any:
   return jax.tree.map(lambda g: g.astype(jnp.float32) / accum, grad_sum)
 
 
-def _make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformation,
-                     state_sh: TrainState):
+def _make_train_step(cfg: Config, layout: Layout, state_sh: TrainState):
   """Returns the jitted step: (state, tokens [A, B, T+1]) -> (state, metrics)."""
   grad_fn = _make_grad_fn(cfg, layout, state_sh)
   schedule = learning_rate_schedule(cfg)
   compute = dtype_of(cfg.precision.compute)
   optimizer_on_host = layout.optimizer_memory == "pinned_host"
+  unclipped = make_optimizer(cfg, clip=False)  # Engine.tx less its clipping: same state
 
   def update(grad_sum, grad_norm, master, opt_state, finite, accum):
     """AdamW on the master weights; the new compute copy cast from them.
@@ -343,12 +342,9 @@ def _make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformati
     a second copy of the optimizer state (12Φ/N) among the temporaries.
     """
     def apply(grad_sum, master, opt_state):
-      if not optimizer_on_host:
-        updates, opt_state = tx.update(mean_grad(grad_sum, accum), opt_state, master)
-        return optax.apply_updates(master, updates), opt_state
-      # On the host the norm computed on the device clips: optax's own norm
-      # cannot be traced there (jax.numpy's real-array `.imag` is a device
-      # constant), and it would read every gradient a second time.
+      # Clipped by the norm already computed for the metrics (optax's arithmetic):
+      # the gradients are not read a second time, and on the host optax's own
+      # norm cannot be traced (jax.numpy's real-array `.imag` is a device constant).
       grads = mean_grad(grad_sum, accum)
       if cfg.train.clip_norm > 0:
         grads = clip_by_norm(grads, grad_norm, cfg.train.clip_norm)
@@ -365,7 +361,6 @@ def _make_train_step(cfg: Config, layout: Layout, tx: optax.GradientTransformati
     # go down to the host, AdamW runs there, and only the new compute copy
     # comes back; no master or moment leaf is ever moved to the device.
     grads_on_host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), state_sh.master)
-    unclipped = make_optimizer(cfg, clip=False)
     host_update = compute_on("device_host")(jax.jit(update, static_argnums=5))
   # The new compute copy leaves a host update in the optimizer's layout (its
   # shards: 2Φ/N up).
