@@ -76,4 +76,11 @@ def run_main(prog: str, body) -> int:
       sys.stderr.flush()
       os._exit(2)  # pylint: disable=protected-access
     return 2
+  except Exception:
+    if distributed.joined():
+      # A collective that fails because a peer died races the watch's report of
+      # that peer (from its own thread): give the watch the moment it needs to
+      # name the lost process and exit, before this error's traceback prints.
+      peerwatch.settle()
+    raise
 

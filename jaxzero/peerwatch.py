@@ -30,6 +30,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ BYE, FAILED, LOST = "bye", "failed", "lost"
 # A peer that stopped on an error it reported: time for this process to stop
 # on its own (the same error, where all processes agree on it) before saying so.
 _FAILED_GRACE_S = 5
+# An error on this process that may come from a lost peer: time for the watch,
+# which sees the peer's connection close at once, to report it first.
+_SETTLE_S = 5
 _ADDRESS_BYTES = 256
 # Keep-alive: a peer whose host vanished without closing the connection is
 # noticed after about IDLE + INTERVAL x COUNT seconds.
@@ -83,6 +87,13 @@ def start(coordinator: str | None, prog: str) -> None:
     connection.sendall(f"{process_id}\n".encode())
     watch.add(0, connection)
   atexit.register(leaving)
+
+
+def settle() -> None:
+  """Waits a few seconds for the watch to notice a lost peer (it then exits the
+  process); returns if none was lost. For an error that may be a loss's echo."""
+  if _watch is not None:
+    time.sleep(_SETTLE_S)
 
 
 def leaving(failed: bool = False) -> None:

@@ -101,8 +101,8 @@ def format_table(plan_, title: str) -> str:
       f"{f' x tensor {r0.tensor}' if r0.tensor > 1 else ''}); micro-batch {r0.micro_batch} x "
       f"{r0.seq_len} tokens, grad_accum {r0.grad_accum}; budget {plan_.hbm_bytes / 1e9:g} GB",
       f"per device, in {unit}; state = params + grads + optimizer (fp32 master + Adam m, v), "
-      f"N = sharding devices; activations = XLA temporaries (activations, gradient "
-      f"buffers, gathered weights)",
+      f"N = sharding devices; activations = XLA temporaries less the gradient buffers "
+      f"(activations, gathered weights, workspace); XLA total = state + activations",
       "", fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body), ""]
   lines += [f"note: {n}" for n in plan_.notes]
   lines.append(f"{plan_.compiles} compiles in {plan_.seconds:.1f} s")
