@@ -226,8 +226,8 @@ def transfer_bytes(engine: step_lib.Engine) -> int:
   Optimizer in pinned_host (ZeRO-Offload): the gradient shards go down in the
   dtype they were reduced in, and the new compute-dtype shards come up (a
   host-resident compute copy at stage 3 stays on the host). Weights in
-  pinned_host: the compute copy comes to the device for the step and, when
-  the update runs on the device, goes back.
+  pinned_host: streamed to the device layer by layer (Layout.gather_for_compute);
+  when the update runs on the device, the new copy goes back.
   """
   cfg, layout, abstract, sh = engine.cfg, engine.layout, engine.abstract, engine.shardings
   cast_shards = bytes_per_device(abstract.params, sh.master)  # compute dtype, optimizer layout
@@ -239,7 +239,14 @@ def transfer_bytes(engine: step_lib.Engine) -> int:
     moved += 0 if layout.params_memory == "pinned_host" else cast_shards
   if layout.params_memory == "pinned_host":
     params = bytes_per_device(abstract.params, sh.params)
-    moved += params if layout.optimizer_memory == "pinned_host" else 2 * params
+    layers = bytes_per_device(abstract.params["layers"], sh.params["layers"])
+    # The embedding, head and final norm come up once. Each micro-step, every
+    # layer's shard comes up for the forward pass and again for the backward (no
+    # remat policy keeps it), and its gradient shard goes down as the backward
+    # produces it and comes back up after.
+    moved += (params - layers) + cfg.train.grad_accum * 4 * layers
+    if layout.optimizer_memory != "pinned_host":
+      moved += params  # the updated compute copy goes back down
   return moved
 
 

@@ -294,6 +294,10 @@ def _make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
       # Stages 2-3 accumulate into sharded buffers: each reduce is a reduce-scatter.
       # (Layout.gather_for_compute makes each gradient leave the layer reduced.)
       loss, grads = value_and_grad(params, tokens_BxT1, layout, remat)
+    if layout.params_memory == "pinned_host":
+      # The gradient of a weight left in pinned_host is typed pinned_host: each
+      # layer's shard went down as the backward pass produced it; added up here.
+      grads = jax.device_put(grads, reduced_sh)
     grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
     grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grad_sum, grads),
                                                 accum_sh)
@@ -301,10 +305,14 @@ def _make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
 
   def grad_fn(params, tokens_AxBxT1: jax.Array):
     accum = tokens_AxBxT1.shape[0]
-    # Offloaded (pinned_host) weights come to the device whole, here: a
-    # transfer inside the layer scan would need the gradient of a host array,
-    # which jax types as a host array (custom_vjp cannot return a device one).
-    params = jax.device_put(params, params_on_device)
+    if layout.params_memory == "pinned_host":
+      # Offloaded weights: the decoder layers' shards stay in pinned_host and move
+      # to the device one layer at a time, inside the layer scan (in
+      # Layout.gather_for_compute); the embedding, head and final norm come now.
+      params = {k: v if k == "layers" else jax.device_put(v, params_on_device[k])
+                for k, v in params.items()}
+    else:
+      params = jax.device_put(params, params_on_device)
     zeros = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda p: jnp.zeros(accum_shape(p), grad_dtype), params), accum_sh)
     (loss_sum, grad_sum), _ = jax.lax.scan(

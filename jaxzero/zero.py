@@ -239,6 +239,11 @@ class Layout:
     """The model's `gather` hook: a weight in the compute layout (replicated over
     the data axes, split over `tensor`) where it is used; its gradient leaves in
     the reduce layout."""
+    if self.params_memory == "pinned_host":
+      # Offloaded weights (stage 3): each layer's shard comes to the device here,
+      # inside the layer scan, one layer at a time (a no-op for those already there).
+      w = jax.device_put(w, NamedSharding(self.mesh, self.spec(w.shape, logical_axes, "params"),
+                                          memory_kind="device"))
     compute = NamedSharding(self.mesh, self.spec(w.shape, logical_axes, "compute"))
     if set(AXES) <= set(self.vmapped_axes):  # a per-device gradient stays whole, unreduced
       return w if self.tensor_size == 1 else jax.lax.with_sharding_constraint(w, compute)

@@ -129,6 +129,71 @@ def test_cuda_step_keeps_optimizer_state_on_the_host(stage):
   assert len(to_host) >= n_weights
 
 
+def functions(text: str) -> dict[str, str]:
+  """{name: body} of every function of a lowered module."""
+  parts = re.split(r"\n  func\.func (?:public|private) @(\w+)\(", text)
+  return dict(zip(parts[1::2], parts[2::2]))
+
+
+def called_inside_loops(fns: dict[str, str]) -> set[str]:
+  """The functions some `stablehlo.while` body calls, directly or through others."""
+  inside = set()
+  for body in fns.values():
+    lines = body.splitlines()
+    for i, line in enumerate(lines):
+      if "stablehlo.while(" not in line:
+        continue
+      indent = line[:len(line) - len(line.lstrip())]
+      end = next(j for j in range(i + 1, len(lines)) if lines[j] == indent + "}")
+      inside |= set(re.findall(r"\bcall @(\w+)\(", "\n".join(lines[i:end])))
+  frontier = set(inside)
+  while frontier:
+    frontier = {c for f in frontier for c in re.findall(r"\bcall @(\w+)\(", fns[f])} - inside
+    inside |= frontier
+  return inside
+
+
+def device_placements(body: str) -> list[tuple[tuple[int, ...], str]]:
+  """(shape, the value placed) of every bf16 array a function places in device memory."""
+  found = re.findall(r'annotate_device_placement\((%[\w#]+)\) \{[^}]*_xla_buffer_placement = '
+                     r'"device"\}[^:]*: \(tensor<([^>]*bf16)>\)', body)
+  return [(tuple(int(d) for d in shape.split("x")[:-1]), value) for value, shape in found]
+
+
+def from_a_loop(body: str, value: str) -> bool:
+  """Whether `value` is (a sharding constraint of) a result of a `stablehlo.while`."""
+  defined = re.search(rf"\n\s*{re.escape(value)} = (.*)", body).group(1)
+  source = re.match(r"sdy\.sharding_constraint (%\w+)#\d+", defined)
+  return bool(source) and bool(
+      re.search(rf"\n\s*{source.group(1)}:\d+ = stablehlo\.while\(", body))
+
+
+@pytest.mark.parametrize("optimizer", ["device", "pinned_host"])
+def test_cuda_step_streams_offloaded_weights_one_layer_at_a_time(optimizer):
+  """With offload.params=pinned_host (stage 3) each layer's weight shards move to
+  the device inside the layer scan, one layer at a time; no stacked weight is
+  ever placed on the device. (The gradient of a weight left in pinned_host is
+  typed pinned_host by JAX: each layer's reduced shard goes down in the backward
+  scan, and the micro-step's gradient comes back after it.)"""
+  cfg = tiny(3, optimizer=optimizer, params="pinned_host", compute="bfloat16")
+  text, _, _ = cuda_main(cfg)
+  fns = functions(text)
+  stacks = {tuple(s.shape) for s in jax.tree.leaves(engine(cfg).abstract.params["layers"])}
+  layers = {shape[1:] for shape in stacks}
+  placed = {name: device_placements(body) for name, body in fns.items()}
+  # At the start of the step only the embedding, the head and the final norm come over.
+  rest = [tuple(s.shape) for k, s in engine(cfg).abstract.params.items() if k != "layers"]
+  assert sorted(s for s, _ in placed.pop("main")) == sorted(rest)
+  per_layer = {name for name, found in placed.items() if {s for s, _ in found} & layers}
+  assert layers <= {s for found in placed.values() for s, _ in found}
+  assert per_layer and per_layer <= called_inside_loops(fns), per_layer
+  # Stacks come to the device only as the backward layer scan's results: gradients.
+  for name, found in placed.items():
+    for shape, value in found:
+      if shape in stacks:
+        assert from_a_loop(fns[name], value), (name, shape, value)
+
+
 # Two processes of 4 devices each (jaxzero.launch), ZeRO-3 with the optimizer
 # state and the weights in host memory, against one process without offload.
 ROOT = pathlib.Path(__file__).resolve().parent.parent
