@@ -340,7 +340,7 @@ class CommReport:
   axis_bytes: dict[str, int]  # of the collectives whose groups span each mesh axis
   n_params: int
   unit_bytes_per_param: int
-  paper_units: int | None  # the ZeRO paper's figure, when the stage is known
+  paper_units: float | None  # the ZeRO paper's figure, when the stage is known
   notes: list[str]
 
 
@@ -352,7 +352,7 @@ def hlo_text(compiled_or_text: Any) -> str:
 
 
 def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int = 2, *,
-           stage: int | None = None, grad_accum: int = 1) -> CommReport:
+           stage: int | None = None, grad_accum: int = 1, tensor: int = 1) -> CommReport:
   """Every collective of a compiled step, and the bytes per device per step.
 
   Args:
@@ -360,6 +360,8 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
     mesh: the ``jax.sharding.Mesh`` it was compiled for; None leaves axes empty.
     n_params: Φ; unit_bytes_per_param: the bytes of one unit per parameter.
     stage, grad_accum: when the stage is given, the ZeRO paper's figure is added.
+    tensor: `mesh.tensor`; each device then holds 1/tensor of every weight, so the
+      paper's figure (for the data axes) is divided by it.
   """
   module = _Module(hlo_text(compiled_or_text))
   found = list(module.collectives())
@@ -380,11 +382,15 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
       "{} collective(s) send values that XLA:CPU widened to f32; counted at the dtype the "
       "partitioned program sends",
       "{} while loop(s) without a known trip count: counted as running once")) if n]
+  if tensor > 1:
+    notes.append(f"mesh.tensor={tensor}: the ZeRO paper's figure is over the data axes, for "
+                 f"the 1/{tensor} of each weight a device holds; what crosses `tensor` "
+                 f"(activations) comes on top")
   return CommReport(
       rows, found, total, total / (n_params * unit_bytes_per_param),
       {a: sum(r.counted_bytes for r in rows if a in r.axes) for a in getattr(mesh, "axis_names", ())},
       n_params, unit_bytes_per_param,
-      None if stage is None else zero_paper_units(stage, grad_accum), notes)
+      None if stage is None else zero_paper_units(stage, grad_accum) / tensor, notes)
 
 
 def as_json(rep: CommReport) -> dict:
@@ -413,6 +419,6 @@ def format_table(rep: CommReport) -> str:
   lines = [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body),
            f"total {rep.total_bytes / 1e9:.3g} GB per device per step = {rep.units:.2f} × "
            f"(Φ×{rep.unit_bytes_per_param} bytes); ZeRO paper: "
-           f"{'-' if rep.paper_units is None else rep.paper_units}"]
+           f"{'-' if rep.paper_units is None else f'{rep.paper_units:g}'}"]
   lines += [f"crossing {axis}: {size(b)}" for axis, b in rep.axis_bytes.items()]
   return "\n".join(lines + [f"note: {n}" for n in rep.notes])

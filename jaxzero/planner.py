@@ -384,7 +384,8 @@ def _plan_variant(engine: step_lib.Engine, variant: Variant, hbm_bytes: int,
     compiles += 1
     row.comm_report = comm_lib.report(
         compile_step(engine, micro), engine.layout.mesh, count_params(engine.cfg.model),
-        stage=engine.layout.stage, grad_accum=engine.cfg.train.grad_accum)
+        stage=engine.layout.stage, grad_accum=engine.cfg.train.grad_accum,
+        tensor=engine.layout.tensor_size)
   if search:
     def total_at(micro_batch: int) -> int:
       nonlocal compiles

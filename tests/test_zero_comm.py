@@ -27,18 +27,18 @@ MODEL = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2
 
 
 def compiled_report(zero: dict, accum: int, replica: int = 1, fsdp: int = 8,
-                    dtype: str = "bfloat16"):
+                    dtype: str = "bfloat16", tensor: int = 1):
   c = config.base()
   cfg = dataclasses.replace(
       c, model=MODEL, zero=config.ZeroConfig(**{"grad_dtype": dtype, **zero}),
-      mesh=config.MeshConfig(replica=replica, fsdp=fsdp),
+      mesh=config.MeshConfig(replica=replica, fsdp=fsdp, tensor=tensor),
       train=dataclasses.replace(c.train, global_batch=8 * accum, grad_accum=accum, seq_len=64),
       precision=config.PrecisionConfig(compute=dtype),
       remat=config.RematConfig(policy="full"))
-  layout = Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, jax.devices()[:8]))
-  compiled = planner.compile_step(step.Engine(cfg, layout), micro_batch=1)
+  layout = Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, jax.devices()[:8], tensor))
+  compiled = planner.compile_step(step.Engine(cfg, layout), micro_batch=tensor)
   return comm.report(compiled, layout.mesh, count_params(MODEL), stage=layout.stage,
-                     grad_accum=accum)
+                     grad_accum=accum, tensor=tensor)
 
 
 @pytest.mark.parametrize("accum", [1, 4])
@@ -103,3 +103,15 @@ def test_plan_json_carries_the_comm_report():
   (row,) = json.loads(json.dumps(plan_cli.as_json(result)))
   assert row["comm"]["paper_units"] == 3 and row["comm"]["units"] > 0
   assert {c["op"] for c in row["comm"]["rows"]} >= {"all-gather"}
+
+
+def test_with_tensor_parallelism_the_data_axes_move_the_paper_bytes_over_tensor():
+  """mesh.tensor=2: each device holds half of every weight, so what crosses the
+  data axes is the ZeRO paper's figure halved; the tensor axis carries activations."""
+  rep = compiled_report({"stage": 3}, 1, fsdp=4, tensor=2)
+  assert rep.paper_units == 1.5
+  data = rep.axis_bytes["fsdp"] / (2 * rep.n_params)
+  # (Within 10%: weights that `tensor` does not split, the norm gains and this
+  # small model's tied embedding, are gathered across both axes.)
+  assert 0.9 * rep.paper_units <= data <= 1.1 * rep.paper_units, comm.format_table(rep)
+  assert any("mesh.tensor=2" in note for note in rep.notes)
