@@ -9,7 +9,12 @@ The only module that uses orbax. A run's checkpoints are orbax step directories
   and export), the compute dtype and the data seed;
 * ``checksums``: one checksum per state leaf (jaxzero.integrity), computed on
   the devices before the save and verified after every restore, so that bytes
-  damaged on disk are never trained on.
+  damaged on disk are never trained on;
+* ``nvme``, for a run with the NVMe tier (offload.optimizer=nvme) only: the
+  fp32 master weights and optimizer moments, copied chunk by chunk from the
+  tier's files (jaxzero.nvme_store, no more than a few chunks in memory) with
+  their checksums; ``state`` then holds None at those leaves. Either kind of
+  checkpoint restores into either kind of run, on any mesh and stage.
 
 Nothing else is needed to resume: batches are addressed by step number, so the
 data position is the step.
@@ -40,13 +45,15 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import multihost
 
 from jaxzero import integrity
+from jaxzero import nvme_item
+from jaxzero import nvme_store
 from jaxzero import read_errors
 from jaxzero.errors import CheckpointError, DamagedCheckpointError
 from models.llama import LlamaConfig
 
 log = logging.getLogger(__name__)
 
-STATE, INFO, CHECKSUMS = "state", "info", "checksums"
+STATE, INFO, CHECKSUMS, NVME = "state", "info", "checksums", "nvme"
 Path = tuple[str, ...]
 
 
@@ -78,9 +85,9 @@ class _Checkpoints:
   def __init__(self, workdir, state_handler, **options):
     self.directory = checkpoint_dir(workdir)
     self._manager = ocp.CheckpointManager(
-        self.directory, item_names=(STATE, INFO, CHECKSUMS),
+        self.directory, item_names=(STATE, INFO, CHECKSUMS, NVME),
         item_handlers={STATE: state_handler, INFO: ocp.JsonCheckpointHandler(),
-                       CHECKSUMS: ocp.JsonCheckpointHandler()},
+                       CHECKSUMS: ocp.JsonCheckpointHandler(), NVME: nvme_item.ItemHandler()},
         options=ocp.CheckpointManagerOptions(create=False, **options))
 
   def latest_step(self) -> int | None:
@@ -111,7 +118,19 @@ class _Checkpoints:
     if tree is None:
       raise DamagedCheckpointError(
           f"checkpoint {self.step_dir(step)} is damaged: {metadata} is missing")
-    return _leaf_shapes(tree)
+    item = self.nvme_saved(step)
+    return {**_leaf_shapes(tree), **(item.shapes() if item else {})}
+
+  def nvme_saved(self, step: int) -> nvme_item.ItemReader | None:
+    """The NVMe tier's leaves of checkpoint `step`, if an NVMe run saved it."""
+    where = self.step_dir(step) / NVME
+    if not where.exists():
+      return None
+    try:
+      return nvme_item.ItemReader(where)
+    except Exception as e:  # pylint: disable=broad-except
+      raise DamagedCheckpointError(read_errors.read_error(
+          self.step_dir(step), e, f"its NVMe index ({NVME}/{nvme_item.INDEX})")) from e
 
   def close(self) -> None:
     self._manager.close()
@@ -148,11 +167,16 @@ class Checkpointer(_Checkpoints):
     """
     self._remove_unfinished_saves()
     if step not in self._manager.all_steps():
+      items = {}
+      if isinstance(getattr(state, "store", None), nvme_store.Store):  # jaxzero.nvme.NvmeState
+        # Copied during the save (the next update rewrites the store).
+        items[NVME] = nvme_item.ItemSave(state.store)
+        state = state.in_memory()
       # Computed on the devices before the save copies the state off them.
       checksums = integrity.record(state)
       self._manager.save(step, force=True, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), info=ocp.args.JsonSave(self._info),
-          checksums=ocp.args.JsonSave(checksums)))
+          checksums=ocp.args.JsonSave(checksums), **items))
     if wait:
       self.wait()
     return self.step_dir(step)
@@ -172,10 +196,12 @@ class Checkpointer(_Checkpoints):
     """Blocks until every save has been written and renamed into place."""
     self._manager.wait_until_finished()
 
-  def restore(self, step: int, target):
+  def restore(self, step: int, target, nvme=None):
     """Checkpoint `step`, each leaf read straight into the sharding of its
     ShapeDtypeStruct in `target` (e.g. step.Engine.abstract_state()), and
-    verified against the checksums saved with it.
+    verified against the checksums saved with it. With `nvme` (a
+    jaxzero.nvme.Tier), the leaves its store keeps are written there instead,
+    and its NvmeState is returned.
 
     Raises:
       CheckpointError: naming the first leaf whose shape differs from `target`.
@@ -189,22 +215,35 @@ class Checkpointer(_Checkpoints):
     if info.get("seed") != self._info["seed"]:
       log.warning("checkpoint %s was trained with seed=%s, this config has seed=%s: the data "
                   "order changes from here on", where, info.get("seed"), self._info["seed"])
+    item = self.nvme_saved(step)
+    # The leaves on the NVMe tier's side (saved by it, or to be restored into it)
+    # are not in `state`, or not read from it.
+    partial = nvme_item.without(target, nvme.names if nvme else item.shapes() if item else ())
     try:
       restored = self._manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[STATE]
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(partial)))[STATE]
+      if item and not nvme:
+        restored = item.with_leaves(restored, target)
     except Exception as e:  # pylint: disable=broad-except
       # orbax and tensorstore report a damaged file as a bare Exception.
       raise DamagedCheckpointError(read_errors.read_error(where, e)) from e
     if int(restored.step) != step:
       raise DamagedCheckpointError(f"checkpoint {where} holds a state at step "
                                    f"{int(restored.step)}, not {step}")
-    self._verify(step, restored)
-    return restored
+    recorded = self._recorded(step, item)
+    _raise_if_damaged(where, *integrity.mismatches(restored, recorded))
+    if nvme is None:
+      return restored
+    try:  # the store's leaves: from the nvme item, or from an in-memory run's `state`
+      _raise_if_damaged(where, *nvme_item.fill(
+          nvme.open_store(), recorded, item, lambda kind: _saved_array(where / STATE, kind)))
+    except nvme_item.ReadError as e:
+      raise DamagedCheckpointError(read_errors.read_error(where, e.__cause__)) from e
+    return nvme.state(restored)
 
-  def _verify(self, step: int, restored) -> None:
-    """Raises DamagedCheckpointError unless `restored` matches its saved checksums
-    and is finite. Checkpoints from before checksums were saved are only
-    checked to be finite."""
+  def _recorded(self, step: int, item: nvme_item.ItemReader | None) -> dict:
+    """The checksums saved with checkpoint `step` (with its NVMe item's). Checkpoints
+    from before checksums were saved are only checked to be finite."""
     where = self.step_dir(step)
     recorded = {}
     if (where / CHECKSUMS).exists():
@@ -217,13 +256,11 @@ class Checkpointer(_Checkpoints):
     else:
       log.warning("checkpoint %s has no checksums (saved by an older jaxzero): its values are "
                   "only checked to be finite", where)
-    differ, nonfinite = integrity.mismatches(restored, recorded)
-    for bad, what in ((differ, "do not match the checksum saved with them"),
-                      (nonfinite, "are not finite")):
-      if bad:
-        more = f" and {len(bad) - 1} more leaves" if len(bad) > 1 else ""
-        raise DamagedCheckpointError(f"checkpoint {where} is damaged: the values of leaf "
-                                     f"{bad[0]}{more} {what}")
+    if item:
+      saved, _ = item.recorded()
+      recorded = {**recorded, "checksums": {**recorded.get("checksums", {}),
+                                            **saved["checksums"]}}
+    return recorded
 
   def set_aside(self, step: int) -> pathlib.Path:
     """Moves damaged checkpoint `step` out of the way, into damaged_dir, so that
@@ -276,6 +313,9 @@ class CheckpointReader(_Checkpoints):
 
   def read(self, step: int, path: Path, shape: tuple[int, ...]) -> np.ndarray:
     """One saved leaf as a host array (only that leaf is read)."""
+    saved = self._nvme_view(step, path)
+    if saved is not None:
+      return np.asarray(saved.read().result(), dtype=np.float32)
     item = _nested(path, jax.ShapeDtypeStruct(shape, np.float32))
     restore_args = _nested(path, ocp.RestoreArgs(restore_type=np.ndarray))
     try:
@@ -296,11 +336,10 @@ class CheckpointReader(_Checkpoints):
     orbax's own files. If the files are not in the layout expected (zarr in an
     OCDBT database, orbax's default), the whole leaf is read instead.
     """
-    spec = {"driver": "zarr", "kvstore": {
-        "driver": "ocdbt", "base": f"file://{self.step_dir(step) / STATE}",
-        "path": ".".join(path)}}
+    store = self._nvme_view(step, path)
     try:
-      store = ts.open(spec, open=True, read=True).result()
+      if store is None:
+        store = _saved_array(self.step_dir(step) / STATE, "/".join(path))
     except Exception as e:  # pylint: disable=broad-except
       log.warning("reading %s whole: its layers cannot be read one by one (%s)",
                   "/".join(path), read_errors.reason(e))
@@ -309,6 +348,11 @@ class CheckpointReader(_Checkpoints):
       raise CheckpointError(f"checkpoint {self.step_dir(step)}: leaf {'/'.join(path)} has shape "
                             f"{tuple(store.shape)}, expected {tuple(shape)}")
     return _LayerReader(store)
+
+  def _nvme_view(self, step: int, path: Path):
+    """The leaf at `path` if checkpoint `step` keeps it in an NVMe run's item, else None."""
+    item = self.nvme_saved(step)
+    return None if item is None else item.view("/".join(path))
 
 
 class _LayerReader:
@@ -330,6 +374,23 @@ def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
   tree is nested (a saved TrainState comes back as dicts and lists)."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
   return {integrity.leaf_name(path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _raise_if_damaged(where: pathlib.Path, differ: list[str], nonfinite: list[str]) -> None:
+  for bad, what in ((differ, "do not match the checksum saved with them"),
+                    (nonfinite, "are not finite")):
+    if bad:
+      more = f" and {len(bad) - 1} more leaves" if len(bad) > 1 else ""
+      raise DamagedCheckpointError(f"checkpoint {where} is damaged: the values of leaf "
+                                   f"{bad[0]}{more} {what}")
+
+
+def _saved_array(state_dir: pathlib.Path, name: str):
+  """A leaf of orbax's saved state (zarr in an OCDBT database, orbax's default),
+  opened for reading boxes of it."""
+  spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}",
+                                        "path": name.replace("/", ".")}}
+  return ts.open(spec, open=True, read=True).result()
 
 
 def check_fits(saved: dict, wanted: dict, where: pathlib.Path, against: str,

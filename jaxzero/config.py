@@ -127,8 +127,13 @@ class RematConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-  optimizer: MemoryKind = "device"  # master weights + Adam moments
+  # Where the fp32 master weights and Adam moments live: device memory, pinned
+  # host memory (ZeRO-Offload), or files in `nvme_dir` (ZeRO-Infinity's NVMe tier).
+  optimizer: Literal["device", "pinned_host", "nvme"] = "device"
   params: MemoryKind = "device"  # the compute copy at rest (stage 3)
+  # offload.optimizer=nvme: a directory on local disk (each process keeps its
+  # shards in a subdirectory it makes, and deletes when the run ends).
+  nvme_dir: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,6 +365,9 @@ def validate(cfg: Config) -> None:
   if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
     raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
   _validate_eval(cfg)
+  if cfg.offload.optimizer == "nvme" and not cfg.offload.nvme_dir:
+    raise ConfigError("offload.optimizer=nvme needs offload.nvme_dir=PATH, a directory on "
+                      "local disk for the optimizer state")
   if cfg.offload.params == "pinned_host" and cfg.zero.resolved[0] != 3:
     raise ConfigError("offload.params=pinned_host needs ZeRO stage 3 (zero.stage=3 or "
                       "zero.strategy=FULL_SHARD/HYBRID_SHARD)")

@@ -39,7 +39,8 @@ _BUFFERS = "XLA sizes, lays out and combines collective buffers itself"
 _LAYOUT = "the stage's layout decides the collectives (gradients reduce-scattered where produced)"
 _RESHARD = "checkpoints restore on any mesh and stage"
 _PINNED = "offloaded state lives in pinned_host memory"
-_NVME_ONLY = "an NVMe-tier setting, unused with device cpu"
+_NVME_ONLY = "an NVMe-tier setting, unused without device nvme"
+_NVME_FIXED = "the NVMe tier's buffers and I/O are fixed (jaxzero.nvme_store)"
 UNNEEDED_ZERO = {
     "overlap_comm": _SCHEDULED, "contiguous_gradients": _BUFFERS,
     "reduce_bucket_size": _BUFFERS, "allgather_bucket_size": _BUFFERS,
@@ -66,7 +67,7 @@ UNNEEDED_TOP = {
     "zero_force_ds_cpu_optimizer": "one optimizer serves every stage",
     "checkpoint": _RESHARD,
     "compile": "every step is compiled by XLA",
-    "aio": "NVMe-tier I/O; the NVMe tier is not available",
+    "aio": _NVME_FIXED,
     "tensorboard": "jaxzero always writes TensorBoard events to WORKDIR/tb/",
 }
 UNNEEDED_ACTIVATIONS = {
@@ -204,21 +205,25 @@ def _offload(tr: Translation, zero: dict, key: str, target: str, legacy: str) ->
     tr.set(target, "pinned_host", f"zero_optimization.{legacy}")
   block = tr.check_keys(zero.get(key, {}), where, OFFLOAD_KEYS)
   device = block.get("device", "none")
-  if device == "nvme":
-    raise tr.error(f"{where}device=nvme: the NVMe tier is not available yet; use device "
-                   f"cpu (pinned host memory)")
-  if device not in ("none", "cpu"):
+  if device == "nvme" and target != "offload.optimizer":
+    raise tr.error(f"{where}device=nvme: the NVMe tier holds the optimizer state only; use "
+                   "device cpu (pinned host memory)")
+  if device == "nvme" and not (isinstance(block.get("nvme_path"), str) and block["nvme_path"]):
+    raise tr.error(f"{where}device=nvme needs {where}nvme_path, a directory on local disk")
+  if device not in ("none", "cpu", "nvme"):
     raise tr.error(f"{where}device={device!r} is not valid; choose one of: none, cpu, nvme")
   if block.get("ratio", 1) != 1:
     raise tr.error(f"{where}ratio: partial offload is not available; offload all (ratio 1) "
                    f"or nothing")
   if key in zero:
-    tr.set(target, "pinned_host" if device == "cpu" else "device", f"{where}device")
+    tr.set(target, {"cpu": "pinned_host", "nvme": "nvme"}.get(device, "device"), f"{where}device")
+  if device == "nvme":
+    tr.set("offload.nvme_dir", block["nvme_path"], f"{where}nvme_path")
   for name in block:
-    if name == "pin_memory":
+    if name == "pin_memory" and device != "nvme":
       tr.unneeded[where + name] = _PINNED
-    elif name not in ("device", "ratio"):
-      tr.unneeded[where + name] = _NVME_ONLY
+    elif name not in ("device", "ratio") and not (device == "nvme" and name == "nvme_path"):
+      tr.unneeded[where + name] = _NVME_FIXED if device == "nvme" else _NVME_ONLY
 
 
 def _activation_checkpointing(tr: Translation, block: dict) -> None:

@@ -21,6 +21,8 @@ is finite, since damaged bytes can also decode to NaN or Inf.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -40,19 +42,27 @@ def _fmix32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def _leaf_checksum(x: jax.Array) -> jax.Array:
-  """A uint32 checksum of `x` that does not depend on its sharding (see above)."""
+def _leaf_checksum(x: jax.Array, offsets=None, leaf_shape=None) -> jax.Array:
+  """A uint32 checksum of `x` that does not depend on its sharding (see above).
+
+  With `offsets` and `leaf_shape`, `x` is the box of a leaf of `leaf_shape`
+  that starts at `offsets`: the sum over a partition of a leaf into boxes is
+  the leaf's checksum (mod 2**32).
+  """
   itemsize = jnp.dtype(x.dtype).itemsize
   if itemsize not in _UINT_OF_SIZE:
     raise ValueError(f"no checksum for {x.dtype} leaves")
   bits = jax.lax.bitcast_convert_type(x, _UINT_OF_SIZE[itemsize]).astype(jnp.uint32)
+  leaf_shape = x.shape if leaf_shape is None else leaf_shape
   # The global flat index, in wrapping uint32 arithmetic and without reshaping
   # (a reshape of a sharded array could make XLA move it).
   position, stride = jnp.zeros(x.shape, jnp.uint32), 1
   for dim in reversed(range(x.ndim)):
     index = jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim)
+    if offsets is not None:
+      index = index + offsets[dim].astype(jnp.uint32)
     position = position + index * jnp.uint32(stride % 2**32)
-    stride *= x.shape[dim]
+    stride *= leaf_shape[dim]
   # Multiplying by an odd constant spreads neighbouring positions over all bits.
   return jnp.sum(_fmix32(bits ^ (position * jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
 
@@ -70,6 +80,16 @@ def _checksums_and_finite(leaves: list[jax.Array]) -> jax.Array:
   finite = jnp.stack([jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.floating)
                       else jnp.bool_(True) for x in leaves]).astype(jnp.uint32)
   return jnp.stack([_checksums(leaves), finite])
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def box_checksums(boxes: jax.Array, offsets: jax.Array, leaf_shape: tuple[int, ...]) -> jax.Array:
+  """[2, K] uint32 of K boxes [K, *box] of K leaves of `leaf_shape`, all starting
+  at `offsets`: each box's part of its leaf's checksum, and 1 where it is finite.
+  (The NVMe tier keeps its state in boxes: jaxzero.nvme_store.)"""
+  sums = jnp.stack([_leaf_checksum(box, offsets, leaf_shape) for box in boxes])
+  finite = jnp.stack([jnp.isfinite(box).all() for box in boxes]).astype(jnp.uint32)
+  return jnp.stack([sums, finite])
 
 
 def leaf_name(path) -> str:

@@ -79,16 +79,16 @@ def format_table(plan_, title: str) -> str:
   scale, unit = _unit(max(max(r.total_bytes, r.theory_state_bytes) for r in rows))
   size = lambda b: f"{b / scale:.1f}"
   header = ["stage", "remat", "offload", "params", "grads", "optimizer", "state",
-            "ZeRO formula", "activations", "host", "host<->device/step", "XLA total", "fits",
-            "max micro"]
+            "ZeRO formula", "activations", "host", "nvme", "host<->device/step", "XLA total",
+            "fits", "max micro"]
   body = []
   for r in rows:
     body.append([
         f"{r.stage} {r.strategy}", r.remat, _offload_label(r), size(r.params_bytes),
         size(r.grads_bytes), size(r.optimizer_bytes), size(r.state_bytes),
         f"{r.theory_formula} = {size(r.theory_state_bytes)}", size(r.activation_bytes),
-        size(r.host_bytes), size(r.transfer_bytes), size(r.total_bytes), "yes" if r.fits else "no",
-        "-" if r.max_micro_batch is None else str(r.max_micro_batch)])
+        size(r.host_bytes), size(r.nvme_bytes), size(r.transfer_bytes), size(r.total_bytes),
+        "yes" if r.fits else "no", "-" if r.max_micro_batch is None else str(r.max_micro_batch)])
   widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
   text_columns = 3  # left-aligned; the numbers are right-aligned
   fmt = lambda line: "  ".join(c.ljust(w) if i < text_columns else c.rjust(w)
@@ -110,8 +110,9 @@ def format_table(plan_, title: str) -> str:
 
 
 def _offload_label(r) -> str:
-  placed = [name for name, kind in (("optimizer", r.offload_optimizer),
-                                    ("params", r.offload_params)) if kind == "pinned_host"]
+  placed = [name + ("(nvme)" if kind == "nvme" else "")
+            for name, kind in (("optimizer", r.offload_optimizer), ("params", r.offload_params))
+            if kind != "device"]
   return "+".join(placed) if placed else "-"
 
 

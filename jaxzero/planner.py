@@ -15,6 +15,11 @@ on a laptop. Two kinds of figures come out:
 The figures are those of XLA's CPU compiler. A GPU compiler makes other
 choices (e.g. fused attention keeps no T x T score matrix), so treat
 ``activation_bytes`` as an estimate of the GPU's; model state is exact.
+
+With the NVMe tier (``offload.optimizer=nvme``) the optimizer state is in files
+(``nvme_bytes``) and its update streams it outside the compiled step, so the
+planner compiles ``Engine.grad_step``: XLA's figures (and ``--comm``'s) leave
+the update out, with its chunks in flight and, at stages 1-2, its all-gather.
 """
 
 from __future__ import annotations
@@ -25,17 +30,17 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from jaxzero import comm as comm_lib
 from jaxzero import config as config_lib
 from jaxzero import mesh as mesh_lib
+from jaxzero import state_bytes as state_lib
 from jaxzero import step as step_lib
 from jaxzero.config import Config
 from jaxzero.errors import ConfigError
 from jaxzero.remat import POLICY_NAMES
-from jaxzero.zero import SHARDED_ROLES, Layout, bytes_per_device
-from models.llama import count_params, param_specs
+from jaxzero.zero import Layout
+from models.llama import count_params
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +67,6 @@ MICRO_BATCH_LIMIT = 1024
 SWEEPS = ("stages", "remat", "offload")
 # Remat policies that move saved activations to pinned_host.
 OFFLOADING_POLICIES = frozenset({"offload_matmuls"})
-# AdamW's fp32 master weights and its two moments, per parameter.
-OPTIMIZER_BYTES_PER_PARAM = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +111,8 @@ class Row:
   # are grads_bytes, in the state): activations, gathered weights, workspace.
   activation_bytes: int
   host_bytes: int  # state leaves placed in pinned_host
-  transfer_bytes: int  # host <-> device bytes per step, both ways (planner.transfer_bytes)
+  nvme_bytes: int  # state leaves in the NVMe tier's files (state_bytes.nvme_bytes)
+  transfer_bytes: int  # host <-> device bytes per step, both ways (state_bytes.transfer_bytes)
   total_bytes: int  # XLA's figure for what the device holds during the step
   theory_state_bytes: int  # the ZeRO formula for params + grads + optimizer
   theory_formula: str
@@ -198,93 +202,17 @@ def cpu_devices(n: int) -> list:
 
 
 # ----------------------------------------------------------------------------
-# Model state from the shardings
-
-
-def state_bytes(engine: step_lib.Engine) -> dict[str, int]:
-  """Per-device bytes of each role, and of the leaves placed in pinned_host."""
-  cfg, layout, abstract, sh = engine.cfg, engine.layout, engine.abstract, engine.shardings
-  grad_dtype = step_lib.dtype_of(cfg.zero.grad_dtype)
-  abstract_grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, grad_dtype),
-                                abstract.master)
-  host = sum(_bytes_in_memory(getattr(abstract, name), getattr(sh, name), "pinned_host")
-             for name in ("params", "master", "opt_state"))
-  return {
-      "transfer": transfer_bytes(engine),
-      "params": bytes_per_device(abstract.params, sh.params),
-      "grads": bytes_per_device(abstract_grads,
-                                layout.tree_shardings(param_specs(cfg.model), "grads")),
-      "optimizer": (bytes_per_device(abstract.master, sh.master)
-                    + bytes_per_device(abstract.opt_state, sh.opt_state)),
-      "host": host,
-  }
-
-
-def transfer_bytes(engine: step_lib.Engine) -> int:
-  """Bytes one device moves between host and device memory in a step, both ways.
-
-  Optimizer in pinned_host (ZeRO-Offload): the gradient shards go down in the
-  dtype they were reduced in, and the new compute-dtype shards come up (a
-  host-resident compute copy at stage 3 stays on the host). Weights in
-  pinned_host: streamed to the device layer by layer (Layout.gather_for_compute);
-  when the update runs on the device, the new copy goes back.
-  """
-  cfg, layout, abstract, sh = engine.cfg, engine.layout, engine.abstract, engine.shardings
-  cast_shards = bytes_per_device(abstract.params, sh.master)  # compute dtype, optimizer layout
-  moved = 0
-  if layout.optimizer_memory == "pinned_host":
-    reduced = jnp.float32 if layout.reduces_once else step_lib.dtype_of(cfg.zero.grad_dtype)
-    grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, reduced), abstract.master)
-    moved += bytes_per_device(grads, sh.master)
-    moved += 0 if layout.params_memory == "pinned_host" else cast_shards
-  if layout.params_memory == "pinned_host":
-    params = bytes_per_device(abstract.params, sh.params)
-    layers = bytes_per_device(abstract.params["layers"], sh.params["layers"])
-    # The embedding, head and final norm come up once. Each micro-step, every
-    # layer's shard comes up for the forward pass and again for the backward (no
-    # remat policy keeps it), and its gradient shard goes down as the backward
-    # produces it and comes back up after.
-    moved += (params - layers) + cfg.train.grad_accum * 4 * layers
-    if layout.optimizer_memory != "pinned_host":
-      moved += params  # the updated compute copy goes back down
-  return moved
-
-
-def _bytes_in_memory(abstract, shardings, kind: str) -> int:
-  pairs = [(a, s) for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))
-           if s.memory_kind == kind]
-  return bytes_per_device([a for a, _ in pairs], [s for _, s in pairs])
-
-
-def bytes_per_param(cfg: Config) -> dict[str, int]:
-  return {"params": jnp.dtype(step_lib.dtype_of(cfg.precision.compute)).itemsize,
-          "grads": jnp.dtype(step_lib.dtype_of(cfg.zero.grad_dtype)).itemsize,
-          "optimizer": OPTIMIZER_BYTES_PER_PARAM}
-
-
-def theory_state_bytes(cfg: Config, layout: Layout) -> tuple[int, str]:
-  """The ZeRO paper's per-device model state, and the formula as text.
-
-  Each role costs its bytes per parameter times Φ, divided by N where the
-  stage shards it. With bf16 compute and bf16 grads this is the paper's
-  16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N for stages 0-3.
-  """
-  phi, n, t = count_params(cfg.model), layout.shard_size, layout.tensor_size
-  per_param = bytes_per_param(cfg)
-  sharded = sum(b for role, b in per_param.items() if role in SHARDED_ROLES[layout.stage])
-  replicated = sum(per_param.values()) - sharded
-  terms = ([f"{replicated}Φ"] if replicated else []) + ([f"{sharded}Φ/N"] if sharded else [])
-  formula = " + ".join(terms) if t == 1 else f"({' + '.join(terms)})/T"  # T = mesh.tensor
-  return round((replicated * phi + sharded * phi / n) / t), formula
-
-
-# ----------------------------------------------------------------------------
 # XLA's figures from the compiled step
 
 
 def compile_step(engine: step_lib.Engine, micro_batch: int, options=FAST_COMPILE_OPTIONS):
-  """The real train step, compiled ahead of time from shapes: nothing is allocated."""
-  lowered = engine.train_step.lower(engine.abstract_state(), engine.abstract_batch(micro_batch))
+  """The real train step, compiled ahead of time from shapes: nothing is allocated.
+  With the NVMe tier, the step without its update (which runs outside it)."""
+  batch = engine.abstract_batch(micro_batch)
+  if engine.cfg.offload.optimizer == "nvme":
+    lowered = engine.grad_step.lower(engine.abstract_state().params, batch)
+  else:
+    lowered = engine.train_step.lower(engine.abstract_state(), batch)
   try:
     return lowered.compile(compiler_options=options)
   except jax.errors.JaxRuntimeError as e:
@@ -398,8 +326,8 @@ def _plan_variant(engine: step_lib.Engine, variant: Variant, hbm_bytes: int,
 
 def _row(engine: step_lib.Engine, variant: Variant, stats, micro: int, hbm_bytes: int) -> Row:
   cfg, layout = engine.cfg, engine.layout
-  state = state_bytes(engine)
-  theory, formula = theory_state_bytes(cfg, layout)
+  state = state_lib.state_bytes(engine)
+  theory, formula = state_lib.theory_state_bytes(cfg, layout)
   total = xla_total_bytes(stats)
   return Row(
       strategy=variant.strategy, stage=variant.stage, hybrid=variant.hybrid,
@@ -410,8 +338,11 @@ def _row(engine: step_lib.Engine, variant: Variant, stats, micro: int, hbm_bytes
       offload_params=variant.offload_params,
       params_bytes=state["params"], grads_bytes=state["grads"],
       optimizer_bytes=state["optimizer"],
-      activation_bytes=max(0, stats.temp_size_in_bytes - state["grads"]),
-      host_bytes=state["host"], transfer_bytes=state["transfer"], total_bytes=total,
+      # (With the NVMe tier the compiled step returns the gradients: not temporaries.)
+      activation_bytes=max(0, stats.temp_size_in_bytes
+                           - (0 if cfg.offload.optimizer == "nvme" else state["grads"])),
+      host_bytes=state["host"], nvme_bytes=state["nvme"], transfer_bytes=state["transfer"],
+      total_bytes=total,
       theory_state_bytes=theory, theory_formula=formula, fits=total <= hbm_bytes,
       max_micro_batch=None,
       xla_host_bytes=xla_host_bytes(stats),

@@ -8,12 +8,17 @@ own size when it names one; else ``JAX_NUM_CPU_DEVICES`` when set (as
 node. On a GPU machine training takes every GPU instead (JAX's device count).
 
 :func:`check` is the start-up memory check: model state per device from the
-shardings (``planner.state_bytes``, exact) plus an analytic estimate of the
+shardings (``state_bytes.state_bytes``, exact) plus an analytic estimate of the
 step's activations, against the device's memory (``memory_stats()``'s
 ``bytes_limit``) or, on a CPU, the host's RAM shared by its CPU devices. It runs
 in well under a second, before the state is created, and a run that cannot
 fit stops with one line saying what would fit. Compiling the step, as
 ``jaxzero.plan`` does, measures XLA's own figure; this only estimates it.
+
+:func:`check_offload` refuses an offload the devices cannot hold (a memory
+kind the backend lacks; an ``offload.nvme_dir`` that is missing, not
+writable, or without room for this process's share of the optimizer state)
+before anything is created.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pathlib
+import shutil
+import tempfile
 
 from jaxzero import mesh as mesh_lib
-from jaxzero.errors import ConfigError
+from jaxzero.errors import ConfigError, PathError
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +76,7 @@ class Budget:
   where: str  # what `available` is, in words
   devices: int
   platform: str
+  disk: int = 0  # of the state above, in files (offload.optimizer=nvme)
 
   @property
   def state(self) -> int:
@@ -76,7 +85,7 @@ class Budget:
   @property
   def needed(self) -> int:
     """What must fit in `available`: on a CPU host memory is device memory."""
-    on_device = self.state + self.activations
+    on_device = self.state + self.activations - self.disk
     return on_device if self.platform == "cpu" else on_device - self.host
 
   @property
@@ -138,14 +147,15 @@ def host_memory_bytes() -> int:
 
 def budget(engine, devices) -> Budget:
   """The per-device accounting of `engine`'s run on `devices` (nothing is allocated)."""
-  from jaxzero import planner  # pylint: disable=import-outside-toplevel
+  from jaxzero import state_bytes  # pylint: disable=import-outside-toplevel
   layout = engine.layout
-  state = planner.state_bytes(engine)
+  state = state_bytes.state_bytes(engine)
   micro = mesh_lib.micro_batch(engine.cfg.train, layout.data_parallel_size)
   available, where = available_bytes(devices)
   return Budget(state["params"], state["grads"], state["optimizer"], state["host"],
                 activation_bytes(engine.cfg, micro, layout.shard_size, layout.is_sharded("params")),
-                available, where, len(devices), devices[0].platform)
+                available, where, len(devices), devices[0].platform,
+                disk=state["nvme"])
 
 
 # ----------------------------------------------------------------------------
@@ -157,8 +167,9 @@ def check(engine, devices, force: bool = False) -> Budget:
   b = budget(engine, devices)
   if b.fits:
     return b
-  message = (f"this run needs about {_gb(b.needed)} per device (model state {_gb(b.state)} + "
-             f"activations ~{_gb(b.activations)}) on {b.devices} devices, but "
+  on_disk = f", less {_gb(b.disk)} on disk" if b.disk else ""
+  message = (f"this run needs about {_gb(b.needed)} per device (model state {_gb(b.state)}"
+             f"{on_disk} + activations ~{_gb(b.activations)}) on {b.devices} devices, but "
              f"{b.where}; {suggest(engine, b)}; --force starts it anyway")
   if force:
     log.warning("--force: %s", message)
@@ -183,7 +194,7 @@ def suggest(engine, b: Budget) -> str:
     shard = lambda role: n if role in SHARDED_ROLES[stage] else 1
     opt = 12 * phi / shard("optimizer")
     state = c * phi / shard("params") + g * phi / shard("grads")
-    state += opt if cpu or offload == "device" else 0
+    state += opt if offload == "device" or (cpu and offload == "pinned_host") else 0
     policy_cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy=policy))
     state /= getattr(layout, "tensor_size", 1)  # mesh.tensor splits every weight further
     return int(state + activation_bytes(policy_cfg, m, n, stage == 3 and n > 1))
@@ -196,6 +207,9 @@ def suggest(engine, b: Budget) -> str:
     ideas.append(f"remat.policy=full (~{_gb(needed(policy='full'))})")
   if not cpu and cfg.offload.optimizer == "device" and fits(needed(offload="pinned_host")):
     ideas.append(f"offload.optimizer=pinned_host (~{_gb(needed(offload='pinned_host'))})")
+  elif cfg.offload.optimizer != "nvme" and fits(needed(offload="nvme")):
+    ideas.append(f"offload.optimizer=nvme with offload.nvme_dir=PATH "
+                 f"(~{_gb(needed(offload='nvme'))})")
   if micro > 1 and fits(needed(m=1)):
     ideas.append(f"micro-batch 1, i.e. train.grad_accum={cfg.train.grad_accum * micro} "
                  f"(~{_gb(needed(m=1))})")
@@ -212,6 +226,47 @@ def suggest(engine, b: Budget) -> str:
       return (f"ZeRO-3 with remat.policy=full and micro-batch 1 would fit on {n} such devices "
               f"(~{_gb(needed(stage=3, policy='full', m=1, n=n))} each)")
   return f"even ZeRO-3 with remat.policy=full and micro-batch 1 needs ~{_gb(smallest)}"
+
+
+# ----------------------------------------------------------------------------
+# Offload targets
+
+
+def check_offload(cfg, devices) -> None:
+  """Raises ConfigError or PathError (one line) for an offload these devices or
+  this `offload.nvme_dir` cannot hold; creates nothing that stays."""
+  kinds = {m.kind for m in devices[0].addressable_memories()}
+  for role, kind in (("optimizer", cfg.offload.optimizer), ("params", cfg.offload.params)):
+    if kind == "pinned_host" and kind not in kinds:
+      raise ConfigError(
+          f"offload.{role}=pinned_host: the {devices[0].platform} backend has no pinned_host "
+          f"memory (its memory kinds: {', '.join(sorted(kinds))}); use offload.{role}=device"
+          + (" or offload.optimizer=nvme" if role == "optimizer" else ""))
+  if cfg.offload.optimizer != "nvme":
+    return
+  where = f"offload.nvme_dir={cfg.offload.nvme_dir}"
+  directory = pathlib.Path(cfg.offload.nvme_dir).expanduser()
+  if not directory.exists():
+    raise PathError(f"{where} does not exist; create it (a directory on local disk) or choose "
+                    "another")
+  if not directory.is_dir():
+    raise PathError(f"{where} is not a directory")
+  try:
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".jaxzero-probe-"):
+      pass
+  except OSError as e:
+    raise PathError(f"{where} cannot be written: {e.strerror or e}") from e
+
+
+def check_nvme_room(cfg, needed: int, replaced: int = 0) -> None:
+  """Raises PathError when offload.nvme_dir lacks room for `needed` bytes (this
+  process's store), counting as free the `replaced` bytes of its previous store."""
+  free = shutil.disk_usage(pathlib.Path(cfg.offload.nvme_dir).expanduser()).free + replaced
+  if needed > free:
+    raise PathError(f"offload.nvme_dir={cfg.offload.nvme_dir} has {_gb(free)} free ({free:,} "
+                    f"bytes) but the NVMe tier needs {_gb(needed)} ({needed:,} bytes) for this "
+                    "process's share of the optimizer state; free space or choose another "
+                    "directory")
 
 
 def _gb(n: float) -> str:

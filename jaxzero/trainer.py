@@ -23,6 +23,8 @@ from jaxzero import checkpoint as checkpoint_lib
 from jaxzero import evaluation
 from jaxzero import hf_io
 from jaxzero import mesh as mesh_lib
+from jaxzero import nvme as nvme_lib
+from jaxzero import nvme_store
 from jaxzero import preflight
 from jaxzero import step as step_lib
 from jaxzero import throughput
@@ -48,6 +50,7 @@ class Run:
   engine: step_lib.Engine
   batches: batches_lib.Batches
   eval_batches: evaluation.EvalBatches | None = None  # the held-out split, if any
+  nvme: nvme_lib.Tier | None = None  # offload.optimizer=nvme: the state on disk
 
   @property
   def devices(self) -> list:
@@ -78,7 +81,10 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
   batches = batches_lib.Batches(tokens, cfg.train.seq_len, cfg.train.grad_accum,
                                 micro * layout.data_parallel_size, cfg.seed, order=source.order)
   eval_batches = None if held_out is None else evaluation.make_eval_batches(cfg, held_out)
-  return Run(cfg, layout, step_lib.Engine(cfg, layout), batches, eval_batches)
+  engine = step_lib.Engine(cfg, layout)
+  tier = (nvme_lib.Tier(engine, nvme_lib.store_directory(cfg.offload.nvme_dir, workdir))
+          if cfg.offload.optimizer == "nvme" else None)
+  return Run(cfg, layout, engine, batches, eval_batches, tier)
 
 
 @dataclasses.dataclass
@@ -114,6 +120,7 @@ def run_training(cfg: Config, workdir: str | pathlib.Path, steps: int | None = N
   workdir = pathlib.Path(workdir)
   # Before anything is built: a bad path or a second run costs one line, not a compile.
   workdir_lib.check_paths(cfg, workdir)
+  preflight.check_offload(cfg, list(jax.devices() if devices is None else devices))
   with workdir_lib.hold(workdir):
     return _run_locked(cfg, workdir, steps, devices, progress, require_checkpoint, resume_step,
                        force)
@@ -128,6 +135,7 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
       workdir, cfg.checkpoint.keep,
       checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed))
   stop = StopSignals()
+  run = None
   try:
     latest = checkpoints.latest_step()
     if require_checkpoint and latest is None:
@@ -139,6 +147,10 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
       hf_io.check_matches(cfg.model, cfg.init.hf_checkpoint)
     run = build(cfg, devices, workdir, progress)
     budget = preflight.check(run.engine, run.devices, force)  # before any state exists
+    if run.nvme:
+      directory = run.nvme.directory
+      preflight.check_nvme_room(cfg, nvme_store.bytes_needed(run.nvme.leaves),
+                                nvme_store.directory_bytes(directory) if directory.exists() else 0)
     if jax.process_index() == 0:
       print(banner.text(run, budget, workdir, total), flush=True)
     state = _restore_or_init(run, checkpoints, resume_step)
@@ -160,6 +172,8 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
     saved = checkpoints.save(step, state, wait=True)
   finally:
     checkpoints.close()  # waits for saves still in flight
+    if run is not None and run.nvme:
+      run.nvme.close()  # its files: the last checkpoint holds the state
   return Outcome(history, start, step, saved, stop.received, finished=start >= total)
 
 
@@ -203,14 +217,14 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
   path = run.cfg.init.hf_checkpoint
   if path:
     log.info("starting from the Hugging Face weights in %s", path)
-    return run.engine.init(master=hf_io.load_params(path, run.cfg.model,
-                                                    run.engine.shardings.master))
-  return run.engine.init()
+    return (run.nvme or run.engine).init(master=hf_io.load_params(path, run.cfg.model,
+                                                                  run.engine.shardings.master))
+  return (run.nvme or run.engine).init()
 
 
 def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,
              step: int) -> step_lib.TrainState:
-  state = checkpoints.restore(step, run.engine.abstract_state())  # verified, finite
+  state = checkpoints.restore(step, run.engine.abstract_state(), nvme=run.nvme)  # verified
   log.info("resumed from step %d (%s)", step, checkpoints.step_dir(step))
   return state
 
@@ -225,7 +239,10 @@ def _set_aside_later(checkpoints: checkpoint_lib.Checkpointer, start: int) -> No
 
 def _compile(run: Run, state, start: int):
   t0 = time.perf_counter()
-  compiled = run.engine.train_step.lower(state, run.batch(start)).compile()
+  if run.nvme:
+    compiled = run.nvme.compile(state, run.batch(start))
+  else:
+    compiled = run.engine.train_step.lower(state, run.batch(start)).compile()
   log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
   # Hosts compile at different speeds; gloo (CPU) allows only 30 s between the
   # first and the last process reaching the first collective. The barrier goes

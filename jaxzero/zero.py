@@ -102,8 +102,10 @@ class Layout:
     if cfg.model.n_kv_heads % tensor:
       log.info("replicating the %d KV heads across each tensor group of %d (mesh.tensor does "
                "not divide them), as Megatron does", cfg.model.n_kv_heads, tensor)
-    return cls(mesh, stage, hybrid, params_memory=cfg.offload.params,
-               optimizer_memory=cfg.offload.optimizer,
+    # The NVMe tier keeps the optimizer state in files, outside the jitted step;
+    # what of it memory holds (its step counts, the chunks being updated) is on the device.
+    optimizer = "device" if cfg.offload.optimizer == "nvme" else cfg.offload.optimizer
+    return cls(mesh, stage, hybrid, params_memory=cfg.offload.params, optimizer_memory=optimizer,
                reduce_dtype=cfg.zero.reduce_dtype or cfg.zero.grad_dtype)
 
   @property

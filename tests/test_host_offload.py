@@ -1,5 +1,5 @@
 """ZeRO-Offload: the optimizer runs on the host where its state lives, and every
-offload setting trains to the losses of no offload.
+offload setting (the NVMe tier's too) trains to the losses of no offload.
 
 The CUDA lowering of the step (made on this CPU machine) shows what a GPU
 would run: the master weights and Adam moments are used only by the update,
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxzero import config, planner, trainer
+from jaxzero import config, nvme, nvme_store, planner, trainer
 from jaxzero import mesh as mesh_lib
 from jaxzero.step import Engine
 from jaxzero.zero import Layout
@@ -29,7 +29,8 @@ from processes import FAST_XLA_FLAGS
 STEPS = 3
 
 
-def tiny(stage: int, optimizer="device", params="device", compute="float32") -> config.Config:
+def tiny(stage: int, optimizer="device", params="device", compute="float32",
+         nvme_dir="") -> config.Config:
   c = config.base()
   return dataclasses.replace(
       c,
@@ -40,7 +41,7 @@ def tiny(stage: int, optimizer="device", params="device", compute="float32") -> 
       train=dataclasses.replace(c.train, steps=STEPS, global_batch=16, grad_accum=2, seq_len=32,
                                 lr=3e-3, warmup_steps=1, clip_norm=0.05),
       precision=config.PrecisionConfig(compute=compute),
-      offload=config.OffloadConfig(optimizer=optimizer, params=params))
+      offload=config.OffloadConfig(optimizer=optimizer, params=params, nvme_dir=nvme_dir))
 
 
 def engine(cfg: config.Config) -> Engine:
@@ -51,13 +52,21 @@ def engine(cfg: config.Config) -> Engine:
 def losses(cfg: config.Config) -> np.ndarray:
   e = engine(cfg)
   tokens = jax.random.randint(jax.random.key(0), (STEPS, 2, 16, 33), 0, 256, jnp.int32)
-  state = e.init()
-  step = e.train_step.lower(state, e.abstract_batch(2)).compile(
-      compiler_options=planner.FAST_COMPILE_OPTIONS)
+  tier = None
+  if cfg.offload.optimizer == "nvme":  # the state in files; the update streamed outside the step
+    tier = nvme.Tier(e, nvme.store_directory(cfg.offload.nvme_dir, cfg.offload.nvme_dir))
+    state = tier.init()
+    step = tier.compile(state, jax.device_put(tokens[0], e.batch_sharding))
+  else:
+    state = e.init()
+    step = e.train_step.lower(state, e.abstract_batch(2)).compile(
+        compiler_options=planner.FAST_COMPILE_OPTIONS)
   out = []
   for batch in tokens:
     state, metrics = step(state, jax.device_put(batch, e.batch_sharding))
     out.append(float(metrics["loss"]))
+  if tier is not None:
+    tier.close()  # deletes its files
   return np.array(out)
 
 
@@ -69,12 +78,19 @@ def no_offload():
 
 
 # clip_norm=0.05 clips every step, so the host's clipping (by the norm computed
-# on the device) is exercised too.
+# on the device) is exercised too. At stage 2 the NVMe tier streams its update
+# in chunks of at most 4 KiB, so that weights are cut along their unsplit
+# dimensions as well as by layer (the weights of a chunk then go into the
+# replicated compute copy in place).
 @pytest.mark.parametrize("stage,optimizer,params", [
     (1, "pinned_host", "device"), (2, "pinned_host", "device"), (3, "pinned_host", "device"),
-    (3, "device", "pinned_host"), (3, "pinned_host", "pinned_host")])
-def test_offload_trains_like_no_offload(no_offload, stage, optimizer, params):
-  got = losses(tiny(stage, optimizer, params))
+    (3, "device", "pinned_host"), (3, "pinned_host", "pinned_host"),
+    (1, "nvme", "device"), (2, "nvme", "device"), (3, "nvme", "device")])
+def test_offload_trains_like_no_offload(no_offload, stage, optimizer, params, tmp_path,
+                                       monkeypatch):
+  if stage == 2:
+    monkeypatch.setattr(nvme_store, "CHUNK_BYTES", 4096)
+  got = losses(tiny(stage, optimizer, params, nvme_dir=str(tmp_path)))
   np.testing.assert_allclose(got, no_offload[stage], rtol=1e-6, atol=0)
 
 

@@ -11,6 +11,7 @@ import jax
 import pytest
 
 from jaxzero import config, planner
+from jaxzero import plan as plan_cli
 from jaxzero.planner import Variant
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -114,6 +115,27 @@ def test_offload_moves_state_to_the_host():
     else:  # the CPU compiler: same buffers, and the plan says so
       assert row.total_bytes == pytest.approx(device.total_bytes, rel=1e-3)
       assert any("does not separate pinned_host" in note for note in plan.notes)
+
+
+def test_nvme_puts_the_optimizer_state_on_disk_and_out_of_the_device():
+  # The plan needs no offload.nvme_dir: nothing is written.
+  cfg = config.load(str(CONFIGS / "tiny_zero3.py"))
+  plan = planner.plan(cfg, 8, H100, [Variant(1, False, "none", "nvme"),
+                                     Variant(3, False, "none"), Variant(3, False, "none", "nvme")],
+                      search=False)
+  stage1, device, nvme = plan.rows
+  phi = plan.n_params
+  assert device.nvme_bytes == 0
+  assert stage1.nvme_bytes == nvme.nvme_bytes == 12 * phi / 8  # fp32 master + Adam m, v
+  assert nvme.optimizer_bytes == device.optimizer_bytes  # the state is counted as ever
+  assert nvme.host_bytes == 0
+  assert nvme.transfer_bytes == 2 * nvme.nvme_bytes  # each chunk up from disk and back
+  # The step XLA compiles holds no optimizer state: the update streams it from disk.
+  assert nvme.total_bytes < device.total_bytes - nvme.nvme_bytes / 2
+  row = plan_cli.as_json(plan)[2]
+  assert row["nvme_bytes"] == nvme.nvme_bytes and row["offload_optimizer"] == "nvme"
+  table = plan_cli.format_table(plan, "title").splitlines()
+  assert "  nvme  " in table[4] and "optimizer(nvme)" in table[8]
 
 
 def test_largest_micro_batch_search_needs_few_compiles():

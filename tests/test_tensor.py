@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import processes
-from jaxzero import checkpoint, comm, config, hf_export, hf_io, mesh, planner, step
+from jaxzero import checkpoint, comm, config, hf_export, hf_io, mesh, planner, state_bytes, step
 from jaxzero.config import ConfigError
 from jaxzero.zero import Layout
 from models.llama import LlamaConfig, count_params, is_param_spec, param_specs
@@ -174,7 +174,7 @@ def test_every_leaf_is_split_by_the_stage_and_tensor(stage, hybrid, shape):
   # Per device: the ZeRO formula divided by the tensor size, except that the few
   # weights `tensor` leaves whole (norm gains; KV projections when it does not
   # divide the KV heads) are whole in the roles the stage does not shard.
-  got = planner.state_bytes(engine)
+  got = state_bytes.state_bytes(engine)
   whole = sum(int(np.prod(s.shape)) for n, s in _flat_specs(specs).items()
               if not split_by_tensor(n, tensor))
   phi = count_params(MODEL)
@@ -197,8 +197,8 @@ def test_llama70b_state_is_the_zero_figure_over_tensor():
   cfg = config.load(str(planner_config("llama70b_zero3_offload")),
                     ["mesh.fsdp=4", "mesh.tensor=2", "offload.optimizer=device"])
   engine = make_engine(cfg)
-  got = planner.state_bytes(engine)
-  theory, formula = planner.theory_state_bytes(cfg, engine.layout)
+  got = state_bytes.state_bytes(engine)
+  theory, formula = state_bytes.theory_state_bytes(cfg, engine.layout)
   phi = count_params(cfg.model)
   assert formula == "(16Φ/N)/T"
   assert theory == round(16 * phi / 8)

@@ -8,7 +8,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxzero import config, planner, step
+from jaxzero import config, state_bytes, step
 from jaxzero.mesh import make_mesh
 from jaxzero.zero import Layout
 from models.llama import LlamaConfig, count_params, param_specs
@@ -32,7 +32,7 @@ def _layout(stage, hybrid=False, replica=1, fsdp=8, optimizer="device", params="
 
 def _state_bytes(cfg, layout):
   """Per-device bytes of compute params, grads (in grad dtype), and master + Adam."""
-  got = planner.state_bytes(step.Engine(cfg, layout))
+  got = state_bytes.state_bytes(step.Engine(cfg, layout))
   return {role: got[role] for role in ("params", "grads", "optimizer")}
 
 
