@@ -210,8 +210,10 @@ def test_cuda_step_streams_offloaded_weights_one_layer_at_a_time(optimizer):
         assert from_a_loop(fns[name], value), (name, shape, value)
 
 
-# Two processes of 4 devices each (jaxzero.launch), ZeRO-3 with the optimizer
-# state and the weights in host memory, against one process without offload.
+# Two processes of 4 devices each (jaxzero.launch) with offload, against one
+# process without: ZeRO-3 with the optimizer state and the weights in host
+# memory, ZeRO-1 and 2 with the optimizer there (tests/test_nvme.py has the
+# NVMe tier across two processes).
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
 LAUNCH_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
@@ -220,16 +222,19 @@ LAUNCH_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.s
                "data.max_bytes=200000", "mesh.replica=1", "mesh.fsdp=8"]
 
 
-def test_two_processes_with_offload_train_like_one_without(tmp_path):
-  one = trainer.train(config.load(TINY, LAUNCH_SETS), tmp_path / "one",
+@pytest.mark.parametrize("stage,offload", [
+    (3, ["offload.optimizer=pinned_host", "offload.params=pinned_host"]),
+    (2, ["offload.optimizer=pinned_host"]), (1, ["offload.optimizer=pinned_host"])])
+def test_two_processes_with_offload_train_like_one_without(tmp_path, stage, offload):
+  sets = LAUNCH_SETS + [f"zero.stage={stage}"]
+  one = trainer.train(config.load(TINY, sets), tmp_path / "one",
                       devices=jax.devices()[:8], progress=False)
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAXZERO_"))}
   env["XLA_FLAGS"] = FAST_XLA_FLAGS  # as this process compiles (conftest.py)
-  offload = ["offload.optimizer=pinned_host", "offload.params=pinned_host"]
   result = subprocess.run(
       [sys.executable, "-m", "jaxzero.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
        "--config", TINY, "--workdir", str(tmp_path / "two"), "--no-progress",
-       *[a for s in LAUNCH_SETS + offload for a in ("--set", s)]],
+       *[a for s in sets + offload for a in ("--set", s)]],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=400, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
