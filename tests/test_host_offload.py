@@ -212,8 +212,8 @@ def test_cuda_step_streams_offloaded_weights_one_layer_at_a_time(optimizer):
 
 # Two processes of 4 devices each (jaxzero.launch) with offload, against one
 # process without: ZeRO-3 with the optimizer state and the weights in host
-# memory, ZeRO-1 and 2 with the optimizer there (tests/test_nvme.py has the
-# NVMe tier across two processes).
+# memory, and with the weights alone there; ZeRO-1 and 2 with the optimizer
+# there (tests/test_nvme.py has the NVMe tier across two processes).
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
 LAUNCH_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
@@ -224,7 +224,8 @@ LAUNCH_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.s
 
 @pytest.mark.parametrize("stage,offload", [
     (3, ["offload.optimizer=pinned_host", "offload.params=pinned_host"]),
-    (2, ["offload.optimizer=pinned_host"]), (1, ["offload.optimizer=pinned_host"])])
+    (3, ["offload.params=pinned_host"]), (2, ["offload.optimizer=pinned_host"]),
+    (1, ["offload.optimizer=pinned_host"])])
 def test_two_processes_with_offload_train_like_one_without(tmp_path, stage, offload):
   sets = LAUNCH_SETS + [f"zero.stage={stage}"]
   one = trainer.train(config.load(TINY, sets), tmp_path / "one",
