@@ -354,9 +354,9 @@ def _make_train_step(cfg: Config, layout: Layout, state_sh: TrainState):
     a second copy of the optimizer state (12Φ/N) among the temporaries.
     """
     def apply(grad_sum, master, opt_state):
-      # Clipped by the norm already computed for the metrics:
-      # the gradients are not read a second time, and on the host optax's own
-      # norm cannot be traced (jax.numpy's real-array `.imag` is a device constant).
+      # Clipped by the norm already computed for the metrics: the gradients are
+      # not read a second time, and on the host optax's own norm cannot be
+      # traced (jax.numpy's real-array `.imag` is a device constant).
       grads = mean_grad(grad_sum, accum)
       if cfg.train.clip_norm > 0:
         grads = clip_by_norm(grads, grad_norm, cfg.train.clip_norm)
