@@ -258,6 +258,9 @@ def _make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
   reduce_dtype = dtype_of(layout.reduce_dtype)
   master_on_device = on_device(state_sh.master)
   params_on_device = on_device(state_sh.params)
+  # Offloaded weights stream: the decoder layers' shards stay in pinned_host and
+  # move to the device one layer at a time (Layout.gather_for_compute).
+  streams_weights = layout.params_memory == "pinned_host"
 
   value_and_grad = jax.value_and_grad(functools.partial(loss_fn, graphdef))
   # Gradients kept apart per group of `local_axes` and reduced across them once
@@ -294,7 +297,7 @@ def _make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
       # Stages 2-3 accumulate into sharded buffers: each reduce is a reduce-scatter.
       # (Layout.gather_for_compute makes each gradient leave the layer reduced.)
       loss, grads = value_and_grad(params, tokens_BxT1, layout, remat)
-    if layout.params_memory == "pinned_host":
+    if streams_weights:
       # The gradient of a weight left in pinned_host is typed pinned_host: each
       # layer's shard went down as the backward pass produced it; added up here.
       grads = jax.device_put(grads, reduced_sh)
@@ -305,10 +308,7 @@ def _make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
 
   def grad_fn(params, tokens_AxBxT1: jax.Array):
     accum = tokens_AxBxT1.shape[0]
-    if layout.params_memory == "pinned_host":
-      # Offloaded weights: the decoder layers' shards stay in pinned_host and move
-      # to the device one layer at a time, inside the layer scan (in
-      # Layout.gather_for_compute); the embedding, head and final norm come now.
+    if streams_weights:  # the embedding, head and final norm come over now
       params = {k: v if k == "layers" else jax.device_put(v, params_on_device[k])
                 for k, v in params.items()}
     else:

@@ -94,15 +94,19 @@ def test_offload_trains_like_no_offload(no_offload, stage, optimizer, params, tm
   np.testing.assert_allclose(got, no_offload[stage], rtol=1e-6, atol=0)
 
 
-def cuda_main(cfg: config.Config) -> tuple[str, str]:
-  """(the signature of the CUDA-lowered step's main function, its body)."""
+def functions(text: str) -> dict[str, str]:
+  """{name: body} of every function of a lowered module."""
+  parts = re.split(r"\n  func\.func (?:public|private) @(\w+)\(", text)
+  return dict(zip(parts[1::2], parts[2::2]))
+
+
+def cuda_main(cfg: config.Config) -> tuple[dict[str, str], str, str]:
+  """The CUDA-lowered step: (its functions, main's signature, main's body)."""
   e = engine(cfg)
-  text = e.train_step.trace(e.abstract_state(), e.abstract_batch(2)).lower(
-      lowering_platforms=("cuda",)).as_text()
-  main = text[text.index("func.func public @main("):]
-  main = main[:main.index("\n  }\n")]
-  signature, body = main.split("\n", 1)
-  return text, signature, body
+  fns = functions(e.train_step.trace(e.abstract_state(), e.abstract_batch(2)).lower(
+      lowering_platforms=("cuda",)).as_text())
+  signature, body = fns["main"].split("\n", 1)
+  return fns, signature, body
 
 
 def host_arguments(signature: str) -> list[str]:
@@ -113,7 +117,7 @@ def host_arguments(signature: str) -> list[str]:
 @pytest.mark.parametrize("stage", [1, 3])
 def test_cuda_step_keeps_optimizer_state_on_the_host(stage):
   cfg = tiny(stage, optimizer="pinned_host", compute="bfloat16")
-  text, signature, body = cuda_main(cfg)
+  fns, signature, body = cuda_main(cfg)
   host = host_arguments(signature)
   n_weights = len(jax.tree.leaves(engine(cfg).abstract.master))
   assert len(host) == 3 * n_weights  # master, Adam mu, Adam nu; all float32
@@ -125,8 +129,7 @@ def test_cuda_step_keeps_optimizer_state_on_the_host(stage):
     assert len(users) == 1, name
     assert len(re.findall(rf"{name}\b", body)) == 1, f"{name} has a use besides the update"
   (update,) = {callee for callee, operands in calls if host[0][0] in operands}
-  fn = text[text.index(f"func.func private @{update}("):]
-  fn = fn[:fn.index("\n  }\n")]
+  fn = fns[update]
   # Every array operation is marked host compute (scalars, e.g. Adam's step
   # count as a float, and constants may be left to the device).
   ops = [line for line in fn.splitlines()[1:] if " = stablehlo." in line
@@ -143,12 +146,6 @@ def test_cuda_step_keeps_optimizer_state_on_the_host(stage):
   assert all(s.endswith("xbf16") for s in arrays_to_device), arrays_to_device
   to_host = re.findall(r'_xla_buffer_placement = "pinned_host"\}[^:]*: \(tensor<([^>]*)>\)', body)
   assert len(to_host) >= n_weights
-
-
-def functions(text: str) -> dict[str, str]:
-  """{name: body} of every function of a lowered module."""
-  parts = re.split(r"\n  func\.func (?:public|private) @(\w+)\(", text)
-  return dict(zip(parts[1::2], parts[2::2]))
 
 
 def called_inside_loops(fns: dict[str, str]) -> set[str]:
@@ -192,8 +189,7 @@ def test_cuda_step_streams_offloaded_weights_one_layer_at_a_time(optimizer):
   typed pinned_host by JAX: each layer's reduced shard goes down in the backward
   scan, and the micro-step's gradient comes back after it.)"""
   cfg = tiny(3, optimizer=optimizer, params="pinned_host", compute="bfloat16")
-  text, _, _ = cuda_main(cfg)
-  fns = functions(text)
+  fns, _, _ = cuda_main(cfg)
   stacks = {tuple(s.shape) for s in jax.tree.leaves(engine(cfg).abstract.params["layers"])}
   layers = {shape[1:] for shape in stacks}
   placed = {name: device_placements(body) for name, body in fns.items()}
