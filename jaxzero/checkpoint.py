@@ -83,6 +83,7 @@ class _Checkpoints:
   """Listing and metadata, shared by the trainer's Checkpointer and export's reader."""
 
   def __init__(self, workdir, state_handler, **options):
+    read_errors.quiet_abandoned_reads()
     self.directory = checkpoint_dir(workdir)
     self._manager = ocp.CheckpointManager(
         self.directory, item_names=(STATE, INFO, CHECKSUMS, NVME),

@@ -3,7 +3,8 @@
 orbax and tensorstore report a damaged file as a bare Exception whose text
 carries TensorStore's whole spec, and the reads a failed restore abandons
 report themselves again on stderr. :func:`read_error` says what failed in
-words; once it has, the abandoned reads are kept quiet.
+words, and :func:`quiet_abandoned_reads` (called before the first read) keeps
+the abandoned reads from saying more.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _STATE_DIR_IN_ERROR = re.compile(r' in OCDBT database at local file "[^"]*"')
 
 def read_error(where: pathlib.Path, error: BaseException, what: str = "") -> str:
   """One line for a failed read: the leaf when tensorstore names it, and why."""
-  _ignore_abandoned_reads()
+  quiet_abandoned_reads()
   leaf = next((m.group(1) for m in map(_LEAF_IN_ERROR.search, map(str, _causes(error))) if m),
               None)
   what = f"leaf {leaf.replace('.', '/')}" if leaf else what or "a file"
@@ -76,14 +77,16 @@ class _AbandonedReadTasks(logging.Filter):
                                                      "OCDBT database", "TensorStore")))
 
 
-def _ignore_abandoned_reads() -> None:
-  """Keeps a failed restore's error the last word.
+def quiet_abandoned_reads() -> None:
+  """Keeps a failed restore's error the last word; idempotent.
 
   When one read fails, orbax stops awaiting the others: each of those then
   reports its own failure, or "Event loop is closed", as an unraisable
   exception or an unretrieved task exception (a traceback with TensorStore's
   whole spec on stderr), or is reported as never awaited. None of it says
-  more than the error raised.
+  more than the error raised. Installed before reading, not on the first
+  error: an abandoned read of the first failed restore may report itself
+  (on a tensorstore thread) before that error reaches `read_error`.
   """
   warnings.filterwarnings("ignore", message=f"coroutine '{_SHARD_READ}' was never awaited",
                           category=RuntimeWarning)

@@ -214,6 +214,30 @@ def test_after_a_damaged_restore_stderr_holds_only_its_error(stopped_at_3, tmp_p
                            "damaged: "), line
 
 
+# A tensorstore read that a failed restore abandoned, answering on its own thread
+# into the closed event loop, before that restore's error has been raised.
+CLOSED_LOOP_BEFORE_THE_ERROR = """
+import asyncio, sys, threading
+from jaxzero import checkpoint
+checkpoint.CheckpointReader(sys.argv[1])
+loop = asyncio.new_event_loop()
+loop.close()
+class AbandonedRead:
+  def __del__(self):
+    loop.call_soon_threadsafe(print)
+thread = threading.Thread(target=AbandonedRead)
+thread.start()
+thread.join()
+"""
+
+
+def test_abandoned_reads_are_quiet_from_the_first_read(tmp_path, cli_env):
+  result = subprocess.run([sys.executable, "-c", CLOSED_LOOP_BEFORE_THE_ERROR, str(tmp_path)],
+                          cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=120,
+                          check=False)
+  assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+
+
 def test_resume_flag_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
   code = train.main(["--config", TINY, "--workdir", str(tmp_path / "w"), "--resume"])
   errors = capsys.readouterr().err.strip().splitlines()
