@@ -367,7 +367,8 @@ class Tier:
       new_scalars = [x for x, f in zip(leaves, flags) if not f]
       new_weight = new_master.astype(compute)
       if leaf.cut:  # in place (the weight is donated)
-        new_weight = jax.lax.dynamic_update_slice(weight, new_weight, _corner(leaf, starts))
+        new_weight = _as(weight.dtype, jax.lax.dynamic_update_slice(
+            _bits(weight), _bits(new_weight), _corner(leaf, starts)))
       return new_weight, jnp.stack([new_master, *new_copies]), new_scalars
 
     fn = jax.jit(unit, donate_argnums=0 if leaf.cut else (),
@@ -387,7 +388,22 @@ def _corner(leaf: nvme_store.Leaf, starts) -> list:
 
 def _box_of(leaf: nvme_store.Leaf, x: jax.Array, starts) -> jax.Array:
   """The chunk of `x` (a whole weight) that starts at `starts`."""
-  return jax.lax.dynamic_slice(x, _corner(leaf, starts), leaf.chunk) if leaf.cut else x
+  if not leaf.cut:
+    return x
+  return _as(x.dtype, jax.lax.dynamic_slice(_bits(x), _corner(leaf, starts), leaf.chunk))
+
+
+# A chunk is sliced out of, and written into, a whole (stacked) weight as raw bits:
+# XLA:CPU moves bfloat16 data as float32, so slicing or updating one chunk of a
+# bf16 weight would convert all of it, there and back, for every chunk (a whole
+# stacked weight per chunk: most of the update's time). The bitcasts cost
+# nothing, here or on a GPU.
+def _bits(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _as(dtype, bits: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(bits, dtype)
 
 
 class _All:

@@ -311,3 +311,26 @@ def test_chunks_cut_layers_then_unsplit_dimensions_within_the_budget():
   whole = nvme_store.plan_leaf("norm", (64,), kinds, jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec("fsdp")), stacked=False, chunk_bytes=1)
   assert whole.chunk == (64,) and whole.cut == () and whole.starts() == [()]
+
+
+def test_a_chunk_is_cut_from_and_written_into_its_bf16_stack_without_widening_the_stack(
+    tmp_path):
+  # XLA:CPU moves bf16 as f32: slicing a chunk out of the gradient stack, or
+  # writing it into the weight stack, as bf16 converted the whole stack for every
+  # chunk (most of the update's time on a CPU).
+  cfg = config.load(TINY, [*SETS, *nvme_sets(tmp_path), "precision.compute=bfloat16",
+                           "zero.grad_dtype=bfloat16"])
+  run = trainer.build(cfg, jax.devices()[:8], tmp_path / "w")
+  state = run.nvme.init()
+  i, leaf = next((i, leaf) for i, leaf in enumerate(run.nvme.leaves)
+                 if leaf.name == "layers/w_up_LxDxF")
+  weight = jax.tree.leaves(state.params)[i]
+  assert leaf.cut == (0,) and weight.dtype == jnp.bfloat16
+  chunk = jax.ShapeDtypeStruct((len(leaf.kinds), *leaf.chunk), jnp.float32,
+                               sharding=leaf.chunk_sharding)
+  hlo = run.nvme._unit(leaf).lower(  # pylint: disable=protected-access
+      weight, weight, chunk, (0,), jax.tree.leaves(state.opt_state),
+      jnp.float32(1)).compile().as_text()
+  stack = ",".join(map(str, weight.sharding.shard_shape(weight.shape)))
+  assert f"bf16[{stack}]" in hlo and f"f32[{stack}]" not in hlo
+  run.nvme.close()
