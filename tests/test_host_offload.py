@@ -207,9 +207,9 @@ def test_cuda_step_streams_offloaded_weights_one_layer_at_a_time(optimizer):
 
 
 # Two processes of 4 devices each (jaxzero.launch) with offload, against one
-# process without: ZeRO-3 with the optimizer state and the weights in host
-# memory, and with the weights alone there; ZeRO-1 and 2 with the optimizer
-# there (tests/test_nvme.py has the NVMe tier across two processes).
+# process without: every offload setting, at each stage it applies to (the
+# weights are offloaded only at stage 3). The NVMe tier at stage 2 across
+# processes, resuming an in-memory checkpoint, is in tests/test_nvme.py.
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
 LAUNCH_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
@@ -220,9 +220,15 @@ LAUNCH_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.s
 
 @pytest.mark.parametrize("stage,offload", [
     (3, ["offload.optimizer=pinned_host", "offload.params=pinned_host"]),
-    (3, ["offload.params=pinned_host"]), (2, ["offload.optimizer=pinned_host"]),
-    (1, ["offload.optimizer=pinned_host"])])
+    (3, ["offload.params=pinned_host"]), (3, ["offload.optimizer=pinned_host"]),
+    (2, ["offload.optimizer=pinned_host"]), (1, ["offload.optimizer=pinned_host"]),
+    (3, ["offload.optimizer=nvme"]), (1, ["offload.optimizer=nvme"])],
+    ids=lambda x: f"stage{x}" if isinstance(x, int) else "+".join(
+        s.replace("offload.", "").replace("=", ":") for s in x))
 def test_two_processes_with_offload_train_like_one_without(tmp_path, stage, offload):
+  if "offload.optimizer=nvme" in offload:  # both processes' stores in one directory
+    (tmp_path / "nvme").mkdir()
+    offload = [*offload, f"offload.nvme_dir={tmp_path / 'nvme'}"]
   sets = LAUNCH_SETS + [f"zero.stage={stage}"]
   one = trainer.train(config.load(TINY, sets), tmp_path / "one",
                       devices=jax.devices()[:8], progress=False)
@@ -238,3 +244,5 @@ def test_two_processes_with_offload_train_like_one_without(tmp_path, stage, offl
   two = [json.loads(line)["loss"] for line in lines]
   assert len(two) == 3
   np.testing.assert_allclose(two, [h["loss"] for h in one], rtol=1e-6, atol=0)
+  if "offload.optimizer=nvme" in offload[0]:
+    assert not list((tmp_path / "nvme").iterdir())  # each process deleted its store
