@@ -365,9 +365,6 @@ def validate(cfg: Config) -> None:
   if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
     raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
   _validate_eval(cfg)
-  if cfg.offload.optimizer == "nvme" and not cfg.offload.nvme_dir:
-    raise ConfigError("offload.optimizer=nvme needs offload.nvme_dir=PATH, a directory on "
-                      "local disk for the optimizer state")
   if cfg.offload.params == "pinned_host" and cfg.zero.resolved[0] != 3:
     raise ConfigError("offload.params=pinned_host needs ZeRO stage 3 (zero.stage=3 or "
                       "zero.strategy=FULL_SHARD/HYBRID_SHARD)")

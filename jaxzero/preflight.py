@@ -244,6 +244,10 @@ def check_offload(cfg, devices) -> None:
           + (" or offload.optimizer=nvme" if role == "optimizer" else ""))
   if cfg.offload.optimizer != "nvme":
     return
+  # Checked here, not with the config: planning an NVMe run needs no directory.
+  if not cfg.offload.nvme_dir:
+    raise ConfigError("offload.optimizer=nvme needs offload.nvme_dir=PATH, a directory on "
+                      "local disk for the optimizer state")
   where = f"offload.nvme_dir={cfg.offload.nvme_dir}"
   directory = pathlib.Path(cfg.offload.nvme_dir).expanduser()
   if not directory.exists():

@@ -221,9 +221,15 @@ def test_a_nonfinite_step_changes_nothing_in_memory_or_on_disk(tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
-def test_nvme_without_a_directory_is_a_config_error():
-  with pytest.raises(ConfigError, match="offload.optimizer=nvme needs offload.nvme_dir=PATH"):
-    config.load(TINY, ["offload.optimizer=nvme"])
+def test_training_nvme_without_a_directory_is_one_line_exit_2_and_nothing_is_written(
+    tmp_path, capsys):
+  code = train_cli.main(["--config", TINY, "--workdir", str(tmp_path / "w"),
+                         "--set", "offload.optimizer=nvme"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and err == ["jaxzero.train: error: offload.optimizer=nvme needs "
+                               "offload.nvme_dir=PATH, a directory on local disk for the "
+                               "optimizer state"]
+  assert not (tmp_path / "w").exists()
 
 
 def test_a_missing_nvme_dir_is_one_line_exit_2_and_nothing_is_written(tmp_path, capsys):

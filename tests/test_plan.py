@@ -118,8 +118,8 @@ def test_offload_moves_state_to_the_host():
 
 
 def test_nvme_puts_the_optimizer_state_on_disk_and_out_of_the_device():
-  # The plan needs no offload.nvme_dir: nothing is written.
-  cfg = config.load(str(CONFIGS / "tiny_zero3.py"))
+  # The plan needs no offload.nvme_dir (nothing is written), so the config needs none.
+  cfg = config.load(str(CONFIGS / "tiny_zero3.py"), ["offload.optimizer=nvme"])
   plan = planner.plan(cfg, 8, H100, [Variant(1, False, "none", "nvme"),
                                      Variant(3, False, "none"), Variant(3, False, "none", "nvme")],
                       search=False)
