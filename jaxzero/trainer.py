@@ -82,8 +82,10 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
                                 micro * layout.data_parallel_size, cfg.seed, order=source.order)
   eval_batches = None if held_out is None else evaluation.make_eval_batches(cfg, held_out)
   engine = step_lib.Engine(cfg, layout)
-  tier = (nvme_lib.Tier(engine, nvme_lib.store_directory(cfg.offload.nvme_dir, workdir))
-          if cfg.offload.optimizer == "nvme" else None)
+  tier = None
+  if cfg.offload.optimizer == "nvme":
+    preflight.check_offload(cfg, devices)  # a run checked this first; a caller of build may not
+    tier = nvme_lib.Tier(engine, nvme_lib.store_directory(cfg.offload.nvme_dir, workdir))
   return Run(cfg, layout, engine, batches, eval_batches, tier)
 
 
