@@ -208,8 +208,8 @@ def test_cuda_step_streams_offloaded_weights_one_layer_at_a_time(optimizer):
 
 # Two processes of 4 devices each (jaxzero.launch) with offload, against one
 # process without: every offload setting, at each stage it applies to (the
-# weights are offloaded only at stage 3). The NVMe tier at stage 2 across
-# processes, resuming an in-memory checkpoint, is in tests/test_nvme.py.
+# weights are offloaded only at stage 3). The NVMe tier across processes
+# resuming an in-memory checkpoint is in tests/test_nvme.py.
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
 LAUNCH_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
@@ -222,7 +222,8 @@ LAUNCH_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.s
     (3, ["offload.optimizer=pinned_host", "offload.params=pinned_host"]),
     (3, ["offload.params=pinned_host"]), (3, ["offload.optimizer=pinned_host"]),
     (2, ["offload.optimizer=pinned_host"]), (1, ["offload.optimizer=pinned_host"]),
-    (3, ["offload.optimizer=nvme"]), (1, ["offload.optimizer=nvme"])],
+    (3, ["offload.optimizer=nvme"]), (2, ["offload.optimizer=nvme"]),
+    (1, ["offload.optimizer=nvme"])],
     ids=lambda x: f"stage{x}" if isinstance(x, int) else "+".join(
         s.replace("offload.", "").replace("=", ":") for s in x))
 def test_two_processes_with_offload_train_like_one_without(tmp_path, stage, offload):
