@@ -393,11 +393,12 @@ def _box_of(leaf: nvme_store.Leaf, x: jax.Array, starts) -> jax.Array:
   return _as(x.dtype, jax.lax.dynamic_slice(_bits(x), _corner(leaf, starts), leaf.chunk))
 
 
-# A chunk is sliced out of, and written into, a whole (stacked) weight as raw bits:
-# XLA:CPU moves bfloat16 data as float32, so slicing or updating one chunk of a
-# bf16 weight would convert all of it, there and back, for every chunk (a whole
-# stacked weight per chunk: most of the update's time). The bitcasts cost
-# nothing, here or on a GPU.
+# A chunk is written into, and sliced out of, a whole (stacked) weight as raw
+# bits: XLA:CPU moves bfloat16 data as float32, so updating one chunk of a bf16
+# weight converted all of it, there and back, for every chunk (a whole stacked
+# weight per chunk: most of the update's time). Slicing fused the conversion
+# away, but goes through bits too, so no f32 copy of a stack is ever compiled.
+# The bitcasts cost nothing, here or on a GPU.
 def _bits(x: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 

@@ -16,9 +16,9 @@ fit stops with one line saying what would fit. Compiling the step, as
 ``jaxzero.plan`` does, measures XLA's own figure; this only estimates it.
 
 :func:`check_offload` refuses an offload the devices cannot hold (a memory
-kind the backend lacks; an ``offload.nvme_dir`` that is missing, not
-writable, or without room for this process's share of the optimizer state)
-before anything is created.
+kind the backend lacks; an ``offload.nvme_dir`` that is not set, missing or
+not writable) and :func:`check_nvme_room` a directory without room for this
+process's share of the optimizer state, both before the state is created.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import logging
 import pathlib
 import re
 import sys
+import threading
 import warnings
 from typing import Iterator
 
@@ -105,11 +106,13 @@ def quiet_abandoned_reads() -> None:
 
   hook.ignores_abandoned_reads = True
   sys.unraisablehook = hook
-  # Tensorstore's callbacks report a closed loop through sys.excepthook.
+  # Tensorstore's callbacks report a closed loop through sys.excepthook, from
+  # its own threads; the main thread's errors always reach the previous hook
+  # (in a multi-process run, distributed's, which exits at once).
   report = sys.excepthook
 
   def excepthook(kind, error, traceback):
-    if not _loop_closed(error):
+    if not (_loop_closed(error) and threading.current_thread() is not threading.main_thread()):
       report(kind, error, traceback)
 
   sys.excepthook = excepthook

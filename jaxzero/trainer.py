@@ -68,6 +68,8 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
   `workdir` holds the token cache of file data sources (unless data.cache_dir).
   """
   devices = list(jax.devices() if devices is None else devices)
+  if cfg.offload.optimizer == "nvme":  # a run checked this first; a caller of build may not
+    preflight.check_offload(cfg, devices)
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, len(devices))
   layout = Layout.from_config(cfg, mesh_lib.make_mesh(replica, fsdp, devices, tensor))
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
@@ -82,10 +84,8 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
                                 micro * layout.data_parallel_size, cfg.seed, order=source.order)
   eval_batches = None if held_out is None else evaluation.make_eval_batches(cfg, held_out)
   engine = step_lib.Engine(cfg, layout)
-  tier = None
-  if cfg.offload.optimizer == "nvme":
-    preflight.check_offload(cfg, devices)  # a run checked this first; a caller of build may not
-    tier = nvme_lib.Tier(engine, nvme_lib.store_directory(cfg.offload.nvme_dir, workdir))
+  tier = (nvme_lib.Tier(engine, nvme_lib.store_directory(cfg.offload.nvme_dir, workdir))
+          if cfg.offload.optimizer == "nvme" else None)
   return Run(cfg, layout, engine, batches, eval_batches, tier)
 
 

@@ -236,6 +236,12 @@ def test_abandoned_reads_are_quiet_from_the_first_read(tmp_path, cli_env):
                           cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=120,
                           check=False)
   assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+  # The same error raised by the program itself is never hidden.
+  own = CLOSED_LOOP_BEFORE_THE_ERROR + "raise RuntimeError('Event loop is closed')\n"
+  result = subprocess.run([sys.executable, "-c", own, str(tmp_path)], cwd=ROOT, env=cli_env,
+                          capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 1
+  assert result.stderr.splitlines()[-1] == "RuntimeError: Event loop is closed", result.stderr
 
 
 def test_resume_flag_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):

@@ -85,7 +85,8 @@ def no_offload():
 @pytest.mark.parametrize("stage,optimizer,params", [
     (1, "pinned_host", "device"), (2, "pinned_host", "device"), (3, "pinned_host", "device"),
     (3, "device", "pinned_host"), (3, "pinned_host", "pinned_host"),
-    (1, "nvme", "device"), (2, "nvme", "device"), (3, "nvme", "device")])
+    (1, "nvme", "device"), (2, "nvme", "device"), (3, "nvme", "device"),
+    (3, "nvme", "pinned_host")])
 def test_offload_trains_like_no_offload(no_offload, stage, optimizer, params, tmp_path,
                                        monkeypatch):
   if stage == 2:
@@ -207,8 +208,9 @@ def test_cuda_step_streams_offloaded_weights_one_layer_at_a_time(optimizer):
 
 
 # Two processes of 4 devices each (jaxzero.launch) with offload, against one
-# process without: every offload setting, at each stage it applies to (the
-# weights are offloaded only at stage 3). The NVMe tier across processes
+# process without: the optimizer in host memory or in the NVMe tier at stages
+# 1-3, the weights in host memory at stage 3 (the only stage that offloads
+# them), alone and with the optimizer there. The NVMe tier across processes
 # resuming an in-memory checkpoint is in tests/test_nvme.py.
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
@@ -245,5 +247,6 @@ def test_two_processes_with_offload_train_like_one_without(tmp_path, stage, offl
   two = [json.loads(line)["loss"] for line in lines]
   assert len(two) == 3
   np.testing.assert_allclose(two, [h["loss"] for h in one], rtol=1e-6, atol=0)
-  if "offload.optimizer=nvme" in offload[0]:
-    assert not list((tmp_path / "nvme").iterdir())  # each process deleted its store
+  if "offload.optimizer=nvme" in offload[0]:  # the tier ran, and each process deleted its store
+    assert (tmp_path / "two" / "checkpoints" / "3" / "nvme" / "index.json").exists()
+    assert not list((tmp_path / "nvme").iterdir())

@@ -230,6 +230,11 @@ def test_training_nvme_without_a_directory_is_one_line_exit_2_and_nothing_is_wri
                                "offload.nvme_dir=PATH, a directory on local disk for the "
                                "optimizer state"]
   assert not (tmp_path / "w").exists()
+  # Building a run without training it checks the same, before reading any data.
+  with pytest.raises(ConfigError, match="needs offload.nvme_dir=PATH"):
+    trainer.build(config.load(TINY, [*SETS, "offload.optimizer=nvme"]), jax.devices()[:8],
+                  tmp_path / "w", progress=False)
+  assert not (tmp_path / "w").exists()
 
 
 def test_a_missing_nvme_dir_is_one_line_exit_2_and_nothing_is_written(tmp_path, capsys):
@@ -334,9 +339,11 @@ def test_a_chunk_is_cut_from_and_written_into_its_bf16_stack_without_widening_th
   assert leaf.cut == (0,) and weight.dtype == jnp.bfloat16
   chunk = jax.ShapeDtypeStruct((len(leaf.kinds), *leaf.chunk), jnp.float32,
                                sharding=leaf.chunk_sharding)
-  hlo = run.nvme._unit(leaf).lower(  # pylint: disable=protected-access
-      weight, weight, chunk, (0,), jax.tree.leaves(state.opt_state),
-      jnp.float32(1)).compile().as_text()
+  try:
+    hlo = run.nvme._unit(leaf).lower(  # pylint: disable=protected-access
+        weight, weight, chunk, (0,), jax.tree.leaves(state.opt_state),
+        jnp.float32(1)).compile().as_text()
+  finally:
+    run.nvme.close()
   stack = ",".join(map(str, weight.sharding.shard_shape(weight.shape)))
   assert f"bf16[{stack}]" in hlo and f"f32[{stack}]" not in hlo
-  run.nvme.close()
