@@ -326,9 +326,9 @@ def test_chunks_cut_layers_then_unsplit_dimensions_within_the_budget():
 
 def test_a_chunk_is_cut_from_and_written_into_its_bf16_stack_without_widening_the_stack(
     tmp_path):
-  # XLA:CPU moves bf16 as f32: slicing a chunk out of the gradient stack, or
-  # writing it into the weight stack, as bf16 converted the whole stack for every
-  # chunk (most of the update's time on a CPU).
+  # XLA:CPU moves bf16 as f32: writing a chunk into the weight stack as bf16
+  # converted the whole stack for every chunk (most of the update's time on a
+  # CPU); slicing one out of the gradient stack compiled such a convert too.
   cfg = config.load(TINY, [*SETS, *nvme_sets(tmp_path), "precision.compute=bfloat16",
                            "zero.grad_dtype=bfloat16"])
   run = trainer.build(cfg, jax.devices()[:8], tmp_path / "w")
