@@ -33,6 +33,13 @@ ALGORITHM = "fmix32-position-sum-v2"
 _UINT_OF_SIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
+def bits(x: jax.Array) -> jax.Array:
+  """`x`'s bit patterns, as unsigned integers of its width (a bitcast: free)."""
+  if jnp.dtype(x.dtype).itemsize not in _UINT_OF_SIZE:
+    raise ValueError(f"no unsigned integer as wide as {x.dtype}")
+  return jax.lax.bitcast_convert_type(x, _UINT_OF_SIZE[jnp.dtype(x.dtype).itemsize])
+
+
 def _fmix32(x: jax.Array) -> jax.Array:
   """murmur3's 32-bit finaliser: every input bit affects every output bit."""
   x = x ^ (x >> 16)
@@ -49,10 +56,9 @@ def _leaf_checksum(x: jax.Array, offsets=None, leaf_shape=None) -> jax.Array:
   that starts at `offsets`: the sum over a partition of a leaf into boxes is
   the leaf's checksum (mod 2**32).
   """
-  itemsize = jnp.dtype(x.dtype).itemsize
-  if itemsize not in _UINT_OF_SIZE:
+  if jnp.dtype(x.dtype).itemsize not in _UINT_OF_SIZE:
     raise ValueError(f"no checksum for {x.dtype} leaves")
-  bits = jax.lax.bitcast_convert_type(x, _UINT_OF_SIZE[itemsize]).astype(jnp.uint32)
+  pattern = bits(x).astype(jnp.uint32)
   leaf_shape = x.shape if leaf_shape is None else leaf_shape
   # The global flat index, in wrapping uint32 arithmetic and without reshaping
   # (a reshape of a sharded array could make XLA move it).
@@ -64,7 +70,7 @@ def _leaf_checksum(x: jax.Array, offsets=None, leaf_shape=None) -> jax.Array:
     position = position + index * jnp.uint32(stride % 2**32)
     stride *= leaf_shape[dim]
   # Multiplying by an odd constant spreads neighbouring positions over all bits.
-  return jnp.sum(_fmix32(bits ^ (position * jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
+  return jnp.sum(_fmix32(pattern ^ (position * jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
 
 
 @jax.jit

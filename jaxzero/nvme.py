@@ -399,8 +399,7 @@ def _box_of(leaf: nvme_store.Leaf, x: jax.Array, starts) -> jax.Array:
 # weight per chunk: most of the update's time). Slicing fused the conversion
 # away, but goes through bits too, so no f32 copy of a stack is ever compiled.
 # The bitcasts cost nothing, here or on a GPU.
-def _bits(x: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+_bits = integrity.bits
 
 
 def _as(dtype, bits: jax.Array) -> jax.Array:

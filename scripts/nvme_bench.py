@@ -78,11 +78,6 @@ def peak_rss() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def phase_peak() -> int:
-  """The peak RSS so far (recorded after each phase, to show which one set it)."""
-  return peak_rss()
-
-
 def disk_bytes(directory: pathlib.Path) -> tuple[int, int]:
   files = [p for p in directory.rglob("*") if p.is_file()]
   return sum(p.stat().st_size for p in files), sum(p.stat().st_blocks * 512 for p in files)
@@ -136,28 +131,28 @@ def main(argv=None) -> int:
         f"{args.mlp}); optimizer state 12 bytes x {phi:,} = {12 * phi / 1e9:.2f} GB on disk; "
         f"{len(tier.leaves)} weights in {sum(len(l.starts()) for l in tier.leaves)} chunks",
         flush=True)
-  phases = {"build": phase_peak()}
+  phases = {"build": peak_rss()}
   start = time.perf_counter()
   state = tier.init()
   tier.store.writes.wait()
   init_s = time.perf_counter() - start
-  phases["init"] = phase_peak()
+  phases["init"] = peak_rss()
   on_disk = disk_bytes(tier.directory)
   print(f"init: {init_s:.1f} s; store {tier.directory}: {on_disk[0] / 1e9:.2f} GB in files "
         f"({on_disk[1] / 1e9:.2f} GB of blocks); peak RSS so far {peak_rss() / 1e9:.2f} GB",
         flush=True)
   compiled = tier.compile(state, run.batch(0))
-  phases["compile"] = phase_peak()
+  phases["compile"] = peak_rss()
   # The gradient step alone (no update: the state is unchanged), for its own peak.
   jax.block_until_ready(run.engine.grad_step(state.params, run.batch(0)))
-  phases["gradients alone"] = phase_peak()
+  phases["gradients alone"] = peak_rss()
   steps = []
   for step in range(args.steps):
     start = time.perf_counter()
     state, metrics = compiled(state, run.batch(step))
     tier.store.writes.wait()
     total = time.perf_counter() - start
-    phases[f"step {step + 1}"] = phase_peak()
+    phases[f"step {step + 1}"] = peak_rss()
     update = total - tier.stats["grad_s"]
     moved = 2 * tier.step_bytes
     steps.append({"step": step + 1, "loss": float(metrics["loss"]), "step_s": total,
@@ -172,7 +167,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     ckpt.save(args.steps, state, wait=True)
     save_s = time.perf_counter() - start
-  phases["checkpoint save"] = phase_peak()
+  phases["checkpoint save"] = peak_rss()
   saved = disk_bytes(workdir / "checkpoints")
   save_peak = peak_rss()
   tier.close()
