@@ -102,7 +102,8 @@ def load_params(path: str | os.PathLike, cfg: LlamaConfig, shardings: Any,
 
   Each distinct shard of each leaf is read once, one Hugging Face tensor (or
   the slice of it the shard needs) at a time, and copied to the devices that
-  hold it, so the host holds at most one tensor beyond the shards in flight.
+  hold it before the next read, so the host holds at most one tensor beyond
+  what the devices keep.
 
   Args:
     path: the model directory (see load_llama).
@@ -247,6 +248,11 @@ def _place(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
   arrays = []
   for index, devices in devices_of.values():
     block = read(index)
-    arrays += [jax.device_put(block, jax.sharding.SingleDeviceSharding(
+    copies = [jax.device_put(block, jax.sharding.SingleDeviceSharding(
         d, memory_kind=sharding.memory_kind)) for d in devices]
+    # device_put is asynchronous: without this wait a read that outpaces the
+    # copies (a busy host, a slow link) keeps block after block alive, up to a
+    # whole stacked leaf (all layers of one weight) on the host.
+    arrays += jax.block_until_ready(copies)
+    del block, copies  # before the next read, not after it
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
