@@ -38,6 +38,7 @@ import os
 import pathlib
 import shutil
 import threading
+import weakref
 from typing import Callable, Iterable, Iterator
 
 import jax
@@ -205,8 +206,6 @@ class Store:
     directory.mkdir(parents=True)
     (directory / MARKER).write_text(json.dumps({"process": jax.process_index()}) + "\n")
     self._threads = concurrent.futures.ThreadPoolExecutor(IO_THREADS, "jaxzero-nvme")
-    self._spare: list[mmap.mmap] = []  # write buffers, each of the largest chunk's size
-    self._lock = threading.Lock()
     self._files, self._slots = {}, {}
     for leaf in leaves:
       size = 0
@@ -216,7 +215,8 @@ class Store:
       self._files[leaf.name] = fd = _open_direct(directory / f"{key(leaf.name)}.f32")
       if size:
         os.posix_fallocate(fd, 0, size)
-    self._largest = max((padded for _, _, padded in self._slots.values()), default=_ALIGN)
+    self._buffers = _Buffers(max((padded for _, _, padded in self._slots.values()),
+                                 default=_ALIGN))
 
   def read(self, leaf: Leaf, region: Region, starts: tuple[int, ...]):
     """Future of a chunk [K, ...] of `region` (float32 numpy)."""
@@ -224,9 +224,9 @@ class Store:
     fd = self._files[leaf.name]
 
     def read():
-      buffer = _aligned(padded)
-      _transfer(os.preadv, fd, buffer, offset)
-      return np.frombuffer(buffer, np.float32, math.prod(shape)).reshape(shape)
+      buffer = self._buffers.lend()
+      _transfer(os.preadv, fd, buffer[:padded], offset)
+      return buffer[:4 * math.prod(shape)].view(np.float32).reshape(shape)
 
     return self._threads.submit(read)
 
@@ -235,12 +235,9 @@ class Store:
     fd = self._files[leaf.name]
 
     def write():  # O_DIRECT writes from an aligned buffer: `chunk` is copied there
-      with self._lock:
-        buffer = self._spare.pop() if self._spare else _aligned(self._largest)
-      np.frombuffer(buffer, np.float32, math.prod(shape)).reshape(shape)[...] = chunk
-      _transfer(os.pwritev, fd, memoryview(buffer)[:padded], offset)
-      with self._lock:
-        self._spare.append(buffer)
+      buffer = self._buffers.lend()
+      buffer[:4 * math.prod(shape)].view(np.float32).reshape(shape)[...] = chunk
+      _transfer(os.pwritev, fd, buffer[:padded], offset)
 
     self.writes.add(self._threads.submit(write))
 
@@ -257,7 +254,6 @@ class Store:
     self._threads.shutdown()
     for fd in self._files.values():
       os.close(fd)
-    self._spare.clear()
     remove(self.directory)
 
 
@@ -287,8 +283,33 @@ def _open_direct(path: pathlib.Path) -> int:
   return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
 
 
-def _aligned(size: int) -> mmap.mmap:
-  return mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
+class _Buffers:
+  """Page-aligned buffers (as O_DIRECT needs) of the largest chunk's size, reused.
+
+  A fresh anonymous map costs a page fault per 4 KiB on its first touch: for
+  every chunk read, most of the update's system time. A buffer is lent as a
+  new uint8 array over it and comes back once that array is gone. Every numpy
+  view of it keeps it alive (a view's base is the first array of its chain),
+  and so does JAX where a CPU device aliases a read chunk instead of copying
+  it; so a buffer is never reused while anything can still see it. The pool
+  never holds more buffers than were in use at once, as fresh maps would.
+  """
+
+  def __init__(self, size: int):
+    self._size = size
+    self._free: list[mmap.mmap] = []
+    self._lock = threading.Lock()
+
+  def lend(self) -> np.ndarray:
+    with self._lock:
+      buffer = self._free.pop() if self._free else mmap.mmap(-1, self._size)
+    whole = np.frombuffer(buffer, np.uint8)
+    weakref.finalize(whole, self._give_back, buffer)
+    return whole
+
+  def _give_back(self, buffer: mmap.mmap) -> None:
+    with self._lock:
+      self._free.append(buffer)
 
 
 def _transfer(call, fd: int, buffer, offset: int) -> None:

@@ -13,7 +13,8 @@ batch 1) with its fp32 master weights and Adam moments in DIR, and prints:
 * bytes on disk (the files' sizes, and the blocks they take);
 * per step: its time, the gradient step's, and the update's (until its last
   write is on disk), with the update's achieved disk throughput: the bytes it
-  read and wrote over its time;
+  read and wrote over its time, and the process's CPU time (user and system)
+  over the step;
 * the disk's own sequential write and read bandwidth in DIR, measured by this
   script in the same run, before training and again after it (O_DIRECT, 16 MiB
   blocks, one stream, so the page cache plays no part; the tier's store is
@@ -148,19 +149,22 @@ def main(argv=None) -> int:
   phases["gradients alone"] = peak_rss()
   steps = []
   for step in range(args.steps):
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), os.times()
     state, metrics = compiled(state, run.batch(step))
     tier.store.writes.wait()
     total = time.perf_counter() - start
+    user_s, system_s = (b - a for a, b in zip(cpu[:2], os.times()[:2]))
     phases[f"step {step + 1}"] = peak_rss()
     update = total - tier.stats["grad_s"]
     moved = 2 * tier.step_bytes
     steps.append({"step": step + 1, "loss": float(metrics["loss"]), "step_s": total,
                   "grad_s": tier.stats["grad_s"], "update_s": update,
-                  "update_gbps": moved / update / 1e9})
+                  "update_gbps": moved / update / 1e9, "cpu_user_s": user_s,
+                  "cpu_system_s": system_s})
     print(f"step {step + 1}: loss {steps[-1]['loss']:.4f}, {total:.1f} s (gradients "
           f"{tier.stats['grad_s']:.1f} s, update {update:.1f} s: read and wrote "
-          f"{moved / 1e9:.2f} GB at {moved / update / 1e9:.2f} GB/s)", flush=True)
+          f"{moved / 1e9:.2f} GB at {moved / update / 1e9:.2f} GB/s); CPU time "
+          f"{user_s:.1f} s user, {system_s:.1f} s system", flush=True)
   train_peak = peak_rss()
   (workdir / "checkpoints").mkdir()
   with checkpoint.Checkpointer(workdir, 1, checkpoint.run_info(cfg.model, "bfloat16", 0)) as ckpt:

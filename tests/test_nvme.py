@@ -347,3 +347,20 @@ def test_a_chunk_is_cut_from_and_written_into_its_bf16_stack_without_widening_th
     run.nvme.close()
   stack = ",".join(map(str, weight.sharding.shard_shape(weight.shape)))
   assert f"bf16[{stack}]" in hlo and f"f32[{stack}]" not in hlo
+
+
+def test_a_buffer_is_reused_only_once_nothing_can_see_it():
+  buffers = nvme_store._Buffers(1 << 16)
+  chunk = buffers.lend()[:4096].view(np.float32)
+  chunk[...] = 1.0
+  held = jax.device_put(chunk, jax.devices("cpu")[0])  # a CPU device may alias it
+  first = chunk.ctypes.data
+  del chunk
+  other = buffers.lend()  # while `held` may see the first buffer, another one
+  other[...] = 0
+  second = other.ctypes.data
+  assert second != first
+  np.testing.assert_array_equal(np.asarray(held), 1.0)
+  del held, other
+  # Both came back: lent again, no new map is made.
+  assert {buffers.lend().ctypes.data for _ in range(2)} <= {first, second}
