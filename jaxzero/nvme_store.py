@@ -36,8 +36,8 @@ import math
 import mmap
 import os
 import pathlib
+import queue
 import shutil
-import threading
 import weakref
 from typing import Callable, Iterable, Iterator
 
@@ -297,19 +297,18 @@ class _Buffers:
 
   def __init__(self, size: int):
     self._size = size
-    self._free: list[mmap.mmap] = []
-    self._lock = threading.Lock()
+    # Reentrant, unlike a list under a lock: a buffer can come back from a
+    # finalizer that garbage collection runs in the middle of lend().
+    self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
 
   def lend(self) -> np.ndarray:
-    with self._lock:
-      buffer = self._free.pop() if self._free else mmap.mmap(-1, self._size)
+    try:
+      buffer = self._free.get_nowait()
+    except queue.Empty:
+      buffer = mmap.mmap(-1, self._size)
     whole = np.frombuffer(buffer, np.uint8)
-    weakref.finalize(whole, self._give_back, buffer)
+    weakref.finalize(whole, self._free.put, buffer)
     return whole
-
-  def _give_back(self, buffer: mmap.mmap) -> None:
-    with self._lock:
-      self._free.append(buffer)
 
 
 def _transfer(call, fd: int, buffer, offset: int) -> None:
