@@ -102,8 +102,8 @@ def load_params(path: str | os.PathLike, cfg: LlamaConfig, shardings: Any,
 
   Each distinct shard of each leaf is read once, one Hugging Face tensor (or
   the slice of it the shard needs) at a time, and copied to the devices that
-  hold it before the next read, so the host holds at most one tensor beyond
-  what the devices keep.
+  hold it before the next read, so the host holds at most two such blocks
+  beyond what the devices keep.
 
   Args:
     path: the model directory (see load_llama).
@@ -252,7 +252,8 @@ def _place(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
         d, memory_kind=sharding.memory_kind)) for d in devices]
     # device_put is asynchronous: without this wait a read that outpaces the
     # copies (a busy host, a slow link) keeps block after block alive, up to a
-    # whole stacked leaf (all layers of one weight) on the host.
+    # whole stacked leaf (all layers of one weight) on the host. (JAX may hold
+    # a block it copied until its next call: two blocks at most, not one.)
     arrays += jax.block_until_ready(copies)
-    del block, copies  # before the next read, not after it
+    del block, copies
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

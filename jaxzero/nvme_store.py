@@ -254,6 +254,7 @@ class Store:
     self._threads.shutdown()
     for fd in self._files.values():
       os.close(fd)
+    self._buffers.clear()
     remove(self.directory)
 
 
@@ -309,6 +310,11 @@ class _Buffers:
     whole = np.frombuffer(buffer, np.uint8)
     weakref.finalize(whole, self._free.put, buffer)
     return whole
+
+  def clear(self) -> None:
+    """Unmaps the buffers not lent out."""
+    while not self._free.empty():
+      self._free.get_nowait().close()
 
 
 def _transfer(call, fd: int, buffer, offset: int) -> None:
