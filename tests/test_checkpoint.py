@@ -22,6 +22,7 @@ import pytest
 from jaxzero import config, train, trainer
 from jaxzero.checkpoint import CheckpointError, checkpoint_dir, latest_step
 from processes import ROOT, TINY, cli_env as cli_environment, wait_for
+from damage import damage_data, truncate_to
 
 # tiny_zero3 (stage 3 on 8 devices), smaller; the schedule spans 10k steps.
 SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
@@ -164,9 +165,7 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_is_overwritten(workdir_at_3
                                                                       expected):
   step_dir = checkpoint_dir(workdir_at_3) / "3"
   if damage == "truncate_data_file":
-    data_file = max((p for p in step_dir.rglob("*") if p.is_file() and p.parent.name == "d"),
-                    key=lambda p: p.stat().st_size)
-    data_file.write_bytes(data_file.read_bytes()[:10])
+    damage_data(step_dir, lambda data_file: data_file.write_bytes(data_file.read_bytes()[:10]))
   elif damage == "delete_state_metadata":
     (step_dir / "state" / "_METADATA").unlink()
   else:
@@ -196,10 +195,7 @@ def test_after_a_damaged_restore_stderr_holds_only_its_error(stopped_at_3, tmp_p
   for attempt in range(10):
     workdir = tmp_path / f"w{attempt}"
     shutil.copytree(stopped_at_3, workdir)
-    data_files = sorted((p for p in (checkpoint_dir(workdir) / "3").rglob("*")
-                         if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
-    damaged = data_files[-1 - attempt % 2]
-    damaged.write_bytes(damaged.read_bytes()[:damaged.stat().st_size * attempt // 10])
+    damage_data(checkpoint_dir(workdir) / "3", truncate_to(attempt / 10))
     workdirs.append(str(workdir))
   settings = [arg for s in SETTINGS for arg in ("--set", s)]
   result = subprocess.run(

@@ -16,6 +16,7 @@ import pytest
 
 from jaxzero import checkpoint, config, integrity, trainer
 from jaxzero.errors import DamagedCheckpointError
+from damage import damage_data, truncate_to
 from test_nonfinite import tiny_config
 
 DEVICES = 8
@@ -49,38 +50,27 @@ def copy_of(trained, tmp_path):
   return workdir
 
 
-def data_files(step_dir):
-  """The state's data files, largest first."""
-  files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
-  return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
+def garbage_at_several_offsets(data_file):
+  data = bytearray(data_file.read_bytes())
+  rng = np.random.default_rng(len(data))
+  for fraction in (0.3, 0.7):
+    at = int(len(data) * fraction)
+    data[at:at + 4096] = rng.bytes(len(data[at:at + 4096]))
+  data_file.write_bytes(bytes(data))
 
 
-def garbage_at_several_offsets(step_dir):
-  rng = np.random.default_rng(0)
-  for data_file in data_files(step_dir)[:2]:
-    data = bytearray(data_file.read_bytes())
-    for fraction in (0.3, 0.7):
-      at = int(len(data) * fraction)
-      data[at:at + 4096] = rng.bytes(len(data[at:at + 4096]))
-    data_file.write_bytes(bytes(data))
+def delete(data_file):
+  data_file.unlink()
 
 
-def truncate(step_dir):
-  data_file = data_files(step_dir)[0]
-  data_file.write_bytes(data_file.read_bytes()[:len(data_file.read_bytes()) // 2])
-
-
-def delete_a_file(step_dir):
-  data_files(step_dir)[0].unlink()
-
-
-@pytest.mark.parametrize("damage", [garbage_at_several_offsets, truncate, delete_a_file])
+@pytest.mark.parametrize("damage", [garbage_at_several_offsets, truncate_to(0.5), delete],
+                         ids=["garbage", "truncate", "delete"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(damage, trained, copy_of,
                                                                        caplog):
   workdir, losses = copy_of, trained[1]
   directory = checkpoint.checkpoint_dir(workdir)
   earlier = {step: snapshot(directory / step) for step in ("2", "4")}
-  damage(directory / "6")
+  damage_data(directory / "6", damage, at_least=2 if damage is garbage_at_several_offsets else 1)
   with caplog.at_level(logging.WARNING):
     outcome = trainer.run_training(make_config(), workdir, steps=6,
                                    devices=jax.devices()[:DEVICES], progress=False)
@@ -96,7 +86,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(damage, t
 
 def test_refuse_names_the_damage_and_changes_nothing(copy_of):
   directory = checkpoint.checkpoint_dir(copy_of)
-  garbage_at_several_offsets(directory / "6")
+  damage_data(directory / "6", garbage_at_several_offsets, at_least=2)
   before = snapshot(copy_of)
   with pytest.raises(DamagedCheckpointError) as error:
     trainer.run_training(make_config(on_damaged="refuse"), copy_of,
@@ -157,3 +147,24 @@ def test_checksums_do_not_depend_on_the_sharding():
   assert integrity.record(dict(state, w=by_cols)) == recorded
   swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])  # same values, other places
   assert integrity.mismatches(dict(state, w=swapped), integrity.record(state)) == (["w"], [])
+
+
+def test_per_shard_checksums_equal_the_global_view_and_cross_devices_once():
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+
+  def put(x, *spec):
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+  x = (jnp.arange(8 * 16 * 3, dtype=jnp.float32).reshape(8, 16, 3) / 7).at[5, 1, 2].set(jnp.inf)
+  leaves = [put(x, ("a", "b")), put(x, None, ("b", "a")),
+            put(x, "b"),  # copies along "a": each counted once
+            put(x.astype(jnp.bfloat16), None, "a"), put(x), put(jnp.int32(7)),  # replicated
+            jnp.ones(5)]  # one device, not on the mesh: the global view
+  want = np.asarray(integrity._checksums_and_finite(leaves))
+  np.testing.assert_array_equal(integrity._compute(leaves, with_finite=True), want)
+  np.testing.assert_array_equal(integrity._compute(leaves, with_finite=False), want[:1])
+  # One all-reduce of a [2, leaves] vector, not a tuple of a scalar per leaf.
+  on_mesh = leaves[:-1]
+  hlo = integrity._per_shard_sums(mesh, tuple(map(integrity._dims_axes, on_mesh)), True).lower(
+      on_mesh).compile().as_text()
+  assert hlo.count(" all-reduce(") == 1 and "u32[2,6]{1,0} all-reduce(" in hlo, hlo
