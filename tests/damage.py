@@ -1,10 +1,10 @@
 """Damage to a saved checkpoint's data that a restore cannot miss.
 
-An OCDBT data file also holds B-tree nodes that later writes of the same save
-superseded and nothing reads (more of them on a busy machine, where writes
-batch less), so damage to one chosen file, even the largest, can leave every
-saved value readable: a test expecting a damaged checkpoint then sees a good
-one. `damage_data` damages the state's data files, largest first, until a plain
+An OCDBT data file can hold bytes that no read of the saved values needs (seen
+on a busy machine: the largest file cut in half, and every value still read
+back, as B-tree nodes that later writes of the same save superseded would be),
+so damage to one chosen file can leave the checkpoint good: a test expecting a
+damaged one then fails. `damage_data` damages the state's data files, largest first, until a plain
 orbax read no longer returns the saved values.
 """
 
