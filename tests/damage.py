@@ -4,8 +4,8 @@ An OCDBT data file can hold bytes that no read of the saved values needs (seen
 on a busy machine: the largest file cut in half, and every value still read
 back, as B-tree nodes that later writes of the same save superseded would be),
 so damage to one chosen file can leave the checkpoint good: a test expecting a
-damaged one then fails. `damage_data` damages the state's data files, largest first, until a plain
-orbax read no longer returns the saved values.
+damaged one then fails. `damage_data` damages the state's data files, largest
+first, until a plain orbax read no longer returns the saved values.
 """
 
 import pathlib
