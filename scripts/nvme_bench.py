@@ -98,22 +98,24 @@ def main(argv=None) -> int:
   parser.add_argument("--keep-hoisting", action="store_true")
   parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
   args = parser.parse_args(argv)
-  nvme_dir = pathlib.Path(args.nvme_dir)
+  if args.steps < 1 or args.seq_gb <= 0:
+    parser.error("--steps must be >= 1 and --seq-gb > 0")
   if not args.keep_hoisting:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_disable_hlo_passes=while-loop-invariant-code-motion")
   from jaxzero import mesh  # pylint: disable=import-outside-toplevel
   mesh.use_virtual_cpu_devices(1)
+  from jaxzero import cli  # pylint: disable=import-outside-toplevel
+  return cli.run_main("nvme_bench.py", lambda: bench(args))
+
+
+def bench(args) -> int:
+  """The benchmark; a bad --nvme-dir is one line (exit 2) before anything is measured."""
   # pylint: disable-next=import-outside-toplevel
-  from jaxzero import checkpoint, config, preflight, trainer
-  from models.llama import count_params  # pylint: disable=import-outside-toplevel
+  from jaxzero import config, errors, nvme_store, preflight, trainer
   import jax  # pylint: disable=import-outside-toplevel
 
-  seq_size = int(args.seq_gb * 1e9) // BLOCK * BLOCK
-  seq_before = sequential_gbps(nvme_dir, seq_size)
-  print(f"disk, sequential (O_DIRECT, 16 MiB blocks, {seq_size / 1e9:.1f} GB): "
-        f"write {seq_before[0]:.2f} GB/s, read {seq_before[1]:.2f} GB/s", flush=True)
-
+  nvme_dir = pathlib.Path(args.nvme_dir)
   sets = [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.mlp_dim={args.mlp}",
           f"model.n_heads={args.heads}", f"model.n_kv_heads={max(1, args.heads // 4)}",
           "model.vocab_size=256", "mesh.fsdp=1", "zero.stage=3", "train.global_batch=1",
@@ -122,10 +124,39 @@ def main(argv=None) -> int:
           "train.lr=1e-4", "train.warmup_steps=0", "data.max_bytes=1000000",
           "offload.optimizer=nvme", f"offload.nvme_dir={nvme_dir}"]
   cfg = config.load(str(ROOT / "configs" / "tiny_zero3.py"), sets)
-  workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxzero-nvme-bench-", dir=nvme_dir))
   devices = jax.devices()[:1]
   preflight.check_offload(cfg, devices)
-  run = trainer.build(cfg, devices, workdir, progress=False)
+
+  seq_size = int(args.seq_gb * 1e9) // BLOCK * BLOCK
+  workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxzero-nvme-bench-", dir=nvme_dir))
+  run = None
+  try:
+    run = trainer.build(cfg, devices, workdir, progress=False)
+    needed = nvme_store.bytes_needed(run.nvme.leaves)
+    preflight.check_nvme_room(cfg, needed)
+    free = shutil.disk_usage(nvme_dir).free
+    if free < needed + seq_size:
+      raise errors.PathError(
+          f"--nvme-dir {nvme_dir} has {free / 1e9:.1f} GB free: the state takes "
+          f"{needed / 1e9:.1f} GB and measuring the disk {seq_size / 1e9:.1f} GB more; "
+          "lower --seq-gb or free space")
+    return measure(args, cfg, run, workdir, seq_size)
+  finally:
+    if run is not None:
+      run.nvme.close()  # deletes the store's files, also after an error
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def measure(args, cfg, run, workdir: pathlib.Path, seq_size: int) -> int:
+  """Measures the disk, trains, saves, measures the disk again; prints the figures."""
+  from jaxzero import checkpoint, preflight  # pylint: disable=import-outside-toplevel
+  from models.llama import count_params  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+
+  nvme_dir = pathlib.Path(args.nvme_dir)
+  seq_before = sequential_gbps(nvme_dir, seq_size)
+  print(f"disk, sequential (O_DIRECT, 16 MiB blocks, {seq_size / 1e9:.1f} GB): "
+        f"write {seq_before[0]:.2f} GB/s, read {seq_before[1]:.2f} GB/s", flush=True)
   tier = run.nvme
   phi = count_params(cfg.model)
   print(f"model: {phi / 1e9:.3f} B parameters (dim {args.dim}, {args.layers} layers, mlp "
@@ -176,7 +207,6 @@ def main(argv=None) -> int:
   save_peak = peak_rss()
   tier.close()
   seq_after = sequential_gbps(nvme_dir, seq_size)
-  shutil.rmtree(workdir)
   seq_write, seq_read = [(a + b) / 2 for a, b in zip(seq_before, seq_after)]
   measured = steps[1:] or steps  # the first update compiles its functions
   update_s = sum(s["update_s"] for s in measured) / len(measured)
