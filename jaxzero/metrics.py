@@ -42,6 +42,23 @@ def use_progress_bar(progress: bool) -> bool:
   return progress and sys.stdout.isatty() and sys.stderr.isatty()
 
 
+def _summary_writer() -> type:
+  """tensorboardX's SummaryWriter, imported without torch where torch is not
+  loaded yet: tensorboardX imports torch when it can, only to accept torch
+  tensors (jaxzero logs floats), and that import costs over a second at every
+  start on a machine with torch installed."""
+  # pylint: disable=import-outside-toplevel
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricsLogger:
   """Writes records to metrics.jsonl and TensorBoard, and shows logged steps."""
 
@@ -58,7 +75,7 @@ class MetricsLogger:
     if use_progress_bar(progress):
       self._bar = tqdm(total=total_steps, initial=start, unit="step", dynamic_ncols=True)
     if tensorboard:
-      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      SummaryWriter = _summary_writer()  # pylint: disable=invalid-name
       # purge_step: TensorBoard hides events a run logged past the step it resumes from.
       self._tb = SummaryWriter(str(workdir / TB_DIR), purge_step=start or None, flush_secs=30)
 

@@ -187,6 +187,14 @@ def test_tensorboard_events_hold_loss_and_eval_loss(run):
           "eval/perplexity"} <= set(events.Tags()["scalars"])
 
 
+def test_the_tensorboard_writer_loads_without_importing_torch():
+  """tensorboardX imports torch when it can (over a second at each start);
+  jaxzero's writer does without it, and torch stays importable afterwards."""
+  code = ("import sys; from jaxzero import metrics; metrics._summary_writer(); "
+          "assert 'torch' not in sys.modules, 'torch imported'; import torch")
+  subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 
