@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxzero import mesh as mesh_lib
+
 # Recorded with the checksums: a checkpoint whose checksums were made another
 # way is not compared against these.
 ALGORITHM = "fmix32-position-sum-v2"
@@ -121,8 +123,8 @@ def _in_device_memory(x: jax.Array) -> bool:
 def _dims_axes(x: jax.Array) -> tuple[tuple[str, ...], ...]:
   """The mesh axes that split each dimension of `x` (a NamedSharding's; JAX
   only makes even shards)."""
-  spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
-  return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec)
+  return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
+               for e in mesh_lib.spec_per_dimension(x.sharding, x.ndim))
 
 
 # Why shard_map: in the global view every leaf's sum is its own cross-device

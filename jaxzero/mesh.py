@@ -110,6 +110,12 @@ def make_mesh(replica: int, fsdp: int, devices=None, tensor: int = 1):
   return mesh
 
 
+def spec_per_dimension(sharding, ndim: int) -> tuple:
+  """A NamedSharding's PartitionSpec entries, one per dimension of a rank-`ndim`
+  array: a spec may end early, and the dimensions past its end are unsplit."""
+  return tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+
+
 def check_tensor_groups(groups) -> None:
   """Raises ConfigError when a tensor group (a row of `groups`, devices with a
   ``process_index``) spans processes: its collectives run every layer."""

@@ -46,7 +46,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxzero import integrity
+from jaxzero import integrity, mesh as mesh_lib
 from jaxzero.errors import PathError
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,8 @@ class Leaf:
   @property
   def chunk_sharding(self) -> NamedSharding:
     """Of a chunk [K, *chunk] as one global array: each device its own box."""
-    return NamedSharding(self.sharding.mesh, P(None, *_spec(self.sharding, len(self.shape))))
+    spec = mesh_lib.spec_per_dimension(self.sharding, len(self.shape))
+    return NamedSharding(self.sharding.mesh, P(None, *spec))
 
   def chunk_box(self, region: Region, starts: tuple[int, ...]) -> Box:
     box = list(region.box)
@@ -121,10 +122,6 @@ def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
   return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
-def _spec(sharding: NamedSharding, ndim: int) -> tuple:
-  return tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-
-
 def plan_leaf(name: str, shape: tuple[int, ...], kinds: tuple[str, ...],
               sharding: NamedSharding, stacked: bool, chunk_bytes: int | None = None) -> Leaf:
   """How a weight is cut into chunks: a stacked weight one layer at a time, then
@@ -132,7 +129,8 @@ def plan_leaf(name: str, shape: tuple[int, ...], kinds: tuple[str, ...],
   device's box of all K copies is at most `chunk_bytes`."""
   chunk_bytes = chunk_bytes or CHUNK_BYTES
   chunk = list(sharding.shard_shape(shape))
-  free = [d for d, axes in enumerate(_spec(sharding, len(shape))) if axes is None]
+  spec = mesh_lib.spec_per_dimension(sharding, len(shape))
+  free = [d for d, axes in enumerate(spec) if axes is None]
   if stacked:
     chunk[0] = 1
   for d in free:
