@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pathlib
 import shutil
 from typing import Any
@@ -389,7 +390,9 @@ def _raise_if_damaged(where: pathlib.Path, differ: list[str], nonfinite: list[st
 def _saved_array(state_dir: pathlib.Path, name: str):
   """A leaf of orbax's saved state (zarr in an OCDBT database, orbax's default),
   opened for reading boxes of it."""
-  spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}",
+  # os.path.abspath: TensorStore refuses ".." in a path (a workdir such as runs/a/../b).
+  spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt",
+                                        "base": f"file://{os.path.abspath(state_dir)}",
                                         "path": name.replace("/", ".")}}
   return ts.open(spec, open=True, read=True).result()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import pathlib
 from typing import Any, Callable
 
@@ -33,12 +34,18 @@ INDEX, FORMAT = "index.json", "jaxzero-nvme-v1"
 _ITEM_CONTEXT = {"file_io_sync": True}
 
 
+def file_kvstore(path: pathlib.Path) -> dict:
+  """TensorStore's file kvstore at `path`, written without ".." (a workdir such
+  as runs/a/../b), which TensorStore refuses as an invalid path."""
+  return {"driver": "file", "path": os.path.abspath(path)}
+
+
 def open_array(path: pathlib.Path, leaf: nvme_store.Leaf, context: ts.Context) -> ts.TensorStore:
   """The array [K, *S] of `leaf` at `path` (zarr, uncompressed), made by the
   first process to get there, chunked as the store is."""
   shard = leaf.sharding.shard_shape(leaf.shape)
   local = [c if d in leaf.cut else n for d, (c, n) in enumerate(zip(leaf.chunk, shard))]
-  spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)},
+  spec = {"driver": "zarr", "kvstore": file_kvstore(path),
           "metadata": {"shape": [len(leaf.kinds), *leaf.shape], "chunks": [len(leaf.kinds), *local],
                        "dtype": "<f4", "compressor": None, "fill_value": 0.0}}
   return ts.open(spec, create=True, open=True, context=context).result()
@@ -133,8 +140,7 @@ class ItemReader:
   def array(self, name: str) -> ts.TensorStore:
     """Weight `name`'s saved array [K, *S]."""
     if name not in self._arrays:
-      spec = {"driver": "zarr", "kvstore": {"driver": "file",
-                                            "path": str(self.directory / nvme_store.key(name))}}
+      spec = {"driver": "zarr", "kvstore": file_kvstore(self.directory / nvme_store.key(name))}
       self._arrays[name] = ts.open(spec, open=True, read=True, context=self._context).result()
     return self._arrays[name]
 

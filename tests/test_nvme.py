@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorstore as ts
 
-from jaxzero import checkpoint, config, nvme_store, preflight, trainer
+from jaxzero import checkpoint, config, nvme_item, nvme_store, preflight, trainer
 from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError, PathError
 from models.llama import count_params
@@ -382,3 +383,13 @@ def test_a_buffer_is_reused_only_once_nothing_can_see_it():
   assert buffers._free.qsize() == 2
   buffers.clear()
   assert buffers._free.qsize() == 0
+
+
+def test_a_path_through_dot_dot_opens_in_tensorstore(tmp_path):
+  """The NVMe item's arrays under a workdir such as runs/a/../b: TensorStore
+  refuses ".." in a file path, so a save there failed after training."""
+  (tmp_path / "a").mkdir()
+  spec = {"driver": "zarr", "kvstore": nvme_item.file_kvstore(tmp_path / "a" / ".." / "x"),
+          "metadata": {"shape": [2], "chunks": [2], "dtype": "<f4"}}
+  ts.open(spec, create=True, open=True).result().write(np.ones(2, np.float32)).result()
+  assert (tmp_path / "x").is_dir()
