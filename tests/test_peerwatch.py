@@ -6,6 +6,7 @@ SIGKILLed while compiling, while training, or while saving.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,6 +56,9 @@ def wait_until(condition, procs, timeout_s=300):
     time.sleep(0.1)
 
 
+# JAX's report of its coordination service lost: glog lines and gRPC's detail.
+JAX_REPORT_LINE = re.compile(r"[EFWI]\d{4} |Additional GRPC error information|:UNKNOWN:")
+
 PHASES = {"compile": 1, "step": 0, "save": 1}  # phase: the process killed in it
 
 
@@ -97,14 +101,10 @@ def test_the_survivor_exits_within_60s_naming_the_lost_process(phase, lost):
   assert returncode == 1, stderr
   assert "Check failure" not in stderr and "Traceback" not in stderr
   errors = [line for line in stderr.splitlines() if "error" in line.lower()]
-  assert ours in errors, stderr
   if victim == 0:
-    # Process 0 hosts JAX's coordination service: JAX's own client sees its
-    # death at the same moment as the watch and may print its report ("...
-    # another task died", a few lines) before ours; ours still follows at once.
-    assert errors == [ours] or JAX_REPORT in stderr, stderr
-  else:
-    assert errors == [ours], stderr
-
-
-JAX_REPORT = "This most likely indicates that another task died"
+    # Process 0 hosts JAX's coordination service: JAX's own client here sees its
+    # death at the same moment as the watch and may print its report first. It
+    # then writes a symbolized stack trace (about 0.2 s) before it aborts; the
+    # watch prints our line and exits long before (the "Check failure" above).
+    errors = [line for line in errors if not JAX_REPORT_LINE.match(line)]
+  assert errors == [ours], stderr
