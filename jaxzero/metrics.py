@@ -43,19 +43,21 @@ def use_progress_bar(progress: bool) -> bool:
 
 
 def _summary_writer() -> type:
-  """tensorboardX's SummaryWriter, imported without torch where torch is not
-  loaded yet: tensorboardX imports torch when it can, only to accept torch
-  tensors (jaxzero logs floats), and that import costs over a second at every
-  start on a machine with torch installed."""
+  """tensorboardX's SummaryWriter, imported without torch where neither is loaded
+  yet: tensorboardX imports torch when it can, only to accept torch tensors
+  (jaxzero logs floats), and that import costs over a second at every start on
+  a machine with torch installed. Called once, at start-up: a thread importing
+  torch at that very moment would find it missing."""
   # pylint: disable=import-outside-toplevel
-  if "torch" in sys.modules:
+  if "torch" in sys.modules or "tensorboardX" in sys.modules:
     from tensorboardX import SummaryWriter
     return SummaryWriter
   sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
   try:
     from tensorboardX import SummaryWriter
   finally:
-    del sys.modules["torch"]
+    if "torch" in sys.modules and sys.modules["torch"] is None:
+      del sys.modules["torch"]
   return SummaryWriter
 
 

@@ -187,13 +187,16 @@ def test_tensorboard_events_hold_loss_and_eval_loss(run):
           "eval/perplexity"} <= set(events.Tags()["scalars"])
 
 
-def test_the_tensorboard_writer_loads_without_importing_torch():
+def test_the_tensorboard_writer_loads_without_importing_torch(tmp_path):
   """tensorboardX imports torch when it can (over a second at each start);
   jaxzero's writer does without it, and torch stays importable afterwards."""
-  code = ("import sys; from jaxzero import metrics; metrics._summary_writer(); "
+  code = ("import pathlib, sys; from jaxzero import metrics; "
+          "logger = metrics.MetricsLogger(pathlib.Path(sys.argv[1]), 1, progress=False); "
+          "logger.log([dict(step=1, loss=2.5, grad_norm=1.0, lr=1e-3, tokens_per_sec=9.0, "
+          "step_time_s=1.0, tflops=0.1)]); logger.close(); "
           "assert 'torch' not in sys.modules, 'torch imported'; import torch")
-  subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
-
+  subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, check=True, timeout=120)
+  assert list((tmp_path / "tb").iterdir())
 
 # ----------------------------------------------------------------------------- evaluation
 
