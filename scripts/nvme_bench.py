@@ -98,8 +98,8 @@ def main(argv=None) -> int:
   parser.add_argument("--keep-hoisting", action="store_true")
   parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
   args = parser.parse_args(argv)
-  if args.steps < 1 or args.seq_gb <= 0:
-    parser.error("--steps must be >= 1 and --seq-gb > 0")
+  if args.steps < 1 or args.seq_gb * 1e9 < BLOCK:
+    parser.error(f"--steps must be >= 1 and --seq-gb at least {BLOCK / 1e9:.3f} (one block)")
   if not args.keep_hoisting:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_disable_hlo_passes=while-loop-invariant-code-motion")
@@ -113,9 +113,10 @@ def bench(args) -> int:
   """The benchmark; a bad --nvme-dir is one line (exit 2) before anything is measured."""
   # pylint: disable-next=import-outside-toplevel
   from jaxzero import config, errors, nvme_store, preflight, trainer
+  from models.llama import count_params  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
 
-  nvme_dir = pathlib.Path(args.nvme_dir)
+  nvme_dir = pathlib.Path(args.nvme_dir).expanduser()
   sets = [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.mlp_dim={args.mlp}",
           f"model.n_heads={args.heads}", f"model.n_kv_heads={max(1, args.heads // 4)}",
           "model.vocab_size=256", "mesh.fsdp=1", "zero.stage=3", "train.global_batch=1",
@@ -132,28 +133,33 @@ def bench(args) -> int:
   run = None
   try:
     run = trainer.build(cfg, devices, workdir, progress=False)
-    needed = nvme_store.bytes_needed(run.nvme.leaves)
-    preflight.check_nvme_room(cfg, needed)
-    free = shutil.disk_usage(nvme_dir).free
-    if free < needed + seq_size:
+    # At most on disk at once: the checkpoint (a copy of the store and the bf16
+    # weights) beside the store, or beside the file that measures the disk.
+    store = nvme_store.bytes_needed(run.nvme.leaves)
+    saved = store + 2 * count_params(cfg.model)
+    needed, free = saved + max(store, seq_size), shutil.disk_usage(nvme_dir).free
+    if free < needed:
       raise errors.PathError(
-          f"--nvme-dir {nvme_dir} has {free / 1e9:.1f} GB free: the state takes "
-          f"{needed / 1e9:.1f} GB and measuring the disk {seq_size / 1e9:.1f} GB more; "
-          "lower --seq-gb or free space")
-    return measure(args, cfg, run, workdir, seq_size)
+          f"--nvme-dir {nvme_dir} has {free / 1e9:.1f} GB free; the benchmark needs about "
+          f"{needed / 1e9:.1f} GB (the store {store / 1e9:.1f} GB, a checkpoint "
+          f"{saved / 1e9:.1f} GB, measuring the disk {seq_size / 1e9:.1f} GB): free space, "
+          "lower --seq-gb or choose another directory")
+    return measure(args, nvme_dir, cfg, run, workdir, seq_size)
   finally:
-    if run is not None:
-      run.nvme.close()  # deletes the store's files, also after an error
-    shutil.rmtree(workdir, ignore_errors=True)
+    try:
+      if run is not None:
+        run.nvme.close()  # waits for the writes in flight, deletes the store's files
+    finally:  # also when the store failed part way, or a write did
+      for directory in ([run.nvme.directory.parent] if run is not None else []) + [workdir]:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
-def measure(args, cfg, run, workdir: pathlib.Path, seq_size: int) -> int:
+def measure(args, nvme_dir: pathlib.Path, cfg, run, workdir: pathlib.Path, seq_size: int) -> int:
   """Measures the disk, trains, saves, measures the disk again; prints the figures."""
   from jaxzero import checkpoint, preflight  # pylint: disable=import-outside-toplevel
   from models.llama import count_params  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
 
-  nvme_dir = pathlib.Path(args.nvme_dir)
   seq_before = sequential_gbps(nvme_dir, seq_size)
   print(f"disk, sequential (O_DIRECT, 16 MiB blocks, {seq_size / 1e9:.1f} GB): "
         f"write {seq_before[0]:.2f} GB/s, read {seq_before[1]:.2f} GB/s", flush=True)
