@@ -14,7 +14,10 @@ one TCP connection to process 0 for as long as it lives:
   survivor prints one line naming it and exits with code 1, from a watcher
   thread, whatever its main thread is blocked in (start-up, compile, a step,
   a save);
-* if process 0 itself is lost, the others see their connection close.
+* if process 0 itself is lost, the others see their connection close. JAX's
+  client, whose coordination service lived in process 0, sees it too and may
+  print its report first, but it then writes a stack trace for about 0.2 s
+  before it aborts: the watch's line and exit come well before.
 
 A process leaving normally says so first ("bye"), so a finished run is not
 mistaken for a lost one; one that stops on an error it reported says that
