@@ -38,6 +38,9 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "coll
 # What a value may pass through on its way to a dynamic-slice (and still make
 # the all-reduce a reduce-scatter), or from a widening convert to a collective.
 PASS_THROUGH = frozenset({"bitcast", "reshape", "copy", "convert", "all-reduce-done"})
+# ... and what moves elements without changing them, between a widening convert
+# and a collective (e.g. a gradient's vocabulary chunks laid out as one weight).
+KEEPS_VALUES = PASS_THROUGH | {"transpose"}
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([^\]]*)\]")
@@ -129,7 +132,7 @@ class _Module:
     self.users: dict[str, list[tuple[_Inst, int]]] = {}
     self.params: dict[tuple[str, int], str] = {}
     callers: dict[str, list[tuple[str, int]]] = {}
-    self.unknown_trips = 0
+    unknown_trip_bodies = []
     for comp, insts in self.comps.items():
       for inst in insts:
         for k, operand in enumerate(inst.operands):
@@ -139,7 +142,8 @@ class _Module:
         for key, callee in self.called(inst):
           m = key in ("body", "condition") and re.search(r'"known_trip_count":\{"n":"(\d+)"',
                                                          inst.attrs)
-          self.unknown_trips += key == "body" and not m
+          if key == "body" and not m:
+            unknown_trip_bodies.append(callee)
           callers.setdefault(callee, []).append((comp, int(m.group(1)) if m else 1))
     runs: dict[str, int] = {}
 
@@ -150,6 +154,17 @@ class _Module:
       return runs[comp]
 
     self.runs = {comp: of(comp) for comp in self.comps}
+    # Only a loop with collectives inside can make the total too low.
+    self.unknown_trips = sum(map(self.holds_collectives, unknown_trip_bodies))
+
+  def holds_collectives(self, comp: str, seen: set[str] | None = None) -> bool:
+    """Whether computation `comp`, or one it calls, runs a collective."""
+    seen = set() if seen is None else seen
+    seen.add(comp)
+    return any(inst.opcode.removesuffix("-start") in COLLECTIVES
+               or any(c not in seen and self.holds_collectives(c, seen)
+                      for _, c in self.called(inst))
+               for inst in self.comps.get(comp, ()))
 
   def called(self, inst: _Inst, key: str | None = None) -> list[tuple[str, str]]:
     """(attribute, computation) of each computation `inst` calls."""
@@ -182,7 +197,7 @@ class _Module:
     while inst is not None and inst.opcode != "convert":
       fused = self.called(inst, "calls") if inst.opcode == "fusion" else []
       inst = (self.insts.get(self.root.get(fused[0][1], "")) if fused else
-              self.insts.get(inst.operands[0]) if inst.opcode in PASS_THROUGH else None)
+              self.insts.get(inst.operands[0]) if inst.opcode in KEEPS_VALUES else None)
     if inst is None or (source := self.insts.get(inst.operands[0])) is None:
       return None
     wide, narrow = _arrays(inst.shape)[0][0], _arrays(source.shape)[0][0]
@@ -381,7 +396,8 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
       "reduce-scatter XLA:GPU makes (XLA:CPU never forms one)",
       "{} collective(s) send values that XLA:CPU widened to f32; counted at the dtype the "
       "partitioned program sends",
-      "{} while loop(s) without a known trip count: counted as running once")) if n]
+      "{} while loop(s) with collectives inside and no known trip count: counted as running "
+      "once")) if n]
   if tensor > 1:
     notes.append(f"mesh.tensor={tensor}: the ZeRO paper's figure is over the data axes, for "
                  f"the 1/{tensor} of each weight a device holds; what crosses `tensor` "

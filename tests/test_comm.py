@@ -59,6 +59,30 @@ def test_runs_multiply_nested_trip_counts_and_sum_over_call_sites():
   assert c.counted_bytes == 16 * 16
 
 
+
+def test_only_loops_of_unknown_trip_count_with_collectives_inside_are_noted():
+  """Such a loop's collectives are counted as running once, so the total may be
+  low: the report says so, and stays quiet about loops that move nothing."""
+  gathers = """%gathers (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %c = f32[4]{0} call(%p), to_apply=%inner
+}"""
+  inner = """%inner (q: f32[4]) -> f32[4] {
+  %q = f32[4]{0} parameter(0)
+  ROOT %ag = f32[4]{0} all-gather(%q), replica_groups=[2,4]<=[8], dimensions={0}
+}"""
+  computes = """%computes (r: f32[4]) -> f32[4] {
+  %r = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%r)
+}"""
+  cond = "%cond (c: f32[4]) -> pred[] {\n  ROOT %k = pred[] constant(true)\n}"
+  entry = """  %p0 = f32[4]{0} parameter(0)
+  %w1 = f32[4]{0} while(%p0), condition=%cond, body=%computes
+  ROOT %w2 = f32[4]{0} while(%w1), condition=%cond, body=%gathers"""
+  rep = comm.report(_module(gathers, inner, computes, cond, entry=entry), None, n_params=8)
+  assert [n for n in rep.notes if "trip count" in n] == [
+      "1 while loop(s) with collectives inside and no known trip count: counted as running once"]
+
 def test_tuple_all_reduce_counts_every_element():
   entry = """  %a = f32[4]{0} parameter(0)
   %b = bf16[8,2]{1,0} parameter(1)
@@ -120,6 +144,23 @@ def test_values_widened_by_xla_cpu_count_at_their_narrow_dtype():
   ROOT %ag = f32[16]{0} all-gather(%w), replica_groups=[2,4]<=[8], dimensions={0}"""
   c = _one(_module(fused, entry=entry))
   assert (c.dtype, c.compiled_dtype, c.shape, c.result_bytes) == ("bf16", "f32", "bf16[16]", 32)
+
+
+def test_a_value_widened_then_transposed_counts_at_its_narrow_dtype():
+  """As a head's gradient: bf16 vocabulary chunks, widened by XLA:CPU and laid
+  out as one [D, V] weight (a transpose) before the all-reduce."""
+  fused = """%widen (fp: bf16[2,3]) -> f32[3,2] {
+  %fp = bf16[2,3]{1,0} parameter(0)
+  %nf = f32[2,3]{1,0} convert(%fp)
+  %t = f32[3,2]{0,1} transpose(%nf), dimensions={1,0}
+  %c = f32[3,2]{1,0} copy(%t)
+  ROOT %b = f32[3,2]{1,0} bitcast(%c)
+}"""
+  entry = """  %p0 = bf16[2,3]{1,0} parameter(0)
+  %w = f32[3,2]{1,0} fusion(%p0), kind=kLoop, calls=%widen
+  ROOT %ar = f32[3,2]{1,0} all-reduce(%w), replica_groups=[1,8]<=[8], to_apply=%add"""
+  c = _one(_module(fused, entry=entry))
+  assert (c.dtype, c.compiled_dtype, c.operand_bytes) == ("bf16", "f32", 12)
 
 
 def test_zero_paper_units():
