@@ -7,7 +7,7 @@ on one device; stage 3 keeps the code path the one pods use.
 import dataclasses
 
 from jaxzero import config
-from models.llama import LLAMA32_1B
+from jaxzero.models.llama import LLAMA32_1B
 
 
 def get_config() -> config.Config:

@@ -7,7 +7,7 @@ pinned host memory, the bf16 compute copy and gradients on the GPUs, sharded.
 import dataclasses
 
 from jaxzero import config
-from models.llama import LLAMA31_70B
+from jaxzero.models.llama import LLAMA31_70B
 
 
 def get_config() -> config.Config:

@@ -16,7 +16,7 @@ The original Llama-3-8B (no RoPE scaling) needs --set model.rope_scaling_factor=
 import dataclasses
 
 from jaxzero import config
-from models.llama import LLAMA31_8B
+from jaxzero.models.llama import LLAMA31_8B
 
 
 def get_config() -> config.Config:

@@ -7,7 +7,7 @@ any machine with Python, in about two minutes on a 2-core laptop.
 import dataclasses
 
 from jaxzero import config
-from models.llama import LlamaConfig
+from jaxzero.models.llama import LlamaConfig
 
 
 def get_config() -> config.Config:

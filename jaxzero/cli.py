@@ -8,10 +8,9 @@ import os
 import sys
 
 from jaxzero import config as config_lib
-from jaxzero import distributed
-from jaxzero import peerwatch
-from jaxzero import preflight
 from jaxzero.errors import UserError
+from jaxzero.runtime import distributed, peerwatch
+from jaxzero.sharding import mesh as mesh_lib
 
 
 class Parser(argparse.ArgumentParser):
@@ -39,7 +38,7 @@ def load_config(args) -> config_lib.Config:
     raise UserError("--deepspeed and --accelerate-config both say how to shard; give one")
   if ds_config or accelerate_config:
     # pylint: disable-next=import-outside-toplevel
-    from jaxzero import accelerate, deepspeed, translation
+    from jaxzero.interop import accelerate, deepspeed, translation
     reader = deepspeed if ds_config else accelerate
     cfg = config_lib.load(args.config)
     cfg = translation.apply_file(reader.read(ds_config or accelerate_config, cfg), cfg)
@@ -47,7 +46,7 @@ def load_config(args) -> config_lib.Config:
     config_lib.validate(cfg)
   else:
     cfg = config_lib.load(args.config, args.set)
-  preflight.use_cpu_devices_for(cfg.mesh)  # -1 means what it means to jaxzero.plan
+  mesh_lib.use_cpu_devices_for(cfg.mesh)  # -1 means what it means to jaxzero.plan
   return cfg
 
 

@@ -3,11 +3,12 @@
 A config file defines ``get_config()`` returning a :class:`Config`. Presets are
 a few lines derived from :func:`base` with ``dataclasses.replace``.
 
-The config's path through a run, each module entered once:
-``train`` (CLI) -> ``config`` (load, check) -> ``mesh`` (devices, mesh shape,
-micro-batch) -> ``zero`` (``Layout.from_config``: where each role lives) ->
-``step`` (state shardings, init, the jitted step) -> ``trainer`` (the loop),
-which hands the state to ``checkpoint``. Each takes the sections it needs.
+The config's path through a run, each module entered once and taking the
+sections it needs: ``jaxzero.train`` (the command) -> ``config`` (load, check)
+-> ``sharding.mesh`` (devices, mesh shape, micro-batch) -> ``sharding.zero``
+(``Layout.from_config``: where each role lives) -> ``engine`` (state
+shardings, init, the jitted step) -> ``training.loop`` (the run), which hands
+the state to ``checkpoint``.
 
 Reading a config starts no JAX backend, so the CLI can decide how many
 virtual CPU devices to create before JAX starts.
@@ -17,15 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import math
 import pathlib
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-import logging
-
 from jaxzero.errors import ConfigError
-from models.llama import LlamaConfig
+from jaxzero.models.llama import LlamaConfig
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class CheckpointConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   # "stdlib": the Python standard library's own source, byte-level tokens; or a
-  # file, directory or glob of .txt/.jsonl/.parquet files (see jaxzero.tokens).
+  # file, directory or glob of .txt/.jsonl/.parquet files (see jaxzero.data.tokens).
   source: str = "stdlib"
   max_bytes: int = 16_000_000  # "stdlib" only
   tokenizer: str = "byte"  # "byte" or the path of a Hugging Face tokenizer.json

@@ -36,9 +36,12 @@ def main(argv=None) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   def body():
-    from jaxzero import hf_export  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from jaxzero.interop import hf_export
+    from jaxzero.training import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+    workdir_lib.check_export_paths(args.workdir, args.out)  # one line, before anything is read
     done = hf_export.export_hf(args.workdir, args.out, step=args.step, dtype=args.dtype,
-                           max_shard_bytes=int(args.max_shard_gb * 2**30))
+                               max_shard_bytes=int(args.max_shard_gb * 2**30))
     tokenizer = copy_tokenizer(args.workdir, done.out)
     print(f"exported step {done.step} ({done.dtype}, {len(done.files)} safetensors files"
           + (f", tokenizer files {', '.join(tokenizer)}" if tokenizer else "")

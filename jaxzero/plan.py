@@ -1,7 +1,7 @@
 """python -m jaxzero.plan --config PATH [--devices N] [--hbm-gb G] [--json] [--comm] [--set KEY=VALUE ...]
 
 Per-device memory of every ZeRO stage, from the real train step compiled ahead
-of time on N virtual CPU devices; nothing is allocated. jaxzero.planner
+of time on N virtual CPU devices; nothing is allocated. jaxzero.planning.planner
 measures; this module parses the command line and prints the plan.
 """
 
@@ -12,12 +12,13 @@ import json
 import sys
 
 from jaxzero import cli
-from jaxzero import comm as comm_lib
 from jaxzero import config as config_lib
-from jaxzero import mesh as mesh_lib
-from jaxzero import preflight
+from jaxzero.planning import collectives as comm_lib
+from jaxzero.planning import memory_check
+from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.utils.formatting import bytes_unit, format_count
 
-DEFAULT_DEVICES = preflight.DEFAULT_DEVICES  # one GPU node, for a mesh of -1
+DEFAULT_DEVICES = mesh_lib.DEFAULT_DEVICES  # one GPU node, for a mesh of -1
 
 
 def main(argv=None) -> int:
@@ -45,11 +46,11 @@ def main(argv=None) -> int:
     if args.hbm_gb <= 0:
       parser.error(f"--hbm-gb={args.hbm_gb:g} must be positive")
     cfg = config_lib.load(args.config, args.set)
-    # The count jaxzero.train uses on a CPU for the same mesh (jaxzero.preflight).
-    n_devices = args.devices or preflight.devices_for(cfg.mesh)
+    # The count jaxzero.train uses on a CPU for the same mesh (jaxzero.planning.memory_check).
+    n_devices = args.devices or mesh_lib.devices_for(cfg.mesh)
     mesh_lib.resolve_shape(cfg.mesh, n_devices)  # a mesh that does not fit fails before JAX starts
     mesh_lib.use_virtual_cpu_devices(n_devices)
-    from jaxzero import planner  # pylint: disable=import-outside-toplevel
+    from jaxzero.planning import planner  # pylint: disable=import-outside-toplevel
     plan = planner.plan(cfg, n_devices, int(args.hbm_gb * 1e9), args.sweep,
                         search=not args.no_search, comm=args.comm)
     if args.json:
@@ -76,7 +77,7 @@ def as_json(plan_) -> list[dict]:
 def format_table(plan_, title: str) -> str:
   """A plain aligned table, sizes per device in one unit chosen for the largest."""
   rows = plan_.rows
-  scale, unit = _unit(max(max(r.total_bytes, r.theory_state_bytes) for r in rows))
+  scale, unit = bytes_unit(max(max(r.total_bytes, r.theory_state_bytes) for r in rows))
   size = lambda b: f"{b / scale:.1f}"
   header = ["stage", "remat", "offload", "params", "grads", "optimizer", "state",
             "ZeRO formula", "activations", "host", "nvme", "host<->device/step", "XLA total",
@@ -96,7 +97,7 @@ def format_table(plan_, title: str) -> str:
   r0 = rows[0]
   lines = [
       title,
-      f"Φ = {_count(plan_.n_params)} parameters on {r0.devices} virtual CPU devices "
+      f"Φ = {format_count(plan_.n_params)} parameters on {r0.devices} virtual CPU devices "
       f"(mesh replica {r0.mesh[0]} x fsdp {r0.mesh[1]}"
       f"{f' x tensor {r0.tensor}' if r0.tensor > 1 else ''}); micro-batch {r0.micro_batch} x "
       f"{r0.seq_len} tokens, grad_accum {r0.grad_accum}; budget {plan_.hbm_bytes / 1e9:g} GB",
@@ -114,17 +115,6 @@ def _offload_label(r) -> str:
             for name, kind in (("optimizer", r.offload_optimizer), ("params", r.offload_params))
             if kind != "device"]
   return "+".join(placed) if placed else "-"
-
-
-def _count(n: int) -> str:
-  return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
-def _unit(largest: int) -> tuple[float, str]:
-  for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
-    if largest >= 10 * scale:
-      return scale, unit
-  return 1.0, "bytes"
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
   """Runs the command; Ctrl-C at any moment ends it with one line (exit code 130).
 
   Ctrl-C during training stops at the next step boundary and saves that step
-  (jaxzero.preemption installs its own handler for the loop). Before the loop,
+  (jaxzero.training.preemption installs its own handler for the loop). Before the loop,
   and for a second Ctrl-C, there is nothing to save: the process leaves at once.
   A KeyboardInterrupt would not do: raised inside a garbage-collector callback
   (JAX has one) Python ignores it, and start-up goes on.
@@ -52,7 +52,8 @@ def _leave_at_once(_signum, _frame) -> None:
 
 
 def _main(argv) -> int:
-  from jaxzero import cli, distributed  # pylint: disable=import-outside-toplevel
+  from jaxzero import cli  # pylint: disable=import-outside-toplevel
+  from jaxzero.runtime import distributed  # pylint: disable=import-outside-toplevel
   parser = cli.Parser(prog="jaxzero.train", description="Train a Llama model with ZeRO/FSDP.")
   cli.add_config_args(parser)
   parser.add_argument("--deepspeed", metavar="ds_config.json",
@@ -90,8 +91,8 @@ def _main(argv) -> int:
     if args.resume_step is not None and args.resume_step < 0:
       parser.error(f"--resume-step={args.resume_step} must be a checkpoint's step (>= 0)")
     workdir = pathlib.Path(args.workdir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
-    from jaxzero import trainer  # pylint: disable=import-outside-toplevel
-    outcome = trainer.run_training(cfg, workdir, steps=args.steps, progress=not args.no_progress,
+    from jaxzero.training import loop  # pylint: disable=import-outside-toplevel
+    outcome = loop.run_training(cfg, workdir, steps=args.steps, progress=not args.no_progress,
                                    require_checkpoint=args.resume, resume_step=args.resume_step,
                                    force=args.force)
     import jax  # pylint: disable=import-outside-toplevel

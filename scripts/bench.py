@@ -26,9 +26,9 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from jaxzero import cli, xla_flags  # noqa: E402  (before JAX: virtual devices)
-
-from jaxzero.throughput import device_peak_tflops, model_flops_per_token  # noqa: E402
+from jaxzero import cli  # noqa: E402  (before JAX: virtual devices)
+from jaxzero.runtime import xla_flags  # noqa: E402  (before JAX: virtual devices)
+from jaxzero.training.throughput import device_peak_tflops, model_flops_per_token  # noqa: E402
 
 
 def median_step_time(run_step, steps: int, warmup: int) -> float:
@@ -44,9 +44,10 @@ def median_step_time(run_step, steps: int, warmup: int) -> float:
 
 def bench_jaxzero(cfg, steps: int, warmup: int) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
-  from jaxzero import trainer  # pylint: disable=import-outside-toplevel
 
-  run = trainer.build(cfg)
+  from jaxzero.training import loop  # pylint: disable=import-outside-toplevel
+
+  run = loop.build(cfg)
   holder = {"state": run.engine.init()}
   batch = run.batch(0)
   compiled = run.engine.train_step.lower(holder["state"], batch).compile()
@@ -66,7 +67,8 @@ def bench_torch(cfg, steps: int, warmup: int) -> dict:
   """The same model and batch in PyTorch: transformers Llama, torch.compile, AdamW."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  from jaxzero import hf_mapping  # pylint: disable=import-outside-toplevel
+
+  from jaxzero.interop import hf_mapping  # pylint: disable=import-outside-toplevel
 
   on_gpu = torch.cuda.is_available()
   device = "cuda" if on_gpu else "cpu"

@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxzero import config as config_lib  # pylint: disable=wrong-import-position
-from jaxzero import mesh as mesh_lib  # pylint: disable=wrong-import-position
+from jaxzero.sharding import mesh as mesh_lib  # pylint: disable=wrong-import-position
 
 
 def main() -> None:
@@ -34,9 +34,11 @@ def main() -> None:
 
   # pylint: disable=import-outside-toplevel
   import jax
-  from jaxzero import checkpoint, integrity, trainer
 
-  run = trainer.build(cfg, progress=False)
+  from jaxzero.checkpoint import checkpointer, integrity
+  from jaxzero.training import loop
+
+  run = loop.build(cfg, progress=False)
   state = jax.block_until_ready(run.engine.init())
   t0 = time.perf_counter()
   integrity.record(state)
@@ -44,8 +46,8 @@ def main() -> None:
 
   checksum_s, save_s, verify_s = [], [], []
   with tempfile.TemporaryDirectory() as workdir:
-    info = checkpoint.run_info(cfg.model, cfg.precision.compute, cfg.seed)
-    with checkpoint.Checkpointer(workdir, args.saves + 1, info) as checkpoints:
+    info = checkpointer.run_info(cfg.model, cfg.precision.compute, cfg.seed)
+    with checkpointer.Checkpointer(workdir, args.saves + 1, info) as checkpoints:
       checkpoints.save(0, state, wait=True)  # orbax's own first-save setup
       for i in range(1, args.saves + 1):
         state = state._replace(step=state.step + 1)

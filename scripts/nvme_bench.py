@@ -103,7 +103,7 @@ def main(argv=None) -> int:
   if not args.keep_hoisting:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_disable_hlo_passes=while-loop-invariant-code-motion")
-  from jaxzero import mesh  # pylint: disable=import-outside-toplevel
+  from jaxzero.sharding import mesh  # pylint: disable=import-outside-toplevel
   mesh.use_virtual_cpu_devices(1)
   from jaxzero import cli  # pylint: disable=import-outside-toplevel
   return cli.run_main("nvme_bench.py", lambda: bench(args))
@@ -112,9 +112,13 @@ def main(argv=None) -> int:
 def bench(args) -> int:
   """The benchmark; a bad --nvme-dir is one line (exit 2) before anything is measured."""
   # pylint: disable-next=import-outside-toplevel
-  from jaxzero import config, errors, nvme_store, preflight, trainer
-  from models.llama import count_params  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
+
+  from jaxzero import config, errors
+  from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
+  from jaxzero.offload import checks as offload_checks
+  from jaxzero.offload import nvme_store
+  from jaxzero.training import loop
 
   nvme_dir = pathlib.Path(args.nvme_dir).expanduser()
   sets = [f"model.dim={args.dim}", f"model.n_layers={args.layers}", f"model.mlp_dim={args.mlp}",
@@ -126,13 +130,13 @@ def bench(args) -> int:
           "offload.optimizer=nvme", f"offload.nvme_dir={nvme_dir}"]
   cfg = config.load(str(ROOT / "configs" / "tiny_zero3.py"), sets)
   devices = jax.devices()[:1]
-  preflight.check_offload(cfg, devices)
+  offload_checks.check_offload(cfg, devices)
 
   seq_size = int(args.seq_gb * 1e9) // BLOCK * BLOCK
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxzero-nvme-bench-", dir=nvme_dir))
   run = None
   try:
-    run = trainer.build(cfg, devices, workdir, progress=False)
+    run = loop.build(cfg, devices, workdir, progress=False)
     # At most on disk at once: the checkpoint (a copy of the store and the bf16
     # weights) beside the store, or beside the file that measures the disk.
     store = nvme_store.bytes_needed(run.nvme.leaves)
@@ -156,9 +160,12 @@ def bench(args) -> int:
 
 def measure(args, nvme_dir: pathlib.Path, cfg, run, workdir: pathlib.Path, seq_size: int) -> int:
   """Measures the disk, trains, saves, measures the disk again; prints the figures."""
-  from jaxzero import checkpoint, preflight  # pylint: disable=import-outside-toplevel
-  from models.llama import count_params  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
+
+  from jaxzero.checkpoint import checkpointer  # pylint: disable=import-outside-toplevel
+  from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
+  from jaxzero.offload import nvme_checkpoint  # pylint: disable=import-outside-toplevel
+  from jaxzero.planning import memory_check  # pylint: disable=import-outside-toplevel
 
   seq_before = sequential_gbps(nvme_dir, seq_size)
   print(f"disk, sequential (O_DIRECT, 16 MiB blocks, {seq_size / 1e9:.1f} GB): "
@@ -204,7 +211,8 @@ def measure(args, nvme_dir: pathlib.Path, cfg, run, workdir: pathlib.Path, seq_s
           f"{user_s:.1f} s user, {system_s:.1f} s system", flush=True)
   train_peak = peak_rss()
   (workdir / "checkpoints").mkdir()
-  with checkpoint.Checkpointer(workdir, 1, checkpoint.run_info(cfg.model, "bfloat16", 0)) as ckpt:
+  info = checkpointer.run_info(cfg.model, "bfloat16", 0)
+  with checkpointer.Checkpointer(workdir, 1, info, side=nvme_checkpoint.SIDE_ITEM) as ckpt:
     start = time.perf_counter()
     ckpt.save(args.steps, state, wait=True)
     save_s = time.perf_counter() - start
@@ -219,7 +227,7 @@ def measure(args, nvme_dir: pathlib.Path, cfg, run, workdir: pathlib.Path, seq_s
   sequential_s = tier.step_bytes / (seq_read * 1e9) + tier.step_bytes / (seq_write * 1e9)
   result = {
       "machine": f"{platform.node()} ({os.cpu_count()} CPUs, "
-                 f"{preflight.host_memory_bytes() / 2**30:.0f} GiB RAM), {platform.platform()}",
+                 f"{memory_check.host_memory_bytes() / 2**30:.0f} GiB RAM), {platform.platform()}",
       "params": phi, "optimizer_state_bytes": 12 * phi, "store_bytes": on_disk[0],
       "store_disk_blocks_bytes": on_disk[1], "peak_rss_bytes_training": train_peak,
       "peak_rss_bytes_with_save": save_peak, "state_over_peak_rss": 12 * phi / train_peak,

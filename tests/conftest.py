@@ -9,7 +9,8 @@ import tempfile
 
 import jax
 
-from jaxzero import mesh
+from jaxzero.sharding import mesh
+
 from processes import FAST_XLA_FLAGS
 
 # Before JAX's backend starts (it reads XLA_FLAGS once, at its first use).

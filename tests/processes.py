@@ -6,7 +6,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
-# The planner's fast-compile flags (jaxzero.planner.FAST_COMPILE_OPTIONS) for
+# The planner's fast-compile flags (jaxzero.planning.planner.FAST_COMPILE_OPTIONS) for
 # every test process (conftest.py) and the CLI processes the tests start: LLVM's
 # optimisations and the MLIR fusion emitters only make the CPU kernels faster,
 # and off they compile the tests' tiny programs about 3x faster. The partitioned

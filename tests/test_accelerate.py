@@ -8,10 +8,11 @@ import pathlib
 import pytest
 import yaml
 
-from jaxzero import accelerate, config, migrate
+from jaxzero import config, migrate
 from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError
-from jaxzero.translation import apply_file
+from jaxzero.interop import accelerate
+from jaxzero.interop.translation import apply_file
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny_zero3.py")

@@ -14,7 +14,8 @@ import shutil
 import jax
 import numpy as np
 
-from jaxzero import config, trainer
+from jaxzero import config
+from jaxzero.training import loop
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = sorted(p for folder in ("jaxzero", "models", "scripts", "tests", "configs")
@@ -49,7 +50,7 @@ def test_no_module_is_a_grab_bag():
 def test_a_checkpoint_from_the_first_release_still_resumes(tmp_path):
   shutil.copytree(FIXTURE, tmp_path / "checkpoints")
   cfg = config.load(str(ROOT / "configs" / "tiny_zero3.py"), FIXTURE_SETTINGS)
-  outcome = trainer.run_training(cfg, tmp_path, steps=3, devices=jax.devices()[:8],
+  outcome = loop.run_training(cfg, tmp_path, steps=3, devices=jax.devices()[:8],
                                  progress=False)
   assert outcome.start_step == 2
   (step3,) = outcome.history

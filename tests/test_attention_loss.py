@@ -1,8 +1,8 @@
 """Memory-light attention and cross-entropy equal the plain ones, and stay light.
 
-* models.attention "blockwise" (flash attention in plain JAX, custom_vjp)
+* jaxzero.models.attention "blockwise" (flash attention in plain JAX, custom_vjp)
   against jax.nn.dot_product_attention's XLA kernel: outputs and gradients.
-* models.loss.cross_entropy (chunked over the vocabulary) against optax on the
+* jaxzero.models.loss.cross_entropy (chunked over the vocabulary) against optax on the
   full logits: value and gradients.
 * The whole model's loss and gradients: blockwise attention + chunked loss
   against XLA attention + full logits.
@@ -19,15 +19,16 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-from jaxzero import comm
-from jaxzero.config import ConfigError, apply_overrides, base
-from jaxzero.remat import remat_wrapper
-from models.attention import attention
-from models.llama import LlamaConfig
-from models.loss import cross_entropy
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_model import graphdef, make_cfg, random_params, random_tokens
+
+from jaxzero.config import ConfigError, apply_overrides, base
+from jaxzero.engine.remat import remat_wrapper
+from jaxzero.models.attention import attention
+from jaxzero.models.llama import LlamaConfig
+from jaxzero.models.loss import cross_entropy
+from jaxzero.planning import collectives
 
 TOL = 1e-5
 
@@ -159,7 +160,7 @@ def test_chunked_cross_entropy_reduces_head_gradient_once():
   loss = lambda x, h, l: cross_entropy(x, h, l, chunk=128, shard=shard)
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
   head_bytes = D * V * 4
-  sent = comm.report(compiled, mesh, n_params=D * V).total_bytes
+  sent = collectives.report(compiled, mesh, n_params=D * V).total_bytes
   assert head_bytes <= sent <= 2 * head_bytes + 1024
 
 

@@ -37,6 +37,6 @@ def test_bench_cpu_mode_reports_every_figure(tmp_path):
 
 def test_model_flops_follow_the_palm_convention():
   bench = load_bench()
-  from models.llama import LlamaConfig, count_params
+  from jaxzero.models.llama import LlamaConfig, count_params
   cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128)
   assert bench.model_flops_per_token(cfg, 128) == 6 * count_params(cfg) + 12 * 2 * 64 * 128

@@ -8,8 +8,8 @@ is fixed, ``--steps`` stops early), so only the first one compiles.
 
 import hashlib
 import json
-import re
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -19,10 +19,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import config, train, trainer
-from jaxzero.checkpoint import CheckpointError, checkpoint_dir, latest_step
-from processes import ROOT, TINY, cli_env as cli_environment, wait_for
+from jaxzero import config, train
+from jaxzero.checkpoint.checkpointer import CheckpointError, checkpoint_dir, latest_step
+from jaxzero.training import loop
+
 from damage import damage_data, truncate_to
+from processes import ROOT, TINY
+from processes import cli_env as cli_environment
+from processes import wait_for
 
 # tiny_zero3 (stage 3 on 8 devices), smaller; the schedule spans 10k steps.
 SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
@@ -121,7 +125,7 @@ def workdir_at_3(stopped_at_3, tmp_path):
 def test_resume_under_stage1_on_4_devices_matches_the_uninterrupted_run(workdir_at_3,
                                                                         uninterrupted):
   cfg = config.load(TINY, [*SETTINGS, "zero.stage=1", "mesh.fsdp=4"])
-  outcome = trainer.run_training(cfg, workdir_at_3, steps=6, devices=jax.devices()[:4],
+  outcome = loop.run_training(cfg, workdir_at_3, steps=6, devices=jax.devices()[:4],
                                  progress=False)
   assert (outcome.start_step, outcome.step) == (3, 6)
   resumed = {h["step"]: h["loss"] for h in outcome.history}
@@ -148,7 +152,7 @@ def test_another_model_shape_is_refused_naming_the_leaf_and_both_shapes(workdir_
   cfg = config.load(TINY, [*SETTINGS, "model.dim=128"])
   before = snapshot(workdir_at_3)
   with pytest.raises(CheckpointError) as error:
-    trainer.run_training(cfg, workdir_at_3, progress=False)
+    loop.run_training(cfg, workdir_at_3, progress=False)
   message = str(error.value)
   assert "leaf params/embed_VxD has shape (256, 64) in the checkpoint but (256, 128)" in message
   assert "model.dim=64 in the checkpoint, 128 here" in message
@@ -172,7 +176,7 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_is_overwritten(workdir_at_3
     shutil.rmtree(step_dir / "info")
   before = snapshot(workdir_at_3)
   with pytest.raises(CheckpointError) as error:
-    trainer.run_training(config.load(TINY, SETTINGS), workdir_at_3, progress=False)
+    loop.run_training(config.load(TINY, SETTINGS), workdir_at_3, progress=False)
   assert expected in str(error.value) and str(step_dir) in str(error.value)
   assert "\n" not in str(error.value)
   assert snapshot(workdir_at_3) == before
@@ -214,8 +218,8 @@ def test_after_a_damaged_restore_stderr_holds_only_its_error(stopped_at_3, tmp_p
 # into the closed event loop, before that restore's error has been raised.
 CLOSED_LOOP_BEFORE_THE_ERROR = """
 import asyncio, sys, threading
-from jaxzero import checkpoint
-checkpoint.CheckpointReader(sys.argv[1])
+from jaxzero.checkpoint import checkpointer
+checkpointer.CheckpointReader(sys.argv[1])
 loop = asyncio.new_event_loop()
 loop.close()
 class AbandonedRead:

@@ -4,10 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxzero import comm
-from jaxzero.mesh import make_mesh
+from jaxzero.planning import collectives
+from jaxzero.sharding.mesh import make_mesh
 
 
 def _module(*computations: str, entry: str) -> str:
@@ -16,8 +17,8 @@ def _module(*computations: str, entry: str) -> str:
                       f"ENTRY %main (p0: f32[4]) -> f32[4] {{\n{entry}\n}}"])
 
 
-def _one(text: str) -> comm.Collective:
-  (found,) = comm.collectives(text)
+def _one(text: str) -> collectives.Collective:
+  (found,) = collectives.collectives(text)
   return found
 
 
@@ -79,7 +80,7 @@ def test_only_loops_of_unknown_trip_count_with_collectives_inside_are_noted():
   entry = """  %p0 = f32[4]{0} parameter(0)
   %w1 = f32[4]{0} while(%p0), condition=%cond, body=%computes
   ROOT %w2 = f32[4]{0} while(%w1), condition=%cond, body=%gathers"""
-  rep = comm.report(_module(gathers, inner, computes, cond, entry=entry), None, n_params=8)
+  rep = collectives.report(_module(gathers, inner, computes, cond, entry=entry), None, n_params=8)
   assert [n for n in rep.notes if "trip count" in n] == [
       "1 while loop(s) with collectives inside and no known trip count: counted as running once"]
 
@@ -127,7 +128,7 @@ def test_async_start_done_pairs_count_once():
   %ard = f32[8]{0} all-reduce-done(%ars)
   %i = s32[] parameter(1)
   ROOT %ds = f32[2]{0} dynamic-slice(%ard, %i), dynamic_slice_sizes={2}"""
-  gather, reduce = comm.collectives(_module(entry=entry))
+  gather, reduce = collectives.collectives(_module(entry=entry))
   assert (gather.op, gather.shape, gather.result_bytes, gather.counted_bytes) == (
       "all-gather", "f32[8]", 32, 32)
   assert (reduce.op, reduce.as_reduce_scatter, reduce.counted_bytes) == ("all-reduce", True, 32)
@@ -164,8 +165,8 @@ def test_a_value_widened_then_transposed_counts_at_its_narrow_dtype():
 
 
 def test_zero_paper_units():
-  assert [comm.zero_paper_units(s, 4) for s in range(4)] == [2, 2, 5, 12]
-  assert [comm.zero_paper_units(s) for s in range(4)] == [2, 2, 2, 3]
+  assert [collectives.zero_paper_units(s, 4) for s in range(4)] == [2, 2, 5, 12]
+  assert [collectives.zero_paper_units(s) for s in range(4)] == [2, 2, 2, 3]
 
 
 def _scan_step(mesh):
@@ -191,7 +192,7 @@ def test_compiled_scan_on_a_2x4_mesh(order):
   mesh = (make_mesh(2, 4, devices) if order == "in order" else
           Mesh(np.asarray(devices).reshape(2, 4), ("replica", "fsdp"),
                axis_types=(AxisType.Auto,) * 2))
-  rep = comm.report(_scan_step(mesh), mesh, n_params=5 * 16 * 16, stage=3)
+  rep = collectives.report(_scan_step(mesh), mesh, n_params=5 * 16 * 16, stage=3)
   by_op = {(r.op, r.axes): r for r in rep.rows}
   gather = by_op["all-gather", ("fsdp",)]
   assert (gather.runs, gather.dtype, gather.counted_bytes) == (5, "bf16", 5 * 16 * 16 * 2)
@@ -200,6 +201,6 @@ def test_compiled_scan_on_a_2x4_mesh(order):
   assert rep.total_bytes == sum(r.counted_bytes for r in rep.rows)
   assert rep.axis_bytes["fsdp"] >= gather.counted_bytes
   assert rep.units == pytest.approx(rep.total_bytes / (5 * 16 * 16 * 2))
-  table = comm.format_table(rep)
+  table = collectives.format_table(rep)
   assert "all-gather" in table and "ZeRO paper: 3" in table and "per device per step" in table
-  assert comm.as_json(rep)["collectives"][0]["replica_groups"]
+  assert collectives.as_json(rep)["collectives"][0]["replica_groups"]

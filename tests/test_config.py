@@ -5,8 +5,9 @@ import pathlib
 
 import pytest
 
-from jaxzero import config, mesh
+from jaxzero import config
 from jaxzero.config import ConfigError
+from jaxzero.sharding import mesh
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 

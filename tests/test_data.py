@@ -14,13 +14,14 @@ import json
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxzero import batches as batches_lib
-from jaxzero import tokens as tokens_lib
 from jaxzero.config import DataConfig
+from jaxzero.data import batches as batches_lib
+from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import DataError
-from jaxzero.mesh import AXES, make_mesh
+from jaxzero.sharding.mesh import AXES, make_mesh
 
 DOCS_TXT = ["the quick brown fox\njumps over the lazy dog\n", "a dog and a fox\n"]
 DOCS_JSONL = ["the dog sleeps", "", "a quick fox runs over the dog"]

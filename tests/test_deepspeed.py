@@ -15,12 +15,17 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from jaxzero import cli, config, deepspeed, migrate, step, trainer
+from jaxzero import cli, config
+from jaxzero import engine as engine_lib
+from jaxzero import migrate
 from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError
-from jaxzero.translation import apply_file
+from jaxzero.interop import deepspeed
+from jaxzero.interop.translation import apply_file
+from jaxzero.training import loop
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
@@ -258,7 +263,7 @@ def test_schedule_equals_deepspeeds_formula(kind, params, formula, warmup_type):
   lr = 4e-4  # the optimizer's lr: WarmupCosineLR scales it
   ds = {"optimizer": {"type": "AdamW", "params": {"lr": lr}},
         "scheduler": {"type": kind, "params": {**params, "warmup_type": warmup_type}}}
-  schedule = step.learning_rate_schedule(from_ds(ds))
+  schedule = engine_lib.learning_rate_schedule(from_ds(ds))
   steps = np.arange(50)  # past the end too: every schedule holds its last value
   got = np.asarray(schedule(jnp.asarray(steps)))
   extra = {"lr": lr} if kind == "WarmupCosineLR" else {}
@@ -270,10 +275,10 @@ def test_default_schedule_is_unchanged():
   cfg = base()
   assert cfg.train.schedule == "warmup_cosine" and cfg.train.optimizer == "adamw"
   t = cfg.train
-  reference = step.optax.warmup_cosine_decay_schedule(
+  reference = optax.warmup_cosine_decay_schedule(
       0.0, t.lr, t.warmup_steps, t.steps, t.lr * t.min_lr_ratio)
   counts = jnp.arange(t.steps + 5)
-  np.testing.assert_array_equal(step.learning_rate_schedule(cfg)(counts), reference(counts))
+  np.testing.assert_array_equal(engine_lib.learning_rate_schedule(cfg)(counts), reference(counts))
 
 
 # ----------------------------------------------------------------------------
@@ -313,9 +318,9 @@ def test_ds_config_run_trains_to_the_losses_of_the_set_run(tmp_path, caplog):
   set_cfg = config.load(TINY, RUN_SET + SMALL)
   assert ds_cfg == set_cfg
   one = jax.devices()[:1]  # mesh.fsdp=1 compiles fastest
-  ds_losses = [h["loss"] for h in trainer.train(ds_cfg, tmp_path / "ds", devices=one,
+  ds_losses = [h["loss"] for h in loop.train(ds_cfg, tmp_path / "ds", devices=one,
                                                 progress=False)]
-  set_losses = [h["loss"] for h in trainer.train(set_cfg, tmp_path / "set", devices=one,
+  set_losses = [h["loss"] for h in loop.train(set_cfg, tmp_path / "set", devices=one,
                                                  progress=False)]
   assert len(ds_losses) == 4 and ds_losses[-1] < ds_losses[0]
   np.testing.assert_allclose(ds_losses, set_losses, rtol=1e-6)

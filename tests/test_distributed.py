@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from jaxzero import xla_flags
 from jaxzero.config import ConfigError, DistributedConfig
-from jaxzero.distributed import EXPLICIT, Peers, resolve
+from jaxzero.runtime import xla_flags
+from jaxzero.runtime.distributed import EXPLICIT, Peers, resolve
+
 from processes import FAST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -113,7 +114,8 @@ def free_port() -> int:
 
 JOIN_AND_SUM = textwrap.dedent("""
     import dataclasses, os
-    from jaxzero import config, distributed
+    from jaxzero import config
+    from jaxzero.runtime import distributed
     cfg = dataclasses.replace(config.base(), mesh=config.MeshConfig(replica=1, fsdp=8),
                               distributed=config.DistributedConfig(timeout_s=60))
     distributed.initialize(cfg, prog="join")

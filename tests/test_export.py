@@ -17,13 +17,18 @@ from flax import nnx, traverse_util
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+from jaxzero import config
+from jaxzero import engine as engine_lib
+from jaxzero import export
+from jaxzero.checkpoint import checkpointer as checkpoint_lib
+from jaxzero.checkpoint.checkpointer import Checkpointer, CheckpointReader, checkpoint_dir
+from jaxzero.engine import step as step_lib
+from jaxzero.interop import hf_mapping
+from jaxzero.interop.hf_export import export_hf
+from jaxzero.models.llama import Llama, param_specs
+from jaxzero.training import loop
+
 from hf_reference import hf_state_dict, params_from_hf
-from jaxzero import config, export, hf_mapping, trainer
-from jaxzero import checkpoint as checkpoint_lib
-from jaxzero import step as step_lib
-from jaxzero.checkpoint import Checkpointer, CheckpointReader, checkpoint_dir
-from jaxzero.hf_export import export_hf
-from models.llama import Llama
 from processes import ROOT, TINY, cli_env
 
 # As in test_checkpoint, so that the training run reuses its compiled program.
@@ -185,8 +190,8 @@ def test_tied_embeddings_export_without_an_lm_head(tmp_path):
   cfg = config.load(TINY, [*SETTINGS, "model.tie_embeddings=true"])
   model = Llama(cfg.model, rngs=nnx.Rngs(params=1))
   master = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
-  tx = step_lib.make_optimizer(cfg)
-  state = step_lib.TrainState(jnp.int32(5), master, master, tx.init(master))
+  tx = engine_lib.make_optimizer(cfg)
+  state = engine_lib.TrainState(jnp.int32(5), master, master, tx.init(master))
   info = checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed)
   with Checkpointer(tmp_path / "w", cfg.checkpoint.keep, info) as checkpoints:
     checkpoints.save(5, state, wait=True)
@@ -207,13 +212,13 @@ def test_an_export_starts_a_new_run_with_the_same_weights(trained, tmp_path):
   cfg, workdir = trained
   done = export_hf(workdir, tmp_path / "hf")
   from_hf = config.load(TINY, [*SETTINGS, f"init.hf_checkpoint={done.out}"])
-  outcome = trainer.run_training(from_hf, tmp_path / "new", steps=0, progress=False)
+  outcome = loop.run_training(from_hf, tmp_path / "new", steps=0, progress=False)
   assert (outcome.start_step, outcome.step) == (0, 0)
   jax.tree.map(np.testing.assert_array_equal, master_weights(tmp_path / "new"),
                master_weights(workdir))
   # Once the run has a checkpoint, that is what it continues from.
   elsewhere = config.load(TINY, [*SETTINGS, "init.hf_checkpoint=/no/such/model"])
-  outcome = trainer.run_training(elsewhere, tmp_path / "new", steps=0, progress=False)
+  outcome = loop.run_training(elsewhere, tmp_path / "new", steps=0, progress=False)
   assert outcome.start_step == 0
 
 
@@ -229,7 +234,7 @@ def test_export_reads_stacked_weights_one_layer_at_a_time(trained, tmp_path, mon
   done = export_hf(workdir, tmp_path / "hf", dtype="float32")
   # Only the unstacked leaves (embedding, final norm, head) are read whole.
   assert all(path[1] != "layers" for path in whole_reads), whole_reads
-  n_stacked = len(step_lib.param_specs(cfg.model)["layers"])
+  n_stacked = len(param_specs(cfg.model)["layers"])
   assert len(layer_reads) == n_stacked * cfg.model.n_layers
   # And the layer-by-layer values are the checkpoint's, bit for bit.
   exported = {}

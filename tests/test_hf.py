@@ -15,13 +15,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from hf_reference import hf_state_dict, params_from_hf, random_hf_llama
-from jaxzero import config, hf_io, hf_mapping
-from jaxzero import step as step_lib
+from jaxzero import config
+from jaxzero import engine as engine_lib
+from jaxzero.engine import step as step_lib
 from jaxzero.errors import HFCheckpointError
-from jaxzero.mesh import make_mesh
-from jaxzero.zero import Layout
-from models.llama import LlamaConfig, param_specs
+from jaxzero.interop import hf_load, hf_mapping
+from jaxzero.models.llama import LlamaConfig, param_specs
+from jaxzero.sharding.mesh import make_mesh
+from jaxzero.sharding.zero import Layout
+
+from hf_reference import hf_state_dict, params_from_hf, random_hf_llama
 
 B, T = 2, 24
 hf_model = random_hf_llama
@@ -53,7 +56,7 @@ def test_logits_match_transformers(n_kv_heads, tied, scaled, shard_size, tmp_pat
   with torch.no_grad():
     want = model(torch.from_numpy(tokens).long()).logits.numpy()
 
-  ours = hf_io.load_llama(tmp_path)
+  ours = hf_load.load_llama(tmp_path)
   assert ours.cfg.n_kv_heads == n_kv_heads and ours.cfg.tie_embeddings == tied
   got = np.asarray(ours(tokens))
   assert got.dtype == np.float32 and got.shape == (B, T, 97)
@@ -103,17 +106,17 @@ def test_zero3_load_reads_each_shard_once_and_never_the_whole_model(tmp_path, mo
   shardings = layout.tree_shardings(param_specs(cfg), "optimizer")
 
   reads = []
-  read = hf_io.SafetensorsReader.read
+  read = hf_load.SafetensorsReader.read
 
   def spy(self, name, index):
     out = read(self, name, index)
     reads.append((name, out.nbytes))
     return out
 
-  monkeypatch.setattr(hf_io.SafetensorsReader, "read", spy)
+  monkeypatch.setattr(hf_load.SafetensorsReader, "read", spy)
   tracemalloc.start()
   try:
-    params = jax.block_until_ready(hf_io.load_params(path, cfg, shardings))
+    params = jax.block_until_ready(hf_load.load_params(path, cfg, shardings))
     after, peak = tracemalloc.get_traced_memory()
   finally:
     tracemalloc.stop()
@@ -136,7 +139,7 @@ def test_bfloat16_checkpoint_loads_exactly(tmp_path):
   ml_dtypes = pytest.importorskip("ml_dtypes")
   cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64)
   state_dict = random_state_dict(cfg, ml_dtypes.bfloat16)
-  params = hf_io.load_params(write_checkpoint(tmp_path, cfg, state_dict), cfg,
+  params = hf_load.load_params(write_checkpoint(tmp_path, cfg, state_dict), cfg,
                           jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   want = params_from_hf(state_dict, cfg)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, want)
@@ -151,15 +154,15 @@ def test_training_starts_from_the_checkpoint(tmp_path):
   torch = pytest.importorskip("torch")
   model = hf_model(2, False, True)
   model.save_pretrained(tmp_path)
-  base = config.Config(model=hf_io.read_config(tmp_path), zero=config.ZeroConfig(stage=3),
+  base = config.Config(model=hf_load.read_config(tmp_path), zero=config.ZeroConfig(stage=3),
                        train=config.TrainConfig(global_batch=8, seq_len=16),
                        precision=config.PrecisionConfig(compute="float32"))
   cfg = config.apply_overrides(base, [f"init.hf_checkpoint={tmp_path}"])
   assert cfg.init.hf_checkpoint == str(tmp_path)
   layout = Layout.from_config(cfg, make_mesh(1, 8))
-  engine = step_lib.Engine(cfg, layout)
+  engine = engine_lib.Engine(cfg, layout)
   # As the trainer does: the fp32 master weights straight into their shards.
-  master = hf_io.load_params(cfg.init.hf_checkpoint, cfg.model, engine.shardings.master)
+  master = hf_load.load_params(cfg.init.hf_checkpoint, cfg.model, engine.shardings.master)
   state = engine.init(master=master)
 
   for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(engine.shardings)):
@@ -230,7 +233,7 @@ def bad_checkpoint(case: str, root):
 def test_bad_checkpoint_is_one_line_naming_the_culprit(case, message, tmp_path):
   path, cfg = bad_checkpoint(case, tmp_path / "ckpt")
   with pytest.raises(HFCheckpointError) as info:
-    hf_io.load_params(path, cfg, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    hf_load.load_params(path, cfg, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   text = str(info.value)
   assert message in text and "\n" not in text
   if case == "config_mismatch":

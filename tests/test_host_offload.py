@@ -19,11 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxzero import config, nvme, nvme_store, planner, trainer
-from jaxzero import mesh as mesh_lib
-from jaxzero.step import Engine
-from jaxzero.zero import Layout
-from models.llama import LlamaConfig
+from jaxzero import config
+from jaxzero.engine import Engine
+from jaxzero.models.llama import LlamaConfig
+from jaxzero.offload import nvme_store, nvme_tier
+from jaxzero.planning import planner
+from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.sharding.zero import Layout
+from jaxzero.training import loop
+
 from processes import FAST_XLA_FLAGS
 
 STEPS = 3
@@ -54,7 +58,7 @@ def losses(cfg: config.Config) -> np.ndarray:
   tokens = jax.random.randint(jax.random.key(0), (STEPS, 2, 16, 33), 0, 256, jnp.int32)
   tier = None
   if cfg.offload.optimizer == "nvme":  # the state in files; the update streamed outside the step
-    tier = nvme.Tier(e, nvme.store_directory(cfg.offload.nvme_dir, cfg.offload.nvme_dir))
+    tier = nvme_tier.Tier(e, nvme_tier.store_directory(cfg.offload.nvme_dir, cfg.offload.nvme_dir))
     state = tier.init()
     step = tier.compile(state, jax.device_put(tokens[0], e.batch_sharding))
   else:
@@ -228,7 +232,7 @@ def one_process(tmp_path_factory):
   def losses(stage):
     if stage not in trained:
       cfg = config.load(TINY, LAUNCH_SETS + [f"zero.stage={stage}"])
-      history = trainer.train(cfg, tmp_path_factory.mktemp(f"one_stage{stage}"),
+      history = loop.train(cfg, tmp_path_factory.mktemp(f"one_stage{stage}"),
                               devices=jax.devices()[:8], progress=False)
       trained[stage] = [h["loss"] for h in history]
     return trained[stage]

@@ -13,11 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxzero import checkpoint, config, integrity, trainer
-from jaxzero.errors import DamagedCheckpointError
-from damage import damage_data, truncate_to
 from test_nonfinite import tiny_config
+
+from jaxzero import config
+from jaxzero.checkpoint import checkpointer, integrity
+from jaxzero.errors import DamagedCheckpointError
+from jaxzero.training import loop
+
+from damage import damage_data, truncate_to
 
 DEVICES = 8
 
@@ -38,7 +41,7 @@ def snapshot(directory):
 def trained(tmp_path_factory):
   """A run to step 6 (checkpoints 2, 4, 6) and its logged losses."""
   workdir = tmp_path_factory.mktemp("run")
-  history = trainer.train(make_config(), workdir, devices=jax.devices()[:DEVICES],
+  history = loop.train(make_config(), workdir, devices=jax.devices()[:DEVICES],
                           progress=False)
   return workdir, {r["step"]: r["loss"] for r in history}
 
@@ -68,11 +71,11 @@ def delete(data_file):
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(damage, trained, copy_of,
                                                                        caplog):
   workdir, losses = copy_of, trained[1]
-  directory = checkpoint.checkpoint_dir(workdir)
+  directory = checkpointer.checkpoint_dir(workdir)
   earlier = {step: snapshot(directory / step) for step in ("2", "4")}
   damage_data(directory / "6", damage, at_least=2 if damage is garbage_at_several_offsets else 1)
   with caplog.at_level(logging.WARNING):
-    outcome = trainer.run_training(make_config(), workdir, steps=6,
+    outcome = loop.run_training(make_config(), workdir, steps=6,
                                    devices=jax.devices()[:DEVICES], progress=False)
   assert outcome.start_step == 4
   # Steps 5 and 6 trained again from the good state: the same losses to the bit.
@@ -80,16 +83,16 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(damage, t
   assert f"checkpoint {directory / '6'} is damaged: " in caplog.text
   assert "resuming from checkpoint 4, the newest that verifies" in caplog.text
   assert {step: snapshot(directory / step) for step in ("2", "4")} == earlier
-  assert (checkpoint.damaged_dir(workdir) / "6").is_dir()  # kept, not deleted
+  assert (checkpointer.damaged_dir(workdir) / "6").is_dir()  # kept, not deleted
   assert (directory / "6").is_dir()  # saved anew
 
 
 def test_refuse_names_the_damage_and_changes_nothing(copy_of):
-  directory = checkpoint.checkpoint_dir(copy_of)
+  directory = checkpointer.checkpoint_dir(copy_of)
   damage_data(directory / "6", garbage_at_several_offsets, at_least=2)
   before = snapshot(copy_of)
   with pytest.raises(DamagedCheckpointError) as error:
-    trainer.run_training(make_config(on_damaged="refuse"), copy_of,
+    loop.run_training(make_config(on_damaged="refuse"), copy_of,
                          devices=jax.devices()[:DEVICES], progress=False)
   message = str(error.value)
   assert message.startswith(f"checkpoint {directory / '6'} is damaged: ")
@@ -108,30 +111,30 @@ def test_values_that_differ_from_their_checksum_are_caught(copy_of, monkeypatch)
     state.master["final_norm"] += 1.0  # in place of bytes changed on disk
     return saved
   workdir = copy_of
-  shutil.rmtree(checkpoint.checkpoint_dir(workdir) / "6")
+  shutil.rmtree(checkpointer.checkpoint_dir(workdir) / "6")
   cfg = make_config()
   monkeypatch.setattr(integrity, "record", record_then_change)
-  trainer.run_training(cfg, workdir, steps=6, devices=jax.devices()[:DEVICES], progress=False)
+  loop.run_training(cfg, workdir, steps=6, devices=jax.devices()[:DEVICES], progress=False)
   monkeypatch.undo()
   with pytest.raises(DamagedCheckpointError, match=r"the values of leaf master/final_norm do "
                      "not match the checksum saved with them"):
-    trainer.run_training(make_config(on_damaged="refuse"), workdir,
+    loop.run_training(make_config(on_damaged="refuse"), workdir,
                          devices=jax.devices()[:DEVICES], progress=False)
 
 
 def test_a_restored_state_must_be_finite(copy_of):
-  directory = checkpoint.checkpoint_dir(copy_of)
+  directory = checkpointer.checkpoint_dir(copy_of)
   cfg = make_config(on_damaged="refuse")
-  run = trainer.build(cfg, jax.devices()[:DEVICES])
-  info = checkpoint.run_info(cfg.model, cfg.precision.compute, cfg.seed)
-  with checkpoint.Checkpointer(copy_of, 10, info) as checkpoints:
+  run = loop.build(cfg, jax.devices()[:DEVICES])
+  info = checkpointer.run_info(cfg.model, cfg.precision.compute, cfg.seed)
+  with checkpointer.Checkpointer(copy_of, 10, info) as checkpoints:
     state = checkpoints.restore(6, run.engine.abstract_state())
     poisoned = state._replace(step=state.step + 1, master=dict(
         state.master, final_norm=state.master["final_norm"].at[0].set(jnp.nan)))
     checkpoints.save(7, poisoned, wait=True)  # its checksums match: only finiteness fails
   with pytest.raises(DamagedCheckpointError, match=r"the values of leaf master/final_norm are "
                      "not finite"):
-    trainer.run_training(cfg, copy_of, devices=jax.devices()[:DEVICES], progress=False)
+    loop.run_training(cfg, copy_of, devices=jax.devices()[:DEVICES], progress=False)
   assert (directory / "7").is_dir()
 
 

@@ -15,7 +15,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import config, trainer
+from jaxzero import config
+from jaxzero.training import loop
+
 from processes import FAST_XLA_FLAGS, ROOT, TINY
 
 # tests/test_step.py's tiny model; the schedule spans 6 steps, runs stop earlier with --steps.
@@ -65,7 +67,7 @@ def logged_losses(workdir) -> np.ndarray:
 def one_process(workdir, steps=None):
   """Trains (or resumes) in this process: one process with 8 virtual devices."""
   cfg = config.load(TINY, SETS)
-  return trainer.train(cfg, workdir, steps=steps, devices=jax.devices()[:8], progress=False)
+  return loop.train(cfg, workdir, steps=steps, devices=jax.devices()[:8], progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
-"""Tests that models.llama computes Llama-3, and that jaxzero.hf_mapping maps it exactly.
+"""Tests that jaxzero.models.llama computes Llama-3, and that jaxzero.interop.hf_mapping maps it exactly.
 
 Three independent witnesses of the forward pass:
 * a from-scratch numpy float64 reference written below (no code shared with
-  models.llama),
-* transformers' LlamaForCausalLM, loaded through jaxzero.hf_mapping,
+  jaxzero.models.llama),
+* transformers' LlamaForCausalLM, loaded through jaxzero.interop.hf_mapping,
 * the model itself with and without rematerialisation (gradients).
 
 Weights are random everywhere (norm scales too, not ones) and of unit-ish
@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxzero.interop import hf_mapping
+from jaxzero.models import llama
+from jaxzero.models.llama import LlamaConfig
+
 from hf_reference import hf_state_dict, params_from_hf, random_hf_llama
-from jaxzero import hf_mapping
-from models import llama
-from models.llama import LlamaConfig
 
 B, T = 2, 24
 # original_max_len 16 < T: with theta 1e4 and head_dim 16 the highest of the 8

@@ -12,9 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxzero import checkpoint, config, step, trainer
+from jaxzero import config
+from jaxzero.checkpoint import checkpointer
+from jaxzero.engine import step
 from jaxzero.errors import NonFiniteError
-from models.llama import LlamaConfig
+from jaxzero.models.llama import LlamaConfig
+from jaxzero.training import loop
 
 POISONED_STEP = 3  # 1-based, as in metrics.jsonl
 
@@ -37,7 +40,7 @@ def poison(monkeypatch):
   """Makes the loss NaN on the batch of POISONED_STEP: the whole batch at stage 3,
   the first device's rows at stage 0 (where the loss is taken per device)."""
   def arm(cfg):
-    run = trainer.build(cfg, jax.devices()[:8])
+    run = loop.build(cfg, jax.devices()[:8])
     tokens = run.batches(POISONED_STEP - 1)[0]
     rows = tokens if cfg.zero.stage == 3 else tokens[:len(tokens) // 8]
     marker = int(rows[:, 1:].astype(np.int64).sum())
@@ -51,7 +54,7 @@ def poison(monkeypatch):
 
 
 def master_at(workdir, step_no):
-  with checkpoint.CheckpointReader(workdir) as reader:
+  with checkpointer.CheckpointReader(workdir) as reader:
     shapes = reader.leaf_shapes(step_no)
     name = "master/layers/w_up_LxDxF"
     return reader.read(step_no, tuple(name.split("/")), shapes[name])
@@ -64,12 +67,12 @@ def test_stop_names_the_step_and_saves_nothing_poisoned(stage, poison, tmp_path)
   cfg = tiny_config(stage, "stop")
   poison(cfg)
   with pytest.raises(NonFiniteError) as info:
-    trainer.run_training(cfg, tmp_path, devices=jax.devices()[:8], progress=False)
+    loop.run_training(cfg, tmp_path, devices=jax.devices()[:8], progress=False)
   message = str(info.value)
   assert f"step {POISONED_STEP}: loss nan" in message and "\n" not in message
   # It stops at that step: nothing after it is saved, everything before is finite.
   assert f"the last checkpoint is step {POISONED_STEP - 1}" in message
-  assert checkpoint.latest_step(tmp_path) == POISONED_STEP - 1
+  assert checkpointer.latest_step(tmp_path) == POISONED_STEP - 1
   for saved in range(1, POISONED_STEP):
     assert np.isfinite(master_at(tmp_path, saved)).all()
 
@@ -78,7 +81,7 @@ def test_stop_names_the_step_and_saves_nothing_poisoned(stage, poison, tmp_path)
 def test_skip_drops_that_update_and_trains_on(stage, poison, tmp_path):
   cfg = tiny_config(stage, "skip")
   poison(cfg)
-  history = trainer.train(cfg, tmp_path, devices=jax.devices()[:8], progress=False)
+  history = loop.train(cfg, tmp_path, devices=jax.devices()[:8], progress=False)
   assert [r["nonfinite"] for r in history] == [0, 0, 1, 0, 0]
   losses = np.array([r["loss"] for r in history])
   assert np.isnan(losses[POISONED_STEP - 1]) and np.isfinite(np.delete(losses, 2)).all()

@@ -11,11 +11,12 @@ import sys
 
 import numpy as np
 import pytest
-
-from jaxzero import checkpoint
-from processes import ROOT, TINY, cli_env
 from test_distributed import clean_env, free_port
 from test_nonfinite import master_at
+
+from jaxzero.checkpoint import checkpointer
+
+from processes import ROOT, TINY, cli_env
 
 POISONED_STEP = 3
 SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
@@ -25,8 +26,10 @@ SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.glob
 POISON = f"""
 import sys
 import jax.numpy as jnp, numpy as np
-from jaxzero import step, train, trainer
-real_build = trainer.build
+from jaxzero import train
+from jaxzero.engine import step
+from jaxzero.training import loop
+real_build = loop.build
 def build(cfg, *args, **kwargs):
   run = real_build(cfg, *args, **kwargs)
   marker = int(run.batches({POISONED_STEP - 1})[0][:, 1:].astype(np.int64).sum())
@@ -36,7 +39,7 @@ def build(cfg, *args, **kwargs):
     return jnp.where(labels.astype(jnp.int32).sum() == marker, jnp.nan, loss)
   step.cross_entropy = poisoned
   return run
-trainer.build = build
+loop.build = build
 sys.exit(train.main(sys.argv[1:]))
 """
 
@@ -85,7 +88,7 @@ def test_stop_ends_both_processes_with_one_line_and_saves_nothing_poisoned(runs)
     assert len(errors) == 1, stderr
     assert errors[0].startswith(f"jaxzero.train: error: step {POISONED_STEP}: loss nan"), stderr
     assert f"the last checkpoint is step {POISONED_STEP - 1}" in errors[0]
-  assert checkpoint.latest_step(workdir) == POISONED_STEP - 1
+  assert checkpointer.latest_step(workdir) == POISONED_STEP - 1
   for saved in range(1, POISONED_STEP):
     assert np.isfinite(master_at(workdir, saved)).all()
 

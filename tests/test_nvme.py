@@ -20,10 +20,15 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from jaxzero import checkpoint, config, nvme_item, nvme_store, preflight, trainer
+from jaxzero import config
 from jaxzero import train as train_cli
+from jaxzero.checkpoint import checkpointer
 from jaxzero.errors import ConfigError, PathError
-from models.llama import count_params
+from jaxzero.models.llama import count_params
+from jaxzero.offload import checks as offload_checks
+from jaxzero.offload import nvme_checkpoint, nvme_store
+from jaxzero.training import loop
+
 from processes import ROOT, TINY, cli_env, wait_for
 
 # tiny_zero3, smaller, in float32 with two micro-steps; saved at steps 2 and 4.
@@ -39,7 +44,7 @@ def nvme_sets(nvme_dir, stage=3):
 
 def train(workdir, sets=(), steps=None, devices=8):
   cfg = config.load(TINY, [*SETS, *sets])
-  return trainer.run_training(cfg, workdir, steps, devices=jax.devices()[:devices],
+  return loop.run_training(cfg, workdir, steps, devices=jax.devices()[:devices],
                               progress=False)
 
 
@@ -117,7 +122,7 @@ def in_memory(nvme_run, tmp_path_factory):
 
 def saved_weights(workdir, step) -> dict[str, np.ndarray]:
   """The fp32 master weights of checkpoint `step`, by name."""
-  with checkpoint.CheckpointReader(workdir) as reader:
+  with checkpointer.CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
     return {name: reader.read(step, tuple(name.split("/")), shape)
             for name, shape in reader.leaf_shapes(step).items() if name.startswith("master/")}
 
@@ -131,7 +136,7 @@ def test_stage3_leaves_no_files_and_saves_the_state_for_export(nvme_run, nvme_di
       "master/layers/w_up_LxDxF", "opt_state/1/0/mu/layers/w_up_LxDxF",
       "opt_state/1/0/nu/layers/w_up_LxDxF"]
   # Export's reader reads the master weights there, whole or a layer at a time.
-  with checkpoint.CheckpointReader(nvme_run[0]) as reader:
+  with checkpointer.CheckpointReader(nvme_run[0], side=nvme_checkpoint.SIDE_ITEM) as reader:
     path = ("master", "layers", "w_up_LxDxF")
     whole = reader.read(4, path, (2, 64, 128))
     assert whole.shape == (2, 64, 128) and np.isfinite(whole).all()
@@ -199,7 +204,7 @@ def test_sigkill_at_a_random_moment_resumes_to_the_uninterrupted_losses(env, nvm
 def test_a_nonfinite_step_changes_nothing_in_memory_or_on_disk(tmp_path):
   # The update is skipped, here as in memory (train.nonfinite decides what follows).
   cfg = config.load(TINY, [*SETS, *nvme_sets(tmp_path)])
-  run = trainer.build(cfg, jax.devices()[:8], tmp_path / "w")
+  run = loop.build(cfg, jax.devices()[:8], tmp_path / "w")
   state = run.nvme.init()
   on_disk = snapshot(run.nvme.directory)
   in_memory = [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state))]
@@ -233,7 +238,7 @@ def test_training_nvme_without_a_directory_is_one_line_exit_2_and_nothing_is_wri
   assert not (tmp_path / "w").exists()
   # Building a run without training it checks the same, before reading any data.
   with pytest.raises(ConfigError, match="needs offload.nvme_dir=PATH"):
-    trainer.build(config.load(TINY, [*SETS, "offload.optimizer=nvme"]), jax.devices()[:8],
+    loop.build(config.load(TINY, [*SETS, "offload.optimizer=nvme"]), jax.devices()[:8],
                   tmp_path / "w", progress=False)
   assert not (tmp_path / "w").exists()
 
@@ -255,13 +260,13 @@ def test_an_nvme_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
   file.write_text("")
   cfg = config.load(TINY, ["offload.optimizer=nvme", f"offload.nvme_dir={file}"])
   with pytest.raises(PathError, match="is not a directory"):
-    preflight.check_offload(cfg, devices)
+    offload_checks.check_offload(cfg, devices)
   read_only = tmp_path / "ro"
   read_only.mkdir(mode=0o555)
   cfg = config.load(TINY, ["offload.optimizer=nvme", f"offload.nvme_dir={read_only}"])
   if os.geteuid() != 0:  # root writes anywhere
     with pytest.raises(PathError, match="cannot be written"):
-      preflight.check_offload(cfg, devices)
+      offload_checks.check_offload(cfg, devices)
 
 
 def test_no_room_for_the_state_names_the_bytes_and_changes_nothing(nvme_run, nvme_dir,
@@ -269,11 +274,11 @@ def test_no_room_for_the_state_names_the_bytes_and_changes_nothing(nvme_run, nvm
   workdir = at_step(nvme_run, 2, tmp_path / "w")
   before = snapshot(workdir)
   usage = shutil.disk_usage(nvme_dir)
-  monkeypatch.setattr(preflight.shutil, "disk_usage",
+  monkeypatch.setattr(offload_checks.shutil, "disk_usage",
                       lambda _: usage._replace(free=1000))
-  built = []  # the run's pieces, as trainer.build made them
-  build = trainer.build
-  monkeypatch.setattr(trainer, "build", lambda *args, **kw: built.append(build(*args, **kw))
+  built = []  # the run's pieces, as loop.build made them
+  build = loop.build
+  monkeypatch.setattr(loop, "build", lambda *args, **kw: built.append(build(*args, **kw))
                       or built[-1])
   with pytest.raises(PathError) as error:
     train(workdir, nvme_sets(nvme_dir))
@@ -305,7 +310,7 @@ def test_an_offload_kind_the_backend_lacks_is_refused(role):
   cfg = config.load(TINY, [f"offload.{role}=pinned_host"])
   with pytest.raises(ConfigError, match=f"offload.{role}=pinned_host: the cpu backend has no "
                                         r"pinned_host memory \(its memory kinds: device\)"):
-    preflight.check_offload(cfg, [_DeviceWithoutPinnedHost()])
+    offload_checks.check_offload(cfg, [_DeviceWithoutPinnedHost()])
 
 
 # ----------------------------------------------------------------------------- the store
@@ -332,7 +337,7 @@ def test_a_chunk_is_cut_from_and_written_into_its_bf16_stack_without_widening_th
   # CPU); slicing one out of the gradient stack compiled such a convert too.
   cfg = config.load(TINY, [*SETS, *nvme_sets(tmp_path), "precision.compute=bfloat16",
                            "zero.grad_dtype=bfloat16"])
-  run = trainer.build(cfg, jax.devices()[:8], tmp_path / "w")
+  run = loop.build(cfg, jax.devices()[:8], tmp_path / "w")
   state = run.nvme.init()
   i, leaf = next((i, leaf) for i, leaf in enumerate(run.nvme.leaves)
                  if leaf.name == "layers/w_up_LxDxF")
@@ -389,7 +394,7 @@ def test_a_path_through_dot_dot_opens_in_tensorstore(tmp_path):
   """The NVMe item's arrays under a workdir such as runs/a/../b: TensorStore
   refuses ".." in a file path, so a save there failed after training."""
   (tmp_path / "a").mkdir()
-  spec = {"driver": "zarr", "kvstore": nvme_item.file_kvstore(tmp_path / "a" / ".." / "x"),
+  spec = {"driver": "zarr", "kvstore": nvme_checkpoint.file_kvstore(tmp_path / "a" / ".." / "x"),
           "metadata": {"shape": [2], "chunks": [2], "dtype": "<f4"}}
   ts.open(spec, create=True, open=True).result().write(np.ones(2, np.float32)).result()
   assert (tmp_path / "x").is_dir()

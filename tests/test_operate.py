@@ -20,9 +20,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import config, evaluation, launch, plan, planner, preflight, trainer
+from jaxzero import config, launch, plan
 from jaxzero import train as train_cli
 from jaxzero.errors import UserError
+from jaxzero.planning import memory_check, planner
+from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.training import evaluation, loop
+
 from processes import ROOT, TINY
 
 SMALL = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
@@ -53,7 +57,7 @@ def run(tmp_path_factory):
   try:
     with contextlib.redirect_stdout(out), warnings.catch_warnings(record=True) as python_warnings:
       warnings.simplefilter("always")
-      outcome = trainer.run_training(small(), workdir, devices=jax.devices()[:8], progress=True)
+      outcome = loop.run_training(small(), workdir, devices=jax.devices()[:8], progress=True)
   finally:
     logging.getLogger().removeHandler(warned)
   warned.kept += [str(w.message) for w in python_warnings]
@@ -93,9 +97,9 @@ def test_llama8b_on_this_cpu_is_refused_in_one_line_before_allocating(tmp_path):
 
 def test_plan_and_train_resolve_minus_one_alike(monkeypatch):
   minus_one = config.MeshConfig(replica=1, fsdp=-1)
-  assert preflight.devices_for(minus_one, {}) == plan.DEFAULT_DEVICES == 8
-  assert preflight.devices_for(minus_one, {"JAX_NUM_CPU_DEVICES": "4"}) == 4
-  assert preflight.devices_for(config.MeshConfig(replica=2, fsdp=2), {}) == 4
+  assert mesh_lib.devices_for(minus_one, {}) == plan.DEFAULT_DEVICES == 8
+  assert mesh_lib.devices_for(minus_one, {"JAX_NUM_CPU_DEVICES": "4"}) == 4
+  assert mesh_lib.devices_for(config.MeshConfig(replica=2, fsdp=2), {}) == 4
   planned = []
   monkeypatch.delenv("JAX_NUM_CPU_DEVICES", raising=False)
   monkeypatch.setattr(planner, "plan", lambda cfg, n, *a, **k: planned.append(n) or 1 / 0)
@@ -105,22 +109,22 @@ def test_plan_and_train_resolve_minus_one_alike(monkeypatch):
 
 
 def test_the_check_names_what_fits_and_force_goes_on():
-  from jaxzero import mesh as mesh_lib, step as step_lib
-  from jaxzero.zero import Layout
-  from models.llama import count_params
+  from jaxzero import engine as engine_lib
+  from jaxzero.models.llama import count_params
+  from jaxzero.sharding.zero import Layout
   cfg = config.load(str(ROOT / "configs/llama8b_zero3.py"), ["zero.stage=1"])
-  engine = step_lib.Engine(cfg, Layout.from_config(cfg, mesh_lib.make_mesh(1, 8, jax.devices()[:8])))
-  budget = preflight.budget(engine, jax.devices()[:8])
+  engine = engine_lib.Engine(cfg, Layout.from_config(cfg, mesh_lib.make_mesh(1, 8, jax.devices()[:8])))
+  budget = memory_check.budget(engine, jax.devices()[:8])
   phi = count_params(cfg.model)
   assert budget.params == 2 * phi and budget.grads == 2 * phi  # bf16, replicated at stage 1
   assert budget.optimizer == pytest.approx(12 * phi / 8, rel=1e-6)  # 12Φ/N
-  with pytest.raises(preflight.DoesNotFitError):
-    preflight.check(engine, jax.devices()[:8])
-  assert not preflight.check(engine, jax.devices()[:8], force=True).fits
+  with pytest.raises(memory_check.DoesNotFitError):
+    memory_check.check(engine, jax.devices()[:8])
+  assert not memory_check.check(engine, jax.devices()[:8], force=True).fits
   # On 40 GB devices ZeRO-3 (16Φ/8 = 16 GB + activations) fits where stage 1 (~45 GB) does not.
   gpu = dataclasses.replace(budget, available=40 * 10**9, platform="gpu")
   assert not gpu.fits
-  assert preflight.suggest(engine, gpu).startswith("what would fit: zero.stage=3 (~")
+  assert memory_check.suggest(engine, gpu).startswith("what would fit: zero.stage=3 (~")
 
 
 def test_the_tiny_default_starts_without_a_warning(run):
@@ -190,7 +194,7 @@ def test_tensorboard_events_hold_loss_and_eval_loss(run):
 def test_the_tensorboard_writer_loads_without_importing_torch(tmp_path):
   """tensorboardX imports torch when it can (over a second at each start);
   jaxzero's writer does without it, and torch stays importable afterwards."""
-  code = ("import pathlib, sys; from jaxzero import metrics; "
+  code = ("import pathlib, sys; from jaxzero.training import metrics; "
           "logger = metrics.MetricsLogger(pathlib.Path(sys.argv[1]), 1, progress=False); "
           "logger.log([dict(step=1, loss=2.5, grad_norm=1.0, lr=1e-3, tokens_per_sec=9.0, "
           "step_time_s=1.0, tflops=0.1)]); logger.close(); "
@@ -205,14 +209,14 @@ def test_the_tensorboard_writer_loads_without_importing_torch(tmp_path):
 def stage_evals(run):
   """{layout: eval loss of the run's step-2 checkpoint} for stages 0-2 and
   HYBRID_SHARD on a 2 x 4 mesh, each read into its own layout."""
-  from jaxzero import checkpoint as checkpoint_lib
+  from jaxzero.checkpoint import checkpointer as checkpoint_lib
   losses = {}
   for name, sets in (("stage 0", ["zero.stage=0"]), ("stage 1", ["zero.stage=1"]),
                      ("stage 2", ["zero.stage=2"]),
                      ("hybrid 2x4", ["zero.strategy=HYBRID_SHARD", "mesh.replica=2",
                                      "mesh.fsdp=4"])):
     cfg = small(*sets)
-    built = trainer.build(cfg, jax.devices()[:8])
+    built = loop.build(cfg, jax.devices()[:8])
     abstract = built.engine.abstract_state()
     evaluate = evaluation.Evaluator(built.engine, built.eval_batches, abstract)
     with checkpoint_lib.Checkpointer(run.workdir, 3, checkpoint_lib.run_info(
@@ -263,7 +267,7 @@ def test_eval_settings_are_checked():
 
 def test_a_finished_run_says_so_and_how_to_go_on(run):
   workdir, _, _, _, _ = run
-  outcome = trainer.run_training(small(), workdir, devices=jax.devices()[:8], progress=False)
+  outcome = loop.run_training(small(), workdir, devices=jax.devices()[:8], progress=False)
   assert outcome.finished and outcome.step == STEPS and not outcome.history
   message = train_cli.summary(outcome, workdir, None, STEPS)
   assert message.startswith(f"nothing to do: {workdir} is already at step 4 (train.steps=4)")
@@ -274,7 +278,7 @@ def test_resume_step_goes_back_to_an_earlier_checkpoint(run, tmp_path):
   workdir = tmp_path / "w"
   shutil.copytree(run.workdir, workdir)
   # Up to step 2 only, so nothing is compiled: the state of checkpoint 2 is kept.
-  outcome = trainer.run_training(small(), workdir, steps=2, devices=jax.devices()[:8],
+  outcome = loop.run_training(small(), workdir, steps=2, devices=jax.devices()[:8],
                                  progress=False, resume_step=2)
   assert (outcome.start_step, outcome.step, outcome.finished) == (2, 2, True)
   assert (workdir / "checkpoints.damaged" / "4").is_dir()  # set aside, not deleted
@@ -282,7 +286,7 @@ def test_resume_step_goes_back_to_an_earlier_checkpoint(run, tmp_path):
   steps = [json.loads(l)["step"] for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert steps == [1, 2]
   with pytest.raises(UserError, match="--resume-step 3: no such checkpoint"):
-    trainer.run_training(small(), workdir, devices=jax.devices()[:8], resume_step=3)
+    loop.run_training(small(), workdir, devices=jax.devices()[:8], resume_step=3)
 
 
 def test_ctrl_c_during_start_up_is_one_quiet_line(tmp_path):
@@ -337,7 +341,7 @@ def test_export_copies_the_run_tokenizer(tmp_path):
 
 
 def test_on_a_terminal_the_bar_shows_logged_steps(tmp_path, monkeypatch, capsys):
-  from jaxzero import metrics
+  from jaxzero.training import metrics
   monkeypatch.setattr(metrics, "use_progress_bar", lambda progress: progress)
   logger = metrics.MetricsLogger(tmp_path, total_steps=2, progress=True, tensorboard=False)
   logger.log_initial_eval({"eval_loss": 2.0, "eval_perplexity": 7.39})
@@ -354,7 +358,7 @@ def test_on_a_terminal_the_bar_shows_logged_steps(tmp_path, monkeypatch, capsys)
 
 
 def test_a_ds_config_tensorboard_block_is_accepted():
-  from jaxzero import deepspeed
+  from jaxzero.interop import deepspeed
   ds = {"train_batch_size": 16, "tensorboard": {"enabled": True, "output_path": "logs/"}}
   assert deepspeed.translate(ds, config.base()).unneeded == {
       "tensorboard": "jaxzero always writes TensorBoard events to WORKDIR/tb/"}

@@ -13,9 +13,9 @@ import sys
 import time
 
 import pytest
+from test_distributed import clean_env, free_port
 
 from processes import ROOT, TINY, cli_env
-from test_distributed import clean_env, free_port
 
 SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
             "train.seq_len=32", "train.steps=10000", "train.log_every=1", "checkpoint.every=2",
@@ -25,14 +25,16 @@ SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.glob
 # the test can kill it there.
 HOLD = """
 import os, pathlib, sys, time
-from jaxzero import checkpoint, train, trainer
+from jaxzero import train
+from jaxzero.checkpoint import checkpointer
+from jaxzero.training import loop
 def hold(*args, **kwargs):
   pathlib.Path(os.environ["HOLD_MARKER"]).touch()
   time.sleep(3600)
 if os.environ["HOLD_AT"] == "compile":
-  trainer._compile = hold
+  loop._compile = hold
 elif os.environ["HOLD_AT"] == "save":
-  checkpoint.Checkpointer.save = hold
+  checkpointer.Checkpointer.save = hold
 sys.exit(train.main(sys.argv[1:]))
 """
 

@@ -10,9 +10,10 @@ import sys
 import jax
 import pytest
 
-from jaxzero import config, planner
+from jaxzero import config
 from jaxzero import plan as plan_cli
-from jaxzero.planner import Variant
+from jaxzero.planning import planner
+from jaxzero.planning.planner import Variant
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -82,7 +83,7 @@ def test_remat_policies_order_the_activation_bytes():
 
 
 def cfg_params(cfg) -> int:
-  from models.llama import count_params  # pylint: disable=import-outside-toplevel
+  from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
   return count_params(cfg.model)
 
 
@@ -102,7 +103,7 @@ def test_offload_moves_state_to_the_host():
   # updated copy goes back down.
   assert device.transfer_bytes == 0
   assert optimizer.transfer_bytes == optimizer.grads_bytes + optimizer.params_bytes
-  from models.llama import param_specs  # pylint: disable=import-outside-toplevel
+  from jaxzero.models.llama import param_specs  # pylint: disable=import-outside-toplevel
   layers = 2 * sum(math.prod(s.shape) for s in param_specs(cfg.model)["layers"].values()) // 8
   assert params.transfer_bytes == pytest.approx(
       (params.params_bytes - layers) + cfg.train.grad_accum * 4 * layers + params.params_bytes,

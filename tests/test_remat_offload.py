@@ -6,8 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import config, planner, trainer
-from jaxzero.remat import POLICY_NAMES
+from jaxzero import config
+from jaxzero.engine.remat import POLICY_NAMES
+from jaxzero.planning import planner
+from jaxzero.training import loop
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
@@ -18,14 +20,14 @@ SMALL = {"model.dim": "64", "model.n_layers": "2", "model.mlp_dim": "128",
 
 
 def train_losses(workdir: pathlib.Path, **overrides) -> np.ndarray:
-  """Losses of trainer.train (what `python -m jaxzero.train` runs) on the small model.
+  """Losses of loop.train (what `python -m jaxzero.train` runs) on the small model.
 
   In this process, which compiles with the planner's fast-compile flags
   (conftest.py): LLVM optimisation off, which triples the speed of this test
   and changes no arithmetic (every run here uses the same flags).
   """
   cfg = config.load(TINY, [f"{key}={value}" for key, value in {**SMALL, **overrides}.items()])
-  history = trainer.train(cfg, workdir, devices=jax.devices()[:8], progress=False)
+  history = loop.train(cfg, workdir, devices=jax.devices()[:8], progress=False)
   return np.array([h["loss"] for h in history])
 
 
@@ -61,7 +63,7 @@ def check_offloaded(state):
 def test_offloaded_state_lives_in_pinned_host_after_init_and_after_a_step(default_losses):
   cfg = config.load(TINY, [f"{k}={v}" for k, v in SMALL.items()]
                     + ["offload.optimizer=pinned_host", "offload.params=pinned_host"])
-  run = trainer.build(cfg)
+  run = loop.build(cfg)
   state = run.engine.init()
   check_offloaded(state)
   batch = run.batch(0)

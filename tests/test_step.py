@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxzero import config, trainer
-from models.llama import LlamaConfig
+from jaxzero import config
+from jaxzero.models.llama import LlamaConfig
+from jaxzero.training import loop
 
 
 def tiny_config(**zero) -> config.Config:
@@ -27,7 +28,7 @@ def tiny_config(**zero) -> config.Config:
 
 
 def losses(cfg, tmp_path, n_devices=8):
-  history = trainer.train(cfg, tmp_path, devices=jax.devices()[:n_devices], progress=False)
+  history = loop.train(cfg, tmp_path, devices=jax.devices()[:n_devices], progress=False)
   return np.array([h["loss"] for h in history])
 
 
@@ -50,7 +51,7 @@ def test_stage_matches_single_device(zero, single_device_losses, tmp_path):
 
 def test_metrics_have_the_documented_fields(tmp_path):
   # Steps 1-2 of the stage-3 run above (its program, from the compilation cache).
-  trainer.train(tiny_config(stage=3), tmp_path, steps=2, devices=jax.devices()[:8],
+  loop.train(tiny_config(stage=3), tmp_path, steps=2, devices=jax.devices()[:8],
                 progress=False)
   import json
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

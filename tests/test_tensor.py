@@ -17,14 +17,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxzero import config
+from jaxzero import engine as engine_lib
+from jaxzero.checkpoint import checkpointer
+from jaxzero.config import ConfigError
+from jaxzero.interop import hf_export, hf_load
+from jaxzero.models.llama import LlamaConfig, count_params, is_param_spec, param_specs
+from jaxzero.models.loss import cross_entropy
+from jaxzero.planning import collectives, planner, state_bytes
+from jaxzero.sharding import mesh
+from jaxzero.sharding.zero import Layout
 
 import processes
-from jaxzero import checkpoint, comm, config, hf_export, hf_io, mesh, planner, state_bytes, step
-from jaxzero.config import ConfigError
-from jaxzero.zero import Layout
-from models.llama import LlamaConfig, count_params, is_param_spec, param_specs
-from models.loss import cross_entropy
 
 DATA = ("replica", "fsdp")
 MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128,
@@ -44,11 +51,11 @@ def make_cfg(zero: dict, shape: tuple[int, int, int], model=MODEL, compute="floa
       precision=config.PrecisionConfig(compute=compute))
 
 
-def make_engine(cfg: config.Config) -> step.Engine:
+def make_engine(cfg: config.Config) -> engine_lib.Engine:
   config.validate(cfg)
   devices = jax.devices()[:mesh.devices_needed(cfg.mesh)]
   replica, fsdp, tensor = mesh.resolve_shape(cfg.mesh, len(devices))
-  return step.Engine(cfg, Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, devices, tensor)))
+  return engine_lib.Engine(cfg, Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, devices, tensor)))
 
 
 _COMPILED: dict = {}  # config -> (engine, its compiled step): the module compiles each once
@@ -83,8 +90,8 @@ def reference():
       lambda s: (np.ones(s.shape, np.float32) if s.init == "ones" else
                  (MODEL.init_std * rng.standard_normal(s.shape)).astype(np.float32)),
       param_specs(MODEL), is_leaf=is_param_spec)
-  state0 = jax.device_get(step.TrainState(np.zeros((), np.int32), master, master,
-                                          step.make_optimizer(cfg).init(master)))
+  state0 = jax.device_get(engine_lib.TrainState(np.zeros((), np.int32), master, master,
+                                          engine_lib.make_optimizer(cfg).init(master)))
   t = cfg.train
   tokens = rng.integers(
       0, MODEL.vocab_size, (STEPS, t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1),
@@ -232,8 +239,8 @@ def test_tensor_collectives_move_activations_never_weights_or_logits():
   cfg = dataclasses.replace(cfg, remat=config.RematConfig(policy="full"))
   engine = make_engine(cfg)
   compiled = planner.compile_step(engine, micro_batch=B)
-  over_tensor = [c for c in comm.collectives(compiled.as_text())
-                 if "tensor" in comm.mesh_axes(c.replica_groups, engine.layout.mesh)]
+  over_tensor = [c for c in collectives.collectives(compiled.as_text())
+                 if "tensor" in collectives.mesh_axes(c.replica_groups, engine.layout.mesh)]
   weights = [s.shape[1:] if s.logical_axes[0] == "layers" else s.shape
              for s in jax.tree.leaves(param_specs(HLO_MODEL), is_leaf=is_param_spec)]
   smallest_weight_shard = min(int(np.prod(w)) // 2 for w in weights if len(w) > 1)
@@ -248,7 +255,7 @@ def test_tensor_collectives_move_activations_never_weights_or_logits():
   gathers = [c for c in in_layers if c.op == "all-gather" and (B, T, D) in _arrays(c.shape)]
   scatters = [c for c in in_layers if c.op in ("reduce-scatter", "all-reduce")
               and (B, T, D) in _arrays(c.shape) and c.sliced_bytes > 0]
-  assert gathers and scatters, comm.format_table(comm.report(compiled, engine.layout.mesh, 1))
+  assert gathers and scatters, collectives.format_table(collectives.report(compiled, engine.layout.mesh, 1))
 
 
 def test_vocabulary_parallel_loss_never_gathers_logits():
@@ -274,8 +281,8 @@ def test_vocabulary_parallel_loss_never_gathers_logits():
   for g, w in zip(got_grads, want_grads):
     np.testing.assert_allclose(g, w, atol=1e-6)
   logits_per_chunk = (B // 4) * T * chunk  # rows of one data-parallel device
-  for c in comm.collectives(compiled.as_text()):
-    if "tensor" in comm.mesh_axes(c.replica_groups, layout.mesh):
+  for c in collectives.collectives(compiled.as_text()):
+    if "tensor" in collectives.mesh_axes(c.replica_groups, layout.mesh):
       for dims in _arrays(c.shape):
         assert int(np.prod(dims)) < logits_per_chunk // 2, (c.op, c.shape, c.runs)
 
@@ -284,9 +291,10 @@ def test_vocabulary_parallel_loss_never_gathers_logits():
 
 PLAN_70B_BY_TENSOR = """
 import json, sys
-from jaxzero import mesh
+from jaxzero.sharding import mesh
 mesh.use_virtual_cpu_devices(64)
-from jaxzero import config, planner
+from jaxzero import config
+from jaxzero.planning import planner
 rows = {}
 for tensor, batch in ((1, 64), (8, 8)):  # one sequence per data-parallel group
   cfg = config.load(sys.argv[1], ["offload.optimizer=device", "train.grad_accum=1",
@@ -329,13 +337,13 @@ def test_checkpoint_written_with_tensor_2_resumes_with_tensor_1_and_4(reference,
   exported to Hugging Face and imported into replica 2 x fsdp 2 x tensor 2."""
   state0, tokens, want = reference
   _, state = run_steps(make_cfg({"stage": 2}, (1, 4, 2)), state0, tokens[:1])
-  info = checkpoint.run_info(MODEL, "float32", 0)
-  with checkpoint.Checkpointer(tmp_path, 1, info) as saver:
+  info = checkpointer.run_info(MODEL, "float32", 0)
+  with checkpointer.Checkpointer(tmp_path, 1, info) as saver:
     saver.save(1, state, wait=True)
   for zero, shape in (({"stage": 0}, (1, 1, 1)), ({"stage": 1}, (1, 2, 4))):
     cfg = make_cfg(zero, shape)
     engine, _ = compiled_step(cfg)
-    with checkpoint.Checkpointer(tmp_path, 1, info) as reader:
+    with checkpointer.Checkpointer(tmp_path, 1, info) as reader:
       restored = reader.restore(1, engine.abstract_state())
     assert int(restored.step) == 1
     assert restored.master["layers"]["wq_LxDxHxE"].sharding == engine.shardings.master[
@@ -345,7 +353,7 @@ def test_checkpoint_written_with_tensor_2_resumes_with_tensor_1_and_4(reference,
   # Exported to Hugging Face and read back into a tensor-parallel layout: the same weights.
   hf_export.export_hf(tmp_path, tmp_path / "hf", dtype="float32")
   layout = make_engine(make_cfg({"stage": 3}, (2, 2, 2))).layout
-  loaded = hf_io.load_params(tmp_path / "hf", MODEL, layout.tree_shardings(param_specs(MODEL),
+  loaded = hf_load.load_params(tmp_path / "hf", MODEL, layout.tree_shardings(param_specs(MODEL),
                                                                            "optimizer"))
   assert loaded["lm_head_DxV"].sharding.spec == P(DATA, "tensor")
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded), jax.device_get(state.master))
@@ -387,7 +395,7 @@ def test_a_weight_whose_megatron_dimension_does_not_divide_is_refused():
 
 
 def test_kv_heads_that_tensor_does_not_divide_are_replicated_and_logged(caplog):
-  with caplog.at_level("INFO", logger="jaxzero.zero"):
+  with caplog.at_level("INFO", logger="jaxzero.sharding.zero"):
     layout = make_engine(make_cfg({"stage": 3}, (1, 2, 4))).layout
   assert "replicating the 2 KV heads across each tensor group of 4" in caplog.text
   assert layout.spec((2, 64, 2, 16), ("layers", "embed", "kv_heads", "head_dim"), "compute") == P()

@@ -15,10 +15,16 @@ import time
 import chex
 import pytest
 
-from jaxzero import checkpoint, config, hf_export, read_errors, trainer
-from jaxzero.checkpoint import CheckpointError, checkpoint_dir
-from jaxzero.workdir import LOCK_FILE
-from processes import ROOT, TINY, cli_env as cli_environment, wait_for
+from jaxzero import config
+from jaxzero.checkpoint import checkpointer, read_errors
+from jaxzero.checkpoint.checkpointer import CheckpointError, checkpoint_dir
+from jaxzero.interop import hf_export
+from jaxzero.training import loop
+from jaxzero.training.workdir import LOCK_FILE
+
+from processes import ROOT, TINY
+from processes import cli_env as cli_environment
+from processes import wait_for
 
 # tiny_zero3, smaller; saves every step, and the schedule spans 10k steps so
 # that a run started without --steps is still training when the test looks.
@@ -174,7 +180,7 @@ def losses(workdir):
 
 
 def saved_state(workdir, step):
-  with checkpoint.CheckpointReader(workdir) as reader:
+  with checkpointer.CheckpointReader(workdir) as reader:
     return {name: reader.read(step, tuple(name.split("/")), shape)
             for name, shape in reader.leaf_shapes(step).items()
             if name.startswith(("master/", "params/"))}  # read by name: the dict-keyed leaves
@@ -214,7 +220,7 @@ def test_a_damaged_state_metadata_is_named_in_words(two_runs, tmp_path):
   step_dir = checkpoint_dir(workdir) / str(two_runs["latest"] + 1)
   (step_dir / "state" / "_METADATA").write_bytes(b"\x00 not json")
   with pytest.raises(CheckpointError) as error:
-    trainer.run_training(config.load(TINY, [*SETTINGS, "checkpoint.on_damaged=refuse"]), workdir,
+    loop.run_training(config.load(TINY, [*SETTINGS, "checkpoint.on_damaged=refuse"]), workdir,
                          progress=False)
   message = str(error.value)
   assert (f"checkpoint {step_dir} is damaged: its state metadata (state/_METADATA) cannot be "

@@ -1,0 +1,1 @@
+"""Checkpoints: orbax I/O, checksums, and one-line reports of failed reads."""

@@ -1,0 +1,438 @@
+"""Checkpoints of the train state: save, resume on any mesh and stage, read back.
+
+The only module that uses orbax. A run's checkpoints are orbax step directories
+``WORKDIR/checkpoints/<step>``, each holding three items:
+
+* ``state``: the whole TrainState (step, compute params, fp32 master weights,
+  optimizer state), written shard by shard from every device;
+* ``info``: a small JSON record of the run: the model config (for shape checks
+  and export), the compute dtype and the data seed;
+* ``checksums``: one checksum per state leaf (jaxzero.checkpoint.integrity), computed on
+  the devices before the save and verified after every restore, so that bytes
+  damaged on disk are never trained on;
+* a *side item*, for a run whose state keeps some leaves outside memory
+  (the NVMe tier's ``nvme`` item, jaxzero.offload.nvme_checkpoint): those
+  leaves with their checksums, written by the item itself; ``state`` then
+  holds None at them. Either kind of checkpoint restores into either kind of
+  run, on any mesh and stage. This module knows such an item only through
+  :class:`SideItem`; whoever opens a checkpoint that may hold one passes it.
+
+Nothing else is needed to resume: batches are addressed by step number, so the
+data position is the step.
+
+Orbax writes a step into a temporary directory and renames it only once every
+file is in place, so a step directory that exists is complete and the latest
+one is what a killed run resumes from. Restoring reads each shard straight
+into the layout of the *current* mesh and stage (abstract arrays carrying the
+new shardings), so any stage or mesh can continue any other's checkpoint and
+no device ever holds the full model.
+
+CheckpointReader reads single leaves to the host (a stacked one layer by layer)
+for the Hugging Face export (jaxzero.interop.hf_export).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from orbax.checkpoint import multihost
+
+from jaxzero.checkpoint import integrity, read_errors
+from jaxzero.checkpoint.side_item import SavedSide, SideItem, SideTarget
+from jaxzero.errors import CheckpointError, DamagedCheckpointError
+from jaxzero.models.llama import LlamaConfig
+
+log = logging.getLogger(__name__)
+
+STATE, INFO, CHECKSUMS = "state", "info", "checksums"
+Path = tuple[str, ...]
+
+
+def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
+  # Absolute: orbax refuses relative paths (e.g. the default runs/<config>).
+  return pathlib.Path(workdir).absolute() / "checkpoints"
+
+
+def damaged_dir(workdir: str | pathlib.Path) -> pathlib.Path:
+  """Where checkpoints that failed verification are moved, kept for inspection."""
+  return pathlib.Path(workdir).absolute() / "checkpoints.damaged"
+
+
+# LlamaConfig fields that choose a kernel, not the architecture: not recorded.
+_NOT_ARCHITECTURE = ("attention",)
+
+
+def run_info(model: LlamaConfig, compute_dtype: str, seed: int) -> dict[str, Any]:
+  """What a checkpoint records about its run besides the state: the architecture
+  (for shape checks and export), the compute dtype and the data seed."""
+  architecture = {k: v for k, v in dataclasses.asdict(model).items()
+                  if k not in _NOT_ARCHITECTURE}
+  return {"model": architecture, "compute_dtype": compute_dtype, "seed": seed}
+
+
+class _Checkpoints:
+  """Listing and metadata, shared by the training loop's Checkpointer and export's reader."""
+
+  def __init__(self, workdir, state_handler, side: SideItem | None = None, **options):
+    read_errors.quiet_abandoned_reads()
+    self.directory = checkpoint_dir(workdir)
+    self._side = side
+    handlers = {STATE: state_handler, INFO: ocp.JsonCheckpointHandler(),
+                CHECKSUMS: ocp.JsonCheckpointHandler()}
+    if side is not None:
+      handlers[side.name] = side.handler()
+    self._manager = ocp.CheckpointManager(
+        self.directory, item_names=tuple(handlers), item_handlers=handlers,
+        options=ocp.CheckpointManagerOptions(create=False, **options))
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint (unfinished saves are never listed)."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Every complete checkpoint's step, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def step_dir(self, step: int) -> pathlib.Path:
+    return self.directory / str(step)
+
+  def info(self, step: int) -> dict[str, Any]:
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(info=ocp.args.JsonRestore()))[INFO]
+    except Exception as e:  # pylint: disable=broad-except
+      raise DamagedCheckpointError(
+          read_errors.read_error(self.step_dir(step), e, f"its run record ({INFO}/)")) from e
+
+  def leaf_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+    """{leaf name: shape} of the saved state, from its metadata (reads no arrays)."""
+    metadata = f"its state metadata ({STATE}/_METADATA)"
+    try:
+      tree = self._manager.item_metadata(step)[STATE]
+    except Exception as e:  # pylint: disable=broad-except
+      raise DamagedCheckpointError(read_errors.read_error(self.step_dir(step), e, metadata)) from e
+    if tree is None:
+      raise DamagedCheckpointError(
+          f"checkpoint {self.step_dir(step)} is damaged: {metadata} is missing")
+    item = self.side_saved(step)
+    return {**_leaf_shapes(tree), **(item.shapes() if item else {})}
+
+  def side_saved(self, step: int) -> SavedSide | None:
+    """Checkpoint `step`'s side item, if it has one (and this reader knows its kind)."""
+    if self._side is None:
+      return None
+    where = self.step_dir(step) / self._side.name
+    if not where.exists():
+      return None
+    try:
+      return self._side.open(where)
+    except Exception as e:  # pylint: disable=broad-except
+      raise DamagedCheckpointError(read_errors.read_error(
+          self.step_dir(step), e, f"its {self._side.name} index "
+          f"({self._side.name}/{self._side.index_file})")) from e
+
+  def close(self) -> None:
+    self._manager.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+class Checkpointer(_Checkpoints):
+  """The training loop's checkpoints: asynchronous saves, restores into any layout.
+
+  Keeps the newest `keep` steps (checkpoint.keep). The first save removes the
+  temporary directories of saves that never completed (a killed run's), so a
+  run that fails to start leaves the directory exactly as it found it.
+  """
+
+  def __init__(self, workdir: str | pathlib.Path, keep: int, info: dict[str, Any],
+               side: SideItem | None = None):
+    """`info` (see run_info) is saved with every step and checked on restore;
+    `side` saves and reads the leaves a state keeps outside memory."""
+    super().__init__(
+        workdir, ocp.StandardCheckpointHandler(), side,
+        preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+        enable_async_checkpointing=True)
+    self._info = info
+    self._unfinished_removed = False
+
+  def save(self, step: int, state, *, wait: bool = False) -> pathlib.Path:
+    """Saves `state` as checkpoint `step`; a step that already exists is kept as is.
+
+    Returns once the arrays are copied off the devices (so the caller may donate
+    them) and the files are written in the background; `wait` waits for them.
+    """
+    self._remove_unfinished_saves()
+    if step not in self._manager.all_steps():
+      items = {}
+      if self._side is not None:
+        state, side_args = self._side.split(state)
+        if side_args is not None:
+          items[self._side.name] = side_args
+      # Computed on the devices before the save copies the state off them.
+      checksums = integrity.record(state)
+      self._manager.save(step, force=True, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), info=ocp.args.JsonSave(self._info),
+          checksums=ocp.args.JsonSave(checksums), **items))
+    if wait:
+      self.wait()
+    return self.step_dir(step)
+
+  def _remove_unfinished_saves(self) -> None:
+    # orbax's own cleanup_tmp_directories runs in a thread that close() does not
+    # join, so a run stopping right after it started could cut it short.
+    if self._unfinished_removed:
+      return
+    self._unfinished_removed = True
+    if jax.process_index() == 0:
+      for unfinished in ocp.path.step.all_temporary_paths(self.directory):
+        log.info("removing %s, a save that never completed", unfinished.get())
+        shutil.rmtree(unfinished.get())
+
+  def wait(self) -> None:
+    """Blocks until every save has been written and renamed into place."""
+    self._manager.wait_until_finished()
+
+  def restore(self, step: int, target, into: SideTarget | None = None):
+    """Checkpoint `step`, each leaf read straight into the sharding of its
+    ShapeDtypeStruct in `target` (e.g. Engine.abstract_state()), and verified
+    against the checksums saved with it. With `into` (e.g. the NVMe tier), the
+    leaves it keeps are given to it instead, and its state is returned.
+
+    Raises:
+      CheckpointError: naming the first leaf whose shape differs from `target`.
+      DamagedCheckpointError: naming the leaf or file that cannot be read, or
+        whose values differ from its checksum or are not finite.
+    """
+    where = self.step_dir(step)
+    info = self.info(step)
+    hint = _model_difference(info.get("model", {}), self._info["model"])
+    check_fits(self.leaf_shapes(step), _leaf_shapes(target), where, "this config", hint)
+    if info.get("seed") != self._info["seed"]:
+      log.warning("checkpoint %s was trained with seed=%s, this config has seed=%s: the data "
+                  "order changes from here on", where, info.get("seed"), self._info["seed"])
+    item = self.side_saved(step)
+    # The leaves on the side (saved in the side item, or to be restored into
+    # `into`) are not in `state`, or not read from it.
+    partial = _without(target, into.names if into else item.shapes() if item else ())
+    try:
+      restored = self._manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(partial)))[STATE]
+      if item and not into:
+        restored = item.with_leaves(restored, target)
+    except Exception as e:  # pylint: disable=broad-except
+      # orbax and tensorstore report a damaged file as a bare Exception.
+      raise DamagedCheckpointError(read_errors.read_error(where, e)) from e
+    if int(restored.step) != step:
+      raise DamagedCheckpointError(f"checkpoint {where} holds a state at step "
+                                   f"{int(restored.step)}, not {step}")
+    recorded = self._recorded(step, item)
+    _raise_if_damaged(where, *integrity.mismatches(restored, recorded))
+    if into is None:
+      return restored
+    try:  # its leaves: from the side item, or from an in-memory run's `state`
+      _raise_if_damaged(where, *into.fill(
+          recorded, item, lambda kind: _saved_array(where / STATE, kind)))
+    except read_errors.ReadError as e:
+      raise DamagedCheckpointError(read_errors.read_error(where, e.__cause__)) from e
+    return into.state(restored)
+
+  def _recorded(self, step: int, item: SavedSide | None) -> dict:
+    """The checksums saved with checkpoint `step` (with its side item's). Checkpoints
+    from before checksums were saved are only checked to be finite."""
+    where = self.step_dir(step)
+    recorded = {}
+    if (where / CHECKSUMS).exists():
+      try:
+        recorded = self._manager.restore(
+            step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))[CHECKSUMS]
+      except Exception as e:  # pylint: disable=broad-except
+        raise DamagedCheckpointError(
+            read_errors.read_error(where, e, f"its checksums ({CHECKSUMS}/)")) from e
+    else:
+      log.warning("checkpoint %s has no checksums (saved by an older jaxzero): its values are "
+                  "only checked to be finite", where)
+    if item:
+      saved, _ = item.recorded()
+      recorded = {**recorded, "checksums": {**recorded.get("checksums", {}),
+                                            **saved["checksums"]}}
+    return recorded
+
+  def set_aside(self, step: int) -> pathlib.Path:
+    """Moves damaged checkpoint `step` out of the way, into damaged_dir, so that
+    the run can save that step again; nothing is deleted."""
+    source = self.step_dir(step)
+    target = damaged_dir(self.directory.parent) / source.name
+    if jax.process_index() == 0:
+      target.parent.mkdir(exist_ok=True)
+      if target.exists():  # damaged twice at the same step: keep both
+        target = target.with_name(f"{source.name}.{len(list(target.parent.iterdir()))}")
+      source.rename(target)
+    multihost.sync_global_processes(f"jaxzero:set aside checkpoint {step}",
+                                    processes=set(range(jax.process_count())))
+    self._manager.reload()
+    return target
+
+  def close(self) -> None:
+    """Waits for saves in flight, then releases orbax's threads."""
+    self.wait()
+    super().close()
+
+
+def latest_step(workdir: str | pathlib.Path) -> int | None:
+  """The newest complete checkpoint in `workdir`, or None; reads and writes nothing."""
+  with CheckpointReader(workdir) as reader:
+    return reader.latest_step()
+
+
+class CheckpointReader(_Checkpoints):
+  """Reads leaves one at a time, to the host (for export). It has no way to save,
+  so it never writes or deletes anything (orbax's read_only mode would do the
+  same, with a warning on every use)."""
+
+  def __init__(self, workdir: str | pathlib.Path, side: SideItem | None = None):
+    super().__init__(workdir, ocp.PyTreeCheckpointHandler(), side, save_root_metadata=False,
+                     enable_async_checkpointing=False)
+
+  def resolve_step(self, step: int | None) -> int:
+    """`step`, or the latest; raises CheckpointError when there is none."""
+    steps = sorted(self._manager.all_steps())
+    if not steps:
+      raise CheckpointError(f"no checkpoint in {self.directory}: --workdir must be a "
+                            "jaxzero.train workdir that has saved at least once")
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; "
+                            f"available steps: {', '.join(map(str, steps))}")
+    return step
+
+  def read(self, step: int, path: Path, shape: tuple[int, ...]) -> np.ndarray:
+    """One saved leaf as a host array (only that leaf is read)."""
+    saved = self._side_view(step, path)
+    if saved is not None:
+      return np.asarray(saved.read().result(), dtype=np.float32)
+    item = _nested(path, jax.ShapeDtypeStruct(shape, np.float32))
+    restore_args = _nested(path, ocp.RestoreArgs(restore_type=np.ndarray))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item=item, restore_args=restore_args, partial_restore=True)))[STATE]
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(read_errors.read_error(self.step_dir(step), e,
+                                                   f"leaf {'/'.join(path)}")) from e
+    for key in path:
+      restored = restored[key]
+    return restored
+
+  def read_by_layer(self, step: int, path: Path, shape: tuple[int, ...]):
+    """A saved stacked leaf that reads one layer (its first index) when indexed.
+
+    orbax restores whole leaves only, and a stacked leaf holds every layer of a
+    weight (75 GB in fp32 for a 70B MLP weight); tensorstore reads a slice of
+    orbax's own files. If the files are not in the layout expected (zarr in an
+    OCDBT database, orbax's default), the whole leaf is read instead.
+    """
+    store = self._side_view(step, path)
+    try:
+      if store is None:
+        store = _saved_array(self.step_dir(step) / STATE, "/".join(path))
+    except Exception as e:  # pylint: disable=broad-except
+      log.warning("reading %s whole: its layers cannot be read one by one (%s)",
+                  "/".join(path), read_errors.reason(e))
+      return self.read(step, path, shape)
+    if tuple(store.shape) != tuple(shape):
+      raise CheckpointError(f"checkpoint {self.step_dir(step)}: leaf {'/'.join(path)} has shape "
+                            f"{tuple(store.shape)}, expected {tuple(shape)}")
+    return _LayerReader(store)
+
+  def _side_view(self, step: int, path: Path):
+    """The leaf at `path` if checkpoint `step` keeps it in its side item, else None."""
+    item = self.side_saved(step)
+    return None if item is None else item.view("/".join(path))
+
+
+class _LayerReader:
+  """A saved array whose `[i]` reads layer i only, as float32 numpy."""
+
+  def __init__(self, store):
+    self._store = store
+    self.shape = tuple(store.shape)
+
+  def __getitem__(self, layer: int) -> np.ndarray:
+    return np.asarray(self._store[layer].read().result(), dtype=np.float32)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
+  """{"master/layers/w_up_LxDxF": shape, ...}: names that match however the
+  tree is nested (a saved TrainState comes back as dicts and lists)."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {integrity.leaf_name(path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _without(tree, names) -> Any:
+  """`tree` (e.g. a TrainState) with None at the leaves `names`."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: None if integrity.leaf_name(p) in names else x, tree)
+
+
+def _raise_if_damaged(where: pathlib.Path, differ: list[str], nonfinite: list[str]) -> None:
+  for bad, what in ((differ, "do not match the checksum saved with them"),
+                    (nonfinite, "are not finite")):
+    if bad:
+      more = f" and {len(bad) - 1} more leaves" if len(bad) > 1 else ""
+      raise DamagedCheckpointError(f"checkpoint {where} is damaged: the values of leaf "
+                                   f"{bad[0]}{more} {what}")
+
+
+def _saved_array(state_dir: pathlib.Path, name: str):
+  """A leaf of orbax's saved state (zarr in an OCDBT database, orbax's default),
+  opened for reading boxes of it."""
+  # os.path.abspath: TensorStore refuses ".." in a path (a workdir such as runs/a/../b).
+  spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt",
+                                        "base": f"file://{os.path.abspath(state_dir)}",
+                                        "path": name.replace("/", ".")}}
+  return ts.open(spec, open=True, read=True).result()
+
+
+def check_fits(saved: dict, wanted: dict, where: pathlib.Path, against: str,
+               hint: str = "") -> None:
+  """Raises CheckpointError naming the first leaf that differs between two
+  {leaf name: shape} dicts: `saved` in checkpoint `where`, `wanted` by `against`."""
+  unfit = f"checkpoint {where} does not fit {against}"
+  settings_hint = hint or " (were optimizer settings changed?)"
+  for name, shape in wanted.items():
+    if name not in saved:
+      raise CheckpointError(f"{unfit}: it has no leaf {name}{settings_hint}")
+    if saved[name] != shape:
+      raise CheckpointError(f"{unfit}: leaf {name} has shape {saved[name]} in the checkpoint "
+                            f"but {shape} in {against}{hint}")
+  extra = sorted(saved.keys() - wanted.keys())
+  if extra:
+    raise CheckpointError(f"{unfit}: it has a leaf {extra[0]} that {against} lacks{settings_hint}")
+
+
+def _model_difference(saved: dict, current: dict) -> str:
+  diffs = [f"model.{k}={saved.get(k)} in the checkpoint, {v} here"
+           for k, v in current.items() if saved.get(k) != v]
+  return f" ({'; '.join(diffs)})" if diffs else ""
+
+
+def _nested(path: Path, leaf) -> dict:
+  for key in reversed(path):
+    leaf = {key: leaf}
+  return leaf

@@ -1,0 +1,1 @@
+"""Token streams and the batches cut from them, addressed by step."""

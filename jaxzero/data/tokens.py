@@ -1,0 +1,408 @@
+"""Token streams: the embedded corpus or your own files, tokenized once into a cache.
+
+Sources (``data.source``):
+
+* ``"stdlib"``: the Python standard library's own source files read as bytes
+  (vocabulary 256), so every machine with Python has a corpus.
+* a path, directory or glob of ``.txt`` (one document per file), ``.jsonl``
+  (one document per line, in field ``data.text_field``) or ``.parquet`` (one
+  document per row, in column ``data.text_field``) files. They are tokenized
+  once with ``data.tokenizer`` (``"byte"`` or a Hugging Face ``tokenizer.json``)
+  into a memory-mapped token file plus a JSON index in ``data.cache_dir``
+  (default ``WORKDIR/data_cache``). A later run reuses the file while the
+  index still matches the source files (paths, sizes, mtimes) and the
+  tokenizer (content hash); otherwise it tokenizes again.
+
+Documents are joined into one token stream, each followed by a separator:
+the tokenizer's end-of-text token (NUL for bytes). A beginning-of-text token
+is whatever the tokenizer's own post-processor adds (Llama-3 adds
+``<|begin_of_text|>``). jaxzero.data.batches cuts the stream into batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import pathlib
+import re
+import sysconfig
+from typing import Callable, Iterator, NamedTuple
+
+import numpy as np
+
+from jaxzero.errors import DataError
+from jaxzero.utils.files import write_json_atomic
+
+BYTE_VOCAB = 256
+# NUL never occurs in text, so it is the byte-level document separator.
+BYTE_SEPARATOR = 0
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+# End-of-document tokens of common tokenizer families, tried in this order:
+# Llama 3, GPT-2/NeoX/Qwen, Llama 1-2/Mistral, Gemma.
+EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+# Bump when the token file layout or the tokenization rules change.
+CACHE_FORMAT = 1
+TOKENS_FILE, INDEX_FILE = "tokens.bin", "index.json"
+# .txt documents are tokenized in line-aligned pieces of about this many characters.
+TEXT_CHUNK = 1 << 20
+# Pieces encoded per call of the tokenizer (it parallelises within a call).
+ENCODE_BATCH = 1024
+
+
+class TokenSource(NamedTuple):
+  """A token stream ready for jaxzero.data.batches.Batches."""
+  tokens: np.ndarray  # 1-D, uint8/uint16/uint32; a read-only memmap for file sources
+  vocab_size: int  # every token id is below this
+  order: str  # "random" or "epochs": how Batches visits the stream
+  cache: pathlib.Path | None = None  # directory of the token file, None for stdlib
+
+
+def open_tokens(data, workdir: str | os.PathLike | None, *, model_vocab_size: int | None = None,
+                progress: bool = True) -> TokenSource:
+  """The token stream for a DataConfig, tokenizing the source files if needed.
+
+  Args:
+    data: jaxzero.config.DataConfig.
+    workdir: the run directory; the token cache defaults to WORKDIR/data_cache.
+    model_vocab_size: when given, a tokenizer whose ids do not fit the model's
+      embedding is rejected here rather than as an index error mid-training.
+    progress: show a progress bar while tokenizing.
+
+  Raises:
+    DataError: naming the setting, file or line that is wrong.
+  """
+  if data.source == "stdlib":
+    if data.tokenizer != "byte":
+      raise DataError(f"data.source='stdlib' is byte-level; data.tokenizer={data.tokenizer!r} "
+                      "needs a source of your own files")
+    source = TokenSource(stdlib_corpus(data.max_bytes), BYTE_VOCAB, "random")
+  else:
+    source = _open_files(data, workdir, progress)
+  if model_vocab_size is not None and source.vocab_size > model_vocab_size:
+    raise DataError(f"data.tokenizer={data.tokenizer!r} has {source.vocab_size} tokens but "
+                    f"model.vocab_size={model_vocab_size}; the model's vocabulary must be at "
+                    "least the tokenizer's")
+  return source
+
+
+def stdlib_corpus(max_bytes: int) -> np.ndarray:
+  """Bytes of the standard library's .py files, in a fixed (sorted) order."""
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+  if not files:
+    raise DataError(f"no .py files found under the standard library at {root}")
+  chunks, total = [], 0
+  for path in files:
+    blob = path.read_bytes()
+    chunks.append(blob)
+    total += len(blob)
+    if total >= max_bytes:
+      break
+  return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+
+
+# ----------------------------------------------------------------------------- source files
+
+
+def match_files(source: str) -> list[pathlib.Path]:
+  """The files `data.source` names, sorted: a file, a directory (searched
+  recursively for supported files) or a glob (``**`` recurses)."""
+  pattern = os.path.abspath(os.path.expanduser(source))
+  if os.path.isdir(pattern):
+    found = glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
+    files = [p for p in found if os.path.isfile(p) and p.endswith(SUFFIXES)]
+  else:
+    files = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+    for path in files:
+      if not path.endswith(SUFFIXES):
+        raise DataError(f"data.source={source!r} matches {path}, which is not one of "
+                        f"{', '.join(SUFFIXES)}")
+  if not files:
+    raise DataError(f"data.source={source!r} is neither 'stdlib' nor a file, directory or glob "
+                    f"matching any {', '.join(SUFFIXES)} file")
+  return [pathlib.Path(p) for p in sorted(files)]
+
+
+class _Piece(NamedTuple):
+  """Part of a document; a document is its pieces in order."""
+  text: str
+  first: bool  # begins a document: the tokenizer adds its start tokens
+  last: bool  # ends a document: the separator follows
+  size: int  # bytes of the source file it accounts for (progress)
+
+  @property
+  def empty(self) -> bool:
+    """An empty document, skipped; an empty last piece still ends its document."""
+    return self.first and not self.text
+
+
+def _pieces(path: pathlib.Path, text_field: str) -> Iterator[_Piece]:
+  reader = {".txt": _text_pieces, ".jsonl": _jsonl_pieces, ".parquet": _parquet_pieces}
+  return reader[path.suffix](path, text_field)
+
+
+def _text_pieces(path: pathlib.Path, _field: str) -> Iterator[_Piece]:
+  """A .txt file is one document, read in line-aligned pieces to bound memory."""
+  lines, chars, first = [], 0, True
+  try:
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        lines.append(line)
+        chars += len(line)
+        if chars >= TEXT_CHUNK:
+          text = "".join(lines)
+          yield _Piece(text, first, False, len(text.encode()))
+          lines, chars, first = [], 0, False
+  except UnicodeDecodeError as e:
+    raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+  text = "".join(lines)
+  if text or not first:
+    yield _Piece(text, first, True, len(text.encode()))
+
+
+def _jsonl_pieces(path: pathlib.Path, field: str) -> Iterator[_Piece]:
+  with open(path, "rb") as f:
+    for line_no, line in enumerate(f, 1):
+      text = _json_text(line, field, path, line_no) if line.strip() else ""
+      yield _Piece(text, True, True, len(line))
+
+
+def _json_text(line: bytes, field: str, path: pathlib.Path, line_no: int) -> str:
+  try:
+    record = json.loads(line)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise DataError(f"{path}:{line_no}: not valid JSON ({e})") from None
+  if not isinstance(record, dict) or field not in record:
+    keys = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
+    raise DataError(f"{path}:{line_no}: no {field!r} field (found {keys}); "
+                    "set data.text_field")
+  text = record[field]
+  if not isinstance(text, str):
+    raise DataError(f"{path}:{line_no}: field {field!r} is {type(text).__name__}, not a string")
+  return text
+
+
+def _parquet_pieces(path: pathlib.Path, column: str) -> Iterator[_Piece]:
+  try:
+    import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+  try:
+    table = pq.ParquetFile(path)
+  except Exception as e:  # pyarrow raises several types for a bad file
+    raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+  names = table.schema_arrow.names
+  if column not in names:
+    raise DataError(f"{path}: no column {column!r} (columns: {', '.join(names)}); "
+                    "set data.text_field")
+  rows = max(table.metadata.num_rows, 1)
+  bytes_per_row = path.stat().st_size / rows
+  for batch in table.iter_batches(batch_size=ENCODE_BATCH, columns=[column]):
+    for text in batch.column(0).to_pylist():
+      if text is not None and not isinstance(text, str):
+        raise DataError(f"{path}: column {column!r} holds {type(text).__name__}, not strings")
+      yield _Piece(text or "", True, True, int(bytes_per_row))
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tokenizer:
+  name: str  # "byte" or the tokenizer.json path
+  digest: str  # content hash: the cache is valid only for the same tokenizer
+  vocab_size: int
+  separator: tuple[int, ...]  # appended to every document
+  # (texts, whether to add the start tokens) -> token ids per text
+  encode: Callable[[list[str], bool], list]
+
+  @property
+  def dtype(self) -> np.dtype:
+    return np.dtype(np.uint8 if self.vocab_size <= 1 << 8 else
+                    np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
+
+
+def _load_tokenizer(name: str, eos_token: str = "") -> _Tokenizer:
+  """``"byte"``, or a Hugging Face ``tokenizer.json`` (or a directory holding one)."""
+  if name == "byte":
+    return _Tokenizer("byte", "byte", BYTE_VOCAB, (BYTE_SEPARATOR,),
+                      lambda texts, _start: [np.frombuffer(t.encode(), np.uint8) for t in texts])
+  path = pathlib.Path(name).expanduser()
+  if path.is_dir():
+    path = path / "tokenizer.json"
+  if not path.is_file():
+    raise DataError(f"data.tokenizer={name!r}: no such file; use 'byte' or the path of a "
+                    "Hugging Face tokenizer.json")
+  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+  blob = path.read_bytes()
+  try:
+    tokenizer = Tokenizer.from_str(blob.decode())
+  except Exception as e:  # the Rust side raises its own exception type
+    raise DataError(f"data.tokenizer={name!r}: not a Hugging Face tokenizer.json ({e})") from None
+  # A tokenizer.json may carry settings for model inputs; documents must stay whole.
+  tokenizer.no_truncation()
+  tokenizer.no_padding()
+  vocab = tokenizer.get_vocab(with_added_tokens=True)
+  eos = _eos_id(tokenizer, eos_token, name)
+
+  def encode(texts: list[str], start: bool) -> list[list[int]]:
+    return [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=start)]
+
+  return _Tokenizer(str(path.resolve()), hashlib.sha256(blob).hexdigest(),
+                    max(vocab.values()) + 1, (eos,), encode)
+
+
+def _eos_id(tokenizer, eos_token: str, name: str) -> int:
+  """The document separator: data.eos_token if set, else the first of EOS_NAMES present."""
+  for token in ([eos_token] if eos_token else EOS_NAMES):
+    token_id = tokenizer.token_to_id(token)
+    if token_id is not None:
+      return token_id
+  if eos_token:
+    raise DataError(f"data.eos_token={eos_token!r} is not a token of data.tokenizer={name!r}")
+  raise DataError(f"data.tokenizer={name!r} has none of the usual end-of-text tokens "
+                  f"({', '.join(EOS_NAMES)}); set data.eos_token to the one that ends a document")
+
+
+# ----------------------------------------------------------------------------- token cache
+
+
+def _open_files(data, workdir, progress: bool) -> TokenSource:
+  files = match_files(data.source)
+  tokenizer = _load_tokenizer(data.tokenizer, data.eos_token)
+  cache = _cache_root(data, workdir) / _cache_name(data, tokenizer)
+  want = _index_header(files, tokenizer, data.text_field)
+  cache.mkdir(parents=True, exist_ok=True)
+  # One process tokenizes; others started at the same time wait, then reuse.
+  with _locked(cache / "lock"):
+    index = _read_index(cache)
+    if not _reusable(index, want):
+      index = _tokenize(files, tokenizer, data.text_field, cache, want, progress)
+  tokens = np.memmap(cache / TOKENS_FILE, dtype=index["dtype"], mode="r",
+                     shape=(index["tokens"],))
+  return TokenSource(tokens, tokenizer.vocab_size, "epochs", cache)
+
+
+def _cache_root(data, workdir) -> pathlib.Path:
+  if data.cache_dir:
+    return pathlib.Path(data.cache_dir).expanduser()
+  if workdir is None:
+    raise DataError("set data.cache_dir (or pass a workdir) to tokenize "
+                    f"data.source={data.source!r}")
+  return pathlib.Path(workdir) / "data_cache"
+
+
+def _cache_name(data, tokenizer: _Tokenizer) -> str:
+  """A directory per (source, tokenizer, field): switching back and forth reuses both."""
+  key = json.dumps([os.path.abspath(os.path.expanduser(data.source)), tokenizer.digest,
+                    tokenizer.separator, data.text_field])
+  readable = re.sub(r"[^A-Za-z0-9._-]+", "_", data.source.strip("/"))[-48:].strip("_")
+  return f"{readable or 'data'}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _index_header(files: list[pathlib.Path], tokenizer: _Tokenizer, text_field: str) -> dict:
+  """The index fields that must equal the current inputs for the cache to be reused."""
+  stats = [(f, f.stat()) for f in files]
+  return {
+      "format": CACHE_FORMAT,
+      "tokenizer_sha256": tokenizer.digest,
+      "separator": list(tokenizer.separator),
+      "text_field": text_field,
+      "files": [{"path": str(f), "bytes": s.st_size, "mtime_ns": s.st_mtime_ns}
+                for f, s in stats],
+  }
+
+
+def _reusable(index: dict | None, want: dict) -> bool:
+  if index is None:
+    return False
+  files = [{k: f.get(k) for k in ("path", "bytes", "mtime_ns")} for f in index.get("files") or []]
+  return files == want["files"] and all(index.get(k) == v for k, v in want.items()
+                                         if k != "files")
+
+
+def _read_index(cache: pathlib.Path) -> dict | None:
+  """The index, or None if absent, unreadable or not matching its token file."""
+  try:
+    index = json.loads((cache / INDEX_FILE).read_text())
+    size = (cache / TOKENS_FILE).stat().st_size
+    return index if size == index["tokens"] * np.dtype(index["dtype"]).itemsize else None
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+  with open(path, "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _tokenize(files: list[pathlib.Path], tokenizer: _Tokenizer, text_field: str,
+              cache: pathlib.Path, header: dict, progress: bool) -> dict:
+  """Writes the token file and then its index (each by atomic rename)."""
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  total = sum(f["bytes"] for f in header["files"])
+  bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing {len(files)} files",
+             disable=not progress)
+  partial = cache / f"{TOKENS_FILE}.{os.getpid()}.tmp"
+  counts = []
+  with open(partial, "wb") as out, bar:
+    for path in files:
+      counts.append(_tokenize_file(path, tokenizer, text_field, out, bar))
+  n_tokens = sum(c["tokens"] for c in counts)
+  if n_tokens == 0:
+    partial.unlink()
+    raise DataError(f"the {len(files)} files of data.source hold no text")
+  os.replace(partial, cache / TOKENS_FILE)
+  index = dict(header, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
+               dtype=tokenizer.dtype.name, tokens=n_tokens)
+  index["files"] = [dict(entry, **count) for entry, count in zip(index["files"], counts)]
+  write_json_atomic(cache / INDEX_FILE, index)
+  return index
+
+
+def _tokenize_file(path: pathlib.Path, tokenizer: _Tokenizer, text_field: str, out,
+                   bar) -> dict:
+  """Appends one file's tokens to `out`; returns its token and document counts."""
+  counts = {"tokens": 0, "documents": 0}
+  batch: list[_Piece] = []
+  pieces = _pieces(path, text_field)
+  for piece in pieces:
+    batch.append(piece)
+    if len(batch) == ENCODE_BATCH:
+      _write_pieces(batch, tokenizer, out, counts, bar)
+      batch = []
+  _write_pieces(batch, tokenizer, out, counts, bar)
+  return counts
+
+
+def _write_pieces(pieces: list[_Piece], tokenizer: _Tokenizer, out, counts: dict, bar) -> None:
+  """Encodes pieces (start tokens only on first pieces) and appends them with separators."""
+  encoded: list[np.ndarray | None] = [None] * len(pieces)
+  for start in (True, False):
+    chosen = [i for i, p in enumerate(pieces) if p.first == start and not p.empty]
+    for i, ids in zip(chosen, tokenizer.encode([pieces[i].text for i in chosen], start)):
+      encoded[i] = np.asarray(ids, tokenizer.dtype)
+  sep = np.asarray(tokenizer.separator, tokenizer.dtype)
+  parts = []
+  for piece, ids in zip(pieces, encoded):
+    if ids is None:  # an empty document: no tokens, no separator
+      continue
+    parts.append(ids)
+    # Unless the tokenizer's post-processor already ended the document.
+    if piece.last and not np.array_equal(ids[-sep.size:], sep):
+      parts.append(sep)
+    counts["documents"] += piece.last
+  stream = np.concatenate(parts) if parts else sep[:0]
+  out.write(stream.tobytes())
+  counts["tokens"] += stream.size
+  bar.update(sum(p.size for p in pieces))

@@ -1,0 +1,90 @@
+"""The Engine: everything one config on one layout derives, built once per run.
+
+The optimizer, the state's shardings and shapes, the initialiser (the state
+is created directly into its shards: no device ever holds a full model) and
+the jitted step (jaxzero.engine.step).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxzero.config import Config
+from jaxzero.engine.optimizer import make_optimizer
+from jaxzero.engine.state import TrainState, dtype_of, state_shardings
+from jaxzero.engine.step import make_grad_fn, make_train_step
+from jaxzero.models.llama import Llama
+from jaxzero.sharding.zero import Layout, on_device
+
+
+class Engine:
+  """The train step's pieces for one config on one layout, built once.
+
+  Attributes:
+    tx: the optimizer (AdamW, clipping, schedule).
+    shardings: a TrainState of NamedShardings, where each leaf lives at rest.
+    abstract: a TrainState of ShapeDtypeStructs (no sharding), for byte counts.
+    train_step: the jitted step, (state, tokens [A, B, T+1]) -> (state, metrics).
+  """
+
+  def __init__(self, cfg: Config, layout: Layout):
+    self.cfg, self.layout = cfg, layout
+    self.tx = make_optimizer(cfg)
+    self.shardings, self.abstract = state_shardings(cfg, layout, self.tx)
+    self.train_step = make_train_step(cfg, layout, self.shardings)
+
+  @functools.cached_property
+  def grad_step(self):
+    """Jitted (params, tokens [A, B, T+1]) -> (gradient sum, loss, norm): the
+    step without its update, for an optimizer that runs outside it (see
+    jaxzero.engine.step.make_grad_fn; divide the sum by A with
+    jaxzero.engine.optimizer.mean_grad)."""
+    grads_sh = on_device(self.shardings.master)
+    return jax.jit(make_grad_fn(self.cfg, self.layout, self.shardings),
+                   in_shardings=(self.shardings.params, self.batch_sharding),
+                   out_shardings=(grads_sh, self.layout.replicated(), self.layout.replicated()))
+
+  def abstract_state(self) -> TrainState:
+    """The state as shapes carrying their shardings: a restore target, or a
+    stand-in for compiling ahead of time. Nothing is allocated."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        self.abstract, self.shardings)
+
+  def abstract_batch(self, micro_batch: int) -> jax.ShapeDtypeStruct:
+    t = self.cfg.train
+    shape = (t.grad_accum, micro_batch * self.layout.data_parallel_size, t.seq_len + 1)
+    return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+
+  @property
+  def batch_sharding(self):
+    """Of a step's tokens [A, B, T+1]: rows over every data-parallel device."""
+    return self.layout.batch_sharding(leading_dims=1)
+
+  def init(self, master: Any = None) -> TrainState:
+    """Step 0, created directly into its shards: no device holds a full model.
+
+    Args:
+      master: fp32 master weights already placed by ``shardings.master`` (e.g.
+        read from a Hugging Face checkpoint); None draws random weights from
+        ``cfg.seed``. The compute copy is cast from them and Adam starts at zero.
+    """
+    cfg, sh, tx = self.cfg, self.shardings, self.tx
+    compute = dtype_of(cfg.precision.compute)
+
+    def derive(master):
+      # Offloaded (pinned_host) master weights are used on the device, as in the step.
+      master = jax.device_put(master, on_device(sh.master))
+      params = jax.tree.map(lambda w: w.astype(compute), master)
+      return TrainState(jnp.zeros((), jnp.int32), params, master, tx.init(master))
+
+    if master is None:
+      def init():
+        model = Llama(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
+        return derive(nnx.to_pure_dict(nnx.split(model, nnx.Param)[1]))
+      return jax.jit(init, out_shardings=sh)()
+    return jax.jit(derive, out_shardings=sh)(master)

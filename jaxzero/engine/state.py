@@ -1,0 +1,61 @@
+"""The train state and where each of its leaves lives.
+
+The state follows DeepSpeed's mixed-precision split:
+
+* ``params``: the compute copy of the weights (bf16 or fp32), placed by the
+  stage's ``params`` role (replicated for stages 0-2, sharded for stage 3);
+* ``master``: the fp32 master weights, and ``opt_state``: the optimizer's
+  moments, both placed by the ``optimizer`` role (sharded from stage 1 on).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxzero.config import Config
+from jaxzero.models.llama import is_param_spec, param_specs
+from jaxzero.sharding.zero import Layout
+
+
+class TrainState(NamedTuple):
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any  # compute copy, compute dtype
+  master: Any  # fp32 master weights
+  opt_state: Any  # optax state over `master`
+
+
+def dtype_of(name: str):
+  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def dtype_of(name: str):
+  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformation
+                     ) -> tuple[TrainState, TrainState]:
+  """(shardings, abstract shapes) of every train-state leaf; allocates nothing."""
+  specs = param_specs(cfg.model)
+  compute = dtype_of(cfg.precision.compute)
+  abstract_master = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), specs,
+                                 is_leaf=is_param_spec)
+  abstract = TrainState(
+      step=jax.ShapeDtypeStruct((), jnp.int32),
+      params=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, compute), abstract_master),
+      master=abstract_master,
+      opt_state=jax.eval_shape(tx.init, abstract_master))
+  master_sh = layout.tree_shardings(specs, "optimizer")
+  opt_sh = optax.tree_map_params(
+      tx, lambda _, sharding: sharding, abstract.opt_state, master_sh,
+      # Scalars (Adam's step count) stay on the device even when the moments are
+      # offloaded: the update on the host reads it from there.
+      transform_non_params=lambda _: layout.replicated("grads"),
+      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+  shardings = TrainState(step=layout.replicated("grads"),
+                         params=layout.tree_shardings(specs, "params"),
+                         master=master_sh, opt_state=opt_sh)
+  return shardings, abstract

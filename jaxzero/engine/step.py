@@ -1,0 +1,214 @@
+"""The jitted train step: the loss, the gradient over the micro-steps, the update.
+
+After each update the new master weights are cast to the compute dtype and
+placed by the ``params`` role, which for stages 1-2 is the all-gather of the
+updated shards.
+
+Gradient accumulation: stages 2-3 reduce-scatter each micro-step into sharded
+buffers (that is their memory saving). Stages 0-1 keep each device's gradient
+unreduced across micro-steps and reduce once per step, as DeepSpeed does; for
+stage 1 that one reduce lands directly in the optimizer's shards. Under hybrid
+sharding the reduce-scatter stays inside ``fsdp`` and the shards are reduced
+across ``replica`` once per step. The loss runs over vocabulary chunks
+(jaxzero.models.loss), so no [B, T, V] float32 logits exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.experimental.compute_on import compute_on
+from jax.sharding import PartitionSpec as P
+
+from jaxzero.config import Config
+from jaxzero.engine.optimizer import clip_by_norm, join_clip, make_optimizer, mean_grad, split_clip
+from jaxzero.engine.remat import remat_wrapper
+from jaxzero.engine.schedules import learning_rate_schedule
+from jaxzero.engine.state import TrainState, dtype_of
+from jaxzero.models.llama import Llama, param_specs
+from jaxzero.models.loss import cross_entropy
+from jaxzero.sharding.mesh import AXES
+from jaxzero.sharding.zero import Layout, local_sharding, on_device
+
+# Vocabulary entries per chunk of the loss: V = 128256 gives 16 chunks of 8016,
+# whose float32 logits are B x T x 8016 x 4 bytes (263 MB for seq 8192, B 1).
+LOSS_CHUNK = 8192
+
+
+def loss_fn(graphdef, params, tokens_BxT1: jax.Array, layout: Layout, remat) -> jax.Array:
+  """Mean next-token cross-entropy over a batch of sequences of T+1 tokens."""
+  model = nnx.merge(graphdef, params)
+  x_BxTxD, head_DxV = model.forward(tokens_BxT1[:, :-1], shard=layout.shard_activation,
+                                    gather=layout.gather_for_compute, remat=remat)
+  return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=LOSS_CHUNK,
+                       shard=layout.shard_activation)
+
+
+def model_graphdef(cfg: Config):
+  abstract_model = nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0)))
+  return nnx.split(abstract_model, nnx.Param)[0]
+
+
+def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
+  """(params, tokens [A, B, T+1]) -> (gradient sum, mean loss, gradient norm).
+
+  A is the number of gradient-accumulation micro-steps; B the global
+  micro-batch (split over every data-parallel device). The gradient sum is
+  over the A micro-steps, in the grad dtype (float32 where it was reduced
+  across groups), placed in the optimizer's layout on the device; divided by
+  A in float32 where used (:func:`mean_grad`). The norm is that of the mean
+  gradient in float32.
+  """
+  graphdef = model_graphdef(cfg)
+  remat = remat_wrapper(cfg.remat.policy)
+  grad_dtype = dtype_of(cfg.zero.grad_dtype)
+  specs = param_specs(cfg.model)
+  # Stages 2-3 reduce into their gradient shards, stage 1 into the optimizer's.
+  reduced_sh = on_device(layout.tree_shardings(specs, layout.reduce_role))
+  reduce_dtype = dtype_of(layout.reduce_dtype)
+  master_on_device = on_device(state_sh.master)
+  params_on_device = on_device(state_sh.params)
+  # Offloaded weights stream: the decoder layers' shards stay in pinned_host and
+  # move to the device one layer at a time (Layout.gather_for_compute).
+  streams_weights = layout.params_memory == "pinned_host"
+
+  value_and_grad = jax.value_and_grad(functools.partial(loss_fn, graphdef))
+  # Gradients kept apart per group of `local_axes` and reduced across them once
+  # per step: per device for stages 0-1 (as DeepSpeed accumulates; with one
+  # micro-step too, since the explicit reduce sends a tied embedding's two
+  # gradients once, where XLA would reduce them apart); per replica group under
+  # hybrid sharding, so that only gradient shards cross `replica`. A vmap over
+  # a leading group axis that `spmd_axis_name` places one row per group does it.
+  local_axes = layout.local_axes
+  n_groups = math.prod(layout.mesh.shape[a] for a in local_axes)
+  if local_axes:
+    local_layout = dataclasses.replace(layout, vmapped_axes=local_axes)
+    grouped_grads = jax.vmap(lambda p, t: value_and_grad(p, t, local_layout, remat),
+                             in_axes=(None, 0), spmd_axis_name=local_axes)
+    # Within a group, a gradient is whole (per device; split over `tensor` as its
+    # weight is used) or in its reduce layout.
+    compute_sh = layout.tree_shardings(specs, "compute")
+    accum_sh = jax.tree.map(
+        lambda r, c: local_sharding(layout, (r if layout.hybrid else c).spec), reduced_sh,
+        compute_sh)
+    accum_shape = lambda p: (n_groups, *p.shape)
+  else:
+    accum_sh, accum_shape = reduced_sh, lambda p: p.shape
+
+  def micro_step(params, carry, tokens_BxT1):
+    loss_sum, grad_sum = carry
+    if local_axes:
+      tokens_GxbxT1 = jax.lax.with_sharding_constraint(
+          tokens_BxT1.reshape(n_groups, -1, tokens_BxT1.shape[-1]),
+          local_sharding(layout, P(tuple(a for a in AXES if a not in local_axes) or None, None)))
+      losses_G, grads = grouped_grads(params, tokens_GxbxT1)
+      loss = losses_G.mean()  # equal rows per group: the mean of means is the mean
+    else:
+      # Stages 2-3 accumulate into sharded buffers: each reduce is a reduce-scatter.
+      # (Layout.gather_for_compute makes each gradient leave the layer reduced.)
+      loss, grads = value_and_grad(params, tokens_BxT1, layout, remat)
+    if streams_weights:
+      # The gradient of a weight left in pinned_host is typed pinned_host: each
+      # layer's shard went down as the backward pass produced it; added up here.
+      grads = jax.device_put(grads, reduced_sh)
+    grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
+    grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grad_sum, grads),
+                                                accum_sh)
+    return (loss_sum + loss, grad_sum), None
+
+  def grad_fn(params, tokens_AxBxT1: jax.Array):
+    accum = tokens_AxBxT1.shape[0]
+    if streams_weights:  # the embedding, head and final norm come over now
+      params = {k: v if k == "layers" else jax.device_put(v, params_on_device[k])
+                for k, v in params.items()}
+    else:
+      params = jax.device_put(params, params_on_device)
+    zeros = jax.lax.with_sharding_constraint(
+        jax.tree.map(lambda p: jnp.zeros(accum_shape(p), grad_dtype), params), accum_sh)
+    (loss_sum, grad_sum), _ = jax.lax.scan(
+        functools.partial(micro_step, params), (jnp.zeros((), jnp.float32), zeros),
+        tokens_AxBxT1)
+    if local_axes:  # the one reduce across groups (stage 1: into shards), in reduce_dtype
+      grad_sum = jax.tree.map(
+          lambda g, sh: jax.lax.with_sharding_constraint(g.astype(reduce_dtype).sum(axis=0), sh)
+          .astype(jnp.float32) / n_groups, grad_sum, master_on_device)
+    # To the optimizer's layout: for stage 1 a reduce-scatter or a local slice.
+    grad_sum = jax.lax.with_sharding_constraint(grad_sum, master_on_device)
+    grad_norm = optax.tree.norm(mean_grad(grad_sum, accum))
+    return grad_sum, loss_sum / accum, grad_norm
+
+  return grad_fn
+
+
+def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState):
+  """Returns the jitted step: (state, tokens [A, B, T+1]) -> (state, metrics)."""
+  grad_fn = make_grad_fn(cfg, layout, state_sh)
+  schedule = learning_rate_schedule(cfg)
+  compute = dtype_of(cfg.precision.compute)
+  optimizer_on_host = layout.optimizer_memory == "pinned_host"
+  unclipped = make_optimizer(cfg, clip=False)  # Engine.tx less its clipping: same state
+
+  def update(grad_sum, grad_norm, master, opt_state, finite, accum):
+    """AdamW on the master weights; the new compute copy cast from them.
+
+    A non-finite loss or gradient never reaches the state: the update is
+    dropped (every process computes the same global flag, so all agree) and
+    the loop decides, by train.nonfinite, whether to stop or go on. A cond,
+    not a select of new against old: the update then runs in place, without
+    a second copy of the optimizer state (12Φ/N) among the temporaries.
+    """
+    def apply(grad_sum, master, opt_state):
+      # Clipped by the norm already computed for the metrics: the gradients are
+      # not read a second time, and on the host optax's own norm cannot be
+      # traced (jax.numpy's real-array `.imag` is a device constant).
+      grads = mean_grad(grad_sum, accum)
+      if cfg.train.clip_norm > 0:
+        grads = clip_by_norm(grads, grad_norm, cfg.train.clip_norm)
+      clip_state, inner_state = split_clip(cfg, opt_state)
+      updates, inner_state = unclipped.update(grads, inner_state, master)
+      return optax.apply_updates(master, updates), join_clip(clip_state, inner_state)
+
+    master, opt_state = jax.lax.cond(finite, apply, lambda _, *old: old, grad_sum, master,
+                                     opt_state)
+    return master, opt_state, jax.tree.map(lambda w: w.astype(compute), master)
+
+  if optimizer_on_host:
+    # ZeRO-Offload: the update runs where the state lives. The gradient shards
+    # go down to the host, AdamW runs there, and only the new compute copy
+    # comes back; no master or moment leaf is ever moved to the device.
+    grads_on_host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), state_sh.master)
+    host_update = compute_on("device_host")(jax.jit(update, static_argnums=5))
+  # The new compute copy leaves a host update in the optimizer's layout (its
+  # shards: 2Φ/N up).
+  cast_on_device = on_device(state_sh.master)
+
+  def train_step(state: TrainState, tokens_AxBxT1: jax.Array):
+    accum = tokens_AxBxT1.shape[0]
+    grad_sum, loss, grad_norm = grad_fn(state.params, tokens_AxBxT1)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if optimizer_on_host:
+      master, opt_state, params = host_update(jax.device_put(grad_sum, grads_on_host),
+                                              grad_norm, state.master, state.opt_state, finite,
+                                              accum)
+      if layout.params_memory != "pinned_host":  # (else stage 3: already where it rests)
+        params = jax.device_put(params, cast_on_device)
+    else:
+      master, opt_state, params = update(grad_sum, grad_norm, state.master, state.opt_state,
+                                         finite, accum)
+    # The step's out_shardings place the new compute copy by the params' layout:
+    # for stages 1-2 an all-gather of the cast (compute dtype) shards.
+    new_state = TrainState(state.step + 1, params, master, opt_state)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+               "nonfinite": (~finite).astype(jnp.int32)}
+    return new_state, metrics
+
+  batch_sh = layout.batch_sharding(leading_dims=1)
+  return jax.jit(train_step, in_shardings=(state_sh, batch_sh),
+                 out_shardings=(state_sh, layout.replicated()), donate_argnums=0)
+

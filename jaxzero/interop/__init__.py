@@ -1,0 +1,1 @@
+"""Other formats: Hugging Face weights, DeepSpeed and Accelerate configs."""

@@ -1,0 +1,121 @@
+"""Hugging Face Accelerate's FSDP config (the YAML ``accelerate config`` writes),
+read as jaxzero settings over a base config.
+
+``python -m jaxzero.train --config BASE.py --accelerate-config fsdp.yaml [--set ...]``
+follows the rules of ``jaxzero.interop.deepspeed``: a key the file leaves out keeps the
+base's value, an unknown key is an error naming it, a known key jaxzero cannot
+honour is an error saying so, and the knobs XLA makes unnecessary are reported
+once, in one log line.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from jaxzero import config as config_lib
+from jaxzero.interop.translation import GATHERED_PER_LAYER, SHARDED_SAVES, Translation, read_mapping
+
+# torch's ShardingStrategy numbers, as `accelerate config` offers them.
+STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD",
+                    5: "HYBRID_SHARD_ZERO2"}
+
+_WRAP = "every weight is sharded by its logical axes and gathered one layer at a time"
+_INIT = "weights are created (or read) straight into their shards"
+_LAUNCH = "processes come from jaxzero.launch or distributed.* (one per host or GPU)"
+UNNEEDED_FSDP = {
+    **dict.fromkeys(("fsdp_backward_prefetch", "fsdp_backward_prefetch_policy",
+                     "fsdp_forward_prefetch", "fsdp_limit_all_gathers"), GATHERED_PER_LAYER),
+    **dict.fromkeys(("fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
+                     "fsdp_min_num_params", "fsdp_use_orig_params"), _WRAP),
+    **dict.fromkeys(("fsdp_sync_module_states", "fsdp_cpu_ram_efficient_loading"), _INIT),
+    "fsdp_state_dict_type": SHARDED_SAVES, "fsdp_version": "one implementation",
+}
+UNNEEDED_TOP = {
+    **dict.fromkeys(("compute_environment", "machine_rank", "main_process_ip",
+                     "main_process_port", "main_training_function", "num_processes",
+                     "rdzv_backend", "same_network", "gpu_ids", "enable_cpu_affinity",
+                     "num_machines", "use_cpu", "debug"), _LAUNCH),
+    **dict.fromkeys(("downcast_bf16", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "tpu_name",
+                     "tpu_zone"), "TPU-only setting"),
+    "dynamo_config": "every step is compiled by XLA",
+}
+FSDP_KEYS = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
+             "fsdp_activation_checkpointing", *UNNEEDED_FSDP}
+TOP_KEYS = {"distributed_type", "fsdp_config", "mixed_precision", *UNNEEDED_TOP}
+
+
+def read(path: str, base: config_lib.Config) -> Translation:
+  """Reads and translates the Accelerate config at `path` against `base`."""
+  return translate(read_mapping(path, "Accelerate"), base, source=pathlib.Path(path).name)
+
+
+def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> Translation:
+  """The jaxzero settings an Accelerate FSDP config (parsed YAML) means over `base`."""
+  del base  # every key here maps to a fixed value; kept for the shared reader signature
+  tr = Translation(source)
+  tr.check_keys(acc, "", TOP_KEYS)
+  kind = acc.get("distributed_type", "FSDP")
+  if kind == "MULTI_GPU":  # DDP
+    tr.set("zero.strategy", "NO_SHARD", "distributed_type")
+  elif kind == "DEEPSPEED":
+    raise tr.error("distributed_type=DEEPSPEED: pass its ds_config.json with --deepspeed")
+  elif kind != "FSDP":
+    raise tr.error(f"distributed_type={kind!r} is not available; choose FSDP or MULTI_GPU")
+  tr.unneeded.update({k: UNNEEDED_TOP[k] for k in acc if k in UNNEEDED_TOP})
+  precision = acc.get("mixed_precision", None)
+  if precision in ("fp16", "fp8"):
+    raise tr.error(f"mixed_precision={precision}: jaxzero has no {precision} training; use bf16")
+  if precision is not None:
+    if precision not in ("no", "bf16"):
+      raise tr.error(f"mixed_precision={precision!r} is not valid; choose one of: no, bf16")
+    tr.set("precision.compute", "bfloat16" if precision == "bf16" else "float32",
+           "mixed_precision")
+  fsdp = tr.check_keys(acc.get("fsdp_config") or {}, "fsdp_config.", FSDP_KEYS)
+  tr.unneeded.update({f"fsdp_config.{k}": UNNEEDED_FSDP[k] for k in fsdp if k in UNNEEDED_FSDP})
+  strategy = _strategy(tr, fsdp)
+  if strategy:
+    tr.set("zero.strategy", strategy, "fsdp_config.fsdp_sharding_strategy")
+    if strategy.startswith("HYBRID"):
+      # HSDP shards inside a node and replicates across nodes.
+      tr.set("mesh.replica", int(acc.get("num_machines", 1)), "num_machines")
+      tr.set("mesh.fsdp", -1, "num_machines")
+  if "fsdp_activation_checkpointing" in fsdp:
+    tr.set("remat.policy", "full" if fsdp["fsdp_activation_checkpointing"] else "none",
+           "fsdp_config.fsdp_activation_checkpointing")
+  if fsdp.get("fsdp_offload_params"):
+    # FSDP's CPUOffload moves parameters and gradients to the host and runs the
+    # optimizer there: jaxzero keeps the parameter shards and the optimizer
+    # state in pinned host memory, which needs ZeRO-3.
+    if strategy not in ("FULL_SHARD", "HYBRID_SHARD", None):
+      raise tr.error(f"fsdp_config.fsdp_offload_params with {strategy}: jaxzero offloads "
+                     f"parameters only under FULL_SHARD or HYBRID_SHARD")
+    tr.set("offload.params", "pinned_host", "fsdp_config.fsdp_offload_params")
+    tr.set("offload.optimizer", "pinned_host", "fsdp_config.fsdp_offload_params")
+  elif "fsdp_offload_params" in fsdp:
+    tr.set("offload.params", "device", "fsdp_config.fsdp_offload_params")
+    tr.set("offload.optimizer", "device", "fsdp_config.fsdp_offload_params")
+  return tr
+
+
+def _strategy(tr: Translation, fsdp: dict) -> str | None:
+  """zero.strategy from fsdp_sharding_strategy (a name or 1-5) or FSDP2's
+  fsdp_reshard_after_forward (true = FULL_SHARD, false = SHARD_GRAD_OP, or a name)."""
+  names = []
+  for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
+    if key not in fsdp:
+      continue
+    value = fsdp[key]
+    if isinstance(value, bool):
+      value = "FULL_SHARD" if value else "SHARD_GRAD_OP"
+    elif isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+      value = STRATEGY_NUMBERS.get(int(value), value)
+    elif isinstance(value, str):
+      value = value.lstrip("_")  # torch spells it _HYBRID_SHARD_ZERO2
+    if value not in STRATEGY_NUMBERS.values():
+      raise tr.error(f"fsdp_config.{key}={fsdp[key]!r} is not valid; choose one of: "
+                     + ", ".join(f"{n} ({name})" for n, name in STRATEGY_NUMBERS.items()))
+    names.append(value)
+  if len(set(names)) > 1:
+    raise tr.error(f"fsdp_config.fsdp_sharding_strategy ({names[0]}) and "
+                   f"fsdp_reshard_after_forward ({names[1]}) disagree")
+  return names[0] if names else None

@@ -1,0 +1,200 @@
+"""Writing a jaxzero checkpoint as a Hugging Face Llama model directory.
+
+``export_hf`` reads the checkpoint's fp32 master weights one leaf at a time (a
+stacked leaf one layer at a time) and streams them into safetensors shards, so
+the host never holds the whole model. Names and layouts come from
+jaxzero.interop.hf_mapping; the checkpoint from jaxzero.checkpoint.checkpointer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import struct
+import tempfile
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from jaxzero.checkpoint.checkpointer import CheckpointReader, check_fits
+from jaxzero.errors import CheckpointError
+from jaxzero.interop import hf_mapping
+from jaxzero.interop.hf_load import CONFIG_FILE, WEIGHTS_INDEX_FILE
+from jaxzero.models.llama import LlamaConfig, param_specs
+from jaxzero.offload import nvme_checkpoint
+
+Path = tuple[str, ...]
+
+
+EXPORT_DTYPES = {"float32": ("F32", np.dtype(np.float32)),
+                 "bfloat16": ("BF16", np.dtype(jnp.bfloat16))}
+DEFAULT_SHARD_BYTES = 5 * 2**30
+
+
+class Export(NamedTuple):
+  out: pathlib.Path
+  step: int
+  dtype: str
+  files: list[str]
+
+
+class _Planned(NamedTuple):
+  name: str
+  shape: tuple[int, ...]
+  nbytes: int
+
+
+def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
+              dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Export:
+  """Writes a checkpoint as a Hugging Face Llama directory: ``config.json``,
+  ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+
+  Reads the fp32 master weights one leaf at a time and writes them one
+  per-layer tensor at a time, so the host holds one leaf, never the model.
+  `out` must not exist or be an empty directory; the files appear there only
+  once all are written.
+
+  Args:
+    step: the checkpoint step; default the latest.
+    dtype: "float32" or "bfloat16"; default the run's compute dtype.
+    max_shard_bytes: the size of one safetensors file (a bigger tensor gets
+      a file of its own).
+  """
+  with CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
+    return _export(reader, pathlib.Path(out), step, dtype, max_shard_bytes)
+
+
+def _export(reader: CheckpointReader, out: pathlib.Path, step: int | None, dtype: str | None,
+            max_shard_bytes: int) -> Export:
+  step = reader.resolve_step(step)
+  info = reader.info(step)
+  model = LlamaConfig(**info["model"])
+  dtype = dtype or info["compute_dtype"]
+  if dtype not in EXPORT_DTYPES:
+    raise CheckpointError(f"export dtype {dtype!r} is not one of: {', '.join(EXPORT_DTYPES)}")
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise CheckpointError(f"--out {out} already exists and is not an empty directory; "
+                          "export writes a new one")
+  leaves = _master_leaves(reader, step, model)
+  shards = _plan_shards(model, EXPORT_DTYPES[dtype][1].itemsize, max_shard_bytes)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+  try:
+    files = _write_export(partial, reader, step, leaves, model, dtype, shards)
+    partial.chmod(_mkdir_mode())  # mkdtemp's 0700 would keep the model from everyone else
+    if out.exists():
+      out.rmdir()
+    partial.rename(out)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
+  return Export(out, step, dtype, files)
+
+
+def _mkdir_mode() -> int:
+  """The mode os.mkdir gives a new directory: 0o777 less the umask."""
+  umask = os.umask(0)  # reading the umask means setting it; put it straight back
+  os.umask(umask)
+  return 0o777 & ~umask
+
+
+def _master_leaves(reader: CheckpointReader, step: int, model: LlamaConfig
+                  ) -> dict[Path, tuple[int, ...]]:
+  """{leaf path: shape} of the master weights in param_specs order (the order
+  hf_mapping lists their tensors), checked against the recorded model."""
+  wanted = {p: spec.shape for p, spec in traverse_util.flatten_dict(param_specs(model)).items()}
+  saved = {name[len("master/"):]: shape for name, shape in reader.leaf_shapes(step).items()
+           if name.startswith("master/")}
+  check_fits(saved, {"/".join(p): s for p, s in wanted.items()}, reader.step_dir(step),
+             "the model recorded with it")
+  return wanted
+
+
+def _plan_shards(model: LlamaConfig, itemsize: int, max_shard_bytes: int
+                ) -> list[list[_Planned]]:
+  """Tensors in write order, cut into files of at most `max_shard_bytes`."""
+  shards: list[list[_Planned]] = [[]]
+  size = 0
+  for name, shape in hf_mapping.hf_tensor_shapes(model).items():
+    nbytes = int(np.prod(shape)) * itemsize
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(_Planned(name, shape, nbytes))
+    size += nbytes
+  return shards
+
+
+def _write_export(directory: pathlib.Path, reader: CheckpointReader, step: int,
+                  leaves: dict[Path, tuple[int, ...]], model: LlamaConfig, dtype: str,
+                  shards: list[list[_Planned]]) -> list[str]:
+  code, np_dtype = EXPORT_DTYPES[dtype]
+  hf_config = {**hf_mapping.hf_config_from_llama(model), "dtype": dtype}
+  (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+  names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  with _SafetensorsWriter(directory, names, shards, code) as writer:
+    for path, shape in leaves.items():
+      read = reader.read_by_layer if path[0] == "layers" else reader.read
+      leaf = read(step, ("master", *path), shape)
+      for name, tensor in hf_mapping.jaxzero_to_hf_tensors(path, leaf, model):
+        writer.write(name, tensor.astype(np_dtype, copy=False))
+      del leaf
+  index = {"metadata": {"total_size": sum(t.nbytes for shard in shards for t in shard)},
+           "weight_map": dict(sorted((t.name, file) for file, shard in zip(names, shards)
+                                     for t in shard))}
+  (directory / WEIGHTS_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+  return names
+
+
+class _SafetensorsWriter:
+  """Writes planned safetensors files one tensor at a time.
+
+  The safetensors libraries write a file from a dict of all its tensors, so a
+  shard would sit in host memory whole. The format is an 8-byte header length,
+  a JSON header (dtype, shape and byte range of every tensor) and the raw
+  bytes; with the header planned from shapes, tensors can be streamed in.
+  """
+
+  def __init__(self, directory: pathlib.Path, names: list[str], shards: list[list[_Planned]],
+               dtype_code: str):
+    self._files = [(directory / name, shard) for name, shard in zip(names, shards)]
+    self._code = dtype_code
+    self._pending: list[_Planned] = []
+    self._file = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    if self._file is not None:
+      self._file.close()
+    if exc[0] is None and (self._pending or self._files):
+      raise RuntimeError("export wrote fewer tensors than planned")
+
+  def write(self, name: str, array: np.ndarray) -> None:
+    if not self._pending:
+      self._open_next()
+    planned = self._pending.pop(0)
+    if (planned.name, planned.shape, planned.nbytes) != (name, array.shape, array.nbytes):
+      raise RuntimeError(f"export planned {planned} but got {name} {array.shape}")
+    self._file.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+  def _open_next(self) -> None:
+    if self._file is not None:
+      self._file.close()
+    path, shard = self._files.pop(0)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in shard:
+      header[t.name] = {"dtype": self._code, "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+      offset += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as the library does
+    self._file = open(path, "wb")
+    self._file.write(struct.pack("<Q", len(blob)) + blob)
+    self._pending = list(shard)

@@ -1,0 +1,124 @@
+"""A DeepSpeed or Accelerate file in jaxzero's terms: the settings it makes,
+the knobs it names that XLA makes unnecessary, and one-line errors naming its keys.
+
+Shared by ``jaxzero.interop.deepspeed``, ``jaxzero.interop.accelerate`` and ``jaxzero.migrate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import pathlib
+from typing import Any
+
+import yaml
+
+from jaxzero import config as config_lib
+from jaxzero.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# What jaxzero does instead of knobs that DeepSpeed and FSDP both have.
+GATHERED_PER_LAYER = "ZeRO-3 gathers one layer at a time inside the layer scan, prefetched by XLA"
+SHARDED_SAVES = ("checkpoints are sharded (orbax) and restore on any mesh and stage; "
+                 "python -m jaxzero.export writes the full model")
+
+
+@dataclasses.dataclass
+class Translation:
+  """What a DeepSpeed or Accelerate file says, in jaxzero's terms.
+
+  Attributes:
+    source: the file's name, which starts every message about it.
+    settings: dotted jaxzero key -> (value, the file's key it comes from); a
+      later setting of a key replaces an earlier one.
+    unneeded: the file's key -> what jaxzero does instead (knobs XLA makes
+      unnecessary; accepted, reported once).
+  """
+  source: str
+  settings: dict[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
+  unneeded: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  def set(self, key: str, value: Any, origin: str) -> None:
+    self.settings[key] = (value, origin)
+
+  def error(self, message: str) -> ConfigError:
+    return ConfigError(f"{self.source}: {message}")
+
+  def check_keys(self, block: Any, where: str, known) -> dict:
+    """Returns `block` (a mapping at `where`) after refusing any key not in `known`."""
+    if not isinstance(block, dict):
+      raise self.error(f"{where or 'the file'} must be a mapping of keys to values, "
+                       f"not {block!r}")
+    for key in block:
+      if key not in known:
+        close = difflib.get_close_matches(str(key), list(known), n=1)
+        hint = f"; did you mean {where + close[0]!r}?" if close else ""
+        raise self.error(f"unknown key {where + str(key)!r}: jaxzero does not know it{hint}")
+    return block
+
+  def apply(self, cfg: config_lib.Config) -> config_lib.Config:
+    """`cfg` with every setting applied (parsed and checked as `--set` would be)."""
+    for key, (value, _) in self.settings.items():
+      text = str(value).lower() if isinstance(value, bool) else str(value)
+      cfg = config_lib.override(cfg, key, text)
+    return cfg
+
+  def summary(self) -> str:
+    """One line: the accepted knobs XLA makes unnecessary and what jaxzero does instead."""
+    by_reason: dict[str, list[str]] = {}
+    for key, reason in self.unneeded.items():
+      by_reason.setdefault(reason, []).append(key)
+    return "; ".join(f"{', '.join(keys)}: {reason}" for reason, keys in by_reason.items())
+
+
+def apply_file(tr: Translation, cfg: config_lib.Config) -> config_lib.Config:
+  """`cfg` with a translated file applied; logs the unneeded knobs, once."""
+  if tr.unneeded:
+    log.info("%s: accepted, not needed under XLA: %s", tr.source, tr.summary())
+  return tr.apply(cfg)
+
+
+def number(tr: Translation, value: Any, where: str, kind=float, minimum=None) -> Any:
+  """`value` as an int or float, refusing booleans, text and values below `minimum`."""
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if kind is int:
+    ok = ok and float(value).is_integer()
+  if not ok or (minimum is not None and value < minimum):
+    least = "" if minimum is None else f" of at least {minimum}"
+    raise tr.error(f"{where}={value!r} must be {'an integer' if kind is int else 'a number'}"
+                   f"{least}")
+  return kind(value)
+
+
+def param(tr: Translation, params: dict, where: str, key: str, base: Any, default: Any,
+          kind=float, minimum=None) -> Any:
+  """A scheduler/optimizer parameter: `default` when absent, `base` when "auto"."""
+  value = params.get(key, default)
+  if value == "auto" or value is None:
+    return base if value == "auto" else default
+  return number(tr, value, f"{where}{key}", kind, minimum)
+
+
+def read_mapping(path: str, kind: str) -> dict:
+  """The mapping in a JSON (`kind` "DeepSpeed") or YAML ("Accelerate") file;
+  malformed text is one line with its line and column."""
+  file = pathlib.Path(path)
+  if not file.is_file():
+    raise ConfigError(f"{kind} config {path!r} does not exist")
+  text = file.read_text()
+  try:
+    data = json.loads(text) if kind == "DeepSpeed" else yaml.safe_load(text)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: "
+                      f"{e.msg}") from None
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path}: a {kind} config must be a mapping of keys to values")
+  return data

@@ -1,0 +1,288 @@
+"""Llama-3 in flax NNX, with every weight declared once with logical axis names.
+
+The decoder layers are stacked (leading ``layers`` axis) and run with
+``jax.lax.scan``, so compile time does not grow with depth. The attention
+kernel is ``cfg.attention`` (jaxzero.models.attention); training takes the loss from
+``Llama.hidden`` and ``Llama.head_DxV`` (jaxzero.models.loss), never from all the logits.
+
+This module knows nothing about meshes. Three hooks let the caller steer
+parallelism and memory without the model knowing how:
+
+* ``shard(x, logical_axes)`` is called on activations: the residual stream at
+  layer boundaries (``("batch", "seq", "embed")``) and, inside a layer, the
+  projections' outputs (q/k/v by ``heads``/``kv_heads``, the MLP's by ``mlp``)
+  and the blocks' outputs before the residual adds. A caller that splits the
+  heads and the MLP width (tensor parallelism) and the residual stream's
+  sequence (sequence parallelism) needs them all.
+* ``gather(w, logical_axes)`` is called on each weight where it is used
+  ("compute layout"): a layer's weights inside the scan body, the head at the
+  end. A tied embedding is gathered once and serves as both lookup table and
+  head, so its two gradients add up before they are reduced. The defaults do
+  nothing.
+* ``remat(fn)`` wraps the per-layer function (e.g. ``jax.checkpoint`` with a
+  policy over the ``checkpoint_name`` tags set below). The default does nothing.
+
+Shapes are written into names: B batch, T sequence, D embed, H query heads,
+K key/value heads, E head dim, F mlp hidden, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxzero.models.attention import Implementation, attention, check_implementation
+
+Array = jax.Array
+ShardFn = Callable[[Array, tuple], Array]  # also the type of `gather`
+RematFn = Callable[[Callable], Callable]
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  vocab_size: int = 256
+  dim: int = 128
+  n_layers: int = 2
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  mlp_dim: int = 256
+  norm_eps: float = 1e-5
+  rope_theta: float = 500_000.0
+  # Llama-3 frequency scaling; rope_scaling_factor <= 1 disables it.
+  rope_scaling_factor: float = 0.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+  # Attention kernel (jaxzero.models.attention): "auto" is cuDNN flash attention on a
+  # GPU that takes the shapes, else "blockwise"; "xla" builds T×T scores.
+  attention: Implementation = "auto"
+
+  @property
+  def head_dim(self) -> int:
+    return self.dim // self.n_heads
+
+  def validate(self) -> None:
+    if self.dim % self.n_heads:
+      raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={self.n_kv_heads}")
+    check_implementation(self.attention, "model.attention")
+
+
+# Published shapes (the values of Meta's Hugging Face config.json files).
+LLAMA31_8B = LlamaConfig(
+    vocab_size=128_256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, mlp_dim=14_336,
+    norm_eps=1e-5, rope_theta=500_000.0, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0, rope_original_max_len=8192, tie_embeddings=False)
+LLAMA31_70B = dataclasses.replace(LLAMA31_8B, dim=8192, n_layers=80, n_heads=64,
+                                  mlp_dim=28_672)
+LLAMA32_1B = dataclasses.replace(LLAMA31_8B, dim=2048, n_layers=16, mlp_dim=8192,
+                                 rope_scaling_factor=32.0, tie_embeddings=True)
+
+
+class ParamSpec(NamedTuple):
+  shape: tuple[int, ...]
+  logical_axes: tuple[str, ...]
+  init: str  # "normal" (std = init_std) or "ones"
+
+
+def is_param_spec(x) -> bool:
+  """`is_leaf` for trees of ParamSpec (a NamedTuple, which jax would flatten)."""
+  return isinstance(x, ParamSpec)
+
+
+def param_specs(cfg: LlamaConfig) -> dict[str, dict[str, ParamSpec] | ParamSpec]:
+  """The one declaration of every weight: shape, logical axes, initialiser."""
+  L, D, H, K, E, F, V = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                         cfg.mlp_dim, cfg.vocab_size)
+  layers = {
+      "attn_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+      "wq_LxDxHxE": ParamSpec((L, D, H, E), ("layers", "embed", "heads", "head_dim"), "normal"),
+      "wk_LxDxKxE": ParamSpec((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "wv_LxDxKxE": ParamSpec((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "wo_LxHxExD": ParamSpec((L, H, E, D), ("layers", "heads", "head_dim", "embed"), "normal"),
+      "mlp_norm": ParamSpec((L, D), ("layers", "embed"), "ones"),
+      "w_gate_LxDxF": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+      "w_up_LxDxF": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+      "w_down_LxFxD": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
+  }
+  specs: dict = {
+      "embed_VxD": ParamSpec((V, D), ("vocab", "embed"), "normal"),
+      "layers": layers,
+      "final_norm": ParamSpec((D,), ("embed",), "ones"),
+  }
+  if not cfg.tie_embeddings:
+    specs["lm_head_DxV"] = ParamSpec((D, V), ("embed", "vocab"), "normal")
+  return specs
+
+
+def _new_param(spec: ParamSpec, key: Array, std: float) -> nnx.Param:
+  if spec.init == "ones":
+    value = jnp.ones(spec.shape, jnp.float32)
+  else:
+    value = std * jax.random.normal(key, spec.shape, jnp.float32)
+  return nnx.Param(value)
+
+
+class DecoderLayers(nnx.Module):
+  """All decoder layers' weights, stacked along a leading ``layers`` axis."""
+
+  def __init__(self, specs: dict[str, ParamSpec], cfg: LlamaConfig, rngs: nnx.Rngs):
+    for name, spec in specs.items():
+      setattr(self, name, _new_param(spec, rngs.params(), cfg.init_std))
+
+  def stacked(self) -> dict[str, Array]:
+    names = [n for n in vars(self) if isinstance(getattr(self, n), nnx.Param)]
+    return {n: getattr(self, n)[...] for n in names}
+
+
+class Llama(nnx.Module):
+  """Llama-3 decoder: tokens int32 [B, T] -> logits float32 [B, T, V].
+
+  Training reads `forward`'s hidden states and head separately
+  (jaxzero.models.loss.cross_entropy then never builds all the logits at once);
+  `__call__` is their product.
+  """
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
+    cfg.validate()
+    self.cfg = cfg
+    specs = param_specs(cfg)
+    self.embed_VxD = _new_param(specs["embed_VxD"], rngs.params(), cfg.init_std)
+    self.layers = DecoderLayers(specs["layers"], cfg, rngs)
+    self.final_norm = _new_param(specs["final_norm"], rngs.params(), cfg.init_std)
+    if not cfg.tie_embeddings:
+      self.lm_head_DxV = _new_param(specs["lm_head_DxV"], rngs.params(), cfg.init_std)
+
+  def __call__(self, tokens_BxT: Array, *, shard: ShardFn | None = None,
+               gather: ShardFn | None = None, remat: RematFn | None = None) -> Array:
+    shard = shard or _no_shard
+    x_BxTxD, head_DxV = self.forward(tokens_BxT, shard=shard, gather=gather, remat=remat)
+    logits_BxTxV = jnp.einsum("btd,dv->btv", x_BxTxD, head_DxV,
+                              preferred_element_type=jnp.float32)
+    return shard(logits_BxTxV, ("batch", "seq", "vocab"))
+
+  def forward(self, tokens_BxT: Array, *, shard: ShardFn | None = None,
+              gather: ShardFn | None = None, remat: RematFn | None = None
+              ) -> tuple[Array, Array]:
+    """(final-normed hidden states [B, T, D], head [D, V]): the logits' factors."""
+    cfg = self.cfg
+    shard, gather = shard or _no_shard, gather or _no_shard
+    T = tokens_BxT.shape[1]
+
+    # An untied embedding is looked up where it lies; a tied one is gathered
+    # once for the lookup and the head.
+    embed_VxD = self.embed_VxD[...]
+    if cfg.tie_embeddings:
+      embed_VxD = gather(embed_VxD, EMBED_AXES)
+    x_BxTxD = shard(jnp.take(embed_VxD, tokens_BxT, axis=0), RESIDUAL_AXES)
+    cos_TxE, sin_TxE = rope_tables(cfg, T)
+
+    layer_axes = {n: spec.logical_axes[1:] for n, spec in param_specs(cfg)["layers"].items()}
+
+    def layer(x_BxTxD, weights):
+      weights = {n: gather(w, layer_axes[n]) for n, w in weights.items()}
+      x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard)
+      return shard(x_BxTxD, RESIDUAL_AXES), None
+
+    if remat is not None:
+      layer = remat(layer)
+    x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, self.layers.stacked())
+    x_BxTxD = rms_norm(x_BxTxD, self.final_norm[...], cfg.norm_eps)
+    head_DxV = embed_VxD.T if cfg.tie_embeddings else gather(self.lm_head_DxV[...], HEAD_AXES)
+    return x_BxTxD, head_DxV
+
+
+EMBED_AXES = ("vocab", "embed")
+HEAD_AXES = ("embed", "vocab")
+
+
+def _no_shard(x: Array, _logical_axes: tuple) -> Array:
+  return x
+
+
+HEADS_AXES = ("batch", "seq", "heads", "head_dim")
+KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
+MLP_AXES = ("batch", "seq", "mlp")
+RESIDUAL_AXES = ("batch", "seq", "embed")
+
+
+def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE: Array,
+                  sin_TxE: Array, shard: ShardFn = _no_shard) -> Array:
+  """One pre-norm transformer block: attention then SwiGLU MLP, both residual."""
+  def proj(spec, h, weight, axes, name):
+    return checkpoint_name(shard(jnp.einsum(spec, h, weight), axes), name)
+
+  h_BxTxD = shard(rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps), RESIDUAL_AXES)
+  q_BxTxHxE = proj("btd,dhe->bthe", h_BxTxD, w["wq_LxDxHxE"], HEADS_AXES, "q_proj")
+  k_BxTxKxE = proj("btd,dke->btke", h_BxTxD, w["wk_LxDxKxE"], KV_AXES, "k_proj")
+  v_BxTxKxE = proj("btd,dke->btke", h_BxTxD, w["wv_LxDxKxE"], KV_AXES, "v_proj")
+  q_BxTxHxE = apply_rope(q_BxTxHxE, cos_TxE, sin_TxE)
+  k_BxTxKxE = apply_rope(k_BxTxKxE, cos_TxE, sin_TxE)
+  # Grouped-query attention is native here: K may divide H.
+  ctx_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, implementation=cfg.attention)
+  ctx_BxTxHxE = checkpoint_name(shard(ctx_BxTxHxE, HEADS_AXES), "attention")
+  attn_BxTxD = proj("bthe,hed->btd", ctx_BxTxHxE, w["wo_LxHxExD"], RESIDUAL_AXES, "o_proj")
+  x_BxTxD = x_BxTxD + attn_BxTxD
+
+  h_BxTxD = shard(rms_norm(x_BxTxD, w["mlp_norm"], cfg.norm_eps), RESIDUAL_AXES)
+  gate_BxTxF = proj("btd,df->btf", h_BxTxD, w["w_gate_LxDxF"], MLP_AXES, "mlp_gate")
+  up_BxTxF = proj("btd,df->btf", h_BxTxD, w["w_up_LxDxF"], MLP_AXES, "mlp_up")
+  down_BxTxD = proj("btf,fd->btd", jax.nn.silu(gate_BxTxF) * up_BxTxF, w["w_down_LxFxD"],
+                    RESIDUAL_AXES, "mlp_down")
+  return x_BxTxD + down_BxTxD
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+  """RMSNorm computed in float32 and cast back, as Hugging Face's Llama does."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight * normed.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> Array:
+  """Inverse RoPE frequencies [E/2], with Llama-3 scaling when configured."""
+  E = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, E, 2, dtype=jnp.float32) / E))
+  factor = cfg.rope_scaling_factor
+  if factor <= 1.0:
+    return inv_freq
+  low_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+  high_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+  smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
+            / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(is_medium, smoothed, scaled)
+
+
+def rope_tables(cfg: LlamaConfig, T: int) -> tuple[Array, Array]:
+  freqs_TxE2 = jnp.arange(T, dtype=jnp.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+  angles_TxE = jnp.concatenate([freqs_TxE2, freqs_TxE2], axis=-1)
+  return jnp.cos(angles_TxE), jnp.sin(angles_TxE)
+
+
+def apply_rope(x_BxTxNxE: Array, cos_TxE: Array, sin_TxE: Array) -> Array:
+  """Rotate-half RoPE (the Hugging Face weight layout), computed in float32."""
+  x32 = x_BxTxNxE.astype(jnp.float32)
+  half = x32.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  out = x32 * cos_TxE[None, :, None, :] + rotated * sin_TxE[None, :, None, :]
+  return out.astype(x_BxTxNxE.dtype)
+
+
+def count_params(cfg: LlamaConfig) -> int:
+  specs = jax.tree.leaves(param_specs(cfg), is_leaf=is_param_spec)
+  return sum(math.prod(s.shape) for s in specs)

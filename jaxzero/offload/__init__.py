@@ -1,0 +1,1 @@
+"""State off the device: the NVMe tier (ZeRO-Infinity) and its checkpoint item."""

@@ -1,0 +1,423 @@
+"""ZeRO-Infinity's NVMe tier (``offload.optimizer=nvme``): the optimizer's state
+on local disk, streamed through memory one chunk at a time.
+
+The fp32 master weights and the optimizer's per-weight leaves (AdamW's m and
+v: 12 bytes a parameter) live in files under ``offload.nvme_dir``
+(jaxzero.offload.nvme_store), each process keeping its own shards in the optimizer's
+layout. Memory holds the compute copy of the weights, the gradients of one
+step and a few chunks. A step:
+
+1. ``Engine.grad_step``: the gradient sum of the A micro-steps in the
+   optimizer's layout, the mean loss and the global gradient norm;
+2. unless the loss or the norm is not finite (the update is then skipped, as
+   in memory), for each chunk in turn (one layer of a stacked weight, cut to
+   at most nvme_store.CHUNK_BYTES): its state is read ahead asynchronously
+   while the chunk before it is updated, the update runs on the devices
+   holding its shards, the new state goes back to disk asynchronously, and
+   the new compute-dtype weights are written in place into the compute copy
+   (for stages 1-2 that write is the all-gather of the updated shards).
+
+The update is the in-memory path's optax math, per chunk: the mean gradient
+(``engine.mean_grad``), clipped with the global norm as optax does
+(``engine.clip_by_norm``), then ``make_optimizer(cfg, clip=False)`` on the
+chunk, with the schedule's and Adam's step counts kept in memory (one scalar
+each). The arithmetic is elementwise, so a chunk computes what the whole tree
+would: bit for bit in the runs measured, within rounding where XLA fuses
+the two programs differently (e.g. with LLVM's optimisations off).
+
+A run never reads its store after a restart: it is rebuilt from the last
+checkpoint, which holds the whole TrainState (jaxzero.checkpoint.checkpointer), so a run
+saved with the NVMe tier resumes in memory and the other way round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pathlib
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxzero import engine as engine_lib
+from jaxzero.checkpoint import integrity
+from jaxzero.engine import TrainState
+from jaxzero.models.llama import Llama
+from jaxzero.offload import nvme_checkpoint, nvme_store
+from jaxzero.sharding.zero import on_device
+
+log = logging.getLogger(__name__)
+
+INIT_BATCH_BYTES = 256 << 20  # random weights drawn at a time (of each copy), at least one weight
+
+
+class NvmeState(NamedTuple):
+  """The train state of an NVMe run: TrainState's fields, the weights' copies on disk."""
+  step: jax.Array
+  params: Any
+  master: Any  # None at every leaf: the master weights are in `store`
+  opt_state: Any  # the optimizer's scalars (step counts); None at its per-weight leaves
+  store: nvme_store.Store  # a static pytree node: no leaves
+
+  def in_memory(self) -> TrainState:
+    """What memory holds, as a TrainState with None where the store holds the leaf."""
+    return TrainState(self.step, self.params, self.master, self.opt_state)
+
+
+def store_directory(nvme_dir: str, workdir) -> pathlib.Path:
+  """This process's store: one directory per run (by workdir) and process."""
+  run = hashlib.sha1(str(pathlib.Path(workdir or ".").absolute()).encode()).hexdigest()[:12]
+  return (pathlib.Path(nvme_dir).expanduser().absolute() / f"jaxzero-{run}"
+          / f"process_{jax.process_index()}")
+
+
+class _Weight:
+  """Marks the leaf of an optimizer state that mirrors weight `name`."""
+
+  def __init__(self, name: str):
+    self.name = name
+
+
+def weight_copies(tx: optax.GradientTransformation, opt_state: Any,
+                  master: Any) -> dict[str, tuple[str, ...]]:
+  """{weight: the TrainState leaves of its copies}: "master/<weight>", then each
+  per-weight leaf of the optimizer state in its order (e.g. Adam's mu, nu)."""
+  weights = jax.tree_util.tree_map_with_path(
+      lambda p, _: _Weight(integrity.leaf_name(p)), master)
+  marked = optax.tree_map_params(tx, lambda _, w: w, opt_state, weights,
+                                 transform_non_params=lambda v: jax.tree.map(lambda _: None, v))
+  copies = {w.name: [f"master/{w.name}"] for w in jax.tree.leaves(weights)}
+  for path, w in jax.tree_util.tree_flatten_with_path(
+      marked, is_leaf=lambda x: isinstance(x, _Weight))[0]:
+    copies[w.name].append(f"opt_state/{integrity.leaf_name(path)}")
+  return {name: tuple(kinds) for name, kinds in copies.items()}
+
+
+def _weight_flags(tx: optax.GradientTransformation, state: Any) -> list[bool]:
+  """For each leaf of `state`: whether it mirrors a weight (else a scalar, e.g. a count)."""
+  return jax.tree.leaves(optax.tree_map_params(
+      tx, lambda _: True, state, transform_non_params=lambda v: jax.tree.map(lambda _: False, v)))
+
+
+def _nest(name: str, value: Any) -> dict:
+  """{"layers": {"w_up_LxDxF": value}} for "layers/w_up_LxDxF": the optimizer's
+  decay mask goes by these names."""
+  for key in reversed(name.split("/")):
+    value = {key: value}
+  return value
+
+
+class Tier:
+  """The NVMe tier of one run: its store, initialisation and streamed update.
+
+  Built from the run's Engine (nothing is allocated, nothing is written); the
+  store is made by :meth:`init` or by a restore (jaxzero.checkpoint.checkpointer).
+  """
+
+  def __init__(self, engine: engine_lib.Engine, directory: pathlib.Path):
+    self.engine, self.cfg, self.directory = engine, engine.cfg, directory
+    sh, abstract = engine.shardings, engine.abstract
+    self._inner = engine_lib.make_optimizer(engine.cfg, clip=False)
+    copies = weight_copies(engine.tx, abstract.opt_state, abstract.master)
+    flat, self._master_def = jax.tree_util.tree_flatten_with_path(abstract.master)
+    master_sh = jax.tree.leaves(on_device(sh.master))
+    self.leaves = [
+        nvme_store.plan_leaf(integrity.leaf_name(path), tuple(a.shape),
+                             copies[integrity.leaf_name(path)], s,
+                             stacked=integrity.leaf_name(path).startswith("layers/"))
+        for (path, a), s in zip(flat, master_sh)]
+    self.names = {kind for leaf in self.leaves for kind in leaf.kinds}
+    # The optimizer state with None at its per-weight leaves: what memory keeps.
+    keep = lambda tree: optax.tree_map_params(engine.tx, lambda _: None, tree,
+                                              transform_non_params=lambda v: v)
+    self._scalar_sh = keep(sh.opt_state)
+    self._scalar_def = jax.tree.structure(keep(abstract.opt_state))
+    self._units: dict[str, Any] = {}
+    replicated = engine.layout.replicated()
+    self._lr = jax.jit(engine_lib.learning_rate_schedule(engine.cfg), out_shardings=replicated)
+    self._next_step = jax.jit(lambda s: s + 1, out_shardings=sh.step)
+    self.store: nvme_store.Store | None = None
+    # The last step's: seconds computing gradients and updating (the update's
+    # last writes may still be in flight), and bytes each way.
+    self.stats: dict[str, float] = {}
+    self.step_bytes = sum(leaf.local_bytes for leaf in self.leaves)  # read, and written
+
+  # -- structure ---------------------------------------------------------------------
+
+  def open_store(self) -> nvme_store.Store:
+    """An empty store (a killed run's is deleted first)."""
+    if self.store is not None:
+      self.store.close()
+    self.store = nvme_store.Store(self.directory, self.leaves)
+    log.info("NVMe tier: %.1f GB of optimizer state in %s",
+             nvme_store.bytes_needed(self.leaves) / 1e9, self.directory)
+    return self.store
+
+  def fill(self, recorded: dict, saved, open_saved) -> tuple[list[str], list[str]]:
+    """A new store filled from a checkpoint being restored: from its ``nvme``
+    item `saved`, else from its `state` arrays (opened by leaf name); returns
+    the leaves whose checksums differ from `recorded`, and those not finite
+    (jaxzero.checkpoint.side_item.SideTarget)."""
+    return nvme_checkpoint.fill(self.open_store(), recorded, saved, open_saved)
+
+  def state(self, restored: TrainState) -> NvmeState:
+    """The NVMe state of a TrainState restored with None at the leaves the store
+    holds (`names`), once the store is filled."""
+    return NvmeState(*restored, self.store)
+
+  def close(self) -> None:
+    """Deletes the store's files (a checkpoint holds the state)."""
+    if self.store is not None:
+      self.store.close()
+      self.store = None
+
+  # -- step 0 --------------------------------------------------------------------------
+
+  def init(self, master: Any = None) -> NvmeState:
+    """Step 0 as Engine.init makes it (same random weights from cfg.seed, or
+    `master` placed by ``shardings.master``), its weights' copies written to disk."""
+    sh = self.engine.shardings
+    store = self.open_store()
+    master_sh = jax.tree.leaves(on_device(sh.master))
+    random = master is None
+    if random:
+      batches = self._init_batches()
+    else:
+      weights = jax.tree.leaves(jax.device_put(master, on_device(sh.master)))
+      del master
+      batches = [[i] for i in range(len(self.leaves))]
+    for batch in batches:
+      if random:  # drawn a batch of weights at a time
+        weights = dict(zip(batch, self._random_weights(batch, [master_sh[i] for i in batch])))
+      for i in batch:  # each fp32 weight dropped once written
+        self._write_first(store, self.leaves[i], weights[i])
+        weights[i] = None
+    # The compute copy is read back, so that it never sits beside a weight
+    # being drawn (whose random bits take three times its size).
+    params = self._compute_copy(store)
+    # The optimizer's scalars do not depend on the weights' shapes: initialised
+    # over one-element stand-ins.
+    stand_ins = jax.tree.map(lambda _: jnp.zeros((1,), jnp.float32), self.engine.abstract.master)
+    full = jax.jit(self.engine.tx.init)(stand_ins)
+    scalars = [x for x, is_weight in zip(jax.tree.leaves(full),
+                                         _weight_flags(self.engine.tx, full)) if not is_weight]
+    opt_state = jax.device_put(self._scalar_def.unflatten(scalars), self._scalar_sh)
+    step = jax.device_put(jnp.zeros((), jnp.int32), sh.step)
+    store.writes.wait()
+    return NvmeState(step, params, jax.tree.map(lambda _: None, self.engine.abstract.master),
+                     opt_state, store)
+
+  def _init_batches(self) -> list[list[int]]:
+    """Weights drawn together, largest first, each batch at most the largest
+    weight or INIT_BATCH_BYTES (of this process's shards)."""
+    order = sorted(range(len(self.leaves)), key=lambda i: -self.leaves[i].local_bytes)
+    budget = max(self.leaves[order[0]].local_bytes, INIT_BATCH_BYTES * len(self.leaves[0].kinds))
+    batches, size = [[]], 0
+    for i in order:
+      if batches[-1] and size + self.leaves[i].local_bytes > budget:
+        batches.append([])
+        size = 0
+      batches[-1].append(i)
+      size += self.leaves[i].local_bytes
+    return batches
+
+  def _random_weights(self, batch: list[int], shardings: list) -> list[jax.Array]:
+    """Weights `batch` of Engine.init's random master weights (the same values:
+    the model is built whole and XLA computes only what is returned)."""
+    cfg = self.cfg
+
+    def draw():
+      model = Llama(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
+      weights = jax.tree.leaves(nnx.to_pure_dict(nnx.split(model, nnx.Param)[1]))
+      return [weights[i] for i in batch]
+
+    return jax.jit(draw, out_shardings=shardings)()
+
+  def _write_first(self, store, leaf: nvme_store.Leaf, weight: jax.Array) -> None:
+    """Writes step 0's chunks of one weight."""
+    shards = {s.device: s.data for s in weight.addressable_shards}
+    for region in leaf.regions:
+      data = np.asarray(shards[region.devices[0]])
+      for starts in leaf.starts():
+        box = leaf.chunk_box(region, starts)
+        w = data[tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(box, region.box))]
+        store.write(leaf, region, starts, self._first_copies(leaf, w))
+
+  def _compute_copy(self, store) -> Any:
+    """The compute-dtype weights, cast on the host from the master weights in
+    `store` (numpy's bf16 rounding is XLA's: round to nearest even)."""
+    store.writes.wait()
+    compute = engine_lib.dtype_of(self.cfg.precision.compute)
+    params = []
+    for leaf, params_sh in zip(self.leaves, jax.tree.leaves(self.engine.shardings.params)):
+      arrays = []
+      for region in leaf.regions:
+        weight = np.empty([b - a for a, b in region.box], compute)
+        for starts in leaf.starts():
+          box = leaf.chunk_box(region, starts)
+          chunk = store.read(leaf, region, starts).result()
+          weight[tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(box, region.box))] = (
+              chunk[0].astype(compute))
+        arrays += [jax.device_put(weight, d) for d in region.devices]
+      weight = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, arrays)
+      params.append(jax.device_put(weight, params_sh))
+    return jax.tree.unflatten(self._master_def, params)
+
+  def _first_copies(self, leaf: nvme_store.Leaf, w: np.ndarray) -> np.ndarray:
+    """A chunk [K, ...] of step 0: a box of the master weight, and the optimizer's
+    initial per-weight leaves for it (Adam's zeros)."""
+    state = self._inner.init(_nest(leaf.name, w))
+    copies = [x for x, is_weight in zip(jax.tree.leaves(state), _weight_flags(self._inner, state))
+              if is_weight]
+    return np.stack([w, *map(np.asarray, copies)]).astype(np.float32)
+
+  @staticmethod
+  def _write_chunk(store, leaf: nvme_store.Leaf, starts, chunk: jax.Array) -> None:
+    shards = {s.device: s.data for s in chunk.addressable_shards}
+    for region in leaf.regions:
+      store.write(leaf, region, starts, np.asarray(shards[region.devices[0]]))
+
+  # -- the step ------------------------------------------------------------------------
+
+  def compile(self, state: NvmeState, batch: jax.Array):
+    """The step as the training loop runs it: (state, tokens [A, B, T+1]) -> (state,
+    metrics), with the gradient step compiled now (the updates on first use)."""
+    grad_step = self.engine.grad_step.lower(state.params, batch).compile()
+    return lambda state, batch: self.step(state, batch, grad_step)
+
+  def step(self, state: NvmeState, batch: jax.Array, grad_step=None):
+    """One optimizer step; `state` is consumed (its compute copy is updated in place)."""
+    grad_step = grad_step or self.engine.grad_step
+    start = time.perf_counter()
+    grads, loss, grad_norm = grad_step(state.params, batch)
+    finite = bool(np.isfinite(float(loss)) and np.isfinite(float(grad_norm)))
+    self.stats = {"grad_s": time.perf_counter() - start, "update_s": 0.0}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self._lr(state.step),
+               "nonfinite": jnp.int32(not finite)}
+    params, opt_state = state.params, state.opt_state
+    if finite:  # a non-finite step never reaches the state (jaxzero.engine.step), here nor on disk
+      start = time.perf_counter()
+      params, opt_state = self._update(state, grads, grad_norm)
+      self.stats["update_s"] = time.perf_counter() - start  # its last writes may be in flight
+    del grads
+    return NvmeState(self._next_step(state.step), params, state.master, opt_state,
+                     state.store), metrics
+
+  def _update(self, state: NvmeState, grads: Any, grad_norm: jax.Array):
+    """The streamed optimizer update: (new compute copy, new optimizer scalars)."""
+    store, sh = state.store, self.engine.shardings
+    store.writes.wait()  # the last step's writes, before their chunks are read again
+    params = jax.tree.leaves(jax.device_put(state.params, on_device(sh.params)))
+    grads = jax.tree.leaves(grads)
+    scalars = jax.tree.leaves(state.opt_state)
+    new_scalars, written = None, None
+    index = {leaf.name: i for i, leaf in enumerate(self.leaves)}
+    units = [(leaf, starts) for leaf in self.leaves for starts in leaf.starts()]
+
+    def read(unit):
+      leaf, starts = unit
+      return _All([store.read(leaf, region, starts) for region in leaf.regions])
+
+    for (leaf, starts), chunks in nvme_store.prefetched(units, read):
+      i = index[leaf.name]
+      params[i], new_chunk, out_scalars = self._unit(leaf)(
+          params[i], grads[i], self._global_chunk(leaf, chunks), starts, scalars, grad_norm)
+      new_scalars = new_scalars or out_scalars
+      if written is not None:  # the previous chunk's, while this one computes
+        self._write_chunk(store, *written)
+      written = (leaf, starts, new_chunk)
+    self._write_chunk(store, *written)
+    params = jax.device_put(jax.tree.unflatten(jax.tree.structure(state.params), params),
+                            sh.params)
+    return params, self._scalar_def.unflatten(new_scalars)
+
+  @staticmethod
+  def _global_chunk(leaf: nvme_store.Leaf, chunks: list[np.ndarray]) -> jax.Array:
+    """One global array [K, ...] of a chunk's boxes, each on the devices holding it."""
+    arrays = [jax.device_put(data, d) for region, data in zip(leaf.regions, chunks)
+              for d in region.devices]
+    shape = (len(leaf.kinds), *leaf.chunk)
+    return jax.make_array_from_single_device_arrays(shape, leaf.chunk_sharding, arrays)
+
+  def _unit(self, leaf: nvme_store.Leaf):
+    """Jitted (compute weight, gradient sum, chunk, start, scalars, norm) ->
+    (compute weight, new chunk, new scalars) for one chunk of `leaf`."""
+    if leaf.name in self._units:
+      return self._units[leaf.name]
+    cfg, sh, inner = self.cfg, self.engine.shardings, self._inner
+    accum, clip = cfg.train.grad_accum, cfg.train.clip_norm
+    compute = engine_lib.dtype_of(cfg.precision.compute)
+    i = [l.name for l in self.leaves].index(leaf.name)
+    params_sh = jax.tree.leaves(on_device(sh.params))[i]
+    replicated = self.engine.layout.replicated()
+    scalar_sh = jax.tree.leaves(self._scalar_sh)
+
+    def unit(weight, grad_sum, chunk, starts, scalars, grad_norm):
+      g = engine_lib.mean_grad(_box_of(leaf, grad_sum, starts), accum)
+      if clip > 0:
+        g = engine_lib.clip_by_norm(g, grad_norm, clip)
+      master = _nest(leaf.name, chunk[0])
+      template = inner.init(master)  # its zeros are replaced (and never computed)
+      flags = _weight_flags(inner, template)
+      copies, counts = iter(list(chunk[1:])), iter(scalars)
+      state = jax.tree.unflatten(jax.tree.structure(template),
+                                 [next(copies) if f else next(counts) for f in flags])
+      updates, state = inner.update(_nest(leaf.name, g), state, master)
+      new_master = jax.tree.leaves(optax.apply_updates(master, updates))[0]
+      leaves = jax.tree.leaves(state)
+      new_copies = [x for x, f in zip(leaves, flags) if f]
+      new_scalars = [x for x, f in zip(leaves, flags) if not f]
+      new_weight = new_master.astype(compute)
+      if leaf.cut:  # in place (the weight is donated)
+        new_weight = _as(weight.dtype, jax.lax.dynamic_update_slice(
+            _bits(weight), _bits(new_weight), _corner(leaf, starts)))
+      return new_weight, jnp.stack([new_master, *new_copies]), new_scalars
+
+    fn = jax.jit(unit, donate_argnums=0 if leaf.cut else (),
+                 in_shardings=(params_sh, jax.tree.leaves(on_device(sh.master))[i],
+                               leaf.chunk_sharding, replicated, scalar_sh, replicated),
+                 out_shardings=(params_sh, leaf.chunk_sharding, scalar_sh))
+    self._units[leaf.name] = fn
+    return fn
+
+
+def _corner(leaf: nvme_store.Leaf, starts) -> list:
+  """A chunk's first index: `starts` (traced) along the cut dimensions, 0 elsewhere
+  (static, so that a split dimension is never sliced)."""
+  where = dict(zip(leaf.cut, starts))
+  return [where.get(d, 0) for d in range(len(leaf.shape))]
+
+
+def _box_of(leaf: nvme_store.Leaf, x: jax.Array, starts) -> jax.Array:
+  """The chunk of `x` (a whole weight) that starts at `starts`."""
+  if not leaf.cut:
+    return x
+  return _as(x.dtype, jax.lax.dynamic_slice(_bits(x), _corner(leaf, starts), leaf.chunk))
+
+
+# A chunk is written into, and sliced out of, a whole (stacked) weight as raw
+# bits: XLA:CPU moves bfloat16 data as float32, so updating one chunk of a bf16
+# weight converted all of it, there and back, for every chunk (a whole stacked
+# weight per chunk: most of the update's time). Slicing fused the conversion
+# away, but goes through bits too, so no f32 copy of a stack is ever compiled.
+# The bitcasts cost nothing, here or on a GPU.
+_bits = integrity.bits
+
+
+def _as(dtype, bits: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+class _All:
+  """The results of several futures, as one."""
+
+  def __init__(self, futures):
+    self._futures = futures
+
+  def result(self):
+    return [f.result() for f in self._futures]

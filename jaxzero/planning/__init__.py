@@ -1,0 +1,1 @@
+"""Before a run: per-device bytes, the memory check, the collectives report."""

@@ -1,0 +1,197 @@
+"""Before anything is allocated: whether the run fits in memory.
+
+:func:`check` is the start-up memory check: model state per device from the
+shardings (``state_bytes.state_bytes``, exact) plus an analytic estimate of the
+step's activations, against the device's memory (``memory_stats()``'s
+``bytes_limit``) or, on a CPU, the host's RAM shared by its CPU devices. It runs
+in well under a second, before the state is created, and a run that cannot
+fit stops with one line saying what would fit. Compiling the step, as
+``jaxzero.plan`` does, measures XLA's own figure; this only estimates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from jaxzero.errors import ConfigError
+from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.utils.formatting import format_bytes
+
+log = logging.getLogger(__name__)
+
+# Activation bytes are an estimate; a step also needs room for XLA's own buffers.
+HEADROOM = 1.1
+
+
+class DoesNotFitError(ConfigError):
+  """The run does not fit the devices' memory (jaxzero.train --force goes on anyway)."""
+
+
+# ----------------------------------------------------------------------------
+# Accounting
+
+
+@dataclasses.dataclass
+class Budget:
+  """Per-device bytes of a run, and what this machine offers."""
+  params: int
+  grads: int
+  optimizer: int
+  host: int  # of the state above, placed in pinned_host
+  activations: int  # estimate of the step's temporaries
+  available: int | None  # device memory per device; None = unknown
+  where: str  # what `available` is, in words
+  devices: int
+  platform: str
+  disk: int = 0  # of the state above, in files (offload.optimizer=nvme)
+
+  @property
+  def state(self) -> int:
+    return self.params + self.grads + self.optimizer
+
+  @property
+  def needed(self) -> int:
+    """What must fit in `available`: on a CPU host memory is device memory."""
+    on_device = self.state + self.activations - self.disk
+    return on_device if self.platform == "cpu" else on_device - self.host
+
+  @property
+  def fits(self) -> bool:
+    return self.available is None or self.needed * HEADROOM <= self.available
+
+
+def activation_bytes(cfg, micro_batch: int, shard_size: int, params_sharded: bool) -> int:
+  """Estimated per-device bytes of the step's temporaries.
+
+  Saved activations of every layer by remat.policy (in the compute dtype), one
+  layer's recomputed working set in fp32 (attention in tiles of 512 keys),
+  the loss's logits over one vocabulary chunk, and under stage 3 one layer's
+  gathered weights twice (the gather of the next layer overlaps the current).
+  """
+  from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
+  m, t = cfg.model, cfg.train
+  c = 2 if cfg.precision.compute == "bfloat16" else 4
+  tokens = micro_batch * t.seq_len
+  head_dim = m.dim // m.n_heads
+  kv = 2 * m.n_kv_heads * head_dim
+  saved_per_token = {  # per layer: the layer input plus the kept names (jaxzero.engine.remat)
+      "none": 5 * m.dim + kv + 2 * m.mlp_dim,
+      "save_matmuls": 4 * m.dim + kv + 2 * m.mlp_dim,
+      "save_attention": 3 * m.dim + kv,
+      "full": m.dim,
+      "offload_matmuls": m.dim,
+  }.get(cfg.remat.policy, 5 * m.dim + kv + 2 * m.mlp_dim)
+  saved = m.n_layers * tokens * saved_per_token * c
+  working = tokens * (4 * m.dim + 3 * m.mlp_dim) * 4
+  working += micro_batch * m.n_heads * t.seq_len * min(t.seq_len, 512) * 4
+  logits = 2 * tokens * min(m.vocab_size, 8192) * 4
+  layer_params = count_params(m) / m.n_layers
+  gathered = 2 * layer_params * c if params_sharded and shard_size > 1 else 0
+  layer_grads = layer_params * 4
+  return int(saved + working + logits + gathered + layer_grads)
+
+
+def available_bytes(devices) -> tuple[int | None, str]:
+  """Memory per device and what it is: a GPU's limit, or host RAM over the CPU devices."""
+  import jax  # pylint: disable=import-outside-toplevel
+  mine = [d for d in devices if d.process_index == jax.process_index()]
+  device = mine[0]
+  if device.platform == "cpu":
+    local = len(mine)
+    ram = host_memory_bytes()
+    return ram // local, (f"{local} CPU devices share this host's {format_bytes(ram)} of RAM "
+                          f"({format_bytes(ram // local)} each)")
+  stats = device.memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  if not limit:
+    return None, f"the {device.device_kind}'s memory limit is not reported"
+  return int(limit), f"each {device.device_kind} has {format_bytes(limit)}"
+
+
+def host_memory_bytes() -> int:
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def budget(engine, devices) -> Budget:
+  """The per-device accounting of `engine`'s run on `devices` (nothing is allocated)."""
+  from jaxzero.planning import state_bytes  # pylint: disable=import-outside-toplevel
+  layout = engine.layout
+  state = state_bytes.state_bytes(engine)
+  micro = mesh_lib.micro_batch(engine.cfg.train, layout.data_parallel_size)
+  available, where = available_bytes(devices)
+  return Budget(state["params"], state["grads"], state["optimizer"], state["host"],
+                activation_bytes(engine.cfg, micro, layout.shard_size, layout.is_sharded("params")),
+                available, where, len(devices), devices[0].platform,
+                disk=state["nvme"])
+
+
+# ----------------------------------------------------------------------------
+# The check
+
+
+def check(engine, devices, force: bool = False) -> Budget:
+  """The run's Budget; raises DoesNotFitError (one line) when it cannot fit, unless `force`."""
+  b = budget(engine, devices)
+  if b.fits:
+    return b
+  on_disk = f", less {format_bytes(b.disk)} on disk" if b.disk else ""
+  message = (f"this run needs about {format_bytes(b.needed)} per device (model state {format_bytes(b.state)}"
+             f"{on_disk} + activations ~{format_bytes(b.activations)}) on {b.devices} devices, but "
+             f"{b.where}; {suggest(engine, b)}; --force starts it anyway")
+  if force:
+    log.warning("--force: %s", message)
+    return b
+  raise DoesNotFitError(message)
+
+
+def suggest(engine, b: Budget) -> str:
+  """What would fit, from the analytic accounting: another stage or remat policy,
+  offload, a smaller micro-batch, or more devices."""
+  from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
+  from jaxzero.sharding.zero import SHARDED_ROLES  # pylint: disable=import-outside-toplevel
+  cfg, layout = engine.cfg, engine.layout
+  phi = count_params(cfg.model)
+  c = 2 if cfg.precision.compute == "bfloat16" else 4
+  g = 4 if cfg.zero.grad_dtype == "float32" else 2
+  micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
+  cpu = b.platform == "cpu"
+
+  def needed(stage=layout.stage, n=layout.shard_size, policy=cfg.remat.policy, m=micro,
+             offload=cfg.offload.optimizer) -> int:
+    shard = lambda role: n if role in SHARDED_ROLES[stage] else 1
+    opt = 12 * phi / shard("optimizer")
+    state = c * phi / shard("params") + g * phi / shard("grads")
+    state += opt if offload == "device" or (cpu and offload == "pinned_host") else 0
+    policy_cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy=policy))
+    state /= getattr(layout, "tensor_size", 1)  # mesh.tensor splits every weight further
+    return int(state + activation_bytes(policy_cfg, m, n, stage == 3 and n > 1))
+
+  fits = lambda n_bytes: n_bytes * HEADROOM <= b.available
+  ideas = []
+  if layout.stage < 3 and fits(needed(stage=3)):
+    ideas.append(f"zero.stage=3 (~{format_bytes(needed(stage=3))})")
+  if cfg.remat.policy != "full" and fits(needed(policy="full")):
+    ideas.append(f"remat.policy=full (~{format_bytes(needed(policy='full'))})")
+  if not cpu and cfg.offload.optimizer == "device" and fits(needed(offload="pinned_host")):
+    ideas.append(f"offload.optimizer=pinned_host (~{format_bytes(needed(offload='pinned_host'))})")
+  elif cfg.offload.optimizer != "nvme" and fits(needed(offload="nvme")):
+    ideas.append(f"offload.optimizer=nvme with offload.nvme_dir=PATH "
+                 f"(~{format_bytes(needed(offload='nvme'))})")
+  if micro > 1 and fits(needed(m=1)):
+    ideas.append(f"micro-batch 1, i.e. train.grad_accum={cfg.train.grad_accum * micro} "
+                 f"(~{format_bytes(needed(m=1))})")
+  if ideas:
+    return "what would fit: " + " or ".join(ideas)
+  smallest = needed(stage=3, policy="full", m=1)
+  if cpu:
+    return (f"nothing fits this host: even ZeRO-3 with remat.policy=full and micro-batch 1 "
+            f"needs ~{format_bytes(smallest)} per device, the model state alone "
+            f"{format_bytes((c + g + 12) * phi)} in all; train a smaller model here, or plan GPUs "
+            f"with jaxzero.plan --config ... --hbm-gb G")
+  for n in (2 ** k for k in range(1, 17)):
+    if n > layout.shard_size and fits(needed(stage=3, policy="full", m=1, n=n)):
+      return (f"ZeRO-3 with remat.policy=full and micro-batch 1 would fit on {n} such devices "
+              f"(~{format_bytes(needed(stage=3, policy='full', m=1, n=n))} each)")
+  return f"even ZeRO-3 with remat.policy=full and micro-batch 1 needs ~{format_bytes(smallest)}"

@@ -1,0 +1,364 @@
+"""Memory planning: per-device bytes of every ZeRO stage, read from XLA itself.
+
+For each row of the plan (a stage, a remat policy or an offload setting) the
+planner lowers and compiles the very train step that training runs, ahead of
+time, on N virtual CPU devices. Its inputs are ``ShapeDtypeStruct``s that carry
+only shapes and shardings, so no weight is ever allocated: a 70B model plans
+on a laptop. Two kinds of figures come out:
+
+* model state (params, grads, optimizer) counted from the shardings, next to
+  the ZeRO paper's formula for it;
+* XLA's own figures from ``compiled.memory_analysis()``: the temporaries of the
+  step (reported less the gradient buffers among them, which the state counts)
+  and the total the device must hold while the step runs.
+
+The figures are those of XLA's CPU compiler. A GPU compiler makes other
+choices (e.g. fused attention keeps no T x T score matrix), so treat
+``activation_bytes`` as an estimate of the GPU's; model state is exact.
+
+With the NVMe tier (``offload.optimizer=nvme``) the optimizer state is in files
+(``nvme_bytes``) and its update streams it outside the compiled step, so the
+planner compiles ``Engine.grad_step``: XLA's figures (and ``--comm``'s) leave
+the update out, with its chunks in flight and, at stages 1-2, its all-gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import jax
+
+from jaxzero import config as config_lib
+from jaxzero import engine as engine_lib
+from jaxzero.config import Config
+from jaxzero.engine.remat import POLICY_NAMES
+from jaxzero.errors import ConfigError
+from jaxzero.models.llama import count_params
+from jaxzero.planning import collectives as comm_lib
+from jaxzero.planning import state_bytes as state_lib
+from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.sharding.zero import Layout
+
+log = logging.getLogger(__name__)
+
+# The plan needs XLA's buffer assignment, which is fixed before code generation;
+# LLVM's optimisations and the MLIR fusion emitters only make the CPU kernels
+# faster. Without them Llama-3-8B and 70B steps compile about 6x faster, with
+# the same argument and output bytes and temporaries within a few hundred bytes.
+FAST_COMPILE_OPTIONS = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_cpu_use_fusion_emitters": False,
+}
+# For the memory figures, XLA:CPU's loop-invariant code motion is left out:
+# XLA:CPU computes bf16 data movement in f32 (float normalization), so a layer
+# loop's slice of a bf16 weight stack becomes a slice of an f32 copy of the
+# whole stack, which code motion then hoists out of the loop (4 bytes x the
+# stack per device, e.g. 4.4 GB for Llama-3-70B on 64 devices). A GPU compiler
+# moves bf16 as bf16 and makes no such copy. Communication is counted on the
+# program compiled with every pass (code motion also hoists collectives).
+MEMORY_COMPILE_OPTIONS = {**FAST_COMPILE_OPTIONS,
+                          "xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+# The largest micro-batch per device the search tries.
+MICRO_BATCH_LIMIT = 1024
+SWEEPS = ("stages", "remat", "offload")
+# Remat policies that move saved activations to pinned_host.
+OFFLOADING_POLICIES = frozenset({"offload_matmuls"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One row of a plan: where the state lives and how activations are kept."""
+  stage: int
+  hybrid: bool
+  remat: str
+  offload_optimizer: str = "device"
+  offload_params: str = "device"
+
+  @property
+  def strategy(self) -> str:
+    return config_lib.strategy_name(self.stage, self.hybrid)
+
+  def apply(self, cfg: Config) -> Config:
+    return dataclasses.replace(
+        cfg, zero=dataclasses.replace(cfg.zero, stage=self.stage, strategy="", hybrid=self.hybrid),
+        remat=dataclasses.replace(cfg.remat, policy=self.remat),
+        offload=dataclasses.replace(cfg.offload, optimizer=self.offload_optimizer,
+                                    params=self.offload_params))
+
+
+@dataclasses.dataclass
+class Row:
+  """The plan of one variant, per device. Field names are the documented contract."""
+  strategy: str
+  stage: int
+  hybrid: bool
+  devices: int
+  mesh: tuple[int, int]  # (replica, fsdp)
+  micro_batch: int  # sequences per device per micro-step
+  grad_accum: int
+  seq_len: int
+  remat: str
+  offload_optimizer: str
+  offload_params: str
+  params_bytes: int  # compute copy of the weights
+  grads_bytes: int  # gradients in zero.grad_dtype, placed by the stage's grads role
+  optimizer_bytes: int  # fp32 master weights + Adam moments
+  # XLA's temporaries of the step less the gradient buffers among them (those
+  # are grads_bytes, in the state): activations, gathered weights, workspace.
+  activation_bytes: int
+  host_bytes: int  # state leaves placed in pinned_host
+  nvme_bytes: int  # state leaves in the NVMe tier's files (state_bytes.nvme_bytes)
+  transfer_bytes: int  # host <-> device bytes per step, both ways (state_bytes.transfer_bytes)
+  total_bytes: int  # XLA's figure for what the device holds during the step
+  theory_state_bytes: int  # the ZeRO formula for params + grads + optimizer
+  theory_formula: str
+  fits: bool  # total_bytes <= the HBM budget
+  max_micro_batch: int | None  # largest micro_batch that fits; None when not searched
+  xla_host_bytes: int  # what XLA reports in host memory (state and offloaded activations)
+  # False when something was placed in pinned_host but XLA counted it in its
+  # device figures (the CPU compiler does): then total_bytes includes host_bytes
+  # and offloaded activations.
+  xla_separates_host: bool
+  # With comm=True: every collective of the compiled step, counted the ZeRO way
+  # (a jaxzero.planning.collectives.CommReport); None otherwise.
+  comm_report: object = dataclasses.field(default=None, repr=False, compare=False)
+  tensor: int = 1  # mesh.tensor: `devices` = replica x fsdp x tensor
+
+  @property
+  def state_bytes(self) -> int:
+    return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+@dataclasses.dataclass
+class Plan:
+  rows: list[Row]
+  notes: list[str]
+  n_params: int
+  hbm_bytes: int
+  compiles: int
+  seconds: float
+
+
+# ----------------------------------------------------------------------------
+# What to plan
+
+
+def variants(cfg: Config, sweep: str, replica: int) -> list[Variant]:
+  """The rows of a plan: every stage, every remat policy, or every offload setting."""
+  stage, hybrid = cfg.zero.resolved
+  policy, offload = cfg.remat.policy, cfg.offload
+  if sweep == "stages":
+    rows = [Variant(s, False, policy, offload.optimizer, offload.params if s == 3 else "device")
+            for s in range(4)]
+    if replica > 1:
+      rows += [Variant(3, True, policy, offload.optimizer, offload.params),
+               Variant(2, True, policy, offload.optimizer)]
+    return rows
+  if sweep == "remat":
+    return [Variant(stage, hybrid, name, offload.optimizer, offload.params)
+            for name in POLICY_NAMES]
+  if sweep == "offload":
+    kinds = [("device", "device"), ("pinned_host", "device")]
+    if stage == 3:
+      kinds += [("device", "pinned_host"), ("pinned_host", "pinned_host")]
+    return [Variant(stage, hybrid, policy, opt, params) for opt, params in kinds]
+  raise ValueError(f"sweep={sweep!r}; choose one of: {', '.join(SWEEPS)}")
+
+
+def fit_batch_arithmetic(cfg: Config, n_data_parallel: int) -> tuple[Config, list[str]]:
+  """`cfg` with a grad_accum that splits train.global_batch over the devices.
+
+  A preset written for 8 devices (global_batch 64 = micro 1 x 8 x grad_accum
+  8) does not divide 64 devices. Planning keeps global_batch and takes the
+  largest grad_accum up to the configured one that divides it, as one would
+  when moving to more devices; the plan says so.
+  """
+  t = cfg.train
+  for accum in range(t.grad_accum, 0, -1):
+    if t.global_batch % (n_data_parallel * accum) == 0:
+      break
+  else:
+    raise ConfigError(f"train.global_batch={t.global_batch} cannot be split over "
+                      f"{n_data_parallel} data-parallel devices; use a multiple of "
+                      f"{n_data_parallel} (--set train.global_batch=...)")
+  if accum == t.grad_accum:
+    return cfg, []
+  note = (f"train.grad_accum {t.grad_accum} -> {accum} so that global_batch {t.global_batch} "
+          f"= micro-batch {t.global_batch // (n_data_parallel * accum)} x {n_data_parallel} "
+          f"devices x {accum}")
+  return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum=accum)), [note]
+
+
+def cpu_devices(n: int) -> list:
+  devices = jax.devices("cpu")
+  if n > len(devices):
+    raise ConfigError(f"planning for {n} devices needs {n} virtual CPU devices, but JAX started "
+                      f"with {len(devices)}; run jaxzero.plan in a fresh process")
+  return devices[:n]
+
+
+# ----------------------------------------------------------------------------
+# XLA's figures from the compiled step
+
+
+def compile_step(engine: engine_lib.Engine, micro_batch: int, options=FAST_COMPILE_OPTIONS):
+  """The real train step, compiled ahead of time from shapes: nothing is allocated.
+  With the NVMe tier, the step without its update (which runs outside it)."""
+  batch = engine.abstract_batch(micro_batch)
+  if engine.cfg.offload.optimizer == "nvme":
+    lowered = engine.grad_step.lower(engine.abstract_state().params, batch)
+  else:
+    lowered = engine.train_step.lower(engine.abstract_state(), batch)
+  try:
+    return lowered.compile(compiler_options=options)
+  except jax.errors.JaxRuntimeError as e:
+    if "No such compile option" not in str(e):
+      raise
+    log.info("this XLA lacks a fast-compile option (%s); compiling with defaults", e)
+    return lowered.compile()
+
+
+def xla_total_bytes(stats) -> int:
+  """What the device holds while the step runs, by XLA's buffer assignment.
+
+  Arguments (the state and the batch) and outputs live across the call and
+  temporaries only during it, so their sum bounds the peak. Donated state is
+  an argument aliased to an output: counted once, hence "- alias". Buffers in
+  host memory are reported apart (host_*) by compilers that separate them.
+  (`peak_memory_in_bytes` is not used: the CPU compiler leaves temporaries
+  out of it.)
+  """
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+          + stats.generated_code_size_in_bytes)
+
+
+def xla_host_bytes(stats) -> int:
+  return (stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes
+          - stats.host_alias_size_in_bytes + stats.host_temp_size_in_bytes)
+
+
+def largest_micro_batch(total_at: Callable[[int], int], budget: int, start: int,
+                        start_total: int, limit: int = MICRO_BATCH_LIMIT) -> int:
+  """Largest micro-batch whose step fits `budget` (0 if none), from a known point.
+
+  Each probe is one compile, so it predicts instead of doubling: device
+  bytes grow affinely with the micro-batch (activations and the batch scale,
+  the state does not), and the next probe is the prediction from the last
+  two points, clamped into the bracket (fits, fails) so that every probe
+  narrows it. Usually three compiles.
+  """
+  if start_total > budget:  # downward: plain bisection over [0, start)
+    fits, fails = 0, start
+    while fails - fits > 1:
+      mid = (fits + fails) // 2
+      fits, fails = (mid, fails) if total_at(mid) <= budget else (fits, mid)
+    return fits
+  fits, fits_total, fails = start, start_total, None
+  last = (start, start_total)
+  probe = min(2 * start, limit)
+  while fits < limit and (fails is None or fails - fits > 1):
+    total = total_at(probe)
+    if total <= budget:
+      fits, fits_total = probe, total
+    else:
+      fails = probe
+    slope = (total - last[1]) / (probe - last[0]) if probe != last[0] else 0
+    last = (probe, total)
+    guess = fits + int((budget - fits_total) // slope) if slope > 0 else limit
+    upper = fails - 1 if fails is not None else limit
+    probe = max(fits + 1, min(guess, upper))
+  return fits
+
+
+# ----------------------------------------------------------------------------
+# The plan
+
+
+def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant] = "stages",
+         search: bool = True, comm: bool = False) -> Plan:
+  """Plans each variant of `sweep` (a name in SWEEPS, or the variants themselves)
+  for `cfg` on `n_devices` virtual CPU devices; `comm` also counts each
+  variant's collectives (jaxzero.planning.collectives)."""
+  t0 = time.perf_counter()
+  devices = cpu_devices(n_devices)
+  replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, n_devices)
+  cfg, notes = fit_batch_arithmetic(cfg, replica * fsdp)
+  mesh = mesh_lib.make_mesh(replica, fsdp, devices, tensor)
+  rows, compiles = [], 0
+  for variant in variants(cfg, sweep, replica) if isinstance(sweep, str) else sweep:
+    variant_cfg = variant.apply(cfg)
+    engine = engine_lib.Engine(variant_cfg, Layout.from_config(variant_cfg, mesh))
+    row, n = _plan_variant(engine, variant, hbm_bytes, search, comm)
+    rows.append(row)
+    compiles += n
+  notes += _notes(cfg, sweep, rows)
+  return Plan(rows, notes, count_params(cfg.model), hbm_bytes, compiles,
+              time.perf_counter() - t0)
+
+
+def _plan_variant(engine: engine_lib.Engine, variant: Variant, hbm_bytes: int,
+                  search: bool, comm: bool) -> tuple[Row, int]:
+  """The row of one variant, and how many compiles it took."""
+  micro = mesh_lib.micro_batch(engine.cfg.train, engine.layout.data_parallel_size)
+  compiled = compile_step(engine, micro, MEMORY_COMPILE_OPTIONS)
+  row = _row(engine, variant, compiled.memory_analysis(), micro, hbm_bytes)
+  compiles = 1
+  if comm:
+    compiles += 1
+    row.comm_report = comm_lib.report(
+        compile_step(engine, micro), engine.layout.mesh, count_params(engine.cfg.model),
+        stage=engine.layout.stage, grad_accum=engine.cfg.train.grad_accum,
+        tensor=engine.layout.tensor_size)
+  if search:
+    def total_at(micro_batch: int) -> int:
+      nonlocal compiles
+      compiles += 1
+      return xla_total_bytes(
+          compile_step(engine, micro_batch, MEMORY_COMPILE_OPTIONS).memory_analysis())
+    row.max_micro_batch = largest_micro_batch(total_at, hbm_bytes, micro, row.total_bytes)
+  return row, compiles
+
+
+def _row(engine: engine_lib.Engine, variant: Variant, stats, micro: int, hbm_bytes: int) -> Row:
+  cfg, layout = engine.cfg, engine.layout
+  state = state_lib.state_bytes(engine)
+  theory, formula = state_lib.theory_state_bytes(cfg, layout)
+  total = xla_total_bytes(stats)
+  return Row(
+      strategy=variant.strategy, stage=variant.stage, hybrid=variant.hybrid,
+      devices=layout.mesh.size, mesh=(layout.mesh.shape["replica"], layout.mesh.shape["fsdp"]),
+      tensor=layout.tensor_size,
+      micro_batch=micro, grad_accum=cfg.train.grad_accum, seq_len=cfg.train.seq_len,
+      remat=variant.remat, offload_optimizer=variant.offload_optimizer,
+      offload_params=variant.offload_params,
+      params_bytes=state["params"], grads_bytes=state["grads"],
+      optimizer_bytes=state["optimizer"],
+      # (With the NVMe tier the compiled step returns the gradients: not temporaries.)
+      activation_bytes=max(0, stats.temp_size_in_bytes
+                           - (0 if cfg.offload.optimizer == "nvme" else state["grads"])),
+      host_bytes=state["host"], nvme_bytes=state["nvme"], transfer_bytes=state["transfer"],
+      total_bytes=total,
+      theory_state_bytes=theory, theory_formula=formula, fits=total <= hbm_bytes,
+      max_micro_batch=None,
+      xla_host_bytes=xla_host_bytes(stats),
+      xla_separates_host=xla_host_bytes(stats) > 0 or not (
+          state["host"] or variant.remat in OFFLOADING_POLICIES))
+
+
+def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:
+  notes = []
+  if cfg.precision.compute == "bfloat16":
+    notes.append("XLA's CPU compiler computes bf16 matmuls in fp32 and keeps some activations "
+                 "and gradient buffers in fp32: a GPU's activations are smaller")
+  if sweep == "stages" and cfg.offload.params == "pinned_host":
+    notes.append("offload.params=pinned_host applies to the stage-3 rows only")
+  if any(not r.xla_separates_host for r in rows):
+    notes.append("XLA's CPU compiler does not separate pinned_host memory: its figures count "
+                 "the host column and offloaded activations as device memory (a GPU compiler "
+                 "reports them apart)")
+  return notes

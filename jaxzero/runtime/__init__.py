@@ -1,0 +1,1 @@
+"""The process around a run: joining other processes, watching them, XLA flags."""

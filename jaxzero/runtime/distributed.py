@@ -1,0 +1,257 @@
+"""Joining a multi-process run: ``jax.distributed`` from the config, the environment or the cluster.
+
+Where the coordinates of a run come from, first match wins per value:
+
+1. the config: ``distributed.coordinator_address``, ``.num_processes``, ``.process_id``;
+2. ``JAXZERO_COORDINATOR`` (host:port of process 0), ``JAXZERO_NUM_PROCESSES``,
+   ``JAXZERO_PROCESS_ID``, as set by ``jaxzero.launch``;
+3. the cluster, through JAX's own detection: SLURM (``srun``), Open MPI
+   (``mpirun``) or a Kubernetes indexed Job.
+
+With none of these the run is a single process and nothing happens. All of it
+must happen before JAX starts its backends, which is why the CLI calls
+:func:`initialize` right after loading the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import sys
+import threading
+
+from jaxzero.config import Config, DistributedConfig
+from jaxzero.errors import ConfigError
+from jaxzero.runtime import peerwatch, xla_flags
+from jaxzero.sharding import mesh as mesh_lib
+
+log = logging.getLogger(__name__)
+
+ENV_COORDINATOR = "JAXZERO_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXZERO_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXZERO_PROCESS_ID"
+EXPLICIT = "config or JAXZERO_* variables"
+
+# What JAX's SLURM detection reads; SLURM_STEP_NODELIST exists only inside `srun`.
+_SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+                    "SLURM_LOCALID")
+
+# JAX's own join deadline is set past ours, so that ours decides and reports.
+_JAX_DEADLINE_MARGIN_S = 60
+
+
+@dataclasses.dataclass(frozen=True)
+class Peers:
+  """Where this process finds the others; None = left to JAX's cluster detection."""
+  coordinator: str | None
+  num_processes: int | None
+  process_id: int | None
+  source: str  # where the values came from, for error messages
+
+
+def initialize(cfg: Config, prog: str = "jaxzero") -> Peers | None:
+  """Sets GPU flags and joins the run's other processes; returns None for a single process.
+
+  On CPU a multi-process run shares the mesh's devices: each of N processes
+  gets mesh-size / N virtual devices, and the processes talk through gloo.
+  """
+  xla_flags.apply_gpu_defaults()
+  peers = resolve(cfg.distributed, os.environ)
+  if peers is None:
+    return None
+  import jax  # pylint: disable=import-outside-toplevel
+  _share_virtual_devices(cfg, peers.num_processes)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  _join(peers, cfg.distributed.timeout_s, prog)
+  peerwatch.start(peers.coordinator, prog)
+  _exit_at_once_on_crash()
+  global _joined  # pylint: disable=global-statement
+  _joined = True
+  log.info("process %s of %s joined the run at %s (%s)", peers.process_id, peers.num_processes,
+           peers.coordinator or "the cluster's coordinator", peers.source)
+  return peers
+
+
+_joined = False
+
+
+def joined() -> bool:
+  """Whether this process joined other processes (see :func:`initialize`)."""
+  return _joined
+
+
+# ----------------------------------------------------------------------------
+# Where the run's coordinates come from
+
+
+def resolve(dist: DistributedConfig, environ) -> Peers | None:
+  """The run's coordinates from config, JAXZERO_* variables or the cluster; None = one process."""
+  if dist.timeout_s < 1:
+    raise ConfigError(f"distributed.timeout_s={dist.timeout_s} must be at least 1")
+  coordinator = dist.coordinator_address or environ.get(ENV_COORDINATOR) or None
+  count = dist.num_processes or _env_int(environ, ENV_NUM_PROCESSES, minimum=1)
+  pid = dist.process_id if dist.process_id >= 0 else _env_int(environ, ENV_PROCESS_ID, minimum=0)
+  cluster = detect_cluster(environ)
+  if None not in (coordinator, count, pid):
+    source = EXPLICIT
+  elif cluster is not None:
+    count = count or cluster.num_processes
+    pid = pid if pid is not None else cluster.process_id
+    source = cluster.source
+  elif coordinator is None and count is None and pid is None:
+    return None
+  else:
+    _require_all(coordinator, count, pid)
+  if count == 1:
+    return None
+  _check(coordinator, count, pid)
+  return Peers(coordinator, count, pid, source)
+
+
+def detect_cluster(environ) -> Peers | None:
+  """A SLURM step, an Open MPI job or a Kubernetes indexed Job, as JAX will detect it."""
+  if all(name in environ for name in _SLURM_VARIABLES):
+    return Peers(None, int(environ["SLURM_NTASKS"]), int(environ["SLURM_PROCID"]), "SLURM")
+  if "OMPI_MCA_orte_hnp_uri" in environ:
+    return Peers(None, int(environ["OMPI_COMM_WORLD_SIZE"]),
+                 int(environ["OMPI_COMM_WORLD_RANK"]), "Open MPI")
+  if "KUBERNETES_SERVICE_HOST" in environ and "JOB_COMPLETION_INDEX" in environ:
+    # The process count is the Job's parallelism, which only JAX asks the API for.
+    return Peers(None, None, int(environ["JOB_COMPLETION_INDEX"]), "Kubernetes")
+  return None
+
+
+def _env_int(environ, name: str, minimum: int) -> int | None:
+  text = environ.get(name, "").strip()
+  if not text:
+    return None
+  if not text.isdigit() or int(text) < minimum:
+    raise ConfigError(f"{name}={text!r} must be an integer >= {minimum}")
+  return int(text)
+
+
+def _require_all(coordinator, count, pid) -> None:
+  missing = [name for name, value in (
+      (f"{ENV_COORDINATOR} or distributed.coordinator_address", coordinator),
+      (f"{ENV_NUM_PROCESSES} or distributed.num_processes", count),
+      (f"{ENV_PROCESS_ID} or distributed.process_id", pid)) if value is None]
+  if missing:
+    raise ConfigError("a multi-process run needs the coordinator address, the process count "
+                      "and this process's id; missing: " + ", ".join(missing))
+
+
+def _check(coordinator, count, pid) -> None:
+  if coordinator is not None:
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ConfigError(f"coordinator address {coordinator!r} must look like HOST:PORT, "
+                        "e.g. 10.0.0.1:1234")
+  if count is not None and count < 1:
+    raise ConfigError(f"distributed.num_processes={count} must be at least 1")
+  if count is not None and pid is not None and not 0 <= pid < count:
+    raise ConfigError(f"process id {pid} is out of range for {count} processes (0..{count - 1})")
+
+
+# ----------------------------------------------------------------------------
+# Devices and joining
+
+
+def _share_virtual_devices(cfg: Config, num_processes: int | None) -> None:
+  """On CPU, gives each process its share of the mesh's virtual devices.
+
+  The CLI asked XLA for as many CPU devices as the mesh names; with several
+  processes those are spread over them, as GPUs are spread over hosts.
+  """
+  needed = mesh_lib.devices_needed(cfg.mesh)
+  if not needed or not num_processes:
+    return
+  if needed % num_processes:
+    raise ConfigError(f"mesh.replica={cfg.mesh.replica} x mesh.fsdp={cfg.mesh.fsdp} = {needed} "
+                      f"devices cannot be shared evenly by {num_processes} processes")
+  mesh_lib.use_virtual_cpu_devices(needed // num_processes, exact=True)
+
+
+def _join(peers: Peers, timeout_s: int, prog: str) -> None:
+  """Calls jax.distributed.initialize, giving up after `timeout_s` with a one-line error.
+
+  JAX's join blocks, and when it fails its coordination client aborts the
+  process with a stack trace; so the join runs in a thread, and on failure
+  this process exits at once with code 2 after saying what went wrong.
+  Nothing has run yet, so there is nothing to clean up.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  done, errors = threading.Event(), []
+
+  def connect():
+    try:
+      jax.distributed.initialize(
+          coordinator_address=peers.coordinator, num_processes=peers.num_processes,
+          process_id=peers.process_id,
+          # Given all three, a job launched inside an allocation must not be re-detected.
+          cluster_detection_method="deactivate" if peers.source == EXPLICIT else None,
+          initialization_timeout=timeout_s + _JAX_DEADLINE_MARGIN_S,
+          # At exit every process waits for the others; a finished run arrives together.
+          shutdown_timeout_seconds=timeout_s)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+    finally:
+      done.set()
+
+  threading.Thread(target=connect, name="jaxzero-join", daemon=True).start()
+  if not done.wait(timeout_s):
+    _exit(prog, join_timeout_message(peers, timeout_s))
+  if errors:
+    first_line = (str(errors[0]).strip().splitlines() or [type(errors[0]).__name__])[0]
+    _exit(prog, f"process {peers.process_id} could not join the run ({peers.source}): "
+          f"{first_line}")
+
+
+def _exit_at_once_on_crash() -> None:
+  """Makes an uncaught exception end this process right after its traceback.
+
+  At exit JAX waits for every process at a shutdown barrier. Peers blocked in
+  a collective with the crashed process never arrive, so without this a crash
+  looks like a hang, and a launcher cannot tell that the process failed.
+  """
+  report = sys.excepthook
+
+  def report_and_exit(kind, value, traceback):
+    report(kind, value, traceback)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # pylint: disable=protected-access
+
+  sys.excepthook = report_and_exit
+
+
+def join_timeout_message(peers: Peers, timeout_s: int) -> str:
+  """Why the join timed out, as far as this process can tell."""
+  who = f"process {peers.process_id} of {peers.num_processes or '?'}"
+  waited = f"within distributed.timeout_s={timeout_s} s"
+  if peers.coordinator is None:
+    return (f"{who} could not join the run ({peers.source}) {waited}; check that every "
+            "process of the job started")
+  if peers.process_id != 0 and not coordinator_reachable(peers.coordinator):
+    return (f"{who} found no coordinator at {peers.coordinator} {waited}: nothing listens "
+            f"there; check {ENV_COORDINATOR} (or distributed.coordinator_address) and that "
+            "process 0 started")
+  return (f"{who}: not all {peers.num_processes} processes joined the run at "
+          f"{peers.coordinator} {waited}; check that every process started and uses this "
+          "coordinator address")
+
+
+def coordinator_reachable(address: str) -> bool:
+  host, _, port = address.rpartition(":")
+  try:
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+      return True
+  except OSError:
+    return False
+
+
+def _exit(prog: str, message: str) -> None:
+  print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(2)  # pylint: disable=protected-access

@@ -1,0 +1,1 @@
+"""Where state lives: the named device mesh and the ZeRO stages as sharding layouts."""

@@ -1,0 +1,1 @@
+"""The training loop and what surrounds it: evaluation, metrics, preemption, the workdir."""

@@ -1,0 +1,73 @@
+"""What is about to run, said before it runs: the start-up banner and WORKDIR/config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+
+from jaxzero import config as config_lib
+from jaxzero.models.llama import count_params
+from jaxzero.planning.memory_check import Budget
+from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.utils.files import write_json_atomic
+from jaxzero.utils.formatting import format_bytes as _b
+from jaxzero.utils.formatting import format_count
+
+CONFIG_FILE = "config.json"
+
+
+def write_config(cfg: config_lib.Config, workdir: pathlib.Path) -> pathlib.Path:
+  """The resolved config as nested JSON (sections and fields as in jaxzero.config)."""
+  workdir.mkdir(parents=True, exist_ok=True)
+  path = workdir / CONFIG_FILE
+  write_json_atomic(path, dataclasses.asdict(cfg))
+  return path
+
+
+def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
+  """The banner: model, mesh and devices, ZeRO, batch arithmetic, data, memory, eval."""
+  cfg, layout = run.cfg, run.layout
+  m, t = cfg.model, cfg.train
+  dp = layout.data_parallel_size
+  micro = mesh_lib.micro_batch(t, dp)
+  stage, hybrid = cfg.zero.resolved
+  devices = run.devices
+  mesh = " x ".join(f"{axis} {size}" for axis, size in layout.mesh.shape.items())
+  tokens_per_step = t.global_batch * t.seq_len
+  train_tokens = run.batches.tokens.size
+  epochs = total_steps * tokens_per_step / train_tokens
+  offload = ", ".join(f"{role} in {kind}" for role, kind in
+                      (("optimizer", cfg.offload.optimizer), ("params", cfg.offload.params))
+                      if kind != "device") or "none"
+  available = (f" of {_b(budget.available)}" if budget.available is not None else "")
+  lines = [
+      f"jaxzero.train: Llama, {format_count(count_params(m))} parameters (dim {m.dim}, "
+      f"{m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} kv, mlp {m.mlp_dim}, "
+      f"vocab {m.vocab_size})",
+      f"  mesh      {mesh} = {len(devices)} {devices[0].platform} devices, "
+      f"{jax.process_count()} process{'es' if jax.process_count() > 1 else ''}",
+      f"  ZeRO      stage {stage} ({config_lib.strategy_name(stage, hybrid)}), state sharded "
+      f"over {layout.shard_size} devices; remat {cfg.remat.policy}; offload {offload}; "
+      f"compute {cfg.precision.compute}, grads {cfg.zero.grad_dtype}",
+      f"  batch     micro-batch {micro} x grad_accum {t.grad_accum} x {dp} data-parallel = "
+      f"global batch {t.global_batch} sequences of {t.seq_len} = {tokens_per_step:,} tokens "
+      f"per step",
+      f"  data      {cfg.data.source}: {train_tokens:,} training tokens; {total_steps} steps "
+      f"see {total_steps * tokens_per_step:,} tokens = {epochs:.3g} epochs",
+      f"  memory    per device: model state {_b(budget.state)} (params {_b(budget.params)}, "
+      f"grads {_b(budget.grads)}, optimizer {_b(budget.optimizer)}) + activations "
+      f"~{_b(budget.activations)} = {_b(budget.needed)}{available}; {budget.where}",
+  ]
+  if run.eval_batches is not None:
+    n, rows, window = run.eval_batches.shape
+    held_out = (f"the last {cfg.data.eval_fraction:g} of the data" if cfg.data.eval_fraction
+                else cfg.data.eval_source)
+    when = (f"every {cfg.eval.every} steps and at the end" if cfg.eval.every
+            else "never (eval.every=0)")
+    lines.append(f"  eval      {held_out} ({run.eval_batches.n_tokens:,} tokens): {n} batches "
+                 f"of {rows} x {window - 1} tokens, {when}")
+  lines.append(f"  workdir   {workdir} ({CONFIG_FILE}, metrics.jsonl, tb/, checkpoints/)")
+  return "\n".join(lines)
+

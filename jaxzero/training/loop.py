@@ -1,0 +1,323 @@
+"""The training loop: resume or initialise, run steps, log, save.
+
+:func:`build` takes the config through the mesh and the ZeRO layout to an
+Engine once, and the loop drives it. Restarting with the same workdir
+continues from the latest complete checkpoint, on any mesh and stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import time
+
+import jax
+from orbax.checkpoint import multihost
+
+from jaxzero import engine as engine_lib
+from jaxzero.checkpoint import checkpointer as checkpoint_lib
+from jaxzero.config import Config
+from jaxzero.data import batches as batches_lib
+from jaxzero.data import tokens as tokens_lib
+from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
+from jaxzero.interop import hf_load
+from jaxzero.offload import checks as offload_checks
+from jaxzero.offload import nvme_checkpoint, nvme_store
+from jaxzero.offload import nvme_tier as nvme_lib
+from jaxzero.planning import memory_check
+from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.sharding.zero import Layout
+from jaxzero.training import banner, evaluation, throughput
+from jaxzero.training import workdir as workdir_lib
+from jaxzero.training.metrics import MetricsLogger, PendingMetrics, drop_metrics_after
+from jaxzero.training.preemption import StopSignals
+
+log = logging.getLogger(__name__)
+
+# How long the first process to compile the step waits for the last one.
+COMPILE_WAIT_S = 600
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything a training run builds from its config, before any step."""
+  cfg: Config
+  layout: Layout
+  engine: engine_lib.Engine
+  batches: batches_lib.Batches
+  eval_batches: evaluation.EvalBatches | None = None  # the held-out split, if any
+  nvme: nvme_lib.Tier | None = None  # offload.optimizer=nvme: the state on disk
+
+  @property
+  def devices(self) -> list:
+    return list(self.layout.mesh.devices.flat)
+
+  def batch(self, step: int) -> jax.Array:
+    """The batch of `step` as one global array; each process supplies only its rows."""
+    return batches_lib.global_batch(self.batches, self.engine.batch_sharding, step)
+
+
+def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
+          progress: bool = True) -> Run:
+  """Mesh, layout, engine (optimizer, shardings, jitted step) and data for `cfg`.
+
+  `workdir` holds the token cache of file data sources (unless data.cache_dir).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if cfg.offload.optimizer == "nvme":  # a run checked this first; a caller of build may not
+    offload_checks.check_offload(cfg, devices)
+  replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, len(devices))
+  layout = Layout.from_config(cfg, mesh_lib.make_mesh(replica, fsdp, devices, tensor))
+  micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
+  progress = progress and jax.process_index() == 0
+  source = tokens_lib.open_tokens(cfg.data, workdir, model_vocab_size=cfg.model.vocab_size,
+                                  progress=progress)
+  tokens, held_out = evaluation.split(source.tokens, cfg.data)
+  if cfg.data.eval_source:
+    held_out = evaluation.open_eval_source(cfg.data, workdir, progress=progress,
+                                           model_vocab_size=cfg.model.vocab_size)
+  batches = batches_lib.Batches(tokens, cfg.train.seq_len, cfg.train.grad_accum,
+                                micro * layout.data_parallel_size, cfg.seed, order=source.order)
+  eval_batches = None if held_out is None else evaluation.make_eval_batches(cfg, held_out)
+  engine = engine_lib.Engine(cfg, layout)
+  tier = (nvme_lib.Tier(engine, nvme_lib.store_directory(cfg.offload.nvme_dir, workdir))
+          if cfg.offload.optimizer == "nvme" else None)
+  return Run(cfg, layout, engine, batches, eval_batches, tier)
+
+
+@dataclasses.dataclass
+class Outcome:
+  """How a call to run_training ended."""
+  history: list[dict]  # the metrics this call logged
+  start_step: int  # 0, or the checkpoint step it resumed from
+  step: int  # the step the state reached
+  checkpoint: pathlib.Path  # where the state of `step` is saved
+  stopped_by: str | None = None  # the signal that stopped it early, e.g. "SIGTERM"
+  finished: bool = False  # the workdir was already at (or past) the step asked for
+
+
+def train(cfg: Config, workdir: str | pathlib.Path, steps: int | None = None,
+          devices=None, progress: bool = True) -> list[dict]:
+  """Trains `cfg` up to step `steps` (default train.steps); returns the logged metrics."""
+  return run_training(cfg, workdir, steps, devices, progress).history
+
+
+def run_training(cfg: Config, workdir: str | pathlib.Path, steps: int | None = None,
+                 devices=None, progress: bool = True, require_checkpoint: bool = False,
+                 resume_step: int | None = None, force: bool = False) -> Outcome:
+  """Resumes from the latest checkpoint in `workdir` (or `resume_step`, or starts
+  afresh) and trains up to step `steps` (default train.steps).
+
+  Before the state is created, checks that the run fits the devices' memory
+  (jaxzero.planning.memory_check; `force` goes on anyway), prints the start-up banner and
+  writes WORKDIR/config.json. Saves every `checkpoint.every` steps and at the
+  end. SIGTERM or SIGINT during training stops it at the next step boundary,
+  with that step saved; it then returns normally. A workdir already at `steps`
+  (its checkpoint verified as for a resume) trains nothing (Outcome.finished).
+  """
+  workdir = pathlib.Path(workdir)
+  # Before anything is built: a bad path or a second run costs one line, not a compile.
+  workdir_lib.check_paths(cfg, workdir)
+  offload_checks.check_offload(cfg, list(jax.devices() if devices is None else devices))
+  with workdir_lib.hold(workdir):
+    return _run_locked(cfg, workdir, steps, devices, progress, require_checkpoint, resume_step,
+                       force)
+
+
+def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, progress: bool,
+                require_checkpoint: bool, resume_step: int | None = None,
+                force: bool = False) -> Outcome:
+  """run_training's body, with the workdir checked and locked."""
+  total = steps if steps is not None else cfg.train.steps
+  checkpoints = checkpoint_lib.Checkpointer(
+      workdir, cfg.checkpoint.keep,
+      checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed),
+      side=nvme_checkpoint.SIDE_ITEM)  # any run may resume an NVMe run's checkpoint
+  stop = StopSignals()
+  run = None
+  try:
+    latest = checkpoints.latest_step()
+    if require_checkpoint and latest is None:
+      raise CheckpointError(
+          f"--resume: there is no checkpoint to resume in {checkpoints.directory}")
+    if cfg.init.hf_checkpoint and latest is None:
+      # A mismatched preset fails before tokenizing or compiling. With a
+      # checkpoint the run resumes from it and the HF weights are not read.
+      hf_load.check_matches(cfg.model, cfg.init.hf_checkpoint)
+    run = build(cfg, devices, workdir, progress)
+    budget = memory_check.check(run.engine, run.devices, force)  # before any state exists
+    if run.nvme:
+      directory = run.nvme.directory
+      offload_checks.check_nvme_room(cfg, nvme_store.bytes_needed(run.nvme.leaves),
+                                nvme_store.directory_bytes(directory) if directory.exists() else 0)
+    if jax.process_index() == 0:
+      print(banner.text(run, budget, workdir, total), flush=True)
+    state = _restore_or_init(run, checkpoints, resume_step)
+    start = int(state.step)
+    if jax.process_index() == 0:  # once the restore succeeded: a refused run changes nothing
+      banner.write_config(cfg, workdir)
+    if resume_step is not None:
+      _set_aside_later(checkpoints, start)
+    drop_metrics_after(workdir / "metrics.jsonl", start)
+    history = []
+    if start < total:
+      evaluator = (evaluation.Evaluator(run.engine, run.eval_batches, state)
+                   if run.eval_batches is not None and cfg.eval.every else None)
+      compiled = _compile(run, state, start)
+      with stop:
+        state, history = _train_steps(run, compiled, state, start, total, workdir, checkpoints,
+                                      stop, progress, evaluator)
+    step = int(state.step)
+    saved = checkpoints.save(step, state, wait=True)
+  finally:
+    checkpoints.close()  # waits for saves still in flight
+    if run is not None and run.nvme:
+      run.nvme.close()  # its files: the last checkpoint holds the state
+  return Outcome(history, start, step, saved, stop.received, finished=start >= total)
+
+
+def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
+                     resume_step: int | None = None) -> engine_lib.TrainState:
+  """The latest checkpoint that verifies (or checkpoint `resume_step`); else step
+  0 from init.hf_checkpoint; else random weights.
+
+  A checkpoint wins over init.hf_checkpoint, so that a fine-tune resumes
+  where it stopped instead of starting over from the pretrained weights. A run
+  that has checkpoints never starts from scratch: when none verifies, it stops.
+  """
+  steps = checkpoints.all_steps()
+  if resume_step is not None:
+    if resume_step not in steps:
+      raise CheckpointError(f"--resume-step {resume_step}: no such checkpoint in "
+                            f"{checkpoints.directory}; available steps: "
+                            f"{', '.join(map(str, steps)) or 'none'}")
+    return _restore(run, checkpoints, resume_step)
+  for newer, step in enumerate(reversed(steps)):
+    try:
+      state = _restore(run, checkpoints, step)
+    except DamagedCheckpointError as damaged:
+      older = steps[:len(steps) - newer - 1]
+      if run.cfg.checkpoint.on_damaged == "refuse":
+        raise DamagedCheckpointError(
+            f"{damaged} (checkpoint.on_damaged=refuse; "
+            + (f"--resume-step {older[-1]} resumes from the one before it)" if older else
+               "there is no earlier checkpoint)")) from damaged
+      if not older:
+        raise DamagedCheckpointError(
+            f"{damaged}; no earlier checkpoint verifies, and a run with checkpoints is not "
+            "restarted from scratch: move the checkpoints directory away to start over"
+        ) from damaged
+      aside = checkpoints.set_aside(step)
+      log.warning("%s; moved it to %s and trying checkpoint %d", damaged, aside, older[-1])
+      continue
+    if newer:
+      log.warning("resuming from checkpoint %d, the newest that verifies", step)
+    return state
+  path = run.cfg.init.hf_checkpoint
+  if path:
+    log.info("starting from the Hugging Face weights in %s", path)
+    return (run.nvme or run.engine).init(master=hf_load.load_params(path, run.cfg.model,
+                                                                  run.engine.shardings.master))
+  return (run.nvme or run.engine).init()
+
+
+def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,
+             step: int) -> engine_lib.TrainState:
+  state = checkpoints.restore(step, run.engine.abstract_state(), into=run.nvme)  # verified
+  log.info("resumed from step %d (%s)", step, checkpoints.step_dir(step))
+  return state
+
+
+def _set_aside_later(checkpoints: checkpoint_lib.Checkpointer, start: int) -> None:
+  """After --resume-step: checkpoints past it belong to the abandoned history;
+  moved aside (nothing is deleted) so that the run saves those steps anew."""
+  for later in [s for s in checkpoints.all_steps() if s > start]:
+    log.warning("--resume-step %d: moved checkpoint %d to %s", start, later,
+                checkpoints.set_aside(later))
+
+
+def _compile(run: Run, state, start: int):
+  t0 = time.perf_counter()
+  if run.nvme:
+    compiled = run.nvme.compile(state, run.batch(start))
+  else:
+    compiled = run.engine.train_step.lower(state, run.batch(start)).compile()
+  log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
+  # Hosts compile at different speeds; gloo (CPU) allows only 30 s between the
+  # first and the last process reaching the first collective. The barrier goes
+  # through the coordination service (processes named), not a device collective.
+  multihost.sync_global_processes("jaxzero:train step compiled", timeout=COMPILE_WAIT_S,
+                                  processes=set(range(jax.process_count())))
+  return compiled
+
+
+def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pathlib.Path,
+                 checkpoints: checkpoint_lib.Checkpointer, stop: StopSignals, progress: bool,
+                 evaluator: evaluation.Evaluator | None = None):
+  """Steps `start`..`total` (or until a stop signal); returns (state, logged metrics).
+
+  Evaluates the held-out split before the first step, every eval.every steps
+  and at `total`.
+  """
+  cfg = run.cfg
+  logger = MetricsLogger(workdir, total_steps=total, start=start, progress=progress)
+  metrics = PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len,
+                           throughput.model_flops_per_token(cfg.model, cfg.train.seq_len),
+                           run.devices)
+  guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_nonfinite, checkpoints)
+  done = start
+  try:
+    if evaluator is not None and start == 0:
+      logger.log_initial_eval(evaluator(state))
+      metrics.restart_clock()
+    for step in range(start, total):
+      state, step_metrics = compiled(state, run.batch(step))
+      metrics.add(step_metrics)
+      done = step + 1
+      evaluate = evaluator is not None and (done % cfg.eval.every == 0 or done == total)
+      logged = done % cfg.train.log_every == 0 or done == total or evaluate
+      if logged:
+        guard.check(metrics.log(done, (lambda: evaluator(state)) if evaluate else None))
+      if stop.agreed(at_sync_point=logged):
+        break
+      if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < total:
+        checkpoints.save(done, state)  # asynchronous: training goes on while it is written
+    guard.check(metrics.log(done))
+  finally:
+    logger.close()
+  return state, logger.history
+
+
+class NonFiniteGuard:
+  """Acts on steps whose loss or gradient norm was not finite.
+
+  The step itself never applies such an update (jaxzero.engine.step), so the state and
+  every checkpoint stay finite; this decides whether training goes on.
+  """
+
+  def __init__(self, mode: str, max_in_a_row: int, checkpoints: checkpoint_lib.Checkpointer):
+    self.mode, self.max_in_a_row, self.checkpoints = mode, max_in_a_row, checkpoints
+    self.in_a_row = 0
+
+  def check(self, records: list[dict]) -> None:
+    """Raises NonFiniteError when train.nonfinite says to stop."""
+    for r in records:
+      if not r.get("nonfinite"):
+        self.in_a_row = 0
+        continue
+      self.in_a_row += 1
+      what = f"step {r['step']}: loss {r['loss']}, gradient norm {r['grad_norm']}"
+      if self.mode == "skip" and self.in_a_row < self.max_in_a_row:
+        log.warning("%s: update skipped (%d in a row; the run stops at "
+                    "train.max_nonfinite=%d)", what, self.in_a_row, self.max_in_a_row)
+        continue
+      self.checkpoints.wait()  # a save in flight is finite too: name it once written
+      latest = self.checkpoints.latest_step()
+      last_good = (f"the last checkpoint is step {latest} in {self.checkpoints.directory}"
+                   if latest is not None else "there is no checkpoint yet")
+      why = ("train.nonfinite=stop; set train.nonfinite=skip to skip such steps"
+             if self.mode == "stop" else
+             f"{self.in_a_row} in a row reached train.max_nonfinite={self.max_in_a_row}")
+      raise NonFiniteError(f"{what}: the update was not applied and training stopped "
+                           f"({why}); {last_good} (a lower train.lr may help)")

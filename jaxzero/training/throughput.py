@@ -1,0 +1,41 @@
+"""Model FLOPs, MFU and memory in use: the figures a training log shows beside the loss.
+
+Model FLOPs per token: 6 * parameters (all of them, embeddings included) +
+12 * layers * dim * seq_len (attention scores and values, not halved for
+causality), the PaLM convention. MFU is model TFLOP/s over the devices' bf16
+dense peak, where the device is known (a CPU has none).
+"""
+
+from __future__ import annotations
+
+import os
+
+# bf16 dense peak per device, TFLOP/s (vendor datasheets, without sparsity).
+# The H100 figure is the SXM part's; PCIe H100s peak lower (756 TFLOP/s).
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def model_flops_per_token(model_cfg, seq_len: int) -> float:
+  from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
+  attention = 12 * model_cfg.n_layers * model_cfg.dim * seq_len
+  return 6 * count_params(model_cfg) + attention
+
+
+def device_peak_tflops(device) -> float | None:
+  kind = getattr(device, "device_kind", "")
+  return next((peak for name, peak in PEAK_TFLOPS.items() if name in kind), None)
+
+
+def memory_in_use(local_devices) -> tuple[str, int] | None:
+  """("device_memory_bytes", the most any of this process's devices holds) where
+  the devices report it (GPUs); on a CPU ("host_rss_bytes", this process's
+  resident memory)."""
+  stats = [d.memory_stats() for d in local_devices]
+  in_use = [s["bytes_in_use"] for s in stats if s and "bytes_in_use" in s]
+  if in_use:
+    return "device_memory_bytes", max(in_use)
+  try:
+    with open("/proc/self/statm", encoding="ascii") as f:
+      return "host_rss_bytes", int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return None

@@ -1,0 +1,1 @@
+"""Small helpers any layer may use: numbers as text, files written atomically."""
