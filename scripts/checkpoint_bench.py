@@ -3,7 +3,7 @@
     python scripts/checkpoint_bench.py [--config configs/tiny_zero3.py] [--saves 10]
 
 Builds the config's train state on its mesh (virtual CPU devices here), then
-times, per save: the whole save as the trainer does it (checksums included,
+times, per save: the whole save as the training loop does it (checksums included,
 waiting until the files are in place), the checksums alone, and the
 verification a restore adds. The checksum function is compiled once per run;
 that time is reported separately.

@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import socket
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -36,3 +37,17 @@ def wait_for(condition, process, timeout=300):
       process.kill()
       raise AssertionError("timed out: " + process.communicate()[1][-3000:])
     time.sleep(0.05)
+
+
+def clean_env(**extra) -> dict:
+  """This environment without anything that would make a child join or size its
+  devices; XLA_FLAGS holds only the tests' fast-compile flags."""
+  drop = ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAXZERO_", "SLURM_", "OMPI_", "KUBERNETES_")
+  env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+  return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_XLA_FLAGS, **extra}
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]

@@ -1,15 +1,21 @@
 """The shape of the code, and the promises that survive changes to it.
 
+* Layers: a module imports only from its own layer and the layers below it
+  (LAYERS, bottom first); every subpackage has a place in that order.
 * Public APIs only: no ``jax._src`` or ``orbax.checkpoint._src`` anywhere.
-* One job per module: none grows past ~400 lines.
+* One job per module: none grows past ~450 lines.
+* One top-level package, and ``import jaxzero`` starts no JAX.
 * A checkpoint written by an earlier jaxzero (tests/fixtures/checkpoint_v0_1,
   saved by the first release's ``jaxzero.train``) still resumes, and the next
   step gives the loss the earlier release computed.
 """
 
+import ast
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -18,9 +24,28 @@ from jaxzero import config
 from jaxzero.training import loop
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = sorted(p for folder in ("jaxzero", "models", "scripts", "tests", "configs")
+PACKAGE = ROOT / "jaxzero"
+SOURCES = sorted(p for folder in ("jaxzero", "scripts", "tests", "configs")
                  for p in (ROOT / folder).rglob("*.py"))
-MAX_MODULE_LINES = 440  # "about 400": room for a docstring, not for a second job
+MAX_MODULE_LINES = 450  # "about 450": room for a docstring, not for a second job
+
+# Bottom first. A module may import from its own layer and any layer below it.
+# A subpackage is named by its folder; a top-level module by its file name.
+LAYERS = (
+    ("utils", "errors", "models"),  # no jaxzero imports but these
+    ("config",),
+    ("sharding",),  # the mesh, the ZeRO layouts
+    ("runtime",),  # jax.distributed, the peer watch, XLA flags
+    ("data",),
+    ("engine",),  # the train state, the optimizer, the jitted step
+    ("checkpoint",),
+    ("offload",),  # the NVMe tier, plugged into checkpoints as a side item
+    ("planning",),
+    ("interop",),
+    ("training",),
+    ("cli", "train", "plan", "launch", "export", "migrate", "__init__"),  # the commands
+)
+LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
 # The settings the fixture was trained with (configs/tiny_zero3.py, smaller), and
 # what the first release logged for step 3 when it resumed from step 2.
@@ -32,6 +57,58 @@ FIXTURE_SETTINGS = ["model.dim=32", "model.n_layers=2", "model.mlp_dim=64", "mod
 FIXTURE_STEP3 = {"loss": 5.4413743019104, "grad_norm": 1.8503363132476807}
 
 
+def unit_of(path: pathlib.Path) -> str:
+  """The layer unit of a module of the package: its subpackage, or its file's stem."""
+  parts = path.relative_to(PACKAGE).parts
+  return parts[0] if len(parts) > 1 else path.stem
+
+
+def imported_units(source: str) -> set[str]:
+  """The units of jaxzero a module's source imports, at any depth of the file."""
+  units = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      names = ([f"{node.module}.{a.name}" for a in node.names] if node.module == "jaxzero"
+               else [node.module])
+    else:
+      continue
+    units |= {n.split(".")[1] for n in names if n.startswith("jaxzero.")}
+  return units
+
+
+def upward_imports(unit: str, source: str) -> list[str]:
+  """The units `source` (a module of `unit`) imports from layers above its own."""
+  return sorted(u for u in imported_units(source) if LAYER_OF[u] > LAYER_OF[unit])
+
+
+def test_every_module_has_a_layer():
+  units = {unit_of(p) for p in PACKAGE.rglob("*.py")}
+  assert units <= set(LAYER_OF), f"place these in LAYERS: {sorted(units - set(LAYER_OF))}"
+  folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+  assert folders <= set(LAYER_OF), sorted(folders - set(LAYER_OF))
+  assert all((PACKAGE / f / "__init__.py").is_file() for f in folders)
+  # The tests mirror the package: a folder of tests is named for the subpackage it tests.
+  test_folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir()}
+  assert test_folders - {"fixtures", "__pycache__"} <= folders
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+  upward = {str(p.relative_to(ROOT)): bad for p in PACKAGE.rglob("*.py")
+            if (bad := upward_imports(unit_of(p), p.read_text()))}
+  assert not upward, upward
+
+
+def test_the_layer_check_sees_an_upward_import():
+  # What a regression would look like: the engine reaching into the training loop.
+  assert upward_imports("engine", "def f():\n  from jaxzero.training import loop\n") == [
+      "training"]
+  assert upward_imports("sharding", "import jaxzero.planning.planner\n") == ["planning"]
+  assert upward_imports("offload", "from jaxzero import train\n") == ["train"]
+  assert upward_imports("training", "from jaxzero.offload import nvme_tier\n") == []
+
+
 def test_no_private_jax_or_orbax_api():
   private = re.compile(r"\b(jax|orbax\.checkpoint)\._src\b|from (jax|orbax\.checkpoint) import _src")
   offenders = [f"{p.relative_to(ROOT)}:{i}" for p in SOURCES
@@ -41,17 +118,29 @@ def test_no_private_jax_or_orbax_api():
 
 
 def test_no_module_is_a_grab_bag():
-  library = [p for p in SOURCES if p.parts[-2] in ("jaxzero", "models")]
+  library = list(PACKAGE.rglob("*.py"))
+  assert len(library) > 40  # every subpackage's modules are counted, not just the top level
   long = {str(p.relative_to(ROOT)): n for p in library
           if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
   assert not long, long
 
 
+def test_one_top_level_package_and_its_import_starts_no_jax():
+  pyproject = (ROOT / "pyproject.toml").read_text()
+  assert re.search(r'^include = \["jaxzero\*"\]$', pyproject, re.M), "install jaxzero alone"
+  assert not any(p.is_file() and p.name == "__init__.py"
+                 for folder in ROOT.iterdir() if folder.is_dir() and folder.name != "jaxzero"
+                 for p in folder.iterdir())
+  code = "import sys, jaxzero; print('jax' in sys.modules)"
+  started = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, cwd=ROOT)
+  assert started.stdout.strip() == "False"
+
+
 def test_a_checkpoint_from_the_first_release_still_resumes(tmp_path):
   shutil.copytree(FIXTURE, tmp_path / "checkpoints")
   cfg = config.load(str(ROOT / "configs" / "tiny_zero3.py"), FIXTURE_SETTINGS)
-  outcome = loop.run_training(cfg, tmp_path, steps=3, devices=jax.devices()[:8],
-                                 progress=False)
+  outcome = loop.run_training(cfg, tmp_path, steps=3, devices=jax.devices()[:8], progress=False)
   assert outcome.start_step == 2
   (step3,) = outcome.history
   assert step3["step"] == 3

@@ -16,6 +16,7 @@ def load_bench():
   return module
 
 
+@pytest.mark.slow
 def test_bench_cpu_mode_reports_every_figure(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")

@@ -98,10 +98,14 @@ def two_process_stage3(tmp_path_factory, launch_env):
   return workdir
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_train_like_one_under_stage3(two_process_stage3, reference):
   np.testing.assert_allclose(logged_losses(two_process_stage3), reference[:3], rtol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_evaluate_like_one(two_process_stage3, reference_run):
   # Each process supplies the held-out rows its devices hold, as for training.
   two, one = eval_losses(two_process_stage3), eval_losses(reference_run)
@@ -109,18 +113,24 @@ def test_two_processes_evaluate_like_one(two_process_stage3, reference_run):
   np.testing.assert_allclose(two[3], one[3], rtol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_train_like_one_under_hybrid_shard(tmp_path, reference, launch_env):
   # replica=2 x fsdp=4: each process holds one whole replica, sharded over its 4 devices.
   launch(launch_env, tmp_path, "--steps", "3", sets=HYBRID)
   np.testing.assert_allclose(logged_losses(tmp_path), reference[:3], rtol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_train_like_one_with_tensor_parallelism(tmp_path, reference, launch_env):
   # fsdp=4 x tensor=2: each tensor group inside one process (issue 16).
   launch(launch_env, tmp_path, "--steps", "3", sets=["mesh.fsdp=4", "mesh.tensor=2"])
   np.testing.assert_allclose(logged_losses(tmp_path), reference[:3], rtol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_checkpoints_move_between_process_counts(two_process_stage3, reference, tmp_path,
                                                 launch_env):
   workdir = tmp_path / "run"
@@ -130,6 +140,8 @@ def test_checkpoints_move_between_process_counts(two_process_stage3, reference, 
   np.testing.assert_allclose(logged_losses(workdir), reference, rtol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_killed_process_ends_the_launch_within_60s(tmp_path, launch_env):
   out, err = tmp_path / "out.txt", tmp_path / "err.txt"
   with open(out, "w") as out_file, open(err, "w") as err_file:
@@ -166,6 +178,8 @@ def wait_for(condition, launcher, timeout_s=300):
   raise AssertionError("timed out")
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_failing_process_ends_the_launch_with_its_error(tmp_path, launch_env):
   result = subprocess.run(
       launch_cmd(tmp_path, "--set", "zero.stage=5"), cwd=ROOT, env=launch_env,
@@ -175,6 +189,7 @@ def test_a_failing_process_ends_the_launch_with_its_error(tmp_path, launch_env):
   assert "jaxzero.train: error: zero.stage='5' is not valid" in result.stderr.split("exited")[-1]
 
 
+@pytest.mark.slow
 def test_launch_needs_the_train_arguments_after_dashes():
   result = subprocess.run([sys.executable, "-m", "jaxzero.launch", "--nproc", "2"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, check=False)

@@ -20,6 +20,7 @@ def run_train(*args):
                         capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_print_config_gives_every_key_as_a_set_argument():
   result = run_train("--config", TINY, "--set", "zero.stage=2", "--print-config")
   assert result.returncode == 0, result.stderr
@@ -44,6 +45,7 @@ def test_print_config_gives_every_key_as_a_set_argument():
      "data.source='/no/such/file.txt' is neither 'stdlib' nor a file, directory or glob"),
     (["--config", TINY, "--steps", "0"], "--steps=0 must be at least 1"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path):
   result = run_train(*args, "--workdir", str(tmp_path / "w"))
   assert result.returncode == 2, result.stderr
@@ -53,6 +55,7 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path):
   assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_short_run_writes_metrics_and_a_checkpoint_in_the_default_relative_workdir(tmp_path):
   # Run from tmp_path without --workdir: the default is runs/<config name>,
   # a relative path, which orbax only accepts once made absolute.

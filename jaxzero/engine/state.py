@@ -32,12 +32,8 @@ def dtype_of(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def dtype_of(name: str):
-  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
-
-
 def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformation
-                     ) -> tuple[TrainState, TrainState]:
+                    ) -> tuple[TrainState, TrainState]:
   """(shardings, abstract shapes) of every train-state leaf; allocates nothing."""
   specs = param_specs(cfg.model)
   compute = dtype_of(cfg.precision.compute)

@@ -51,7 +51,7 @@ def check_nvme_room(cfg, needed: int, replaced: int = 0) -> None:
   process's store), counting as free the `replaced` bytes of its previous store."""
   free = shutil.disk_usage(pathlib.Path(cfg.offload.nvme_dir).expanduser()).free + replaced
   if needed > free:
-    raise PathError(f"offload.nvme_dir={cfg.offload.nvme_dir} has {format_bytes(free)} free ({free:,} "
-                    f"bytes) but the NVMe tier needs {format_bytes(needed)} ({needed:,} bytes) for this "
-                    "process's share of the optimizer state; free space or choose another "
-                    "directory")
+    raise PathError(f"offload.nvme_dir={cfg.offload.nvme_dir} has {format_bytes(free)} free "
+                    f"({free:,} bytes) but the NVMe tier needs {format_bytes(needed)} "
+                    f"({needed:,} bytes) for this process's share of the optimizer state; free "
+                    "space or choose another directory")

@@ -137,9 +137,10 @@ def check(engine, devices, force: bool = False) -> Budget:
   if b.fits:
     return b
   on_disk = f", less {format_bytes(b.disk)} on disk" if b.disk else ""
-  message = (f"this run needs about {format_bytes(b.needed)} per device (model state {format_bytes(b.state)}"
-             f"{on_disk} + activations ~{format_bytes(b.activations)}) on {b.devices} devices, but "
-             f"{b.where}; {suggest(engine, b)}; --force starts it anyway")
+  message = (f"this run needs about {format_bytes(b.needed)} per device (model state "
+             f"{format_bytes(b.state)}{on_disk} + activations ~{format_bytes(b.activations)}) "
+             f"on {b.devices} devices, but {b.where}; {suggest(engine, b)}; --force starts it "
+             "anyway")
   if force:
     log.warning("--force: %s", message)
     return b

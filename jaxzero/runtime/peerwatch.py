@@ -171,8 +171,13 @@ class _Watch:
         connection.sendall(f"{LOST} {peer}\n".encode())
       except OSError:
         pass
-    print(f"{self.prog}: error: process {peer} of the run stopped answering ({how}); "
-          f"process {self.process_id} stops too", file=sys.stderr, flush=True)
+    line = (f"{self.prog}: error: process {peer} of the run stopped answering ({how}); "
+            f"process {self.process_id} stops too\n")
+    sys.stderr.flush()
+    # One write of the whole line: JAX's C++ client may report the same loss from
+    # another thread at this moment, and print() writes the text and its newline
+    # apart, so that report could land between them, on our line.
+    os.write(sys.stderr.fileno(), line.encode())
     sys.stdout.flush()
     os._exit(1)  # pylint: disable=protected-access
 

@@ -44,6 +44,7 @@ def compiled_report(zero: dict, accum: int, replica: int = 1, fsdp: int = 8,
                      grad_accum=accum, tensor=tensor)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [1, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_stage_moves_the_zero_paper_bytes(stage, accum):
@@ -56,6 +57,7 @@ def test_stage_moves_the_zero_paper_bytes(stage, accum):
 
 @pytest.mark.parametrize("strategy, accum", [("HYBRID_SHARD", 1), ("HYBRID_SHARD", 4),
                                              ("HYBRID_SHARD_ZERO2", 4)])
+@pytest.mark.slow
 def test_hybrid_sends_only_gradient_shards_across_replica(strategy, accum):
   """Inside `fsdp` the stage's figure; across `replica` one all-reduce per step
   of each device's gradient shard (Φ / N_fsdp in bf16), not the full gradient."""
@@ -95,6 +97,7 @@ def test_gradients_are_reduced_in_reduce_dtype():
   assert eqns[cast + 1].params["sharding"] == reduced
 
 
+@pytest.mark.slow
 def test_plan_json_carries_the_comm_report():
   """`jaxzero.plan --comm --json`: each row's collectives under "comm"."""
   from jaxzero import plan as plan_cli  # pylint: disable=import-outside-toplevel

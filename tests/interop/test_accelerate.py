@@ -14,7 +14,7 @@ from jaxzero.errors import ConfigError
 from jaxzero.interop import accelerate
 from jaxzero.interop.translation import apply_file
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
 
 # What `accelerate config` writes for FSDP on one 8-GPU machine.

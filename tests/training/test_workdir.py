@@ -106,6 +106,7 @@ def _cache_dir_not_writable(tmp):
 @pytest.mark.parametrize("problem", [_workdir_is_a_file, _workdir_not_writable,
                                      _workdir_cannot_be_created, _checkpoints_is_a_file,
                                      _cache_dir_not_writable], ids=lambda f: f.__name__[1:])
+@pytest.mark.slow
 def test_a_path_problem_is_one_line_before_compiling(problem, tmp_path, cli_env):
   args, expected = problem(tmp_path)
   if "--workdir" not in args:
@@ -115,6 +116,7 @@ def test_a_path_problem_is_one_line_before_compiling(problem, tmp_path, cli_env)
   assert "compiled the train step" not in stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("out_problem", ["a file", "in a read-only directory"])
 def test_an_export_path_problem_is_one_line(out_problem, tmp_path, cli_env):
   if out_problem == "a file":
@@ -186,6 +188,7 @@ def saved_state(workdir, step):
             if name.startswith(("master/", "params/"))}  # read by name: the dict-keyed leaves
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_live_runs_workdir_exits_at_once_naming_the_holder(two_runs):
   returncode, _, stderr = two_runs["second"]
   assert_one_line_error("jaxzero.train", returncode, stderr, "is in use by process "
@@ -194,6 +197,7 @@ def test_a_second_run_on_a_live_runs_workdir_exits_at_once_naming_the_holder(two
   assert two_runs["second_s"] < 10
 
 
+@pytest.mark.slow  # the two_runs fixture starts jaxzero.train processes
 def test_the_first_run_finishes_as_if_alone(two_runs):
   for result in (two_runs["first"], two_runs["lone"]):
     assert result[0] == 0, result[2]
@@ -203,6 +207,7 @@ def test_the_first_run_finishes_as_if_alone(two_runs):
   chex.assert_trees_all_equal(saved_state(first, FIRST_STEPS), saved_state(alone, FIRST_STEPS))
 
 
+@pytest.mark.slow  # the two_runs fixture starts jaxzero.train processes
 def test_a_rerun_after_sigkill_takes_the_lock_over_and_resumes(two_runs):
   returncode, stdout, stderr = two_runs["rerun"]
   assert returncode == 0, stderr
@@ -214,6 +219,7 @@ def test_a_rerun_after_sigkill_takes_the_lock_over_and_resumes(two_runs):
   assert not (two_runs["workdir"] / LOCK_FILE).exists()  # released and removed at the end
 
 
+@pytest.mark.slow  # the two_runs fixture starts jaxzero.train processes
 def test_a_damaged_state_metadata_is_named_in_words(two_runs, tmp_path):
   workdir = tmp_path / "w"
   shutil.copytree(two_runs["workdir"], workdir)
@@ -234,6 +240,7 @@ def test_a_bare_key_or_index_error_is_said_in_words():
   assert reason(IndexError()) == "index out of range"
 
 
+@pytest.mark.slow  # the two_runs fixture starts jaxzero.train processes
 def test_an_export_directory_gets_the_mode_mkdir_would_give(two_runs, tmp_path):
   previous = os.umask(0o027)
   try:

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_nonfinite import tiny_config
 
 from jaxzero import config
 from jaxzero.checkpoint import checkpointer, integrity
@@ -21,6 +20,7 @@ from jaxzero.errors import DamagedCheckpointError
 from jaxzero.training import loop
 
 from damage import damage_data, truncate_to
+from tiny import tiny_config
 
 DEVICES = 8
 

@@ -15,7 +15,7 @@ from jaxzero.planning import state_bytes
 from jaxzero.sharding.mesh import make_mesh
 from jaxzero.sharding.zero import Layout
 
-CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 ALL = ("replica", "fsdp")
 TINY = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128)
 

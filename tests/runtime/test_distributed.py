@@ -1,9 +1,7 @@
 """Joining a multi-process run: where the coordinates come from, GPU flags, and
 clear errors (not hangs) when the coordinator is wrong or a peer never comes."""
 
-import os
 import pathlib
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,9 +13,9 @@ from jaxzero.config import ConfigError, DistributedConfig
 from jaxzero.runtime import xla_flags
 from jaxzero.runtime.distributed import EXPLICIT, Peers, resolve
 
-from processes import FAST_XLA_FLAGS
+from processes import clean_env, free_port
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
 
 SLURM = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "node[001-004]", "SLURM_NTASKS": "4",
@@ -98,20 +96,6 @@ def test_gpu_flags_only_when_a_gpu_will_be_used(environ, applied):
 # ----------------------------------------------------------------------------- processes
 
 
-def clean_env(**extra) -> dict:
-  """This environment without anything that would make a child join or size its
-  devices; XLA_FLAGS holds only the tests' fast-compile flags."""
-  drop = ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAXZERO_", "SLURM_", "OMPI_", "KUBERNETES_")
-  env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-  return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_XLA_FLAGS, **extra}
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 JOIN_AND_SUM = textwrap.dedent("""
     import dataclasses, os
     from jaxzero import config
@@ -131,6 +115,8 @@ JOIN_AND_SUM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_join_share_the_mesh_devices_and_talk(tmp_path):
   coordinator = f"127.0.0.1:{free_port()}"
   procs = [subprocess.Popen(
@@ -156,6 +142,8 @@ def train_alone(tmp_path, rank: int, coordinator: str, timeout_s: int) -> subpro
       env=clean_env(JAXZERO_NUM_PROCESSES="2", JAXZERO_PROCESS_ID=str(rank)))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_missing_peer_and_wrong_coordinator_fail_within_the_timeout(tmp_path):
   timeout_s = 10
   address = f"127.0.0.1:{free_port()}"

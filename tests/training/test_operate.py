@@ -77,6 +77,7 @@ class WarningsKept(logging.Handler):
 # ----------------------------------------------------------------------------- memory check
 
 
+@pytest.mark.slow
 def test_llama8b_on_this_cpu_is_refused_in_one_line_before_allocating(tmp_path):
   started = time.monotonic()
   result = subprocess.run(
@@ -127,6 +128,7 @@ def test_the_check_names_what_fits_and_force_goes_on():
   assert memory_check.suggest(engine, gpu).startswith("what would fit: zero.stage=3 (~")
 
 
+@pytest.mark.slow
 def test_the_tiny_default_starts_without_a_warning(run):
   _, stdout, outcome, _, warned = run
   assert outcome.step == STEPS
@@ -191,6 +193,7 @@ def test_tensorboard_events_hold_loss_and_eval_loss(run):
           "eval/perplexity"} <= set(events.Tags()["scalars"])
 
 
+@pytest.mark.slow
 def test_the_tensorboard_writer_loads_without_importing_torch(tmp_path):
   """tensorboardX imports torch when it can (over a second at each start);
   jaxzero's writer does without it, and torch stays importable afterwards."""
@@ -225,6 +228,7 @@ def stage_evals(run):
   return losses
 
 
+@pytest.mark.slow
 def test_eval_loss_is_the_same_under_every_stage_and_mesh(run, stage_evals):
   records = run.records  # stage 3 on 1 x 8, evaluated in the loop
   assert len(stage_evals) == 4
@@ -289,6 +293,7 @@ def test_resume_step_goes_back_to_an_earlier_checkpoint(run, tmp_path):
     loop.run_training(small(), workdir, devices=jax.devices()[:8], resume_step=3)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_start_up_is_one_quiet_line(tmp_path):
   proc = subprocess.Popen(
       [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--workdir", str(tmp_path)],

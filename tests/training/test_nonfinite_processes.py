@@ -11,12 +11,14 @@ import sys
 
 import numpy as np
 import pytest
-from test_distributed import clean_env, free_port
-from test_nonfinite import master_at
 
 from jaxzero.checkpoint import checkpointer
 
-from processes import ROOT, TINY, cli_env
+from processes import ROOT, TINY, clean_env, cli_env, free_port
+from tiny import master_at
+
+# Each test starts processes of a multi-process run.
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 POISONED_STEP = 3
 SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",

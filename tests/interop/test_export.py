@@ -72,6 +72,7 @@ def snapshot(directory):
           for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_export_loads_into_transformers_and_jaxzero_with_the_same_logits(trained, tmp_path,
                                                                         capsys):
   torch = pytest.importorskip("torch")
@@ -113,6 +114,7 @@ def test_export_loads_into_transformers_and_jaxzero_with_the_same_logits(trained
   np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # the trained fixture runs jaxzero.train
 def test_bfloat16_export_is_the_rounded_master_weights(trained, tmp_path):
   cfg, workdir = trained
   done = export_hf(workdir, tmp_path / "hf", dtype="bfloat16")
@@ -151,6 +153,7 @@ def damage(workdir, how):
     ("no_metadata", r"checkpoint \S+/2 is damaged: its state metadata \(state/_METADATA\) "),
     ("out_not_empty", r"--out \S+ already exists and is not an empty directory"),
 ])
+@pytest.mark.slow  # the trained fixture runs jaxzero.train
 def test_bad_input_is_one_line_and_nothing_is_overwritten(trained, tmp_path, capsys, case,
                                                            message):
   _, run_dir = trained
@@ -208,6 +211,7 @@ def test_tied_embeddings_export_without_an_lm_head(tmp_path):
   np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # the trained fixture runs jaxzero.train
 def test_an_export_starts_a_new_run_with_the_same_weights(trained, tmp_path):
   cfg, workdir = trained
   done = export_hf(workdir, tmp_path / "hf")
@@ -222,6 +226,7 @@ def test_an_export_starts_a_new_run_with_the_same_weights(trained, tmp_path):
   assert outcome.start_step == 0
 
 
+@pytest.mark.slow  # the trained fixture runs jaxzero.train
 def test_export_reads_stacked_weights_one_layer_at_a_time(trained, tmp_path, monkeypatch):
   cfg, workdir = trained
   whole_reads, layer_reads = [], []

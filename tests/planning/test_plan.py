@@ -15,7 +15,7 @@ from jaxzero import plan as plan_cli
 from jaxzero.planning import planner
 from jaxzero.planning.planner import Variant
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 LLAMA_8B = str(CONFIGS / "llama8b_zero3.py")
 LLAMA_70B = str(CONFIGS / "llama70b_zero3_offload.py")
@@ -36,6 +36,7 @@ def assert_follows_zero(rows):
   assert all(a > b for a, b in zip(totals, totals[1:])), totals
 
 
+@pytest.mark.slow
 def test_llama8b_follows_the_zero_formula_without_allocating_the_model():
   cfg = config.load(LLAMA_8B)
   before = live_bytes()
@@ -62,6 +63,7 @@ def test_llama8b_follows_the_zero_formula_without_allocating_the_model():
     assert r.state_bytes + r.activation_bytes == pytest.approx(r.total_bytes, rel=0.01), r
 
 
+@pytest.mark.slow
 def test_llama70b_follows_the_zero_formula_with_the_optimizer_on_the_host():
   plan = planner.plan(config.load(LLAMA_70B), 8, H100, search=False)
   assert_follows_zero(plan.rows)
@@ -71,6 +73,7 @@ def test_llama70b_follows_the_zero_formula_with_the_optimizer_on_the_host():
   assert not any(r.fits for r in plan.rows)  # 70B needs more than 8 x 80 GB
 
 
+@pytest.mark.slow
 def test_remat_policies_order_the_activation_bytes():
   cfg = config.load(LLAMA_70B)
   policies = ["full", "save_matmuls", "none", "offload_matmuls"]
@@ -166,6 +169,7 @@ def run_plan(*args):
                         capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_cli_plans_llama70b_on_64_virtual_devices():
   result = run_plan("--config", LLAMA_70B, "--devices", "64", "--no-search", "--json")
   assert result.returncode == 0, result.stderr
@@ -190,6 +194,7 @@ def test_cli_plans_llama70b_on_64_virtual_devices():
     (["--set", "remat.policy=nope"], "remat.policy='nope' is not valid; choose one of: none, full"),
     (["--hbm-gb", "-1"], "--hbm-gb=-1 must be positive"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
   result = run_plan("--config", str(CONFIGS / "tiny_zero3.py"), *args)
   assert result.returncode == 2, result.stderr

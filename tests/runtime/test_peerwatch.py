@@ -13,9 +13,11 @@ import sys
 import time
 
 import pytest
-from test_distributed import clean_env, free_port
 
-from processes import ROOT, TINY, cli_env
+from processes import ROOT, TINY, clean_env, cli_env, free_port
+
+# Each test starts processes of a multi-process run.
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
             "train.seq_len=32", "train.steps=10000", "train.log_every=1", "checkpoint.every=2",

@@ -122,6 +122,7 @@ def workdir_at_3(stopped_at_3, tmp_path):
   return workdir
 
 
+@pytest.mark.slow
 def test_resume_under_stage1_on_4_devices_matches_the_uninterrupted_run(workdir_at_3,
                                                                         uninterrupted):
   cfg = config.load(TINY, [*SETTINGS, "zero.stage=1", "mesh.fsdp=4"])
@@ -136,6 +137,7 @@ def test_resume_under_stage1_on_4_devices_matches_the_uninterrupted_run(workdir_
   assert saved_steps(workdir_at_3) == [3, 6]
 
 
+@pytest.mark.slow  # runs jaxzero.train processes
 def test_resume_on_the_same_mesh_is_bitwise_equal_and_drops_unsaved_metrics(
     workdir_at_3, uninterrupted, cli_env):
   # As if the run had logged steps 4 and 5, the last line cut short, and been
@@ -148,6 +150,7 @@ def test_resume_on_the_same_mesh_is_bitwise_equal_and_drops_unsaved_metrics(
   assert losses(workdir_at_3) == uninterrupted
 
 
+@pytest.mark.slow  # runs jaxzero.train processes
 def test_another_model_shape_is_refused_naming_the_leaf_and_both_shapes(workdir_at_3):
   cfg = config.load(TINY, [*SETTINGS, "model.dim=128"])
   before = snapshot(workdir_at_3)
@@ -165,6 +168,7 @@ def test_another_model_shape_is_refused_naming_the_leaf_and_both_shapes(workdir_
     ("delete_state_metadata", "is damaged: its state metadata (state/_METADATA) "),
     ("delete_info", "is damaged: its run record (info/) cannot be read"),
 ])
+@pytest.mark.slow  # runs jaxzero.train processes
 def test_a_damaged_checkpoint_is_refused_and_nothing_is_overwritten(workdir_at_3, damage,
                                                                       expected):
   step_dir = checkpoint_dir(workdir_at_3) / "3"
@@ -192,6 +196,7 @@ sys.exit(0 if codes == [2] * 10 else 1)
 """
 
 
+@pytest.mark.slow
 def test_after_a_damaged_restore_stderr_holds_only_its_error(stopped_at_3, tmp_path, cli_env):
   """Tensorstore reads abandoned by a failed restore report nothing: ten
   restores of checkpoints truncated at ten lengths."""
@@ -231,6 +236,7 @@ thread.join()
 """
 
 
+@pytest.mark.slow  # runs jaxzero.train processes
 def test_abandoned_reads_are_quiet_from_the_first_read(tmp_path, cli_env):
   result = subprocess.run([sys.executable, "-c", CLOSED_LOOP_BEFORE_THE_ERROR, str(tmp_path)],
                           cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=120,
@@ -253,6 +259,7 @@ def test_resume_flag_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
 
 
 
+@pytest.mark.slow
 def test_sigkill_during_an_async_save_resumes_from_the_last_complete_checkpoint(
     tmp_path, cli_env, uninterrupted):
   workdir, marker = tmp_path / "w", tmp_path / "save_in_flight"
@@ -275,6 +282,7 @@ def test_sigkill_during_an_async_save_resumes_from_the_last_complete_checkpoint(
   assert sorted(p.name for p in checkpoints.iterdir()) == ["3", "6", "9"]  # leftovers gone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_saves_the_current_step_and_exits_0(tmp_path, cli_env, sig):
   workdir = tmp_path / "w"

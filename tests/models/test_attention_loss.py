@@ -21,7 +21,6 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_model import graphdef, make_cfg, random_params, random_tokens
 
 from jaxzero.config import ConfigError, apply_overrides, base
 from jaxzero.engine.remat import remat_wrapper
@@ -29,6 +28,8 @@ from jaxzero.models.attention import attention
 from jaxzero.models.llama import LlamaConfig
 from jaxzero.models.loss import cross_entropy
 from jaxzero.planning import collectives
+
+from test_model import graphdef, make_cfg, random_params, random_tokens
 
 TOL = 1e-5
 

@@ -216,7 +216,7 @@ def test_cuda_step_streams_offloaded_weights_one_layer_at_a_time(optimizer):
 # 1-3, the weights in host memory at stage 3 (the only stage that offloads
 # them), alone and with the optimizer there. The NVMe tier across processes
 # resuming an in-memory checkpoint is in tests/test_nvme.py.
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
 LAUNCH_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
                "train.global_batch=16", "train.grad_accum=2", "train.lr=3e-3",
@@ -247,6 +247,8 @@ def one_process(tmp_path_factory):
     (1, ["offload.optimizer=nvme"])],
     ids=lambda x: f"stage{x}" if isinstance(x, int) else "+".join(
         s.replace("offload.", "").replace("=", ":") for s in x))
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_with_offload_train_like_one_without(tmp_path, one_process, stage, offload):
   if "offload.optimizer=nvme" in offload:  # both processes' stores in one directory
     (tmp_path / "nvme").mkdir()

@@ -5,34 +5,19 @@ function is wrapped to return NaN when it sees that batch's labels), under
 ZeRO stage 0 (gradients per device, reduced once) and stage 3.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxzero import config
 from jaxzero.checkpoint import checkpointer
 from jaxzero.engine import step
 from jaxzero.errors import NonFiniteError
-from jaxzero.models.llama import LlamaConfig
 from jaxzero.training import loop
 
+from tiny import master_at, tiny_config
+
 POISONED_STEP = 3  # 1-based, as in metrics.jsonl
-
-
-def tiny_config(stage: int, nonfinite: str) -> config.Config:
-  c = config.base()
-  return dataclasses.replace(
-      c, model=LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                           mlp_dim=64, rope_theta=10_000.0),
-      zero=config.ZeroConfig(stage=stage), mesh=config.MeshConfig(replica=1, fsdp=8),
-      train=dataclasses.replace(c.train, steps=5, global_batch=16, grad_accum=1, seq_len=16,
-                                lr=3e-3, warmup_steps=1, nonfinite=nonfinite, max_nonfinite=2),
-      precision=config.PrecisionConfig(compute="float32"),
-      checkpoint=config.CheckpointConfig(every=1, keep=10),
-      data=config.DataConfig(max_bytes=200_000))
 
 
 @pytest.fixture
@@ -51,13 +36,6 @@ def poison(monkeypatch):
       return jnp.where(labels.astype(jnp.int32).sum() == marker, jnp.nan, loss)
     monkeypatch.setattr(step, "cross_entropy", poisoned)
   return arm
-
-
-def master_at(workdir, step_no):
-  with checkpointer.CheckpointReader(workdir) as reader:
-    shapes = reader.leaf_shapes(step_no)
-    name = "master/layers/w_up_LxDxF"
-    return reader.read(step_no, tuple(name.split("/")), shapes[name])
 
 
 # Each mode under one stage: the guard is the same code for every stage, and the

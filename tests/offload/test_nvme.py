@@ -148,6 +148,8 @@ def test_memory_resumes_an_nvme_checkpoint_on_another_mesh_and_stage(in_memory, 
   np.testing.assert_allclose([got[3], got[4]], [nvme_run[1][3], nvme_run[1][4]], rtol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_processes_at_stage2_resume_an_in_memory_checkpoint_and_train_as_in_memory(
     env, in_memory, nvme_dir, tmp_path):
   # 2 processes x 4 devices (jaxzero.launch), the optimizer state sharded across
@@ -170,6 +172,7 @@ def test_two_processes_at_stage2_resume_an_in_memory_checkpoint_and_train_as_in_
 # ----------------------------------------------------------------------------- SIGKILL
 
 
+@pytest.mark.slow
 def test_sigkill_at_a_random_moment_resumes_to_the_uninterrupted_losses(env, nvme_run, tmp_path):
   # A run resumed at step 2 is killed at a random moment once its step 3 is
   # logged: saving step 3 (the store's chunks copied into the checkpoint), in

@@ -11,7 +11,7 @@ from jaxzero.engine.remat import POLICY_NAMES
 from jaxzero.planning import planner
 from jaxzero.training import loop
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
 # test_step's tiny model (float32, ZeRO-3 on 8 devices), for four steps.
 SMALL = {"model.dim": "64", "model.n_layers": "2", "model.mlp_dim": "128",

@@ -27,7 +27,7 @@ from jaxzero.interop import deepspeed
 from jaxzero.interop.translation import apply_file
 from jaxzero.training import loop
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_zero3.py")
 
 # Bucket and prefetch knobs as a Llama ds_config carries them.
@@ -305,6 +305,7 @@ RUN_SET = ["zero.stage=2", "train.global_batch=16", "train.grad_accum=2", "train
            "train.warmup_min_ratio=0.25", "train.warmup_type=linear"]
 
 
+@pytest.mark.slow
 def test_ds_config_run_trains_to_the_losses_of_the_set_run(tmp_path, caplog):
   ds_file = tmp_path / "ds_config.json"
   ds_file.write_text(json.dumps(RUN_DS))
@@ -366,6 +367,7 @@ def test_bad_ds_config_is_one_line_and_exit_code_2(name, text, message, tmp_path
   assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.slow
 def test_bad_ds_config_exits_2_from_the_command_line(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   path = write(tmp_path, "fp16.json", '{"fp16": {"enabled": true}}')
