@@ -1,17 +1,9 @@
 """Typed, frozen configuration: the dataclasses, loading, dotted overrides, checks.
 
-A config file defines ``get_config()`` returning a :class:`Config`. Presets are
-a few lines derived from :func:`base` with ``dataclasses.replace``.
-
-The config's path through a run, each module entered once and taking the
-sections it needs: ``jaxzero.train`` (the command) -> ``config`` (load, check)
--> ``sharding.mesh`` (devices, mesh shape, micro-batch) -> ``sharding.zero``
-(``Layout.from_config``: where each role lives) -> ``engine`` (state
-shardings, init, the jitted step) -> ``training.loop`` (the run), which hands
-the state to ``checkpoint``.
-
-Reading a config starts no JAX backend, so the CLI can decide how many
-virtual CPU devices to create before JAX starts.
+A config file defines ``get_config()`` returning a :class:`Config`; presets are a few lines
+derived from :func:`base` with ``dataclasses.replace``. Each module a run goes through takes
+only the sections it needs. Reading a config starts no JAX backend, so the CLI can decide how
+many virtual CPU devices to create before JAX starts.
 """
 
 from __future__ import annotations

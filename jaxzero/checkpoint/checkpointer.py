@@ -1,34 +1,12 @@
 """Checkpoints of the train state: save, resume on any mesh and stage, read back.
 
-The only module that uses orbax. A run's checkpoints are orbax step directories
-``WORKDIR/checkpoints/<step>``, each holding three items:
-
-* ``state``: the whole TrainState (step, compute params, fp32 master weights,
-  optimizer state), written shard by shard from every device;
-* ``info``: a small JSON record of the run: the model config (for shape checks
-  and export), the compute dtype and the data seed;
-* ``checksums``: one checksum per state leaf (jaxzero.checkpoint.integrity), computed on
-  the devices before the save and verified after every restore, so that bytes
-  damaged on disk are never trained on;
-* a *side item*, for a run whose state keeps some leaves outside memory
-  (the NVMe tier's ``nvme`` item, jaxzero.offload.nvme_checkpoint): those
-  leaves with their checksums, written by the item itself; ``state`` then
-  holds None at them. Either kind of checkpoint restores into either kind of
-  run, on any mesh and stage. This module knows such an item only through
-  :class:`SideItem`; whoever opens a checkpoint that may hold one passes it.
-
-Nothing else is needed to resume: batches are addressed by step number, so the
-data position is the step.
-
-Orbax writes a step into a temporary directory and renames it only once every
-file is in place, so a step directory that exists is complete and the latest
-one is what a killed run resumes from. Restoring reads each shard straight
-into the layout of the *current* mesh and stage (abstract arrays carrying the
-new shardings), so any stage or mesh can continue any other's checkpoint and
-no device ever holds the full model.
-
-CheckpointReader reads single leaves to the host (a stacked one layer by layer)
-for the Hugging Face export (jaxzero.interop.hf_export).
+The only module that uses orbax. A step directory ``WORKDIR/checkpoints/<step>`` holds the
+items ``state``, ``info`` and ``checksums``, and for a run that keeps leaves outside memory a
+side item (:class:`SideItem`; ``state`` then holds None at those leaves). A step directory that
+exists is complete (orbax renames it into place once every file is written). A restore reads
+each shard straight into the current mesh and stage, so no device ever holds the full model,
+and verifies the checksums, so bytes damaged on disk are never trained on. The data position
+is the step: nothing else is needed to resume.
 """
 
 from __future__ import annotations

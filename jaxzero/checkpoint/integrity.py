@@ -1,22 +1,11 @@
 """Checksums of the train state, computed on the devices where the shards live.
 
-A checkpoint records one 32-bit checksum per state leaf; a restore recomputes
-it on the state it read back and compares. The checksum of a leaf is
-
-    sum over elements i of  fmix32(bits(x[i]) XOR (i * 0x9E3779B9))   (mod 2**32)
-
-where ``bits`` is the element's bit pattern, ``i`` its global flat index and
-fmix32 murmur3's finaliser, which makes every bit of both matter. A sum does not depend on the
-order it is added in, so every device adds up the elements of the shards it
-holds and XLA adds the partial sums: the checksum of a leaf is the same under
-any sharding, which lets a checkpoint written by one mesh and stage be verified
-after it has been read into another. It costs one pass over the state on the
-devices (the save copies it off them anyway) and a few bytes to the host.
-
-Any change to a stored value (garbage written into a file, a truncated or
-swapped chunk that still decodes) changes the checksum with probability
-1 - 2**-32 per damaged leaf. The same pass reports whether each floating leaf
-is finite, since damaged bytes can also decode to NaN or Inf.
+A checkpoint records one 32-bit checksum per state leaf, the sum over its elements of
+fmix32(bits(x[i]) XOR (i * 0x9E3779B9)) with ``i`` the global flat index; a restore recomputes
+and compares it. A sum does not depend on its order, so each device adds up the shards it holds
+and the checksum does not depend on the sharding: a checkpoint written by one mesh and stage
+verifies after it is read into another. The same pass reports whether each floating leaf is
+finite.
 """
 
 from __future__ import annotations

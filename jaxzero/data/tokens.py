@@ -1,22 +1,11 @@
 """Token streams: the embedded corpus or your own files, tokenized once into a cache.
 
-Sources (``data.source``):
-
-* ``"stdlib"``: the Python standard library's own source files read as bytes
-  (vocabulary 256), so every machine with Python has a corpus.
-* a path, directory or glob of ``.txt`` (one document per file), ``.jsonl``
-  (one document per line, in field ``data.text_field``) or ``.parquet`` (one
-  document per row, in column ``data.text_field``) files. They are tokenized
-  once with ``data.tokenizer`` (``"byte"`` or a Hugging Face ``tokenizer.json``)
-  into a memory-mapped token file plus a JSON index in ``data.cache_dir``
-  (default ``WORKDIR/data_cache``). A later run reuses the file while the
-  index still matches the source files (paths, sizes, mtimes) and the
-  tokenizer (content hash); otherwise it tokenizes again.
-
-Documents are joined into one token stream, each followed by a separator:
-the tokenizer's end-of-text token (NUL for bytes). A beginning-of-text token
-is whatever the tokenizer's own post-processor adds (Llama-3 adds
-``<|begin_of_text|>``). jaxzero.data.batches cuts the stream into batches.
+``data.source`` is ``"stdlib"`` (the Python standard library's source files as bytes,
+vocabulary 256) or a path, directory or glob of ``.txt``, ``.jsonl`` or ``.parquet`` files,
+tokenized once with ``data.tokenizer`` into a memory-mapped token file plus a JSON index in
+``data.cache_dir``. The cache is reused only while the index matches the source files (paths,
+sizes, mtimes) and the tokenizer (content hash). Documents are joined into one stream, each
+followed by the tokenizer's end-of-text token (NUL for bytes); jaxzero.data.batches cuts it.
 """
 
 from __future__ import annotations

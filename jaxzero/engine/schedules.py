@@ -1,12 +1,9 @@
 """Learning-rate schedules: one function of the optimizer update, for every
 ``train.schedule``.
 
-``warmup_cosine`` is jaxzero's own (optax's warmup + cosine). The others are
-DeepSpeed's WarmupLR family with its formulas (deepspeed/runtime/lr_schedules.py),
-tabulated per update in float64 and rounded once to float32: a float32
-evaluation of its log warmup and cosine would drift past 1e-7 of DeepSpeed's
-values. Past the table every one of them is constant. The table is a constant
-of the compiled step (4 bytes a step: 4 MB for a million).
+``warmup_cosine`` is jaxzero's own (optax's warmup + cosine). The others are DeepSpeed's
+WarmupLR family with its formulas, tabulated per update in float64 and rounded once to float32,
+and constant past the table; the table is a constant of the compiled step.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The jitted train step: the loss, the gradient over the micro-steps, the update.
 
-After each update the new master weights are cast to the compute dtype and
-placed by the ``params`` role, which for stages 1-2 is the all-gather of the
-updated shards.
-
-Gradient accumulation: stages 2-3 reduce-scatter each micro-step into sharded
-buffers (that is their memory saving). Stages 0-1 keep each device's gradient
-unreduced across micro-steps and reduce once per step, as DeepSpeed does; for
-stage 1 that one reduce lands directly in the optimizer's shards. Under hybrid
-sharding the reduce-scatter stays inside ``fsdp`` and the shards are reduced
-across ``replica`` once per step. The loss runs over vocabulary chunks
-(jaxzero.models.loss), so no [B, T, V] float32 logits exist.
+Stages 2-3 reduce-scatter each micro-step's gradient into sharded buffers (their memory
+saving); stages 0-1 keep each device's gradient unreduced and reduce once per step, as
+DeepSpeed does. Under hybrid sharding the shards are reduced across ``replica`` once per step.
+After each update the master weights are cast to the compute dtype and placed by the
+``params`` role. No [B, T, V] float32 logits exist (jaxzero.models.loss).
 """
 
 from __future__ import annotations

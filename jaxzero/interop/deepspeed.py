@@ -1,18 +1,9 @@
 """DeepSpeed's ``ds_config.json`` read as jaxzero settings over a base config.
 
-``python -m jaxzero.train --config BASE.py --deepspeed ds_config.json [--set ...]``
-applies the file over the base config, then ``--set`` over that. The rules:
-
-- A key the file leaves out keeps the base config's value. Inside an
-  ``optimizer`` or ``scheduler`` block, a parameter left out takes the default
-  DeepSpeed gives it, as DeepSpeed would. ``"auto"`` takes the base's value.
-- A key jaxzero does not know is an error naming it (a typo must not pass
-  silently); a key it knows but cannot honour is an error saying so.
-- Knobs that XLA makes unnecessary (bucket sizes, overlap, prefetch limits,
-  ...) are accepted and reported once, in one log line, each with what
-  jaxzero does instead.
-
-
+The file applies over the base config, then ``--set`` over that. A key the file leaves out keeps
+the base's value (inside ``optimizer`` or ``scheduler``, DeepSpeed's default), and ``"auto"``
+takes the base's value. A key jaxzero does not know, or cannot honour, is an error naming it;
+knobs XLA makes unnecessary are accepted and reported once, in one log line.
 :class:`jaxzero.interop.translation.Translation` is what the file says in jaxzero's terms.
 """
 

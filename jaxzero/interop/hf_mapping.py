@@ -1,21 +1,10 @@
 """Hugging Face Llama <-> jaxzero: config.json fields, tensor names and layouts.
 
-The one place that knows Hugging Face's names. Both directions are written
-next to each other and are exact inverses: a tensor only ever goes through a
-transpose and a reshape, never arithmetic, so a round trip is bit-exact in any
-dtype. Arrays are numpy; nothing here reads or writes files (jaxzero.interop.hf_load
-does) or uses jax.
-
-Names are in ``_TENSORS`` below. A ``torch.nn.Linear`` weight is [out, in];
-jaxzero keeps [in..., out...] so the forward is a plain einsum: q_proj [H*E, D]
-is wq [D, H, E], o_proj [D, H*E] is wo [H, E, D], gate_proj [F, D] is w_gate
-[D, F], lm_head [V, D] is lm_head_DxV [D, V]. The embedding [V, D] and the norms
-[D] keep their layout. Per-layer tensors are stacked on a leading ``L`` axis.
-No head permutation is needed: jaxzero.models.llama applies rotate-half RoPE, which is
-the layout Hugging Face checkpoints are stored in.
-
-The per-tensor functions return views where no transpose is needed (norms,
-embedding), so treat their outputs as read-only.
+The one place that knows Hugging Face's names (``_TENSORS``). Both directions are exact
+inverses: a tensor only goes through a transpose and a reshape, never arithmetic, so a round
+trip is bit-exact in any dtype. Arrays are numpy; nothing here reads or writes files
+(jaxzero.interop.hf_load does) or uses jax. The per-tensor functions return views where no
+transpose is needed (norms, embedding), so treat their outputs as read-only.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Causal grouped-query attention, with a choice of kernel.
 
-Queries are [B, T, H, E], keys and values [B, T, K, E] with K dividing H
-(query head h reads key/value head h // (H / K)). The implementations:
-
-* ``"xla"``: ``jax.nn.dot_product_attention``'s plain XLA kernel. It
-  materialises the B×H×T×T scores (Llama-3-8B at T=8192: ~28 GB of f32); kept
-  as the reference.
-* ``"cudnn"``: cuDNN flash attention (GPU only; float16/bfloat16, head dim a
-  multiple of 8 and at most 128, or 256 on Hopper).
-* ``"blockwise"``: flash attention in plain JAX (FlashAttention-2's forward
-  and backward), holding one block × block tile of scores per head at a time.
-* ``"auto"``: ``"cudnn"`` where the default backend is a GPU and cuDNN accepts
-  the shapes and dtypes, otherwise ``"blockwise"``; decided at trace time.
+Queries are [B, T, H, E], keys and values [B, T, K, E] with K dividing H (query head h reads
+key/value head h // (H / K)). The kernels: ``"xla"`` materialises the B×H×T×T scores (the
+reference); ``"cudnn"`` is cuDNN flash attention (GPU only); ``"blockwise"`` is flash attention
+in plain JAX, one block × block tile of scores per head at a time; ``"auto"`` picks ``"cudnn"``
+where the default backend is a GPU and cuDNN accepts the shapes and dtypes, otherwise
+``"blockwise"``, at trace time.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Llama-3 in flax NNX, with every weight declared once with logical axis names.
 
-The decoder layers are stacked (leading ``layers`` axis) and run with
-``jax.lax.scan``, so compile time does not grow with depth. The attention
-kernel is ``cfg.attention`` (jaxzero.models.attention); training takes the loss from
-``Llama.hidden`` and ``Llama.head_DxV`` (jaxzero.models.loss), never from all the logits.
-
-This module knows nothing about meshes. Three hooks let the caller steer
-parallelism and memory without the model knowing how:
-
-* ``shard(x, logical_axes)`` is called on activations: the residual stream at
-  layer boundaries (``("batch", "seq", "embed")``) and, inside a layer, the
-  projections' outputs (q/k/v by ``heads``/``kv_heads``, the MLP's by ``mlp``)
-  and the blocks' outputs before the residual adds. A caller that splits the
-  heads and the MLP width (tensor parallelism) and the residual stream's
-  sequence (sequence parallelism) needs them all.
-* ``gather(w, logical_axes)`` is called on each weight where it is used
-  ("compute layout"): a layer's weights inside the scan body, the head at the
-  end. A tied embedding is gathered once and serves as both lookup table and
-  head, so its two gradients add up before they are reduced. The defaults do
-  nothing.
-* ``remat(fn)`` wraps the per-layer function (e.g. ``jax.checkpoint`` with a
-  policy over the ``checkpoint_name`` tags set below). The default does nothing.
-
-Shapes are written into names: B batch, T sequence, D embed, H query heads,
+The decoder layers are stacked (leading ``layers`` axis) and run with ``jax.lax.scan``. This
+module knows nothing about meshes: the caller steers parallelism and memory through three
+hooks, all no-ops by default: ``shard(x, logical_axes)`` on activations, ``gather(w,
+logical_axes)`` on each weight where it is used, ``remat(fn)`` on the per-layer function.
+Training takes the loss from ``Llama.hidden`` and ``Llama.head_DxV`` (jaxzero.models.loss),
+never from all the logits. Shapes are in names: B batch, T sequence, D embed, H query heads,
 K key/value heads, E head dim, F mlp hidden, V vocab, L layers.
 """
 

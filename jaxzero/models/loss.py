@@ -1,26 +1,10 @@
 """Next-token cross-entropy that never holds all the [B, T, V] float32 logits.
 
-The logits of a Llama-3 batch are large (V = 128256: 0.5 MB per token in
-float32, twice that with their gradient). `cross_entropy` maps over chunks of
-the vocabulary: each chunk's logits [B, T, C] are computed, reduced to a
-logsumexp per position (and the label's logit, in the chunk that holds it),
-and dropped; the chunks' logsumexps are combined at the end. Each chunk is
-rematerialised, so the backward pass also builds one chunk's logits at a time.
-
-Why the vocabulary and not the sequence: the head's gradient reduces over the
-batch, which is split over the data-parallel devices. Over vocabulary chunks
-each chunk's columns of that gradient are produced once, so it is reduced
-once in all. Over sequence chunks every chunk adds to the whole [D, V]
-gradient, and XLA reduces it across devices in every iteration (measured on
-XLA:CPU: an all-reduce of [D, V] inside the loop), i.e. once per chunk.
-
-A chunk takes every n-th vocabulary entry (chunk k: entries k, k + n, ...),
-not a contiguous range: a head split over devices along the vocabulary in
-contiguous blocks (tensor parallelism) is then split along each chunk's
-columns, never along the chunk index the loop runs over, so every device
-keeps its own slice of every chunk and no device builds a chunk's full
-logits (XLA partitions the label's lookup as Megatron's vocabulary-parallel
-cross-entropy does: a masked local lookup, then a sum over the devices).
+`cross_entropy` maps over chunks of the vocabulary: each chunk's logits [B, T, C] are reduced to
+a logsumexp per position (and the label's logit) and dropped, and each chunk is
+rematerialised, so the backward pass also builds one chunk's logits at a time. Chunk k takes
+entries k, k + n, ..., so a head split over devices along the vocabulary in contiguous blocks
+keeps its own slice of every chunk and no device builds a chunk's full logits.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The NVMe tier's checkpoint item (``nvme``): its state as an NVMe run saves it.
 
-The item holds the store's arrays (jaxzero.offload.nvme_store: one per weight, its K
-copies stacked, chunked by shard) with the whole TrainState shape of each
-weight; each chunk is copied by the one process that owns its shard, with its
-part of every copy's integrity checksum (``checksums.process_<i>.json``), and
-``index.json`` names the TrainState leaf of each copy. Saving happens inside
-orbax's atomic step directory, so a checkpoint is complete or absent.
-
-Restoring reads boxes of any shape: into the store of an NVMe run on any mesh
-and stage, or (:meth:`ItemReader.with_leaves`) into the shardings of an
-in-memory run. An in-memory run's checkpoint fills a store from orbax's own
-arrays (:func:`fill`). :data:`SIDE_ITEM` plugs the item into the checkpointer
-(jaxzero.checkpoint.side_item).
+The item holds the store's arrays (one per weight, its K copies stacked, chunked by shard);
+each chunk is copied, with its part of the checksums, by the one process that owns its shard,
+inside orbax's atomic step directory, so a checkpoint is complete or absent. Restoring reads
+boxes of any shape, into an NVMe run's store or an in-memory run's shardings, on any mesh and
+stage. :data:`SIDE_ITEM` plugs the item into the checkpointer (jaxzero.checkpoint.side_item).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """The NVMe tier's files: each process's shards of the fp32 master weights and
 optimizer moments, on local disk.
 
-Each weight of shape S has K copies: the master weight, then each per-weight
-leaf of the optimizer state in the order optax keeps them (AdamW: m, v). A
-*chunk* is a box of one shard holding all K copies, [K, *box]: a stacked
-(``layers``) weight is cut one layer at a time, then any weight along the
-dimensions no mesh axis splits until a chunk is at most CHUNK_BYTES; a weight
-split along every dimension is one chunk per shard. Chunks are the unit the
-update streams (jaxzero.offload.nvme_tier), read and written whole.
-
-The working store (:class:`Store`) is per process, under
-``offload.nvme_dir/jaxzero-<run>/process_<i>``: one file per weight, its
-chunks at fixed offsets, read and written with O_DIRECT (no page cache, so
-host memory holds only the chunks in flight and every byte is a disk transfer)
-by a few threads, with room reserved up front (posix_fallocate). A process
-reads and writes only its own shards, and nothing in it is ever read back
-after a restart: a run always rebuilds it from its last checkpoint, so a store
-half-written by a killed run cannot reach a checkpoint or a resumed run.
-
-A checkpoint of an NVMe run keeps the same chunks as tensorstore arrays, its
-``nvme`` item (jaxzero.offload.nvme_checkpoint).
+A *chunk* is a box of one shard holding all K copies of a weight (the master weight, then the
+optimizer's per-weight leaves), [K, *box], read and written whole with O_DIRECT at a fixed
+offset of one file per weight under ``offload.nvme_dir/jaxzero-<run>/process_<i>``. A process
+reads and writes only its own shards, and nothing here is read back after a restart: a run
+rebuilds its store from its last checkpoint, so a store half-written by a killed run cannot
+reach a checkpoint or a resumed run.
 """
 
 from __future__ import annotations

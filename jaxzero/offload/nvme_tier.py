@@ -1,33 +1,12 @@
 """ZeRO-Infinity's NVMe tier (``offload.optimizer=nvme``): the optimizer's state
 on local disk, streamed through memory one chunk at a time.
 
-The fp32 master weights and the optimizer's per-weight leaves (AdamW's m and
-v: 12 bytes a parameter) live in files under ``offload.nvme_dir``
-(jaxzero.offload.nvme_store), each process keeping its own shards in the optimizer's
-layout. Memory holds the compute copy of the weights, the gradients of one
-step and a few chunks. A step:
-
-1. ``Engine.grad_step``: the gradient sum of the A micro-steps in the
-   optimizer's layout, the mean loss and the global gradient norm;
-2. unless the loss or the norm is not finite (the update is then skipped, as
-   in memory), for each chunk in turn (one layer of a stacked weight, cut to
-   at most nvme_store.CHUNK_BYTES): its state is read ahead asynchronously
-   while the chunk before it is updated, the update runs on the devices
-   holding its shards, the new state goes back to disk asynchronously, and
-   the new compute-dtype weights are written in place into the compute copy
-   (for stages 1-2 that write is the all-gather of the updated shards).
-
-The update is the in-memory path's optax math, per chunk: the mean gradient
-(``engine.mean_grad``), clipped with the global norm as optax does
-(``engine.clip_by_norm``), then ``make_optimizer(cfg, clip=False)`` on the
-chunk, with the schedule's and Adam's step counts kept in memory (one scalar
-each). The arithmetic is elementwise, so a chunk computes what the whole tree
-would: bit for bit in the runs measured, within rounding where XLA fuses
-the two programs differently (e.g. with LLVM's optimisations off).
-
-A run never reads its store after a restart: it is rebuilt from the last
-checkpoint, which holds the whole TrainState (jaxzero.checkpoint.checkpointer), so a run
-saved with the NVMe tier resumes in memory and the other way round.
+Memory holds the compute copy of the weights, one step's gradients and a few chunks; the fp32
+master weights and the optimizer's per-weight leaves live in jaxzero.offload.nvme_store. A step
+is ``Engine.grad_step``, then, unless the loss or the norm is not finite, the in-memory path's
+optax math chunk by chunk (read ahead and written behind asynchronously), writing the new
+compute-dtype weights in place. A run never reads its store after a restart: it is rebuilt
+from the last checkpoint, so a run with the tier resumes in memory and the other way round.
 """
 
 from __future__ import annotations

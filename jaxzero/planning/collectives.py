@@ -1,25 +1,10 @@
 """Bytes each device communicates per train step, read from the compiled program.
 
-One job: list every collective of an optimized, SPMD-partitioned HLO module
-(``jax.jit(f).lower(...).compile().as_text()``) and count its bytes the way
-the ZeRO paper does, so that a stage can be checked against the paper:
-
-* all-gather: result bytes; reduce-scatter, all-to-all, collective-permute:
-  operand bytes; all-reduce: 2 x operand bytes (reduce-scatter + all-gather),
-  except operand bytes whose only users are dynamic-slices keeping 1/n of
-  them (n devices per group; through bitcast, reshape, copy, convert): XLA:GPU
-  makes those a reduce-scatter, counted once;
-* each times ``runs``: how often it executes per call, the product of the
-  trip counts of the while loops around it, summed over call sites.
-
-XLA:CPU's later passes change two things that matter, and both are undone:
-the all-reduce combiner merges all-reduces into tuple-shaped ones (every
-element is counted, each with its own users), and bf16 values are widened to
-f32 just before the collective (``convert(convert(x, bf16), f32)``); such a
-value is counted at the narrower dtype the partitioned program sends.
-
-In the ZeRO paper's units (Φ × 2 bytes, Φ = parameters), per device per
-step: stage 0 and 1: 2; stage 2: A + 1; stage 3: 3A (A = grad_accum).
+Lists every collective of an optimized, SPMD-partitioned HLO module and counts its bytes the
+way the ZeRO paper does: all-gather result bytes; reduce-scatter, all-to-all and
+collective-permute operand bytes; all-reduce 2 x operand bytes, or once where XLA:GPU makes it
+a reduce-scatter; each times how often it runs per call. XLA:CPU's all-reduce combining and
+bf16-to-f32 widening are undone, so the count is that of the partitioned program.
 """
 
 from __future__ import annotations

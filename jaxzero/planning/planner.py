@@ -1,25 +1,11 @@
 """Memory planning: per-device bytes of every ZeRO stage, read from XLA itself.
 
-For each row of the plan (a stage, a remat policy or an offload setting) the
-planner lowers and compiles the very train step that training runs, ahead of
-time, on N virtual CPU devices. Its inputs are ``ShapeDtypeStruct``s that carry
-only shapes and shardings, so no weight is ever allocated: a 70B model plans
-on a laptop. Two kinds of figures come out:
-
-* model state (params, grads, optimizer) counted from the shardings, next to
-  the ZeRO paper's formula for it;
-* XLA's own figures from ``compiled.memory_analysis()``: the temporaries of the
-  step (reported less the gradient buffers among them, which the state counts)
-  and the total the device must hold while the step runs.
-
-The figures are those of XLA's CPU compiler. A GPU compiler makes other
-choices (e.g. fused attention keeps no T x T score matrix), so treat
-``activation_bytes`` as an estimate of the GPU's; model state is exact.
-
-With the NVMe tier (``offload.optimizer=nvme``) the optimizer state is in files
-(``nvme_bytes``) and its update streams it outside the compiled step, so the
-planner compiles ``Engine.grad_step``: XLA's figures (and ``--comm``'s) leave
-the update out, with its chunks in flight and, at stages 1-2, its all-gather.
+Each row of the plan (a stage, a remat policy or an offload setting) lowers and compiles the
+very train step that training runs, ahead of time on N virtual CPU devices, from
+``ShapeDtypeStruct``s that carry only shapes and shardings: no weight is ever allocated. Model
+state is counted from the shardings and is exact; XLA's figures are those of its CPU compiler,
+so ``activation_bytes`` is an estimate of a GPU's. With the NVMe tier the planner compiles
+``Engine.grad_step``, whose figures leave the streamed update out.
 """
 
 from __future__ import annotations

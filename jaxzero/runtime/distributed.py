@@ -1,16 +1,10 @@
-"""Joining a multi-process run: ``jax.distributed`` from the config, the environment or the cluster.
+"""Joining a multi-process run: ``jax.distributed`` from the config, the environment or a cluster.
 
-Where the coordinates of a run come from, first match wins per value:
-
-1. the config: ``distributed.coordinator_address``, ``.num_processes``, ``.process_id``;
-2. ``JAXZERO_COORDINATOR`` (host:port of process 0), ``JAXZERO_NUM_PROCESSES``,
-   ``JAXZERO_PROCESS_ID``, as set by ``jaxzero.launch``;
-3. the cluster, through JAX's own detection: SLURM (``srun``), Open MPI
-   (``mpirun``) or a Kubernetes indexed Job.
-
-With none of these the run is a single process and nothing happens. All of it
-must happen before JAX starts its backends, which is why the CLI calls
-:func:`initialize` right after loading the config.
+Each coordinate comes from the first that has it: the config's ``distributed.*``, then
+``JAXZERO_COORDINATOR``, ``JAXZERO_NUM_PROCESSES`` and ``JAXZERO_PROCESS_ID`` (as
+``jaxzero.launch`` sets them), then JAX's cluster detection (SLURM, Open MPI, Kubernetes).
+With none of these the run is a single process. All of it must happen before JAX starts its
+backends, which is why the CLI calls :func:`initialize` right after loading the config.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """Noticing a lost process in a multi-process run, at any phase, within seconds.
 
-JAX's coordination service notices a dead process only after its heartbeat
-timeout (100 s by default), and then aborts the survivors with a C++ stack
-trace; a survivor blocked in a barrier or a collective before that simply
-waits. ``jaxzero.launch`` watches its children itself, but processes started
-by a cluster scheduler have no such parent. So every process of a run keeps
-one TCP connection to process 0 for as long as it lives:
-
-* a process that dies (killed, crashed, its host gone) closes its connection:
-  the operating system does so at once when a process dies, and TCP
-  keep-alive notices a vanished host;
-* process 0 then tells every other process which one was lost, and each
-  survivor prints one line naming it and exits with code 1, from a watcher
-  thread, whatever its main thread is blocked in (start-up, compile, a step,
-  a save);
-* if process 0 itself is lost, the others see their connection close. JAX's
-  client, whose coordination service lived in process 0, sees it too and may
-  print its report first, but it then writes a stack trace for about 0.2 s
-  before it aborts: the watch's line and exit come well before.
-
-A process leaving normally says so first ("bye"), so a finished run is not
-mistaken for a lost one; one that stops on an error it reported says that
-("failed"), and its peers, unless they stop on the same error within a few
-seconds, name it. The connection carries nothing else.
+Every process keeps one TCP connection to process 0 for as long as it lives. A process that
+dies closes it (TCP keep-alive notices a vanished host); process 0 tells the others which one
+was lost, and each survivor prints one line naming it and exits with code 1 from a watcher
+thread, whatever its main thread is blocked in. A process leaving normally says "bye" first,
+one stopping on an error it reported says "failed"; the connection carries nothing else.
 """
 
 from __future__ import annotations

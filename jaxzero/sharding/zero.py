@@ -1,9 +1,9 @@
 """ZeRO stages as sharding layouts. The only module that decides where state lives.
 
-A stage is data, not control flow: for each role a train-state leaf can play
-(the compute copy of the weights at rest, the gradients, the optimizer state
-with its fp32 master weights) the table below says whether that role is
-sharded across the data-parallel devices. XLA inserts the collectives:
+A stage is data, not control flow: for each role a train-state leaf can play (the compute copy
+of the weights at rest, the gradients, the optimizer state with its fp32 master weights) the
+table below says whether that role is sharded across the data-parallel devices. XLA inserts
+the collectives:
 
   stage  params  grads  optimizer   FSDP name        per-device model state
   0      -       -      -           NO_SHARD (DDP)   2Φ + 2Φ + 12Φ
@@ -11,29 +11,12 @@ sharded across the data-parallel devices. XLA inserts the collectives:
   2      -       sharded sharded    SHARD_GRAD_OP    2Φ + 14Φ/N
   3      sharded sharded sharded    FULL_SHARD       16Φ/N
 
-Hybrid (HYBRID_SHARD, HYBRID_SHARD_ZERO2) shards over the ``fsdp`` mesh axis
-only and replicates over ``replica``. The batch is always split over both.
-
-The ``tensor`` mesh axis adds Megatron's splits on top of every stage, as
-rules on logical axes: a weight is split over ``tensor`` along its first of
-``TENSOR_DIMS`` (q/k/v and the output projection by heads, gate/up/down by
-the MLP width, embedding and head by the vocabulary) in every role, compute
-layout included, while ZeRO's split stays on ``embed`` over the data axes;
-per-device state is the stage's figure divided by the tensor size. A weight
-``tensor`` leaves whole (norm gains; KV heads it does not divide, replicated
-across the tensor group as Megatron does) is sharded over the data axes and
-``tensor`` together in the roles the stage shards.
-Activations with one of those axes are split along it; the residual stream
-between blocks is split along the sequence (sequence parallelism).
-
-Inside a layer the weights use the *compute* layout (replicated over the data
-axes), so under stage 3 XLA all-gathers one layer at a time inside the scan.
-Their gradients leave in the *reduce* layout: sharded from stage 2 on, the
-optimizer's shards at stage 1, so XLA reduce-scatters them where they are
-produced (see :func:`gather_for_compute`).
-
-:meth:`Layout.from_config` reads the ``zero`` and ``offload`` sections, and is
-the only way the rest of jaxzero builds a Layout.
+Hybrid (HYBRID_SHARD, HYBRID_SHARD_ZERO2) shards over ``fsdp`` only and replicates over
+``replica``; the batch is always split over both. The ``tensor`` axis adds Megatron's splits
+(``TENSOR_DIMS``) on top of every stage. Inside a layer the weights use the *compute* layout
+and their gradients leave in the *reduce* layout (:func:`gather_for_compute`).
+:meth:`Layout.from_config` reads the ``zero`` and ``offload`` sections, and is the only way
+the rest of jaxzero builds a Layout.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The run directory: its paths checked before anything is built, and one writer at a time.
 
-:func:`check_paths` turns every file-system problem a run would meet later (a
-``--workdir`` that is a file, a directory it cannot write, a ``checkpoints``
-that is a file, a token cache it cannot write) into one line before the model
-is built and the step compiled, which on a large model costs minutes.
-:func:`check_export_paths` does the same for ``jaxzero.export``.
-
-:func:`hold` keeps a second run off a workdir that a live run is writing: a
-scheduler's requeue or a double submit would otherwise interleave checkpoints
-and metrics. The lock is ``flock`` on ``WORKDIR/.jaxzero.lock``, held by an
-open file for the run's life, so the kernel releases it when the process dies
-however it dies; the host, pid and start time written into the file are only
-there to name the holder.
+:func:`check_paths` (and :func:`check_export_paths` for ``jaxzero.export``) turns every
+file-system problem a run would meet later into one line before the model is built and the
+step compiled. :func:`hold` keeps a second run off a workdir that a live run is writing: an
+``flock`` on ``WORKDIR/.jaxzero.lock``, held by an open file for the run's life, so the kernel
+releases it when the process dies, however it dies.
 """
 
 from __future__ import annotations
