@@ -31,7 +31,7 @@ STRATEGIES: dict[str, tuple[int, bool]] = {
     "HYBRID_SHARD": (3, True),
 }
 
-Dtype = Literal["float32", "bfloat16"]
+Dtype = Literal["float32", "bfloat16", "float16"]
 MemoryKind = Literal["device", "pinned_host"]
 
 
@@ -48,7 +48,7 @@ class ZeroConfig:
   grad_dtype: Dtype = "float32"
   # Dtype gradients are reduced in across devices (FSDP's reduce_dtype);
   # empty = grad_dtype.
-  reduce_dtype: Literal["", "float32", "bfloat16"] = ""
+  reduce_dtype: Literal["", "float32", "bfloat16", "float16"] = ""
 
   @property
   def resolved(self) -> tuple[int, bool]:
@@ -110,6 +110,20 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
   compute: Dtype = "bfloat16"  # dtype of the compute copy of the weights
+  # float16 only, with DeepSpeed's fp16 keys and meanings: the loss is scaled
+  # before the backward pass. 0 = dynamic: from 2**initial_scale_power, halved
+  # after `hysteresis` overflowing steps (each skipped), doubled after
+  # `loss_scale_window` steps without one, never below min_loss_scale; > 0 = static.
+  loss_scale: float = 0.0
+  initial_scale_power: int = 16
+  loss_scale_window: int = 1000
+  hysteresis: int = 2
+  consecutive_hysteresis: bool = False  # refill the hysteresis after every good step
+  min_loss_scale: float = 1.0
+
+  @property
+  def scales_loss(self) -> bool:
+    return self.compute == "float16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,6 +371,7 @@ def validate(cfg: Config) -> None:
   if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
     raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
   _validate_eval(cfg)
+  _validate_loss_scale(cfg.precision)
   if cfg.offload.params == "pinned_host" and cfg.zero.resolved[0] != 3:
     raise ConfigError("offload.params=pinned_host needs ZeRO stage 3 (zero.stage=3 or "
                       "zero.strategy=FULL_SHARD/HYBRID_SHARD)")
@@ -374,6 +389,24 @@ def _check_tensor(tensor: int, model) -> None:
         f"mesh.tensor={tensor} must divide model.n_heads={model.n_heads}, "
         f"model.mlp_dim={model.mlp_dim} and model.vocab_size={model.vocab_size}; valid values: "
         f"{', '.join(map(str, valid))}")
+
+
+def _validate_loss_scale(p: PrecisionConfig) -> None:
+  """DeepSpeed's fp16 rules, checked whatever the compute dtype (a preset may
+  switch to float16 later)."""
+  if p.loss_scale < 0:
+    raise ConfigError(f"precision.loss_scale={p.loss_scale} must be 0 (dynamic loss scaling) "
+                      "or a positive static scale")
+  if p.loss_scale_window < 1 or p.hysteresis < 1:
+    raise ConfigError(f"precision.loss_scale_window={p.loss_scale_window} and "
+                      f"precision.hysteresis={p.hysteresis} must be at least 1")
+  if not 0 <= p.initial_scale_power <= 64:
+    raise ConfigError(f"precision.initial_scale_power={p.initial_scale_power} must be in "
+                      "[0, 64]: the dynamic scale starts at 2**initial_scale_power")
+  if p.min_loss_scale <= 0 or (p.loss_scale == 0 and p.min_loss_scale > 2**p.initial_scale_power):
+    raise ConfigError(f"precision.min_loss_scale={p.min_loss_scale:g} must be positive and at "
+                      f"most the initial scale 2**precision.initial_scale_power = "
+                      f"{2**p.initial_scale_power:g}")
 
 
 def _validate_eval(cfg: Config) -> None:

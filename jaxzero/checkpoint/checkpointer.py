@@ -183,11 +183,15 @@ class Checkpointer(_Checkpoints):
     """Blocks until every save has been written and renamed into place."""
     self._manager.wait_until_finished()
 
-  def restore(self, step: int, target, into: SideTarget | None = None):
+  def restore(self, step: int, target, into: SideTarget | None = None,
+              optional: tuple[str, ...] = ()):
     """Checkpoint `step`, each leaf read straight into the sharding of its
     ShapeDtypeStruct in `target` (e.g. Engine.abstract_state()), and verified
     against the checksums saved with it. With `into` (e.g. the NVMe tier), the
     leaves it keeps are given to it instead, and its state is returned.
+    The fields of `target` named in `optional` may be missing on either side:
+    the checkpoint's are not read when `target` has none, and a field the
+    checkpoint lacks comes back None.
 
     Raises:
       CheckpointError: naming the first leaf whose shape differs from `target`.
@@ -197,7 +201,14 @@ class Checkpointer(_Checkpoints):
     where = self.step_dir(step)
     info = self.info(step)
     hint = _model_difference(info.get("model", {}), self._info["model"])
-    check_fits(self.leaf_shapes(step), _leaf_shapes(target), where, "this config", hint)
+    saved, wanted = self.leaf_shapes(step), _leaf_shapes(target)
+    in_field = lambda names, field: any(n.startswith(field + "/") for n in names)
+    unsaved = [f for f in optional if in_field(wanted, f) and not in_field(saved, f)]
+    unwanted = [f for f in optional if in_field(saved, f) and not in_field(wanted, f)]
+    skipped = tuple(f + "/" for f in unsaved + unwanted)
+    check_fits({n: s for n, s in saved.items() if not n.startswith(skipped)},
+               {n: s for n, s in wanted.items() if not n.startswith(skipped)}, where,
+               "this config", hint)
     if info.get("seed") != self._info["seed"]:
       log.warning("checkpoint %s was trained with seed=%s, this config has seed=%s: the data "
                   "order changes from here on", where, info.get("seed"), self._info["seed"])
@@ -206,8 +217,7 @@ class Checkpointer(_Checkpoints):
     # `into`) are not in `state`, or not read from it.
     partial = _without(target, into.names if into else item.shapes() if item else ())
     try:
-      restored = self._manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(partial)))[STATE]
+      restored = self._restore_fields(step, partial, unwanted)
       if item and not into:
         restored = item.with_leaves(restored, target)
     except Exception as e:  # pylint: disable=broad-except
@@ -226,6 +236,25 @@ class Checkpointer(_Checkpoints):
     except read_errors.ReadError as e:
       raise DamagedCheckpointError(read_errors.read_error(where, e.__cause__)) from e
     return into.state(restored)
+
+  def _restore_fields(self, step: int, target, unwanted: list[str]):
+    """The saved state read into `target` (a NamedTuple of abstract arrays).
+
+    orbax matches the saved tree field by field, so the request names exactly
+    the fields saved: a field `target` leaves None and the checkpoint lacks
+    (e.g. a newer optional field) is left out and comes back None, and a saved
+    field in `unwanted` is read (replicated: it is small) and dropped.
+    """
+    saved = self._manager.item_metadata(step)[STATE]
+    request = {f: v for f, v in target._asdict().items() if f in saved.keys()}
+    replicated = jax.sharding.NamedSharding(target.step.sharding.mesh,
+                                            jax.sharding.PartitionSpec())
+    for f in unwanted:
+      request[f] = jax.tree.map(
+          lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), saved[f])
+    tree = self._manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(request)))[STATE]
+    return type(target)(**{f: None if f in unwanted else tree.get(f) for f in target._fields})
 
   def _recorded(self, step: int, item: SavedSide | None) -> dict:
     """The checksums saved with checkpoint `step` (with its side item's). Checkpoints

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxzero.config import Config
+from jaxzero.engine import loss_scale
 from jaxzero.engine.optimizer import make_optimizer
 from jaxzero.engine.state import TrainState, dtype_of, state_shardings
 from jaxzero.engine.step import make_grad_fn, make_train_step
@@ -45,9 +46,11 @@ class Engine:
     jaxzero.engine.step.make_grad_fn; divide the sum by A with
     jaxzero.engine.optimizer.mean_grad)."""
     grads_sh = on_device(self.shardings.master)
+    replicated = self.layout.replicated()
+    scale = (replicated,) if self.cfg.precision.scales_loss else ()  # float16: the loss scale
     return jax.jit(make_grad_fn(self.cfg, self.layout, self.shardings),
-                   in_shardings=(self.shardings.params, self.batch_sharding),
-                   out_shardings=(grads_sh, self.layout.replicated(), self.layout.replicated()))
+                   in_shardings=(self.shardings.params, self.batch_sharding, *scale),
+                   out_shardings=(grads_sh, replicated, replicated))
 
   def abstract_state(self) -> TrainState:
     """The state as shapes carrying their shardings: a restore target, or a
@@ -80,7 +83,8 @@ class Engine:
       # Offloaded (pinned_host) master weights are used on the device, as in the step.
       master = jax.device_put(master, on_device(sh.master))
       params = jax.tree.map(lambda w: w.astype(compute), master)
-      return TrainState(jnp.zeros((), jnp.int32), params, master, tx.init(master))
+      return TrainState(jnp.zeros((), jnp.int32), params, master, tx.init(master),
+                        loss_scale.init(cfg.precision))
 
     if master is None:
       def init():

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxzero.config import Config
+from jaxzero.engine import loss_scale
 from jaxzero.models.llama import is_param_spec, param_specs
 from jaxzero.sharding.zero import Layout
 
@@ -26,10 +27,13 @@ class TrainState(NamedTuple):
   params: Any  # compute copy, compute dtype
   master: Any  # fp32 master weights
   opt_state: Any  # optax state over `master`
+  # float16 compute only: the loss scaler (jaxzero.engine.loss_scale). None has
+  # no leaves, so the state and checkpoints of other runs are as they were.
+  loss_scale: Any = None
 
 
 def dtype_of(name: str):
-  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+  return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
 def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformation
@@ -43,7 +47,8 @@ def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
       step=jax.ShapeDtypeStruct((), jnp.int32),
       params=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, compute), abstract_master),
       master=abstract_master,
-      opt_state=jax.eval_shape(tx.init, abstract_master))
+      opt_state=jax.eval_shape(tx.init, abstract_master),
+      loss_scale=loss_scale.abstract(cfg.precision))
   master_sh = layout.tree_shardings(specs, "optimizer")
   opt_sh = optax.tree_map_params(
       tx, lambda _, sharding: sharding, abstract.opt_state, master_sh,
@@ -53,5 +58,7 @@ def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
       is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
   shardings = TrainState(step=layout.replicated("grads"),
                          params=layout.tree_shardings(specs, "params"),
-                         master=master_sh, opt_state=opt_sh)
+                         master=master_sh, opt_state=opt_sh,
+                         loss_scale=jax.tree.map(lambda _: layout.replicated("grads"),
+                                                 abstract.loss_scale))
   return shardings, abstract

@@ -21,6 +21,8 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.config import Config
+from jaxzero.engine import loss_scale
+from jaxzero.engine.loss_scale import applied_updates
 from jaxzero.engine.optimizer import clip_by_norm, join_clip, make_optimizer, mean_grad, split_clip
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.schedules import learning_rate_schedule
@@ -72,7 +74,14 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
   # move to the device one layer at a time (Layout.gather_for_compute).
   streams_weights = layout.params_memory == "pinned_host"
 
-  value_and_grad = jax.value_and_grad(functools.partial(loss_fn, graphdef))
+  if cfg.precision.scales_loss:
+    # float16: the gradient of loss x scale (jaxzero.engine.loss_scale), the loss itself as aux.
+    def scaled(params, tokens, layout, remat, scale):
+      loss = loss_fn(graphdef, params, tokens, layout, remat)
+      return loss * scale, loss
+    value_and_grad = jax.value_and_grad(scaled, has_aux=True)
+  else:
+    value_and_grad = jax.value_and_grad(functools.partial(loss_fn, graphdef))
   # Gradients kept apart per group of `local_axes` and reduced across them once
   # per step: per device for stages 0-1 (as DeepSpeed accumulates; with one
   # micro-step too, since the explicit reduce sends a tied embedding's two
@@ -83,8 +92,11 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
   n_groups = math.prod(layout.mesh.shape[a] for a in local_axes)
   if local_axes:
     local_layout = dataclasses.replace(layout, vmapped_axes=local_axes)
-    grouped_grads = jax.vmap(lambda p, t: value_and_grad(p, t, local_layout, remat),
-                             in_axes=(None, 0), spmd_axis_name=local_axes)
+    grouped = jax.vmap(lambda p, t, *scale: value_and_grad(p, t, local_layout, remat, *scale),
+                       in_axes=(None, 0, None), spmd_axis_name=local_axes)
+    vmapped = jax.vmap(lambda p, t: value_and_grad(p, t, local_layout, remat),
+                       in_axes=(None, 0), spmd_axis_name=local_axes)
+    grouped_grads = lambda p, t, *scale: grouped(p, t, *scale) if scale else vmapped(p, t)
     # Within a group, a gradient is whole (per device; split over `tensor` as its
     # weight is used) or in its reduce layout.
     compute_sh = layout.tree_shardings(specs, "compute")
@@ -95,18 +107,19 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
   else:
     accum_sh, accum_shape = reduced_sh, lambda p: p.shape
 
-  def micro_step(params, carry, tokens_BxT1):
+  def micro_step(params, scale, carry, tokens_BxT1):
     loss_sum, grad_sum = carry
     if local_axes:
       tokens_GxbxT1 = jax.lax.with_sharding_constraint(
           tokens_BxT1.reshape(n_groups, -1, tokens_BxT1.shape[-1]),
           local_sharding(layout, P(tuple(a for a in AXES if a not in local_axes) or None, None)))
-      losses_G, grads = grouped_grads(params, tokens_GxbxT1)
-      loss = losses_G.mean()  # equal rows per group: the mean of means is the mean
+      losses_G, grads = grouped_grads(params, tokens_GxbxT1, *scale)
+      loss = _unscaled(losses_G).mean()  # equal rows per group: the mean of means is the mean
     else:
       # Stages 2-3 accumulate into sharded buffers: each reduce is a reduce-scatter.
       # (Layout.gather_for_compute makes each gradient leave the layer reduced.)
-      loss, grads = value_and_grad(params, tokens_BxT1, layout, remat)
+      loss, grads = value_and_grad(params, tokens_BxT1, layout, remat, *scale)
+      loss = _unscaled(loss)
     if streams_weights:
       # The gradient of a weight left in pinned_host is typed pinned_host: each
       # layer's shard went down as the backward pass produced it; added up here.
@@ -116,7 +129,9 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
                                                 accum_sh)
     return (loss_sum + loss, grad_sum), None
 
-  def grad_fn(params, tokens_AxBxT1: jax.Array):
+  def grad_fn(params, tokens_AxBxT1: jax.Array, *scale):
+    """`scale`, under float16 only: the loss scale (the sum and the norm are then
+    of the scaled gradients, and the norm unscaled)."""
     accum = tokens_AxBxT1.shape[0]
     if streams_weights:  # the embedding, head and final norm come over now
       params = {k: v if k == "layers" else jax.device_put(v, params_on_device[k])
@@ -126,7 +141,7 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
     zeros = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda p: jnp.zeros(accum_shape(p), grad_dtype), params), accum_sh)
     (loss_sum, grad_sum), _ = jax.lax.scan(
-        functools.partial(micro_step, params), (jnp.zeros((), jnp.float32), zeros),
+        functools.partial(micro_step, params, scale), (jnp.zeros((), jnp.float32), zeros),
         tokens_AxBxT1)
     if local_axes:  # the one reduce across groups (stage 1: into shards), in reduce_dtype
       grad_sum = jax.tree.map(
@@ -135,9 +150,16 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
     # To the optimizer's layout: for stage 1 a reduce-scatter or a local slice.
     grad_sum = jax.lax.with_sharding_constraint(grad_sum, master_on_device)
     grad_norm = optax.tree.norm(mean_grad(grad_sum, accum))
+    if scale:
+      grad_norm = grad_norm / scale[0]
     return grad_sum, loss_sum / accum, grad_norm
 
   return grad_fn
+
+
+def _unscaled(value_and_aux):
+  """The loss from value_and_grad's value: under loss scaling it is the aux."""
+  return value_and_aux[1] if isinstance(value_and_aux, tuple) else value_and_aux
 
 
 def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState):
@@ -148,7 +170,7 @@ def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState):
   optimizer_on_host = layout.optimizer_memory == "pinned_host"
   unclipped = make_optimizer(cfg, clip=False)  # Engine.tx less its clipping: same state
 
-  def update(grad_sum, grad_norm, master, opt_state, finite, accum):
+  def update(grad_sum, grad_norm, master, opt_state, finite, accum, scale=None):
     """AdamW on the master weights; the new compute copy cast from them.
 
     A non-finite loss or gradient never reaches the state: the update is
@@ -162,6 +184,8 @@ def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState):
       # not read a second time, and on the host optax's own norm cannot be
       # traced (jax.numpy's real-array `.imag` is a device constant).
       grads = mean_grad(grad_sum, accum)
+      if scale is not None:  # float16: unscaled before clipping
+        grads = jax.tree.map(lambda g: g / scale, grads)
       if cfg.train.clip_norm > 0:
         grads = clip_by_norm(grads, grad_norm, cfg.train.clip_norm)
       clip_state, inner_state = split_clip(cfg, opt_state)
@@ -184,22 +208,28 @@ def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState):
 
   def train_step(state: TrainState, tokens_AxBxT1: jax.Array):
     accum = tokens_AxBxT1.shape[0]
-    grad_sum, loss, grad_norm = grad_fn(state.params, tokens_AxBxT1)
+    scale = () if state.loss_scale is None else (state.loss_scale.scale,)
+    grad_sum, loss, grad_norm = grad_fn(state.params, tokens_AxBxT1, *scale)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if optimizer_on_host:
       master, opt_state, params = host_update(jax.device_put(grad_sum, grads_on_host),
                                               grad_norm, state.master, state.opt_state, finite,
-                                              accum)
+                                              accum, *scale)
       if layout.params_memory != "pinned_host":  # (else stage 3: already where it rests)
         params = jax.device_put(params, cast_on_device)
     else:
       master, opt_state, params = update(grad_sum, grad_norm, state.master, state.opt_state,
-                                         finite, accum)
+                                         finite, accum, *scale)
+    metrics = {"loss": loss, "grad_norm": grad_norm,
+               "lr": schedule(applied_updates(state.step, state.loss_scale)),
+               "nonfinite": (~finite).astype(jnp.int32)}
+    new_scale = state.loss_scale
+    if new_scale is not None:
+      new_scale, scale_metrics = loss_scale.after_step(new_scale, loss, grad_norm, cfg.precision)
+      metrics.update(scale_metrics)
     # The step's out_shardings place the new compute copy by the params' layout:
     # for stages 1-2 an all-gather of the cast (compute dtype) shards.
-    new_state = TrainState(state.step + 1, params, master, opt_state)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
-               "nonfinite": (~finite).astype(jnp.int32)}
+    new_state = TrainState(state.step + 1, params, master, opt_state, new_scale)
     return new_state, metrics
 
   batch_sh = layout.batch_sharding(leading_dims=1)

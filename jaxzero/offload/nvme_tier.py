@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import integrity
-from jaxzero.engine import TrainState
+from jaxzero.engine import TrainState, loss_scale
 from jaxzero.models.llama import Llama
 from jaxzero.offload import nvme_checkpoint, nvme_store
 from jaxzero.sharding.zero import on_device
@@ -41,11 +41,12 @@ class NvmeState(NamedTuple):
   params: Any
   master: Any  # None at every leaf: the master weights are in `store`
   opt_state: Any  # the optimizer's scalars (step counts); None at its per-weight leaves
+  loss_scale: Any  # as TrainState's (float16 only)
   store: nvme_store.Store  # a static pytree node: no leaves
 
   def in_memory(self) -> TrainState:
     """What memory holds, as a TrainState with None where the store holds the leaf."""
-    return TrainState(self.step, self.params, self.master, self.opt_state)
+    return TrainState(self.step, self.params, self.master, self.opt_state, self.loss_scale)
 
 
 def store_directory(nvme_dir: str, workdir) -> pathlib.Path:
@@ -120,6 +121,9 @@ class Tier:
     replicated = engine.layout.replicated()
     self._lr = jax.jit(engine_lib.learning_rate_schedule(engine.cfg), out_shardings=replicated)
     self._next_step = jax.jit(lambda s: s + 1, out_shardings=sh.step)
+    self._after_step = jax.jit(
+        lambda scaler, loss, norm: loss_scale.after_step(scaler, loss, norm, engine.cfg.precision),
+        out_shardings=(sh.loss_scale, replicated))
     self.store: nvme_store.Store | None = None
     # The last step's: seconds computing gradients and updating (the update's
     # last writes may still be in flight), and bytes each way.
@@ -187,9 +191,10 @@ class Tier:
                                          _weight_flags(self.engine.tx, full)) if not is_weight]
     opt_state = jax.device_put(self._scalar_def.unflatten(scalars), self._scalar_sh)
     step = jax.device_put(jnp.zeros((), jnp.int32), sh.step)
+    scaler = jax.device_put(loss_scale.init(self.cfg.precision), sh.loss_scale)
     store.writes.wait()
     return NvmeState(step, params, jax.tree.map(lambda _: None, self.engine.abstract.master),
-                     opt_state, store)
+                     opt_state, scaler, store)
 
   def _init_batches(self) -> list[list[int]]:
     """Weights drawn together, largest first, each batch at most the largest
@@ -266,28 +271,35 @@ class Tier:
   def compile(self, state: NvmeState, batch: jax.Array):
     """The step as the training loop runs it: (state, tokens [A, B, T+1]) -> (state,
     metrics), with the gradient step compiled now (the updates on first use)."""
-    grad_step = self.engine.grad_step.lower(state.params, batch).compile()
+    scale = () if state.loss_scale is None else (state.loss_scale.scale,)
+    grad_step = self.engine.grad_step.lower(state.params, batch, *scale).compile()
     return lambda state, batch: self.step(state, batch, grad_step)
 
   def step(self, state: NvmeState, batch: jax.Array, grad_step=None):
     """One optimizer step; `state` is consumed (its compute copy is updated in place)."""
     grad_step = grad_step or self.engine.grad_step
     start = time.perf_counter()
-    grads, loss, grad_norm = grad_step(state.params, batch)
+    scaler = state.loss_scale
+    scale = () if scaler is None else (scaler.scale,)  # float16: the loss scale
+    grads, loss, grad_norm = grad_step(state.params, batch, *scale)
     finite = bool(np.isfinite(float(loss)) and np.isfinite(float(grad_norm)))
     self.stats = {"grad_s": time.perf_counter() - start, "update_s": 0.0}
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self._lr(state.step),
+    metrics = {"loss": loss, "grad_norm": grad_norm,
+               "lr": self._lr(loss_scale.applied_updates(state.step, scaler)),
                "nonfinite": jnp.int32(not finite)}
+    if scaler is not None:
+      scaler, scale_metrics = self._after_step(scaler, loss, grad_norm)
+      metrics.update(scale_metrics)
     params, opt_state = state.params, state.opt_state
     if finite:  # a non-finite step never reaches the state (jaxzero.engine.step), here nor on disk
       start = time.perf_counter()
-      params, opt_state = self._update(state, grads, grad_norm)
+      params, opt_state = self._update(state, grads, grad_norm, *scale)
       self.stats["update_s"] = time.perf_counter() - start  # its last writes may be in flight
     del grads
-    return NvmeState(self._next_step(state.step), params, state.master, opt_state,
+    return NvmeState(self._next_step(state.step), params, state.master, opt_state, scaler,
                      state.store), metrics
 
-  def _update(self, state: NvmeState, grads: Any, grad_norm: jax.Array):
+  def _update(self, state: NvmeState, grads: Any, grad_norm: jax.Array, scale=None):
     """The streamed optimizer update: (new compute copy, new optimizer scalars)."""
     store, sh = state.store, self.engine.shardings
     store.writes.wait()  # the last step's writes, before their chunks are read again
@@ -305,7 +317,8 @@ class Tier:
     for (leaf, starts), chunks in nvme_store.prefetched(units, read):
       i = index[leaf.name]
       params[i], new_chunk, out_scalars = self._unit(leaf)(
-          params[i], grads[i], self._global_chunk(leaf, chunks), starts, scalars, grad_norm)
+          params[i], grads[i], self._global_chunk(leaf, chunks), starts, scalars, grad_norm,
+          jnp.float32(1.0) if scale is None else scale)
       new_scalars = new_scalars or out_scalars
       if written is not None:  # the previous chunk's, while this one computes
         self._write_chunk(store, *written)
@@ -336,8 +349,10 @@ class Tier:
     replicated = self.engine.layout.replicated()
     scalar_sh = jax.tree.leaves(self._scalar_sh)
 
-    def unit(weight, grad_sum, chunk, starts, scalars, grad_norm):
+    def unit(weight, grad_sum, chunk, starts, scalars, grad_norm, scale):
       g = engine_lib.mean_grad(_box_of(leaf, grad_sum, starts), accum)
+      if cfg.precision.scales_loss:  # unscaled before clipping, as in memory
+        g = g / scale
       if clip > 0:
         g = engine_lib.clip_by_norm(g, grad_norm, clip)
       master = _nest(leaf.name, chunk[0])
@@ -359,7 +374,8 @@ class Tier:
 
     fn = jax.jit(unit, donate_argnums=0 if leaf.cut else (),
                  in_shardings=(params_sh, jax.tree.leaves(on_device(sh.master))[i],
-                               leaf.chunk_sharding, replicated, scalar_sh, replicated),
+                               leaf.chunk_sharding, replicated, scalar_sh, replicated,
+                               replicated),
                  out_shardings=(params_sh, leaf.chunk_sharding, scalar_sh))
     self._units[leaf.name] = fn
     return fn

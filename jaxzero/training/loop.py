@@ -19,6 +19,7 @@ from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import checkpointer as checkpoint_lib
 from jaxzero.config import Config
 from jaxzero.data import batches as batches_lib
+from jaxzero.engine import loss_scale
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
 from jaxzero.interop import hf_load
@@ -224,7 +225,29 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
 
 def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,
              step: int) -> engine_lib.TrainState:
-  state = checkpoints.restore(step, run.engine.abstract_state(), into=run.nvme)  # verified
+  # A checkpoint saved in another precision: its compute copy is read as saved
+  # (so that its checksums verify) and cast; the loss scaler is optional both
+  # ways, new for a float16 run that resumes another precision's checkpoint.
+  target = run.engine.abstract_state()
+  saved_compute = checkpoints.info(step).get("compute_dtype", run.cfg.precision.compute)
+  recast = saved_compute != run.cfg.precision.compute
+  if recast:
+    saved_dtype = engine_lib.dtype_of(saved_compute)
+    target = target._replace(params=jax.tree.map(lambda a: a.update(dtype=saved_dtype),
+                                                 target.params))
+  state = checkpoints.restore(step, target, into=run.nvme, optional=("loss_scale",))  # verified
+  if recast:
+    log.info("checkpoint %d was saved with precision.compute=%s: its compute copy is cast to %s",
+             step, saved_compute, run.cfg.precision.compute)
+    compute = engine_lib.dtype_of(run.cfg.precision.compute)
+    state = state._replace(params=jax.jit(
+        lambda params: jax.tree.map(lambda w: w.astype(compute), params),
+        out_shardings=run.engine.shardings.params, donate_argnums=0)(state.params))
+  if run.cfg.precision.scales_loss and not jax.tree.leaves(state.loss_scale):
+    log.info("checkpoint %d has no loss scaler (not saved by a float16 run): it starts afresh",
+             step)
+    state = state._replace(loss_scale=jax.device_put(loss_scale.init(run.cfg.precision),
+                                                     run.engine.shardings.loss_scale))
   log.info("resumed from step %d (%s)", step, checkpoints.step_dir(step))
   return state
 

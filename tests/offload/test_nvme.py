@@ -351,7 +351,7 @@ def test_a_chunk_is_cut_from_and_written_into_its_bf16_stack_without_widening_th
   try:
     hlo = run.nvme._unit(leaf).lower(  # pylint: disable=protected-access
         weight, weight, chunk, (0,), jax.tree.leaves(state.opt_state),
-        jnp.float32(1)).compile().as_text()
+        jnp.float32(1), jnp.float32(1)).compile().as_text()
   finally:
     run.nvme.close()
   stack = ",".join(map(str, weight.sharding.shard_shape(weight.shape)))
