@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+from typing import Any
 
 from jaxzero import config as config_lib
 from jaxzero.errors import UserError
@@ -26,28 +28,62 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                       help="override a config field by its dotted name, e.g. train.steps=10")
 
 
-def load_config(args) -> config_lib.Config:
+@dataclasses.dataclass
+class Loaded:
+  """A command's config, with where each value came from, before the batch sizes a
+  DeepSpeed file leaves to the device count ("auto") are resolved."""
+  cfg: config_lib.Config
+  origins: dict[str, str]  # dotted key -> "base", "FILE: KEY", "--set" or "auto: ..."
+  file: Any = None  # the translated DeepSpeed or Accelerate file (interop.translation)
+  sets: tuple[str, ...] = ()  # the dotted keys --set gave
+
+  def resolve(self, n_devices: int) -> config_lib.Config:
+    """The config on `n_devices` devices (all processes'), checked."""
+    if self.file is None or self.file.batch is None:
+      return self.cfg
+    from jaxzero.interop import deepspeed  # pylint: disable=import-outside-toplevel
+    cfg, how = deepspeed.resolve_batch(self.cfg, self.file, n_devices, self.sets)
+    self.origins.update(how)
+    config_lib.validate(cfg)
+    return cfg
+
+  def describe(self, n_devices: int) -> str:
+    """Every KEY=VALUE (each usable as --set), then where it came from."""
+    cfg = self.resolve(n_devices)
+    return "\n".join(f"{key}={value}  # {self.origins.get(key, 'base')}"
+                     for key, value in config_lib.as_dotted(cfg).items())
+
+
+def load_config(args) -> Loaded:
   """Loads the config and, before JAX starts, creates the CPU devices its mesh needs.
 
   A DeepSpeed (`--deepspeed`) or Accelerate (`--accelerate-config`) file, where
-  the command takes one, applies over the config file, and `--set` over that.
+  the command takes one, applies over the config file, and `--set` over that;
+  the checks run on the result.
   """
   ds_config = getattr(args, "deepspeed", None)
   accelerate_config = getattr(args, "accelerate_config", None)
   if ds_config and accelerate_config:
     raise UserError("--deepspeed and --accelerate-config both say how to shard; give one")
+  sets = tuple(config_lib.MOVED_KEYS.get(k, k) for k in
+               (a.partition("=")[0].strip() for a in args.set))
+  origins = {}
+  file = None
   if ds_config or accelerate_config:
     # pylint: disable-next=import-outside-toplevel
     from jaxzero.interop import accelerate, deepspeed, translation
     reader = deepspeed if ds_config else accelerate
     cfg = config_lib.load(args.config)
-    cfg = translation.apply_file(reader.read(ds_config or accelerate_config, cfg), cfg)
+    file = reader.read(ds_config or accelerate_config, cfg)
+    cfg = translation.apply_file(file, cfg)
+    origins = {key: f"{file.source}: {origin}" for key, (_, origin) in file.settings.items()}
     cfg = config_lib.apply_overrides(cfg, args.set)
     config_lib.validate(cfg)
   else:
     cfg = config_lib.load(args.config, args.set)
+  origins.update({key: "--set" for key in sets})
   mesh_lib.use_cpu_devices_for(cfg.mesh)  # -1 means what it means to jaxzero.plan
-  return cfg
+  return Loaded(cfg, origins, file, sets)
 
 
 # Exceptions that mean bad input, not a bug: reported in one line.

@@ -65,6 +65,13 @@ def main(argv=None) -> int:
     base = config_lib.load(args.base) if args.base else config_lib.base()
     reader = accelerate if args.file.endswith((".yaml", ".yml")) else deepspeed
     tr = reader.read(args.file, base)
+    if tr.batch is not None:  # "auto" batch sizes, for the devices jaxzero.train would use
+      from jaxzero.sharding import mesh  # pylint: disable=import-outside-toplevel
+      applied = tr.apply(base)
+      resolved, how = deepspeed.resolve_batch(applied, tr, mesh.devices_for(applied.mesh))
+      for key in ("train.global_batch", "train.grad_accum"):
+        origin = how.get(key, " / ".join(k for k, v in tr.batch.items() if v is not None))
+        tr.set(key, getattr(resolved.train, key.split(".")[1]), origin)
     config_lib.validate(tr.apply(base))  # refuse here what train would refuse
     command = "python -m jaxzero.migrate " + " ".join(argv if argv is not None else sys.argv[1:])
     sys.stdout.write(render(tr, base, args.base, command))

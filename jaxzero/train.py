@@ -76,16 +76,19 @@ def _main(argv) -> int:
   parser.add_argument("--force", action="store_true",
                       help="start even when the memory check says the run does not fit")
   parser.add_argument("--print-config", action="store_true", help="print the resolved config, "
-                      "one KEY=VALUE per line (each usable as --set), and exit")
+                      "one KEY=VALUE per line (each usable as --set) with where it came from: "
+                      "base, the file, auto or --set; and exit")
   args = parser.parse_args(argv)
 
   def body():
-    cfg = cli.load_config(args)  # before JAX starts: creates virtual CPU devices
+    loaded = cli.load_config(args)  # before JAX starts: creates virtual CPU devices
     if args.print_config:
-      from jaxzero import config  # pylint: disable=import-outside-toplevel
-      print("\n".join(f"{key}={value}" for key, value in config.as_dotted(cfg).items()))
+      from jaxzero.sharding import mesh  # pylint: disable=import-outside-toplevel
+      print(loaded.describe(mesh.devices_for(loaded.cfg.mesh)))
       return
-    distributed.initialize(cfg, prog=parser.prog)  # joins the other processes, if any
+    distributed.initialize(loaded.cfg, prog=parser.prog)  # joins the other processes, if any
+    import jax  # pylint: disable=import-outside-toplevel
+    cfg = loaded.resolve(jax.device_count())  # "auto" batch sizes, on every process's devices
     if args.steps is not None and args.steps < 1:
       parser.error(f"--steps={args.steps} must be at least 1")
     if args.resume_step is not None and args.resume_step < 0:
@@ -95,7 +98,6 @@ def _main(argv) -> int:
     outcome = loop.run_training(cfg, workdir, steps=args.steps, progress=not args.no_progress,
                                    require_checkpoint=args.resume, resume_step=args.resume_step,
                                    force=args.force)
-    import jax  # pylint: disable=import-outside-toplevel
     if jax.process_index() != 0:
       return
     print(summary(outcome, workdir, args.steps, cfg.train.steps))

@@ -138,7 +138,9 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.warmup < 0:
       parser.error("--steps must be >= 1 and --warmup >= 0")
     xla_flags.apply_gpu_defaults()  # the flags jaxzero.train sets on GPU, before JAX starts
-    cfg = cli.load_config(args)
+    loaded = cli.load_config(args)  # before JAX starts: creates virtual CPU devices
+    import jax  # pylint: disable=import-outside-toplevel
+    cfg = loaded.resolve(jax.device_count())
     results = [add_rates(bench_jaxzero(cfg, args.steps, args.warmup), cfg)]
     if args.torch:
       results.append(add_rates(bench_torch(cfg, args.steps, args.warmup), cfg))

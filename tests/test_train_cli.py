@@ -24,7 +24,7 @@ def run_train(*args):
 def test_print_config_gives_every_key_as_a_set_argument():
   result = run_train("--config", TINY, "--set", "zero.stage=2", "--print-config")
   assert result.returncode == 0, result.stderr
-  lines = result.stdout.splitlines()
+  lines = [line.split("  # ")[0] for line in result.stdout.splitlines()]  # then the origin
   assert "zero.stage=2" in lines and "train.steps=80" in lines and "init.hf_checkpoint=" in lines
   from jaxzero import config  # pylint: disable=import-outside-toplevel
   assert config.apply_overrides(config.load(TINY), lines) == config.load(TINY, ["zero.stage=2"])

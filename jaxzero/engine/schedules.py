@@ -2,8 +2,9 @@
 ``train.schedule``.
 
 ``warmup_cosine`` is jaxzero's own (optax's warmup + cosine). The others are DeepSpeed's
-WarmupLR family with its formulas, tabulated per update in float64 and rounded once to float32,
-and constant past the table; the table is a constant of the compiled step.
+WarmupLR family with its formulas and its engine's timing (each update gets the value DeepSpeed
+applies at that update), tabulated per update in float64 and rounded once to float32, and
+constant past the table; the table is a constant of the compiled step.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ def learning_rate_schedule(cfg) -> optax.Schedule:
 def deepspeed_learning_rates(t) -> np.ndarray:
   """The lr of optimizer updates 0, 1, ..., up to where the schedule turns constant.
 
-  Update n takes DeepSpeed's value at ``last_batch_iteration = n``. (DeepSpeed's
-  engine steps its scheduler after each optimizer step, so its own update n
-  runs at the value of n - 1, the first at warmup_min_lr: one update later.)
-  Computed in float64, returned in float32.
+  As DeepSpeed's engine runs them: it steps its scheduler after each applied
+  update, so update n runs at the scheduler's ``last_batch_iteration = n - 1``,
+  and update 0 at the value the scheduler starts with (warmup_min_lr; 0 for
+  WarmupCosineLR). Computed in float64, returned in float32.
   """
   warmup = max(2, t.warmup_steps)  # as DeepSpeed: at least two warmup steps
   n = np.arange(max(t.steps, warmup) + 1, dtype=np.float64)
@@ -53,4 +54,5 @@ def deepspeed_learning_rates(t) -> np.ndarray:
     progress = np.minimum(1.0, (n - warmup + 1) / max(1, t.steps - warmup))
     cosine = t.min_lr_ratio + (1 - t.min_lr_ratio) * (1 + np.cos(math.pi * progress)) / 2
     ratio = np.where(after, np.maximum(0.0, cosine), ratio)
-  return (t.lr * ratio).astype(np.float32)
+  first = 0.0 if t.schedule == "warmup_cosine_ds" else t.warmup_min_ratio
+  return (t.lr * np.concatenate([[first], ratio])).astype(np.float32)

@@ -63,12 +63,13 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
     raise tr.error(f"distributed_type={kind!r} is not available; choose FSDP or MULTI_GPU")
   tr.unneeded.update({k: UNNEEDED_TOP[k] for k in acc if k in UNNEEDED_TOP})
   precision = acc.get("mixed_precision", None)
-  if precision in ("fp16", "fp8"):
-    raise tr.error(f"mixed_precision={precision}: jaxzero has no {precision} training; use bf16")
+  if precision == "fp8":
+    raise tr.error("mixed_precision=fp8: jaxzero has no fp8 training; use bf16 or fp16")
   if precision is not None:
-    if precision not in ("no", "bf16"):
-      raise tr.error(f"mixed_precision={precision!r} is not valid; choose one of: no, bf16")
-    tr.set("precision.compute", "bfloat16" if precision == "bf16" else "float32",
+    if precision not in ("no", "bf16", "fp16"):
+      raise tr.error(f"mixed_precision={precision!r} is not valid; choose one of: no, bf16, fp16")
+    # fp16: with dynamic loss scaling at DeepSpeed's defaults, as Accelerate's GradScaler does.
+    tr.set("precision.compute", {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32"),
            "mixed_precision")
   fsdp = tr.check_keys(acc.get("fsdp_config") or {}, "fsdp_config.", FSDP_KEYS)
   tr.unneeded.update({f"fsdp_config.{k}": UNNEEDED_FSDP[k] for k in fsdp if k in UNNEEDED_FSDP})

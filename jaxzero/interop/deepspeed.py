@@ -9,6 +9,7 @@ knobs XLA makes unnecessary are accepted and reported once, in one log line.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 from jaxzero import config as config_lib
@@ -88,7 +89,13 @@ TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
              "fp16_master_weights_and_grads"}
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# fp16 block key -> (precision key, type, least value, DeepSpeed's default).
+FP16_SCALER = {"loss_scale": ("precision.loss_scale", float, 0, 0.0),
+               "initial_scale_power": ("precision.initial_scale_power", int, 0, 16),
+               "loss_scale_window": ("precision.loss_scale_window", int, 1, 1000),
+               "hysteresis": ("precision.hysteresis", int, 1, 2),
+               "min_loss_scale": ("precision.min_loss_scale", float, None, 1.0)}
 
 
 def read(path: str, base: config_lib.Config) -> Translation:
@@ -109,7 +116,7 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   if ds.get("sparse_gradients"):
     raise tr.error("sparse_gradients=true: sparse gradients are not available")
   tr.unneeded.update({k: UNNEEDED_TOP[k] for k in ds if k in UNNEEDED_TOP})
-  _precision(tr, ds)
+  _precision(tr, ds, base)
   _zero(tr, ds.get("zero_optimization", {}))
   _activation_checkpointing(tr, ds.get("activation_checkpointing", {}))
   lr = _optimizer(tr, ds["optimizer"], base) if "optimizer" in ds else base.train.lr
@@ -121,25 +128,31 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   if "steps_per_print" in ds and ds["steps_per_print"] != "auto":
     tr.set("train.log_every", number(tr, ds["steps_per_print"], "steps_per_print", int, 1),
            "steps_per_print")
-  _batch(tr, ds, base)
+  _batch_request(tr, ds)
   return tr
 
 
-def _precision(tr: Translation, ds: dict) -> None:
+def _enabled(tr: Translation, block: dict, where: str):
+  enabled = block.get("enabled", "auto")
+  if enabled != "auto" and not isinstance(enabled, bool):
+    raise tr.error(f"{where}.enabled={enabled!r} must be true, false or \"auto\"")
+  return enabled
+
+
+def _precision(tr: Translation, ds: dict, base: config_lib.Config) -> None:
   fp16 = tr.check_keys(ds.get("fp16", {}), "fp16.", FP16_KEYS)
-  if fp16.get("enabled") is True:
-    raise tr.error('fp16.enabled=true: jaxzero has no fp16 loss scaling; train in bf16 '
-                   'instead ("bf16": {"enabled": true}), which needs none')
+  fp16_on = _enabled(tr, fp16, "fp16") is True
   for key in ("bf16", "bfloat16"):  # "bfloat16" is DeepSpeed's older spelling
     block = tr.check_keys(ds.get(key, {}), f"{key}.", {"enabled", "immediate_grad_update"})
     if "immediate_grad_update" in block:
       tr.unneeded[f"{key}.immediate_grad_update"] = "the update runs once per step"
-    enabled = block.get("enabled", "auto")
-    if enabled != "auto":
-      if not isinstance(enabled, bool):
-        raise tr.error(f"{key}.enabled={enabled!r} must be true, false or \"auto\"")
-      tr.set("precision.compute", "bfloat16" if enabled else "float32",
-             f"{key}.enabled")
+    enabled = _enabled(tr, block, key)
+    if enabled is True and fp16_on:
+      raise tr.error(f"fp16.enabled and {key}.enabled are both true; enable one")
+    if enabled != "auto" and not fp16_on:
+      tr.set("precision.compute", "bfloat16" if enabled else "float32", f"{key}.enabled")
+  if fp16_on:
+    _fp16(tr, fp16, base.precision)
   data_types = tr.check_keys(ds.get("data_types", {}), "data_types.", {"grad_accum_dtype"})
   for where, key, value in (("data_types.grad_accum_dtype", "zero.grad_dtype",
                              data_types.get("grad_accum_dtype")),
@@ -147,8 +160,35 @@ def _precision(tr: Translation, ds: dict) -> None:
                              ds.get("communication_data_type"))):
     if value is not None:
       if value not in DTYPES:
-        raise tr.error(f"{where}={value!r} is not available; choose one of: fp32, bf16")
+        raise tr.error(f"{where}={value!r} is not available; choose one of: fp32, bf16, fp16")
       tr.set(key, DTYPES[value], where)
+
+
+def _fp16(tr: Translation, fp16: dict, base: config_lib.PrecisionConfig) -> None:
+  """DeepSpeed's fp16 block: float16 compute with its loss scaler's settings."""
+  tr.set("precision.compute", "float16", "fp16.enabled")
+  if fp16.get("fp16_master_weights_and_grads") is True:
+    raise tr.error("fp16.fp16_master_weights_and_grads=true: jaxzero keeps fp32 master "
+                   "weights; leave it false")
+  if fp16.get("auto_cast") not in (None, "auto", False):
+    tr.unneeded["fp16.auto_cast"] = ("the compute copy of the weights is float16 and the "
+                                     "model's inputs are token ids: nothing to cast")
+  values = {}
+  for key, (target, kind, least, default) in FP16_SCALER.items():
+    base_value = getattr(base, target.split(".")[1])  # for "auto"
+    values[key] = param(tr, fp16, "fp16.", key, base_value, default, kind, least)
+    tr.set(target, values[key], f"fp16.{key}")
+  consecutive = fp16.get("consecutive_hysteresis", False)
+  if consecutive == "auto":
+    consecutive = base.consecutive_hysteresis
+  if not isinstance(consecutive, bool):
+    raise tr.error(f"fp16.consecutive_hysteresis={consecutive!r} must be true or false")
+  tr.set("precision.consecutive_hysteresis", consecutive, "fp16.consecutive_hysteresis")
+  if values["min_loss_scale"] <= 0 or (
+      values["loss_scale"] == 0 and values["min_loss_scale"] > 2 ** values["initial_scale_power"]):
+    raise tr.error(f"fp16.min_loss_scale={values['min_loss_scale']:g} must be positive and at "
+                   f"most the initial scale 2**fp16.initial_scale_power = "
+                   f"{2 ** values['initial_scale_power']:g}")
 
 
 def _zero(tr: Translation, zero: dict) -> None:
@@ -313,75 +353,65 @@ def _scheduler(tr: Translation, block: dict, base: config_lib.Config, lr: float)
 
 BATCH_RULE = ("DeepSpeed's rule: train_batch_size = train_micro_batch_size_per_gpu x "
               "gradient_accumulation_steps x data-parallel devices")
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def _batch(tr: Translation, ds: dict, base: config_lib.Config) -> None:
-  """DeepSpeed's batch arithmetic: any two of the three sizes give the third.
+def _batch_request(tr: Translation, ds: dict) -> None:
+  """The file's three batch sizes, each a number or None ("auto" or absent):
+  resolved by :func:`resolve_batch` once --set is applied and the devices are known."""
+  request = {key: param(tr, ds, "", key, None, None, int, 1) for key in BATCH_KEYS}
+  tr.batch = request if any(v is not None for v in request.values()) else None
 
-  jaxzero's data-parallel devices are the mesh's (every device holds a slice
-  of the batch). The device count is known only when the run starts, so it
-  is taken from the mesh the base config (with this file's mesh settings)
-  names. Where that mesh takes "all remaining devices" (-1) and the file
-  gives all three sizes, the sizes fix the device count and the mesh is
-  pinned to it, so a run on a different count stops with the mesh's error
-  instead of training another batch; where the count is needed and cannot be
-  inferred, it is an error asking for it.
+
+def resolve_batch(cfg: config_lib.Config, tr: Translation, n_devices: int, from_set=()
+                  ) -> tuple[config_lib.Config, dict[str, str]]:
+  """`cfg` with the file's batch sizes resolved by DeepSpeed's rule on `n_devices`,
+  and how each derived value was found ({dotted key: "auto: ..."}).
+
+  "auto" (or absent) fills the size the other two and the device count give;
+  what cannot be derived is the base's. `--set train.global_batch` or
+  `--set train.grad_accum` (`from_set`) replaces the file's number. Three fixed
+  sizes that disagree with the device count are one error stating the arithmetic.
   """
-  t = base.train
-  mesh_cfg = tr.apply(base).mesh
-  world = mesh_lib.data_parallel_needed(mesh_cfg) or None
-  base_micro = (t.global_batch // (world * t.grad_accum)
-                if world and t.global_batch % (world * t.grad_accum) == 0 else None)
-  names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-  tbs, micro, gas = (
-      param(tr, ds, "", name, auto, None, int, 1)
-      for name, auto in zip(names, (t.global_batch, base_micro, t.grad_accum)))
-  if tbs is micro is gas is None:
-    return
-  origin = " / ".join(n for n in names if n in ds)
-
-  def need_world():
-    if world is None:
-      raise tr.error(f"{origin}: the data-parallel device count is needed ({BATCH_RULE}), and "
-                     f"the base config's mesh ({mesh_cfg.replica} x {mesh_cfg.fsdp}) takes all "
-                     f"devices; give train_batch_size, or name the mesh in the base config")
-    return world
-
-  if tbs is None and micro is None:
-    raise tr.error("gradient_accumulation_steps alone does not give a batch size: set "
-                   "train_batch_size or train_micro_batch_size_per_gpu")
-  if micro is None:  # the micro-batch follows from the devices at run time
-    gas = gas or 1
-    if world is not None and tbs % (gas * world):
-      raise tr.error(f"train_batch_size={tbs} is not divisible by gradient_accumulation_steps "
-                     f"({gas}) x data-parallel devices ({world}); {BATCH_RULE}")
+  if tr.batch is None:
+    return cfg, {}
+  t = cfg.train
+  tbs, micro, gas = (tr.batch[k] for k in BATCH_KEYS)
+  names = dict(zip(BATCH_KEYS, BATCH_KEYS))
+  if "train.global_batch" in from_set:
+    tbs, names["train_batch_size"] = t.global_batch, "train.global_batch"
+  if "train.grad_accum" in from_set:
+    gas, names["gradient_accumulation_steps"] = t.grad_accum, "train.grad_accum"
+  replica, fsdp, _ = mesh_lib.resolve_shape(cfg.mesh, n_devices)
+  world = replica * fsdp
+  how = {}
+  if micro is None:  # the micro-batch follows at run time from the other two
+    tbs, gas = (t.global_batch if tbs is None else tbs), (t.grad_accum if gas is None else gas)
+    if tbs % (gas * world):
+      raise tr.error(f"{names['train_batch_size']}={tbs} is not divisible by "
+                     f"{names['gradient_accumulation_steps']} {gas} x {world} data-parallel "
+                     f"devices; {BATCH_RULE}")
   elif tbs is None:
-    gas = gas or 1
-    tbs = micro * gas * need_world()
+    gas = t.grad_accum if gas is None else gas
+    tbs = micro * gas * world
+    how["train.global_batch"] = (f"auto: train_micro_batch_size_per_gpu {micro} x "
+                                 f"{names['gradient_accumulation_steps']} {gas} x {world} "
+                                 "data-parallel devices")
   elif gas is None:
-    if tbs % (micro * need_world()):
-      raise tr.error(f"train_batch_size={tbs} is not divisible by train_micro_batch_size_per_gpu "
-                     f"({micro}) x data-parallel devices ({world}); {BATCH_RULE}")
+    if tbs % (micro * world):
+      raise tr.error(f"{names['train_batch_size']}={tbs} is not divisible by "
+                     f"train_micro_batch_size_per_gpu {micro} x {world} data-parallel devices; "
+                     f"{BATCH_RULE}")
     gas = tbs // (micro * world)
-  elif world is None:
-    if tbs % (micro * gas):
-      raise tr.error(f"train_batch_size={tbs} is not divisible by train_micro_batch_size_per_gpu "
-                     f"({micro}) x gradient_accumulation_steps ({gas}); {BATCH_RULE}")
-    _pin_mesh(tr, mesh_cfg, tbs // (micro * gas))
+    how["train.grad_accum"] = (f"auto: {names['train_batch_size']} {tbs} / "
+                               f"(train_micro_batch_size_per_gpu {micro} x {world} devices)")
   elif tbs != micro * gas * world:
-    raise tr.error(f"train_batch_size={tbs} != train_micro_batch_size_per_gpu ({micro}) x "
-                   f"gradient_accumulation_steps ({gas}) x data-parallel devices ({world}) = "
-                   f"{micro * gas * world}; {BATCH_RULE}")
-  tr.set("train.global_batch", tbs, origin)
-  tr.set("train.grad_accum", gas, origin)
-
-
-def _pin_mesh(tr: Translation, mesh_cfg: config_lib.MeshConfig, devices: int) -> None:
-  axis, fixed = (("mesh.fsdp", mesh_cfg.replica) if mesh_cfg.fsdp == -1
-                 else ("mesh.replica", mesh_cfg.fsdp))
-  if devices % fixed:
-    raise tr.error(f"the batch sizes imply {devices} data-parallel devices, which the base "
-                   f"config's mesh ({mesh_cfg.replica} x {mesh_cfg.fsdp}) cannot hold; "
-                   f"{BATCH_RULE}")
-  tr.set(axis, devices // fixed, "train_batch_size / (train_micro_batch_size_per_gpu x "
-         "gradient_accumulation_steps)")
+    fits = tbs // (micro * gas) if tbs % (micro * gas) == 0 else None
+    mesh_hint = (f"a mesh of {fits} data-parallel devices (mesh.replica x mesh.fsdp)" if fits
+                 else "another mesh size")
+    raise tr.error(f"{names['train_batch_size']}={tbs} != train_micro_batch_size_per_gpu "
+                   f"{micro} x {names['gradient_accumulation_steps']} {gas} x {world} "
+                   f"data-parallel devices = {micro * gas * world}; use {mesh_hint}, or --set "
+                   f"train.global_batch={micro * gas * world} (or train.grad_accum) over the file")
+  train = dataclasses.replace(t, global_batch=tbs, grad_accum=gas)
+  return dataclasses.replace(cfg, train=train), how

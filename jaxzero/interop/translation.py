@@ -34,12 +34,16 @@ class Translation:
     source: the file's name, which starts every message about it.
     settings: dotted jaxzero key -> (value, the file's key it comes from); a
       later setting of a key replaces an earlier one.
+    batch: see below.
     unneeded: the file's key -> what jaxzero does instead (knobs XLA makes
       unnecessary; accepted, reported once).
   """
   source: str
   settings: dict[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
   unneeded: dict[str, str] = dataclasses.field(default_factory=dict)
+  # DeepSpeed's three batch sizes as the file gives them (None: "auto" or
+  # absent), resolved once the devices are known (deepspeed.resolve_batch).
+  batch: dict[str, int | None] | None = None
 
   def set(self, key: str, value: Any, origin: str) -> None:
     self.settings[key] = (value, origin)

@@ -114,8 +114,8 @@ def test_migrate_reads_an_accelerate_yaml(tmp_path, capsys):
      "unknown key 'fsdp_config.fsdp_forward_prefech': jaxzero does not know it; did you mean "
      "'fsdp_config.fsdp_forward_prefetch'?"),
     (ACCELERATE_FSDP.format(strategy=7), "fsdp_config.fsdp_sharding_strategy=7 is not valid"),
-    (ACCELERATE_FSDP.format(strategy=1).replace("mixed_precision: bf16", "mixed_precision: fp16"),
-     "mixed_precision=fp16: jaxzero has no fp16 training; use bf16"),
+    (ACCELERATE_FSDP.format(strategy=1).replace("mixed_precision: bf16", "mixed_precision: fp8"),
+     "mixed_precision=fp8: jaxzero has no fp8 training; use bf16 or fp16"),
     ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: [1\n  x: 2\n",
      "not valid YAML at line 4 column 4"),
 ])

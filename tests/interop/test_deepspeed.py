@@ -42,9 +42,11 @@ def base():
   return config.load(TINY)  # mesh 1 x 8, global_batch 32, grad_accum 2, lr 3e-3, stage 3
 
 
-def from_ds(ds: dict, cfg=None) -> config.Config:
+def from_ds(ds: dict, cfg=None, devices: int = 8, from_set=()) -> config.Config:
+  """The config `ds` means over `cfg`, its batch sizes resolved on `devices`."""
   cfg = cfg or base()
-  result = deepspeed.translate(ds, cfg).apply(cfg)
+  tr = deepspeed.translate(ds, cfg)
+  result, _ = deepspeed.resolve_batch(tr.apply(cfg), tr, devices, from_set)
   config.validate(result)
   return result
 
@@ -126,9 +128,11 @@ def test_zero3_param_offload_and_the_knobs_are_reported_once(caplog):
       "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
       "offload_optimizer": {"device": "cpu"}, **STAGE3_KNOBS}}
   with caplog.at_level(logging.INFO):
-    cfg = apply_file(deepspeed.translate(ds, base(), "ds.json"), base())
+    tr = deepspeed.translate(ds, base(), "ds.json")
+    cfg, _ = deepspeed.resolve_batch(apply_file(tr, base()), tr, 8)
+  # gradient_accumulation_steps cannot be derived without the micro-batch: the base's.
   assert_fields(cfg, offload__params="pinned_host", offload__optimizer="pinned_host",
-                train__global_batch=16, train__grad_accum=1)
+                train__global_batch=16, train__grad_accum=2)
   lines = [r.getMessage() for r in caplog.records if "not needed under XLA" in r.getMessage()]
   assert len(lines) == 1 and "stage3_prefetch_bucket_size" in lines[0]
   assert "layer scan" in lines[0]  # what jaxzero does instead
@@ -183,20 +187,61 @@ def test_batch_rule_any_two_give_the_third():
   assert got.grad_accum == 4
   got = from_ds({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}).train
   assert (got.global_batch, got.grad_accum) == (48, 3)
-  # A mesh that takes all devices: the three sizes fix the device count.
+  # What cannot be derived is the base's (global_batch 32, grad_accum 2); the mesh is never
+  # changed: a mesh of -1 takes the devices there are.
   any_mesh = dataclasses.replace(base(), mesh=config.MeshConfig(replica=2, fsdp=-1))
-  cfg = from_ds({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 2,
-                 "gradient_accumulation_steps": 2}, any_mesh)
-  assert (cfg.mesh.replica, cfg.mesh.fsdp, cfg.train.global_batch) == (2, 6, 48)
-  with pytest.raises(ConfigError, match="data-parallel device count is needed"):
-    from_ds({"train_micro_batch_size_per_gpu": 2}, any_mesh)
-  with pytest.raises(ConfigError, match="gradient_accumulation_steps alone"):
-    from_ds({"gradient_accumulation_steps": 2})
+  got = from_ds({"train_micro_batch_size_per_gpu": 2}, any_mesh)
+  assert (got.mesh, got.train.global_batch, got.train.grad_accum) == (any_mesh.mesh, 32, 2)
+  got = from_ds({"gradient_accumulation_steps": 4}).train
+  assert (got.global_batch, got.grad_accum) == (32, 4)
+  assert from_ds({"train_batch_size": 64}, any_mesh, devices=4).train.global_batch == 64
+
+
+def test_auto_is_filled_from_the_run_never_against_it():
+  # A ZeRO-3 + CPU-offload config as the HF integration writes it, on 8 devices.
+  ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 8}
+  got = from_ds(ds).train
+  assert (got.global_batch, got.grad_accum) == (64, 8)
+  any_mesh = dataclasses.replace(base(), mesh=config.MeshConfig(replica=1, fsdp=-1))
+  assert from_ds(ds, any_mesh, devices=4).train.global_batch == 32  # the devices there are
+  ds_gas = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": "auto"}
+  assert from_ds(ds_gas).train.grad_accum == 4
+
+
+def test_three_fixed_batch_sizes_against_the_devices_are_one_line_with_the_arithmetic():
+  ds = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 8}
+  with pytest.raises(ConfigError) as e:
+    from_ds(ds)
+  assert str(e.value) == (
+      "ds_config: train_batch_size=32 != train_micro_batch_size_per_gpu 1 x "
+      "gradient_accumulation_steps 8 x 8 data-parallel devices = 64; use a mesh of 4 "
+      "data-parallel devices (mesh.replica x mesh.fsdp), or --set train.global_batch=64 (or "
+      "train.grad_accum) over the file")
+  # Either way out works: --set over the file, or the mesh.
+  fixed = dataclasses.replace(base(), train=dataclasses.replace(base().train, global_batch=64))
+  assert from_ds(ds, fixed, from_set=("train.global_batch",)).train.global_batch == 64
+  four = dataclasses.replace(base(), mesh=config.MeshConfig(replica=1, fsdp=4))
+  assert from_ds(ds, four, devices=4).train.global_batch == 32
+  with pytest.raises(ConfigError, match="train_batch_size=36 is not divisible by "
+                     "train_micro_batch_size_per_gpu 1 x 8 data-parallel devices"):
+    from_ds({"train_batch_size": 36, "train_micro_batch_size_per_gpu": 1})
 
 
 @pytest.mark.parametrize("ds, message", [
-    ({"fp16": {"enabled": True}},
-     "fp16.enabled=true: jaxzero has no fp16 loss scaling; train in bf16"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+     "fp16.enabled and bf16.enabled are both true; enable one"),
+    ({"fp16": {"enabled": True, "loss_scale": -1}},
+     "fp16.loss_scale=-1 must be a number of at least 0"),
+    ({"fp16": {"enabled": True, "initial_scale_power": 4, "min_loss_scale": 32}},
+     "fp16.min_loss_scale=32 must be positive and at most the initial scale "
+     "2**fp16.initial_scale_power = 16"),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}},
+     "fp16.loss_scale_window=0 must be an integer of at least 1"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+     "jaxzero keeps fp32 master weights"),
     ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type='Lamb' is not available"),
     ({"scheduler": {"type": "OneCycle", "params": {}}},
      "scheduler.type='OneCycle' is not available"),
@@ -264,11 +309,42 @@ def test_schedule_equals_deepspeeds_formula(kind, params, formula, warmup_type):
   ds = {"optimizer": {"type": "AdamW", "params": {"lr": lr}},
         "scheduler": {"type": kind, "params": {**params, "warmup_type": warmup_type}}}
   schedule = engine_lib.learning_rate_schedule(from_ds(ds))
-  steps = np.arange(50)  # past the end too: every schedule holds its last value
-  got = np.asarray(schedule(jnp.asarray(steps)))
+  updates = np.arange(50)  # past the end too: every schedule holds its last value
+  got = np.asarray(schedule(jnp.asarray(updates)))
   extra = {"lr": lr} if kind == "WarmupCosineLR" else {}
-  want = np.array([formula(int(n), **extra, **params, warmup_type=warmup_type) for n in steps])
+  # DeepSpeed's engine steps the scheduler after each update: update u runs at
+  # iteration u - 1, and update 0 at the scheduler's start (warmup_min_lr; 0 for cosine).
+  start = params.get("warmup_min_lr", 0.0)
+  want = np.array([start] + [formula(int(u) - 1, **extra, **params, warmup_type=warmup_type)
+                             for u in updates[1:]])
   np.testing.assert_allclose(got, want, rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind, params", [
+    ("WarmupLR", dict(warmup_min_lr=1e-5, warmup_max_lr=3e-4, warmup_num_steps=12)),
+    ("WarmupDecayLR", dict(total_num_steps=40, warmup_min_lr=0.0, warmup_max_lr=3e-4,
+                           warmup_num_steps=10)),
+    ("WarmupCosineLR", dict(total_num_steps=40, warmup_min_ratio=0.05, warmup_num_steps=10,
+                            cos_min_ratio=0.1)),
+])
+def test_every_update_gets_the_learning_rate_deepspeeds_engine_uses(kind, params):
+  """Pinned to DeepSpeed's own scheduler objects, stepped as its engine steps them:
+  the optimizer's lr is read at the update, and the scheduler steps after it."""
+  lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules",
+                                     reason="DeepSpeed is not installed (pip install deepspeed)")
+  torch = pytest.importorskip("torch")
+  lr = 4e-4
+  optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+  scheduler = getattr(lr_schedules, kind)(optimizer, **params)
+  theirs = []
+  for _ in range(45):
+    theirs.append(optimizer.param_groups[0]["lr"])
+    scheduler.step()
+  ds = {"optimizer": {"type": "AdamW", "params": {"lr": lr}},
+        "scheduler": {"type": kind, "params": params}}
+  ours = engine_lib.learning_rate_schedule(from_ds(ds))(jnp.arange(45))
+  np.testing.assert_allclose(np.asarray(ours)[:3], theirs[:3], rtol=1e-7, atol=0)  # the start
+  np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-7, atol=0)
 
 
 def test_default_schedule_is_unchanged():
@@ -314,7 +390,7 @@ def test_ds_config_run_trains_to_the_losses_of_the_set_run(tmp_path, caplog):
   args = argparse.Namespace(config=TINY, deepspeed=str(ds_file), accelerate_config=None,
                             set=SMALL)
   with caplog.at_level(logging.INFO):
-    ds_cfg = cli.load_config(args)
+    ds_cfg = cli.load_config(args).resolve(1)
   assert sum("not needed under XLA" in r.getMessage() for r in caplog.records) == 1
   set_cfg = config.load(TINY, RUN_SET + SMALL)
   assert ds_cfg == set_cfg
@@ -352,8 +428,8 @@ def write(tmp_path, name, text):
      "did you mean 'zero_optimization.overlap_comm'?"),
     ("batch.json", '{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, '
      '"gradient_accumulation_steps": 4}',
-     "train_batch_size=32 != train_micro_batch_size_per_gpu (2) x gradient_accumulation_steps (4)"
-     " x data-parallel devices (8) = 64; DeepSpeed's rule"),
+     "train_batch_size=32 != train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 4 x "
+     "8 data-parallel devices = 64; use a mesh of 4 data-parallel devices"),
     ("stage.json", '{"zero_optimization": {"stage": 5}}',
      "zero_optimization.stage=5 is not valid; choose one of: 0, 1, 2, 3"),
     ("malformed.json", '{\n  "train_batch_size": 32,\n  "bf16": {"enabled": true,}\n}',
@@ -370,11 +446,11 @@ def test_bad_ds_config_is_one_line_and_exit_code_2(name, text, message, tmp_path
 @pytest.mark.slow
 def test_bad_ds_config_exits_2_from_the_command_line(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  path = write(tmp_path, "fp16.json", '{"fp16": {"enabled": true}}')
+  path = write(tmp_path, "fp16.json", '{"fp16": {"enabled": true}, "bf16": {"enabled": true}}')
   result = subprocess.run(
       [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--deepspeed", path],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
-      'jaxzero.train: error: fp16.json: fp16.enabled=true: jaxzero has no fp16 loss scaling; '
-      'train in bf16 instead ("bf16": {"enabled": true}), which needs none']
+      "jaxzero.train: error: fp16.json: fp16.enabled and bf16.enabled are both true; "
+      "enable one"]

@@ -157,7 +157,8 @@ def test_print_config_prints_the_resolved_config_and_exits(capsys):
   assert train_cli.main(["--config", TINY, "--set", "eval.every=3", "--set",
                          "data.eval_fraction=0.5", "--print-config"]) == 0
   lines = capsys.readouterr().out.splitlines()
-  assert {"eval.every=3", "eval.batches=4", "data.eval_fraction=0.5", "data.eval_source="} <= set(lines)
+  assert {"eval.every=3  # --set", "eval.batches=4  # base", "data.eval_fraction=0.5  # --set",
+          "data.eval_source=  # base"} <= set(lines)
 
 
 def test_plain_lines_per_logged_step_and_per_step_metrics(run):
