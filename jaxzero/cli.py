@@ -76,7 +76,9 @@ def load_config(args) -> Loaded:
     cfg = config_lib.load(args.config)
     file = reader.read(ds_config or accelerate_config, cfg)
     cfg = translation.apply_file(file, cfg)
-    origins = {key: f"{file.source}: {origin}" for key, (_, origin) in file.settings.items()}
+    origins = {key: f"{file.source}: {origin}" + (' ("auto": the base\'s)' if origin in file.autos
+                                                  else "")
+               for key, (_, origin) in file.settings.items()}
     cfg = config_lib.apply_overrides(cfg, args.set)
     config_lib.validate(cfg)
   else:

@@ -1,4 +1,4 @@
-"""python -m jaxzero.export --workdir DIR --out OUT [--dtype bfloat16|float32] [--step N]
+"""python -m jaxzero.export --workdir DIR --out OUT [--dtype bfloat16|float16|float32] [--step N]
 
 Writes a training checkpoint as a Hugging Face Llama model directory
 (config.json + sharded safetensors + index), loadable by transformers'
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
                       description="Export a jaxzero checkpoint as Hugging Face safetensors.")
   parser.add_argument("--workdir", required=True, help="the jaxzero.train workdir to export from")
   parser.add_argument("--out", required=True, help="a new directory for the Hugging Face files")
-  parser.add_argument("--dtype", choices=("bfloat16", "float32"),
+  parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                       help="dtype of the exported weights (default: the run's precision.compute)")
   parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
   parser.add_argument("--max-shard-gb", type=float, default=5.0,

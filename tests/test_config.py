@@ -33,7 +33,7 @@ def test_override_parses_to_the_field_type():
     ("zero.strategy=FULL", "HYBRID_SHARD"),
     ("train.steps", "must look like KEY=VALUE"),
     ("zero.reduce_dtype=fp8", "zero.reduce_dtype='fp8' is not valid; choose one of: '', float32, "
-     "bfloat16"),
+     "bfloat16, float16"),
     ("model.attention=flash", "model.attention='flash' is not valid; choose one of: auto, xla, "
      "cudnn, blockwise"),
 ])
@@ -50,6 +50,12 @@ def test_bad_override_names_key_and_choices(assignment, expected):
     ("seed=-1", "seed=-1 must not be negative"),
     ("train.warmup_steps=-3", "train.warmup_steps=-3 must not be negative"),
     ("model.n_heads=3", "model.dim=128 must be divisible by model.n_heads=3"),
+    ("precision.loss_scale=-1", "precision.loss_scale=-1.0 must be 0 (dynamic loss scaling) or "
+     "a positive static scale"),
+    ("precision.min_loss_scale=1e6", "precision.min_loss_scale=1e+06 must be positive and at "
+     "most the initial scale 2**precision.initial_scale_power = 65536"),
+    ("precision.loss_scale_window=0", "precision.loss_scale_window=0 and precision.hysteresis=2 "
+     "must be at least 1"),
 ])
 def test_validate_rejects_values_that_would_fail_later(assignment, expected):
   with pytest.raises(ConfigError) as info:

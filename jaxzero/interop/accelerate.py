@@ -63,6 +63,8 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
     raise tr.error(f"distributed_type={kind!r} is not available; choose FSDP or MULTI_GPU")
   tr.unneeded.update({k: UNNEEDED_TOP[k] for k in acc if k in UNNEEDED_TOP})
   precision = acc.get("mixed_precision", None)
+  if precision is False:  # YAML reads an unquoted `no` as false
+    precision = "no"
   if precision == "fp8":
     raise tr.error("mixed_precision=fp8: jaxzero has no fp8 training; use bf16 or fp16")
   if precision is not None:

@@ -413,5 +413,9 @@ def resolve_batch(cfg: config_lib.Config, tr: Translation, n_devices: int, from_
                    f"{micro} x {names['gradient_accumulation_steps']} {gas} x {world} "
                    f"data-parallel devices = {micro * gas * world}; use {mesh_hint}, or --set "
                    f"train.global_batch={micro * gas * world} (or train.grad_accum) over the file")
+  for key, name in (("train.global_batch", "train_batch_size"),
+                    ("train.grad_accum", "gradient_accumulation_steps")):
+    if key not in how and key not in from_set and tr.batch[name] is not None:
+      how[key] = f"{tr.source}: {name}"
   train = dataclasses.replace(t, global_batch=tbs, grad_accum=gas)
   return dataclasses.replace(cfg, train=train), how

@@ -31,7 +31,8 @@ Path = tuple[str, ...]
 
 
 EXPORT_DTYPES = {"float32": ("F32", np.dtype(np.float32)),
-                 "bfloat16": ("BF16", np.dtype(jnp.bfloat16))}
+                 "bfloat16": ("BF16", np.dtype(jnp.bfloat16)),
+                 "float16": ("F16", np.dtype(np.float16))}
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 

@@ -44,6 +44,7 @@ class Translation:
   # DeepSpeed's three batch sizes as the file gives them (None: "auto" or
   # absent), resolved once the devices are known (deepspeed.resolve_batch).
   batch: dict[str, int | None] | None = None
+  autos: set[str] = dataclasses.field(default_factory=set)  # the file's keys that said "auto"
 
   def set(self, key: str, value: Any, origin: str) -> None:
     self.settings[key] = (value, origin)
@@ -101,8 +102,11 @@ def param(tr: Translation, params: dict, where: str, key: str, base: Any, defaul
           kind=float, minimum=None) -> Any:
   """A scheduler/optimizer parameter: `default` when absent, `base` when "auto"."""
   value = params.get(key, default)
-  if value == "auto" or value is None:
-    return base if value == "auto" else default
+  if value == "auto":
+    tr.autos.add(f"{where}{key}")
+    return base
+  if value is None:
+    return default
   return number(tr, value, f"{where}{key}", kind, minimum)
 
 

@@ -72,7 +72,7 @@ def activation_bytes(cfg, micro_batch: int, shard_size: int, params_sharded: boo
   """
   from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
   m, t = cfg.model, cfg.train
-  c = 2 if cfg.precision.compute == "bfloat16" else 4
+  c = 4 if cfg.precision.compute == "float32" else 2
   tokens = micro_batch * t.seq_len
   head_dim = m.dim // m.n_heads
   kv = 2 * m.n_kv_heads * head_dim
@@ -154,7 +154,7 @@ def suggest(engine, b: Budget) -> str:
   from jaxzero.sharding.zero import SHARDED_ROLES  # pylint: disable=import-outside-toplevel
   cfg, layout = engine.cfg, engine.layout
   phi = count_params(cfg.model)
-  c = 2 if cfg.precision.compute == "bfloat16" else 4
+  c = 4 if cfg.precision.compute == "float32" else 2
   g = 4 if cfg.zero.grad_dtype == "float32" else 2
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
   cpu = b.platform == "cpu"

@@ -338,9 +338,10 @@ def _row(engine: engine_lib.Engine, variant: Variant, stats, micro: int, hbm_byt
 
 def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:
   notes = []
-  if cfg.precision.compute == "bfloat16":
-    notes.append("XLA's CPU compiler computes bf16 matmuls in fp32 and keeps some activations "
-                 "and gradient buffers in fp32: a GPU's activations are smaller")
+  if cfg.precision.compute != "float32":
+    short = {"bfloat16": "bf16", "float16": "fp16"}[cfg.precision.compute]
+    notes.append(f"XLA's CPU compiler computes {short} matmuls in fp32 and keeps some "
+                 "activations and gradient buffers in fp32: a GPU's activations are smaller")
   if sweep == "stages" and cfg.offload.params == "pinned_host":
     notes.append("offload.params=pinned_host applies to the stage-3 rows only")
   if any(not r.xla_separates_host for r in rows):

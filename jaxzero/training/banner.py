@@ -26,6 +26,15 @@ def write_config(cfg: config_lib.Config, workdir: pathlib.Path) -> pathlib.Path:
   return path
 
 
+def _loss_scaling(p) -> str:
+  if not p.scales_loss:
+    return ""
+  if p.loss_scale:
+    return f" with static loss scale {p.loss_scale:g}"
+  return (f" with dynamic loss scale from 2^{p.initial_scale_power} (window "
+          f"{p.loss_scale_window}, hysteresis {p.hysteresis}, min {p.min_loss_scale:g})")
+
+
 def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
   """The banner: model, mesh and devices, ZeRO, batch arithmetic, data, memory, eval."""
   cfg, layout = run.cfg, run.layout
@@ -50,7 +59,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
       f"{jax.process_count()} process{'es' if jax.process_count() > 1 else ''}",
       f"  ZeRO      stage {stage} ({config_lib.strategy_name(stage, hybrid)}), state sharded "
       f"over {layout.shard_size} devices; remat {cfg.remat.policy}; offload {offload}; "
-      f"compute {cfg.precision.compute}, grads {cfg.zero.grad_dtype}",
+      f"compute {cfg.precision.compute}{_loss_scaling(cfg.precision)}, grads "
+      f"{cfg.zero.grad_dtype}",
       f"  batch     micro-batch {micro} x grad_accum {t.grad_accum} x {dp} data-parallel = "
       f"global batch {t.global_batch} sequences of {t.seq_len} = {tokens_per_step:,} tokens "
       f"per step",

@@ -34,7 +34,8 @@ TB_TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr
            "tflops": "perf/model_tflops", "mfu": "perf/mfu",
            "device_memory_bytes": "memory/device_bytes_in_use",
            "host_rss_bytes": "memory/host_rss_bytes",
-           "eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity"}
+           "eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity",
+           "loss_scale": "train/loss_scale", "skipped_steps": "train/skipped_steps"}
 
 
 def use_progress_bar(progress: bool) -> bool:
@@ -90,7 +91,8 @@ class MetricsLogger:
       self._file.write(json.dumps(record) + "\n")
       if self._tb is not None:
         for key, tag in TB_TAGS.items():
-          if record.get(key) is not None:
+          # (Not an overflowing fp16 step's infinite norm: metrics.jsonl has it.)
+          if record.get(key) is not None and math.isfinite(record[key]):
             self._tb.add_scalar(tag, record[key], record["step"])
     self._file.flush()
     last = records[-1]
@@ -144,6 +146,8 @@ def format_line(r: dict, total_steps: int) -> str:
     parts.append(f"host mem {r['host_rss_bytes'] / 1e9:.2f} GB")
   if r.get("eval_loss") is not None:
     parts.append(f"eval loss {r['eval_loss']:.4f} (ppl {r['eval_perplexity']:.2f})")
+  if r.get("loss_scale") is not None:
+    parts.append(f"loss scale {r['loss_scale']:g} ({r['skipped_steps']:.0f} skipped)")
   if r.get("nonfinite"):
     parts.append("NON-FINITE: update skipped")
   return " | ".join(parts)

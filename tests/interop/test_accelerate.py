@@ -85,6 +85,17 @@ def test_fsdp2_reshard_after_forward(reshard, expected):
   assert cfg.precision.compute == "float32" and cfg.remat.policy == "full"
 
 
+@pytest.mark.parametrize("precision, compute", [("bf16", "bfloat16"), ("fp16", "float16"),
+                                                ("no", "float32")])
+def test_mixed_precision(precision, compute):
+  text = ACCELERATE_FSDP.format(strategy=1).replace("mixed_precision: bf16",
+                                                   f"mixed_precision: {precision}")
+  cfg = from_yaml(text)
+  assert cfg.precision.compute == compute
+  # fp16: dynamic loss scaling with DeepSpeed's defaults, as Accelerate's GradScaler scales.
+  assert cfg.precision.loss_scale == 0 and cfg.precision.initial_scale_power == 16
+
+
 def test_offload_params_and_the_knobs_are_reported_once(tmp_path, caplog):
   text = ACCELERATE_FSDP.format(strategy="FULL_SHARD").replace(
       "fsdp_offload_params: false", "fsdp_offload_params: true")
