@@ -139,3 +139,13 @@ def test_stages_0_and_1_scale_each_devices_own_gradient(stage, tmp_path):
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
   skipped = [r["skipped_steps"] for r in history]
   assert skipped == sorted(skipped) and all(r["nonfinite"] == 0 for r in history)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_float16_gradients_and_their_reduction(stage, tmp_path):
+  cfg = small("precision.compute=float16", "zero.grad_dtype=float16",
+              "zero.reduce_dtype=float16", f"zero.stage={stage}")
+  history = train(cfg, tmp_path, steps=8).history
+  losses = [r["loss"] for r in history]
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+  assert all(r["nonfinite"] == 0 for r in history)
