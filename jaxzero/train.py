@@ -119,7 +119,7 @@ def summary(outcome, workdir: pathlib.Path, steps: int | None, train_steps: int)
     first, last = history[0], history[-1]
     lines.append(f"trained to step {last['step']}: loss {first['loss']:.4f} -> "
                  f"{last['loss']:.4f}; metrics in {workdir / 'metrics.jsonl'}, TensorBoard: "
-                 f"tensorboard --logdir {workdir}")
+                 f"tensorboard --logdir {workdir} (pip install 'jaxzero[tensorboard]')")
   stopped = f"stopped by {outcome.stopped_by} at step {outcome.step}; " if outcome.stopped_by else ""
   lines.append(f"{stopped}checkpoint of step {outcome.step} in {outcome.checkpoint}")
   return "\n".join(lines)

@@ -94,7 +94,8 @@ def eval_losses(workdir) -> dict[int, float]:
 def two_process_stage3(tmp_path_factory, launch_env):
   """The workdir of 2 processes x 4 devices, ZeRO-3 over all 8, after steps 1-3."""
   workdir = tmp_path_factory.mktemp("two_process_stage3")
-  launch(launch_env, workdir, "--steps", "3")
+  (workdir.parent / "two_process_stage3.out").write_text(
+      launch(launch_env, workdir, "--steps", "3").stdout)
   return workdir
 
 
@@ -102,6 +103,14 @@ def two_process_stage3(tmp_path_factory, launch_env):
 @pytest.mark.multiprocess
 def test_two_processes_train_like_one_under_stage3(two_process_stage3, reference):
   np.testing.assert_allclose(logged_losses(two_process_stage3), reference[:3], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_memory_line_counts_every_process_on_the_host(two_process_stage3):
+  out = (two_process_stage3.parent / "two_process_stage3.out").read_text()
+  (line,) = [l for l in out.splitlines() if "memory    per device" in l]
+  assert "; 8 CPU devices in 2 processes share this host's" in line, line
 
 
 @pytest.mark.slow

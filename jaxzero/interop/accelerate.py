@@ -41,7 +41,7 @@ UNNEEDED_TOP = {
 }
 FSDP_KEYS = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
              "fsdp_activation_checkpointing", *UNNEEDED_FSDP}
-TOP_KEYS = {"distributed_type", "fsdp_config", "mixed_precision", *UNNEEDED_TOP}
+TOP_KEYS = {"distributed_type", "fsdp_config", "mixed_precision", "log_with", *UNNEEDED_TOP}
 
 
 def read(path: str, base: config_lib.Config) -> Translation:
@@ -51,7 +51,6 @@ def read(path: str, base: config_lib.Config) -> Translation:
 
 def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> Translation:
   """The jaxzero settings an Accelerate FSDP config (parsed YAML) means over `base`."""
-  del base  # every key here maps to a fixed value; kept for the shared reader signature
   tr = Translation(source)
   tr.check_keys(acc, "", TOP_KEYS)
   kind = acc.get("distributed_type", "FSDP")
@@ -73,6 +72,14 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
     # fp16: with dynamic loss scaling at DeepSpeed's defaults, as Accelerate's GradScaler does.
     tr.set("precision.compute", {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32"),
            "mixed_precision")
+  trackers = acc.get("log_with")
+  trackers = [trackers] if isinstance(trackers, str) else list(trackers or [])
+  for tracker in trackers:
+    if tracker not in ("wandb", "tensorboard"):
+      raise tr.error(f"log_with={tracker!r} is not available; choose wandb or tensorboard "
+                     "(TensorBoard events are always written)")
+  if "wandb" in trackers:
+    tr.set("log.wandb", base.log.wandb or "jaxzero", "log_with")
   fsdp = tr.check_keys(acc.get("fsdp_config") or {}, "fsdp_config.", FSDP_KEYS)
   tr.unneeded.update({f"fsdp_config.{k}": UNNEEDED_FSDP[k] for k in fsdp if k in UNNEEDED_FSDP})
   strategy = _strategy(tr, fsdp)

@@ -65,7 +65,8 @@ UNNEEDED_ACTIVATIONS = {
     "profile": "remat.policy decides what each layer keeps",
 }
 # Blocks jaxzero knows but cannot honour when enabled: key -> why.
-MONITORS = ("wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger")
+MONITORS = ("csv_monitor", "comet", "flops_profiler", "comms_logger")
+WANDB_KEYS = {"enabled", "project", "group", "team"}
 REFUSED_WHEN_ENABLED = {
     **{k: "is not available; jaxzero writes WORKDIR/metrics.jsonl and TensorBoard events in "
           "WORKDIR/tb/" for k in MONITORS},
@@ -84,7 +85,7 @@ OFFLOAD_KEYS = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_siz
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "steps_per_print", "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16",
             "bfloat16", "zero_optimization", "activation_checkpointing", "data_types",
-            "communication_data_type", "sparse_gradients", *UNNEEDED_TOP,
+            "communication_data_type", "sparse_gradients", "wandb", *UNNEEDED_TOP,
             *REFUSED_WHEN_ENABLED, *REFUSED}
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
@@ -117,6 +118,7 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
     raise tr.error("sparse_gradients=true: sparse gradients are not available")
   tr.unneeded.update({k: UNNEEDED_TOP[k] for k in ds if k in UNNEEDED_TOP})
   _precision(tr, ds, base)
+  _wandb(tr, ds.get("wandb", {}), base)
   _zero(tr, ds.get("zero_optimization", {}))
   _activation_checkpointing(tr, ds.get("activation_checkpointing", {}))
   lr = _optimizer(tr, ds["optimizer"], base) if "optimizer" in ds else base.train.lr
@@ -130,6 +132,17 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
            "steps_per_print")
   _batch_request(tr, ds)
   return tr
+
+
+def _wandb(tr: Translation, block: dict, base: config_lib.Config) -> None:
+  """DeepSpeed's wandb monitor: its project (DeepSpeed's default "deepspeed"), group, team."""
+  block = tr.check_keys(block, "wandb.", WANDB_KEYS)
+  if _enabled(tr, block, "wandb") is not True:
+    return
+  tr.set("log.wandb", block.get("project") or base.log.wandb or "deepspeed", "wandb.project")
+  for key, target in (("group", "log.wandb_group"), ("team", "log.wandb_entity")):
+    if block.get(key):
+      tr.set(target, block[key], f"wandb.{key}")
 
 
 def _enabled(tr: Translation, block: dict, where: str):

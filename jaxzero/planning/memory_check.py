@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
+import zlib
 
 from jaxzero.errors import ConfigError
 from jaxzero.sharding import mesh as mesh_lib
@@ -99,15 +101,30 @@ def available_bytes(devices) -> tuple[int | None, str]:
   mine = [d for d in devices if d.process_index == jax.process_index()]
   device = mine[0]
   if device.platform == "cpu":
-    local = len(mine)
+    processes = processes_on_this_host()
+    local = len(mine) * processes  # jaxzero.launch gives each process the same share
     ram = host_memory_bytes()
-    return ram // local, (f"{local} CPU devices share this host's {format_bytes(ram)} of RAM "
-                          f"({format_bytes(ram // local)} each)")
+    where = f" in {processes} processes" if processes > 1 else ""
+    return ram // local, (f"{local} CPU devices{where} share this host's {format_bytes(ram)} "
+                          f"of RAM ({format_bytes(ram // local)} each)")
   stats = device.memory_stats() or {}
   limit = stats.get("bytes_limit")
   if not limit:
     return None, f"the {device.device_kind}'s memory limit is not reported"
   return int(limit), f"each {device.device_kind} has {format_bytes(limit)}"
+
+
+def processes_on_this_host() -> int:
+  """How many of the run's processes share this host (one collective: every process
+  must call it)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.process_count() == 1:
+    return 1
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  mine = zlib.crc32(socket.gethostname().encode())
+  hosts = np.asarray(multihost_utils.process_allgather(np.array([mine], np.uint32)))
+  return int((hosts == mine).sum())
 
 
 def host_memory_bytes() -> int:

@@ -59,7 +59,7 @@ def initialize(cfg: Config, prog: str = "jaxzero") -> Peers | None:
   _share_virtual_devices(cfg, peers.num_processes)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   _join(peers, cfg.distributed.timeout_s, prog)
-  peerwatch.start(peers.coordinator, prog)
+  peerwatch.start(peers.coordinator, prog, cfg.distributed.stall_s, cfg.distributed.stall_exit_s)
   _exit_at_once_on_crash()
   global _joined  # pylint: disable=global-statement
   _joined = True

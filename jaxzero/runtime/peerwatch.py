@@ -1,10 +1,12 @@
-"""Noticing a lost process in a multi-process run, at any phase, within seconds.
+"""Noticing a lost or a stuck process in a multi-process run, at any phase.
 
 Every process keeps one TCP connection to process 0 for as long as it lives. A process that
 dies closes it (TCP keep-alive notices a vanished host); process 0 tells the others which one
 was lost, and each survivor prints one line naming it and exits with code 1 from a watcher
 thread, whatever its main thread is blocked in. A process leaving normally says "bye" first,
-one stopping on an error it reported says "failed"; the connection carries nothing else.
+one stopping on an error it reported says "failed". Over the same connection each process
+reports its phase (compile, step k, save k, eval k) and a heartbeat every second; process 0
+names the processes that stay in one phase too long (:class:`_Stalls`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import time
 
 log = logging.getLogger(__name__)
 
-BYE, FAILED, LOST = "bye", "failed", "lost"
+BYE, FAILED, LOST, PHASE, BEAT = "bye", "failed", "lost", "phase", "beat"
+_BEAT_S = 1.0  # a process whose heartbeat is this many times late is reported silent
+_SILENT_BEATS = 3
 # A peer that stopped on an error it reported: time for this process to stop
 # on its own (the same error, where all processes agree on it) before saying so.
 _FAILED_GRACE_S = 5
@@ -35,7 +39,8 @@ _KEEPALIVE_IDLE_S, _KEEPALIVE_INTERVAL_S, _KEEPALIVE_COUNT = 10, 5, 4
 _watch: "_Watch | None" = None
 
 
-def start(coordinator: str | None, prog: str) -> None:
+def start(coordinator: str | None, prog: str, stall_s: float = 0.0,
+          stall_exit_s: float = 0.0) -> None:
   """Connects this process to the watch; call right after jax.distributed joined.
 
   Process 0 listens on a free port and sends its host and port to the others
@@ -65,13 +70,23 @@ def start(coordinator: str | None, prog: str) -> None:
   if process_id == 0:
     threading.Thread(target=watch.serve, args=(server, num_processes - 1), daemon=True,
                      name="jaxzero-peerwatch").start()
+    watch.stalls = _Stalls(watch, num_processes, stall_s, stall_exit_s)
+    threading.Thread(target=watch.stalls.run, daemon=True, name="jaxzero-stallwatch").start()
   else:
     connection = socket.create_connection((host, port), timeout=60)
     connection.settimeout(None)
     _keepalive(connection)
     connection.sendall(f"{process_id}\n".encode())
     watch.add(0, connection)
+    threading.Thread(target=watch.beat, daemon=True, name="jaxzero-heartbeat").start()
   atexit.register(leaving)
+
+
+def phase(name: str) -> None:
+  """Says what this process does now (e.g. "compile", "step 7", "save 8"); process 0
+  keeps every process's latest phase and when it began. A no-op in one process."""
+  if _watch is not None:
+    _watch.phase(name)
 
 
 def settle() -> None:
@@ -96,6 +111,30 @@ class _Watch:
     self._lock = threading.Lock()
     self._connections: dict[int, socket.socket] = {}
     self._said: dict[int, str] = {}
+    self.stalls: _Stalls | None = None  # process 0's
+
+  def phase(self, name: str) -> None:
+    now = time.time()
+    if self.stalls is not None:
+      self.stalls.update(self.process_id, name, now)
+    else:
+      self._send(0, f"{PHASE} {now:.3f} {name}")
+
+  def beat(self) -> None:
+    """A non-zero process's heartbeat to process 0, every second while it runs."""
+    while self._send(0, BEAT):
+      time.sleep(_BEAT_S)
+
+  def _send(self, peer: int, line: str) -> bool:
+    with self._lock:
+      connection = self._connections.get(peer)
+    if connection is None:
+      return False
+    try:
+      connection.sendall(f"{line}\n".encode())
+      return True
+    except OSError:
+      return False
 
   def serve(self, server: socket.socket, expected: int) -> None:
     """Process 0: accepts every other process's connection and watches each."""
@@ -128,6 +167,12 @@ class _Watch:
       *lines, buffer = buffer.split(b"\n")
       for line in lines:
         word, _, value = line.decode(errors="replace").partition(" ")
+        if self.stalls is not None:
+          self.stalls.heard(peer)
+          if word == PHASE:
+            when, _, name = value.partition(" ")
+            self.stalls.update(peer, name, float(when))
+            continue
         if word in (BYE, FAILED):
           with self._lock:
             self._said[peer] = word
@@ -153,13 +198,11 @@ class _Watch:
         connection.sendall(f"{LOST} {peer}\n".encode())
       except OSError:
         pass
-    line = (f"{self.prog}: error: process {peer} of the run stopped answering ({how}); "
-            f"process {self.process_id} stops too\n")
-    sys.stderr.flush()
     # One write of the whole line: JAX's C++ client may report the same loss from
     # another thread at this moment, and print() writes the text and its newline
     # apart, so that report could land between them, on our line.
-    os.write(sys.stderr.fileno(), line.encode())
+    _say_line(f"{self.prog}: error: process {peer} of the run stopped answering ({how}); "
+              f"process {self.process_id} stops too")
     sys.stdout.flush()
     os._exit(1)  # pylint: disable=protected-access
 
@@ -175,9 +218,11 @@ class _Watch:
 
 
 def _read_line(connection: socket.socket) -> str:
+  """The first line, read a byte at a time: what follows it (phases, heartbeats)
+  is the listener's to read."""
   data = b""
   while not data.endswith(b"\n"):
-    chunk = connection.recv(64)
+    chunk = connection.recv(1)
     if not chunk:
       break
     data += chunk
@@ -190,3 +235,108 @@ def _keepalive(connection: socket.socket) -> None:
                       ("TCP_KEEPCNT", _KEEPALIVE_COUNT)):
     if hasattr(socket, name):  # Linux; macOS lacks some
       connection.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+class _Stalls:
+  """Process 0's view of every process's phase; names those that stay in one too long.
+
+  The limit is distributed.stall_s, else 5 x the median of process 0's step times
+  (at least 60 s), else 300 s until there are steps to time. A stall is reported
+  once per limit while it lasts, in one line: each process's phase and how long it
+  has been there, the processes whose heartbeat stopped (SIGSTOP, a frozen host),
+  and whether the processes are in different phases, the divergence that turns
+  into a silent collective hang. Past distributed.stall_exit_s the run stops.
+  """
+
+  def __init__(self, watch: _Watch, num_processes: int, stall_s: float, exit_s: float):
+    self.watch, self.stall_s, self.exit_s = watch, stall_s, exit_s
+    self._lock = threading.Lock()
+    now = time.time()
+    self._phases = {p: ("start-up", now) for p in range(num_processes)}
+    self._heard = {p: now for p in range(num_processes)}
+    self._step_times: list[float] = []
+    self._last_step: float | None = None
+
+  def heard(self, process: int) -> None:
+    with self._lock:
+      self._heard[process] = time.time()
+
+  def update(self, process: int, name: str, when: float) -> None:
+    with self._lock:
+      self._phases[process] = (name, when)
+      if process == 0 and name.startswith("step "):
+        if self._last_step is not None:
+          self._step_times.append(when - self._last_step)
+        self._last_step = when
+
+  def limit(self) -> float:
+    if self.stall_s:
+      return self.stall_s
+    times = sorted(self._step_times[-100:])
+    return max(60.0, 5 * times[len(times) // 2]) if len(times) >= 3 else 300.0
+
+  def run(self) -> None:
+    reported, reported_silent = None, set()
+    while True:
+      time.sleep(1.0)
+      now = time.time()
+      with self._lock:
+        phases, heard, limit = dict(self._phases), dict(self._heard), self.limit()
+      stalled = now - min(when for _, when in phases.values())
+      if stalled <= limit:
+        reported = None
+        continue
+      silent = _silent(heard, now)
+      # Once per limit while it lasts, and at once when another process falls silent.
+      if reported is None or now - reported >= limit or silent - reported_silent:
+        reported, reported_silent = now, silent
+        _say_line(f"{self.watch.prog}: stalled for {stalled:.0f} s (limit {limit:.0f} s): "
+                  f"{describe(phases, heard, now)}")
+      if self.exit_s and stalled > self.exit_s:
+        _say_line(f"{self.watch.prog}: error: stalled for {stalled:.0f} s, past "
+                  f"distributed.stall_exit_s={self.exit_s:g}: {describe(phases, heard, now)}; "
+                  "the run stops")
+        self.watch.leaving(FAILED)
+        os._exit(1)  # pylint: disable=protected-access
+
+
+def describe(phases: dict[int, tuple[str, float]], heard: dict[int, float], now: float) -> str:
+  """Where every process is: e.g. "process 1 is silent in step 4 (no heartbeat for 11 s:
+  stopped, or its host froze); process 0 is in step 5 (for 12 s); the processes are in
+  different phases"."""
+  silent = _silent(heard, now)
+  parts = [f"process {p} is silent in {phases[p][0]} (no heartbeat for {now - heard[p]:.0f} s: "
+           "stopped, or its host froze)" for p in sorted(silent)]
+  groups: dict[str, list[int]] = {}
+  for p, (name, _) in sorted(phases.items()):
+    if p not in silent:
+      groups.setdefault(name, []).append(p)
+  for name, members in sorted(groups.items(), key=lambda g: min(phases[p][1] for p in g[1])):
+    since = now - min(phases[p][1] for p in members)
+    who = (f"process {members[0]} is" if len(members) == 1 else f"processes {_ranges(members)} are")
+    parts.append(f"{who} in {name} (for {since:.0f} s)")
+  if len({name for name, _ in phases.values()}) > 1:
+    parts.append("the processes are in different phases")
+  elif not silent:
+    parts.append("every process waits in the same phase (a collective or a device is stuck)")
+  return "; ".join(parts)
+
+
+def _silent(heard: dict[int, float], now: float) -> set[int]:
+  return {p for p, t in heard.items() if p != 0 and now - t > _SILENT_BEATS * _BEAT_S}
+
+
+def _ranges(processes: list[int]) -> str:
+  """"0, 2-5" for [0, 2, 3, 4, 5]."""
+  runs, start = [], processes[0]
+  for a, b in zip(processes, processes[1:] + [None]):
+    if b != a + 1:
+      runs.append(str(start) if start == a else f"{start}-{a}")
+      start = b
+  return ", ".join(runs)
+
+
+def _say_line(text: str) -> None:
+  """One write of the whole line (another thread may be writing to stderr too)."""
+  sys.stderr.flush()
+  os.write(sys.stderr.fileno(), (text + "\n").encode())

@@ -35,6 +35,18 @@ def _loss_scaling(p) -> str:
           f"{p.loss_scale_window}, hysteresis {p.hysteresis}, min {p.min_loss_scale:g})")
 
 
+def figures(run, budget: Budget) -> dict:
+  """The banner's figures as numbers (for a tracker's run config)."""
+  cfg, layout = run.cfg, run.layout
+  return {"run/parameters": count_params(cfg.model), "run/devices": len(run.devices),
+          "run/processes": jax.process_count(), "run/mesh": dict(layout.mesh.shape),
+          "run/micro_batch": mesh_lib.micro_batch(cfg.train, layout.data_parallel_size),
+          "run/tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
+          "run/state_bytes_per_device": budget.state,
+          "run/activation_bytes_per_device": budget.activations,
+          "run/memory_bytes_per_device": budget.needed}
+
+
 def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
   """The banner: model, mesh and devices, ZeRO, batch arithmetic, data, memory, eval."""
   cfg, layout = run.cfg, run.layout

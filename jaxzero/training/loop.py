@@ -29,7 +29,8 @@ from jaxzero.offload import nvme_tier as nvme_lib
 from jaxzero.planning import memory_check
 from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.sharding.zero import Layout
-from jaxzero.training import banner, evaluation, throughput
+from jaxzero.runtime import peerwatch
+from jaxzero.training import banner, evaluation, first_step, profiling, throughput, tracking
 from jaxzero.training import workdir as workdir_lib
 from jaxzero.training.metrics import MetricsLogger, PendingMetrics, drop_metrics_after
 from jaxzero.training.preemption import StopSignals
@@ -120,6 +121,7 @@ def run_training(cfg: Config, workdir: str | pathlib.Path, steps: int | None = N
   workdir = pathlib.Path(workdir)
   # Before anything is built: a bad path or a second run costs one line, not a compile.
   workdir_lib.check_paths(cfg, workdir)
+  tracking.check(cfg.log)
   offload_checks.check_offload(cfg, list(jax.devices() if devices is None else devices))
   with workdir_lib.hold(workdir):
     return _run_locked(cfg, workdir, steps, devices, progress, require_checkpoint, resume_step,
@@ -154,7 +156,10 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
                                 nvme_store.directory_bytes(directory) if directory.exists() else 0)
     if jax.process_index() == 0:
       print(banner.text(run, budget, workdir, total), flush=True)
+    memory = first_step.FirstStep(budget, run.devices)  # before the state exists
+    peerwatch.phase("restore or init")
     state = _restore_or_init(run, checkpoints, resume_step)
+    memory.state_created()
     start = int(state.step)
     if jax.process_index() == 0:  # once the restore succeeded: a refused run changes nothing
       banner.write_config(cfg, workdir)
@@ -166,11 +171,14 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
       evaluator = (evaluation.Evaluator(run.engine, run.eval_batches, state)
                    if run.eval_batches is not None and cfg.eval.every else None)
       compiled = _compile(run, state, start)
+      tracker = tracking.start(cfg, workdir, banner.figures(run, budget))
       with stop:
         state, history = _train_steps(run, compiled, state, start, total, workdir, checkpoints,
-                                      stop, progress, evaluator)
+                                      stop, progress, evaluator, tracker, memory)
     step = int(state.step)
+    peerwatch.phase(f"save {step}")
     saved = checkpoints.save(step, state, wait=True)
+    peerwatch.phase("done")
   finally:
     checkpoints.close()  # waits for saves still in flight
     if run is not None and run.nvme:
@@ -261,6 +269,7 @@ def _set_aside_later(checkpoints: checkpoint_lib.Checkpointer, start: int) -> No
 
 
 def _compile(run: Run, state, start: int):
+  peerwatch.phase("compile")
   t0 = time.perf_counter()
   if run.nvme:
     compiled = run.nvme.compile(state, run.batch(start))
@@ -277,14 +286,18 @@ def _compile(run: Run, state, start: int):
 
 def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pathlib.Path,
                  checkpoints: checkpoint_lib.Checkpointer, stop: StopSignals, progress: bool,
-                 evaluator: evaluation.Evaluator | None = None):
+                 evaluator: evaluation.Evaluator | None = None, tracker=None,
+                 memory: first_step.FirstStep | None = None):
   """Steps `start`..`total` (or until a stop signal); returns (state, logged metrics).
 
   Evaluates the held-out split before the first step, every eval.every steps
-  and at `total`.
+  and at `total`; traces the steps profile.steps names; after the first step,
+  compares the memory the run uses with what the check predicted.
   """
   cfg = run.cfg
-  logger = MetricsLogger(workdir, total_steps=total, start=start, progress=progress)
+  logger = MetricsLogger(workdir, total_steps=total, start=start, progress=progress,
+                         tracker=tracker)
+  profiler = profiling.StepProfiler(cfg.profile.window, workdir)
   metrics = PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len,
                            throughput.model_flops_per_token(cfg.model, cfg.train.seq_len),
                            run.devices)
@@ -295,21 +308,38 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
       logger.log_initial_eval(evaluator(state))
       metrics.restart_clock()
     for step in range(start, total):
-      state, step_metrics = compiled(state, run.batch(step))
-      metrics.add(step_metrics)
+      peerwatch.phase(f"step {step + 1}")
+      with profiler.step(step + 1, state):
+        state, step_metrics = compiled(state, run.batch(step))
+        metrics.add(step_metrics)
       done = step + 1
+      _say(profiler.after(done, state))
+      if memory is not None and step == start:
+        line, fields = memory.measure(state)
+        metrics.annotate(done, fields)
+        _say(line)
       evaluate = evaluator is not None and (done % cfg.eval.every == 0 or done == total)
       logged = done % cfg.train.log_every == 0 or done == total or evaluate
       if logged:
+        if evaluate:
+          peerwatch.phase(f"eval {done}")
         guard.check(metrics.log(done, (lambda: evaluator(state)) if evaluate else None))
       if stop.agreed(at_sync_point=logged):
         break
       if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < total:
+        peerwatch.phase(f"save {done}")
         checkpoints.save(done, state)  # asynchronous: training goes on while it is written
     guard.check(metrics.log(done))
   finally:
+    profiler.close()
     logger.close()
   return state, logger.history
+
+
+def _say(line: str | None) -> None:
+  """A line for the person watching the run, from process 0 only."""
+  if line and jax.process_index() == 0:
+    print(line, flush=True)
 
 
 class NonFiniteGuard:

@@ -66,8 +66,10 @@ class MetricsLogger:
   """Writes records to metrics.jsonl and TensorBoard, and shows logged steps."""
 
   def __init__(self, workdir: pathlib.Path, total_steps: int, start: int = 0,
-               progress: bool = True, tensorboard: bool = True):
+               progress: bool = True, tensorboard: bool = True, tracker=None):
+    """`tracker`: a jaxzero.training.tracking.WandbRun that gets the same scalars."""
     self.history: list[dict] = []
+    self._tracker = tracker
     self.is_main = jax.process_index() == 0
     self.total_steps = total_steps
     self._file = self._bar = self._tb = None
@@ -89,11 +91,14 @@ class MetricsLogger:
       return
     for record in records:
       self._file.write(json.dumps(record) + "\n")
+      # (Not an overflowing fp16 step's infinite norm: metrics.jsonl has it.)
+      scalars = {tag: record[key] for key, tag in TB_TAGS.items()
+                 if record.get(key) is not None and math.isfinite(record[key])}
       if self._tb is not None:
-        for key, tag in TB_TAGS.items():
-          # (Not an overflowing fp16 step's infinite norm: metrics.jsonl has it.)
-          if record.get(key) is not None and math.isfinite(record[key]):
-            self._tb.add_scalar(tag, record[key], record["step"])
+        for tag, value in scalars.items():
+          self._tb.add_scalar(tag, value, record["step"])
+      if self._tracker is not None:
+        self._tracker.log(scalars, record["step"])
     self._file.flush()
     last = records[-1]
     if self._bar is None:
@@ -115,6 +120,8 @@ class MetricsLogger:
     if self._tb is not None:
       for key in ("eval_loss", "eval_perplexity"):
         self._tb.add_scalar(TB_TAGS[key], result[key], 0)
+    if self._tracker is not None:
+      self._tracker.log({TB_TAGS[k]: result[k] for k in ("eval_loss", "eval_perplexity")}, 0)
     line = (f"step 0/{self.total_steps} | eval loss {result['eval_loss']:.4f} "
             f"(ppl {result['eval_perplexity']:.2f})")
     if self._bar is None:
@@ -128,6 +135,8 @@ class MetricsLogger:
         self._bar.close()
       if self._tb is not None:
         self._tb.close()
+      if self._tracker is not None:
+        self._tracker.close()
       self._file.close()
 
 
@@ -171,7 +180,12 @@ class PendingMetrics:
     self._local_devices = [d for d in devices if d.process_index == jax.process_index()]
     self._pending: list = []
     self._ends: list[float] = []
+    self._extra: dict[int, dict] = {}
     self.restart_clock()
+
+  def annotate(self, step: int, fields: dict) -> None:
+    """Fields that join step `step`'s record when it is logged."""
+    self._extra.setdefault(step, {}).update(fields)
 
   def restart_clock(self) -> None:
     """The next step's time counts from now (after compiling, evaluating)."""
@@ -206,6 +220,7 @@ class PendingMetrics:
                 "tflops": self._flops_per_step / step_time / 1e12}
       if self._peak_flops:
         record["mfu"] = self._flops_per_step / step_time / self._peak_flops
+      record.update(self._extra.pop(record["step"], {}))
       records.append(record)
     memory = throughput.memory_in_use(self._local_devices)
     if memory is not None:

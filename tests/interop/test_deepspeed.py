@@ -247,7 +247,8 @@ def test_three_fixed_batch_sizes_against_the_devices_are_one_line_with_the_arith
      "scheduler.type='OneCycle' is not available"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "beta": [0.9, 0.95]}}},
      "unknown key 'optimizer.params.beta'"),
-    ({"wandb": {"enabled": True}}, "wandb.enabled=true"),
+    ({"csv_monitor": {"enabled": True}}, "csv_monitor.enabled=true"),
+    ({"wandb": {"enabled": True, "projekt": "x"}}, "unknown key 'wandb.projekt'"),
     ({"zero_optimization": {"zero_quantized_weights": True}},
      "quantized weights are not available"),
 ])

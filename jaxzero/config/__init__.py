@@ -1,0 +1,23 @@
+"""Typed, frozen configuration: the dataclasses, loading, dotted overrides, checks.
+
+A config file defines ``get_config()`` returning a :class:`Config`; presets are a few lines
+derived from :func:`base` with ``dataclasses.replace``. Each module a run goes through takes
+only the sections it needs. Reading a config starts no JAX backend, so the CLI can decide how
+many virtual CPU devices to create before JAX starts.
+"""
+
+from jaxzero.config.loading import load, validate
+from jaxzero.config.overrides import (MOVED_KEYS, apply_overrides, as_dotted, check_literals,
+                                      override)
+from jaxzero.config.sections import (STRATEGIES, CheckpointConfig, Config, DataConfig,
+                                     DistributedConfig, Dtype, EvalConfig, InitConfig, LogConfig,
+                                     MemoryKind, MeshConfig, OffloadConfig, PrecisionConfig,
+                                     ProfileConfig, RematConfig, TrainConfig, ZeroConfig, base,
+                                     strategy_name)
+from jaxzero.errors import ConfigError
+
+__all__ = ["MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+           "DistributedConfig", "Dtype", "EvalConfig", "InitConfig", "LogConfig", "MemoryKind",
+           "MeshConfig", "OffloadConfig", "PrecisionConfig", "ProfileConfig", "RematConfig",
+           "TrainConfig", "ZeroConfig", "apply_overrides", "as_dotted", "base", "check_literals",
+           "load", "override", "strategy_name", "validate"]

@@ -1,0 +1,139 @@
+"""Loading a config file and the checks that need no devices.
+
+Reading a config starts no JAX backend, so the CLI can decide how many virtual
+CPU devices to create before JAX starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+
+from jaxzero.config.overrides import apply_overrides, check_literals
+from jaxzero.config.sections import Config, PrecisionConfig
+from jaxzero.errors import ConfigError
+
+
+def load(path: str, assignments: list[str] = ()) -> Config:
+  """Loads `get_config()` from a config file and applies `--set` overrides."""
+  file = pathlib.Path(path)
+  if not file.is_file():
+    raise ConfigError(f"config file {path!r} does not exist; presets are in configs/: "
+                      + ", ".join(sorted(p.name for p in _configs_dir().glob("*.py")
+                                         if p.name != "__init__.py")))
+  spec = importlib.util.spec_from_file_location(f"jaxzero_config_{file.stem}", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"config file {path!r} defines no get_config()")
+  cfg = module.get_config()
+  if not isinstance(cfg, Config):
+    raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not jaxzero Config")
+  cfg = apply_overrides(cfg, list(assignments))
+  validate(cfg)
+  return cfg
+
+
+def _configs_dir() -> pathlib.Path:
+  return pathlib.Path(__file__).resolve().parents[2] / "configs"
+
+
+def validate(cfg: Config) -> None:
+  """Checks everything that does not need to know the devices."""
+  check_literals(cfg)
+  m = cfg.model
+  for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "mlp_dim"):
+    if getattr(m, key) < 1:
+      raise ConfigError(f"model.{key}={getattr(m, key)} must be at least 1")
+  for key, value in (("seed", cfg.seed), ("train.warmup_steps", cfg.train.warmup_steps),
+                     ("train.lr", cfg.train.lr), ("train.weight_decay", cfg.train.weight_decay),
+                     ("train.clip_norm", cfg.train.clip_norm),
+                     ("train.warmup_min_ratio", cfg.train.warmup_min_ratio),
+                     ("train.min_lr_ratio", cfg.train.min_lr_ratio)):
+    if value < 0:
+      raise ConfigError(f"{key}={value} must not be negative")
+  try:
+    cfg.model.validate()
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  t = cfg.train
+  for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
+                     ("train.grad_accum", t.grad_accum), ("train.seq_len", t.seq_len),
+                     ("train.log_every", t.log_every),
+                     ("train.max_nonfinite", t.max_nonfinite)):
+    if value < 1:
+      raise ConfigError(f"{key}={value} must be at least 1")
+  for key, value in (("mesh.replica", cfg.mesh.replica), ("mesh.fsdp", cfg.mesh.fsdp)):
+    if value == 0 or value < -1:
+      raise ConfigError(f"{key}={value} must be a positive device count or -1 (all remaining)")
+  if cfg.mesh.replica == -1 and cfg.mesh.fsdp == -1:
+    raise ConfigError("mesh.replica and mesh.fsdp cannot both be -1")
+  _check_tensor(cfg.mesh.tensor, cfg.model)
+  if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+    raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+  _validate_eval(cfg)
+  _validate_loss_scale(cfg.precision)
+  _validate_operations(cfg)
+  if cfg.offload.params == "pinned_host" and cfg.zero.resolved[0] != 3:
+    raise ConfigError("offload.params=pinned_host needs ZeRO stage 3 (zero.stage=3 or "
+                      "zero.strategy=FULL_SHARD/HYBRID_SHARD)")
+
+
+def _check_tensor(tensor: int, model) -> None:
+  """mesh.tensor must divide the heads, the MLP width and the vocabulary (the
+  KV heads are replicated across the tensor group when it does not divide them)."""
+  if tensor < 1:
+    raise ConfigError(f"mesh.tensor={tensor} must be a positive device count (1 = off)")
+  common = math.gcd(model.n_heads, model.mlp_dim, model.vocab_size)
+  if common % tensor:
+    valid = [d for d in range(1, common + 1) if common % d == 0]
+    raise ConfigError(
+        f"mesh.tensor={tensor} must divide model.n_heads={model.n_heads}, "
+        f"model.mlp_dim={model.mlp_dim} and model.vocab_size={model.vocab_size}; valid values: "
+        f"{', '.join(map(str, valid))}")
+
+
+def _validate_loss_scale(p: PrecisionConfig) -> None:
+  """DeepSpeed's fp16 rules, checked whatever the compute dtype (a preset may
+  switch to float16 later)."""
+  if p.loss_scale < 0:
+    raise ConfigError(f"precision.loss_scale={p.loss_scale} must be 0 (dynamic loss scaling) "
+                      "or a positive static scale")
+  if p.loss_scale_window < 1 or p.hysteresis < 1:
+    raise ConfigError(f"precision.loss_scale_window={p.loss_scale_window} and "
+                      f"precision.hysteresis={p.hysteresis} must be at least 1")
+  if not 0 <= p.initial_scale_power <= 64:
+    raise ConfigError(f"precision.initial_scale_power={p.initial_scale_power} must be in "
+                      "[0, 64]: the dynamic scale starts at 2**initial_scale_power")
+  if p.min_loss_scale <= 0 or (p.loss_scale == 0 and p.min_loss_scale > 2**p.initial_scale_power):
+    raise ConfigError(f"precision.min_loss_scale={p.min_loss_scale:g} must be positive and at "
+                      f"most the initial scale 2**precision.initial_scale_power = "
+                      f"{2**p.initial_scale_power:g}")
+
+
+def _validate_operations(cfg: Config) -> None:
+  steps = cfg.profile.steps
+  start, colon, end = steps.partition(":")
+  if steps and not (start.isdigit() and int(start) >= 1 and (not colon or (
+      end.isdigit() and int(end) >= int(start)))):
+    raise ConfigError(f"profile.steps={steps!r} must be START:END, the first and last step to "
+                      "trace (from 1), e.g. 20:23")
+  d = cfg.distributed
+  if d.stall_s < 0 or d.stall_exit_s < 0:
+    raise ConfigError(f"distributed.stall_s={d.stall_s:g} and distributed.stall_exit_s="
+                      f"{d.stall_exit_s:g} must not be negative (0 = the default)")
+
+
+def _validate_eval(cfg: Config) -> None:
+  d, e = cfg.data, cfg.eval
+  if not 0 <= d.eval_fraction < 1:
+    raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
+  if d.eval_fraction and d.eval_source:
+    raise ConfigError("data.eval_fraction and data.eval_source both name a held-out split; "
+                      "set one")
+  if e.every < 0 or e.batches < 1:
+    raise ConfigError(f"eval.every={e.every} must be >= 0 and eval.batches={e.batches} >= 1")
+  if e.every and not (d.eval_fraction or d.eval_source):
+    raise ConfigError(f"eval.every={e.every} needs a held-out split: set data.eval_fraction "
+                      "(e.g. 0.01) or data.eval_source")

@@ -1,0 +1,105 @@
+"""Dotted overrides (``--set train.steps=10``): each value parsed to its field's type.
+
+An unknown key or a bad value is one error naming the key and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+from jaxzero.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _field_types(cls) -> dict[str, Any]:
+  hints = typing.get_type_hints(cls)
+  return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _parse_value(key: str, text: str, typ: Any) -> Any:
+  if get_origin(typ) is Literal:
+    choices = get_args(typ)
+    for choice in choices:
+      if str(choice) == text:
+        return choice
+    raise ConfigError(f"{key}={text!r} is not valid; choose one of: "
+                      + ", ".join(repr(c) if c == "" else str(c) for c in choices))
+  if typ is bool:
+    lowered = text.lower()
+    if lowered in ("true", "1", "yes"):
+      return True
+    if lowered in ("false", "0", "no"):
+      return False
+    raise ConfigError(f"{key}={text!r} is not a boolean; use true or false")
+  if typ in (int, float):
+    try:
+      return typ(text)
+    except ValueError:
+      raise ConfigError(f"{key}={text!r} is not a valid {typ.__name__}") from None
+  return text
+
+
+def override(cfg: Any, key: str, text: str, _prefix: str = "") -> Any:
+  """Returns `cfg` with the field at dotted `key` set from the string `text`."""
+  head, _, rest = key.partition(".")
+  types = _field_types(type(cfg))
+  full = _prefix + head
+  if head not in types:
+    raise ConfigError(f"unknown config key {full!r}; valid keys here: "
+                      + ", ".join(_prefix + k for k in types))
+  current = getattr(cfg, head)
+  if dataclasses.is_dataclass(current):
+    if not rest:
+      raise ConfigError(f"{full!r} is a section; set one of its keys: "
+                        + ", ".join(f"{full}.{k}" for k in _field_types(type(current))))
+    value = override(current, rest, text, full + ".")
+  else:
+    if rest:
+      raise ConfigError(f"unknown config key {key!r}: {full!r} has no sub-keys")
+    value = _parse_value(full, text, types[head])
+  return dataclasses.replace(cfg, **{head: value})
+
+
+# Keys that moved, old dotted name -> new one. The old name keeps working.
+MOVED_KEYS = {"model.hf_checkpoint": "init.hf_checkpoint"}
+
+
+def as_dotted(cfg: Any, _prefix: str = "") -> dict[str, Any]:
+  """Every field by its dotted name, e.g. {"train.steps": 80, ...}: the inverse of
+  `--set` (each pair, given back as `--set KEY=VALUE`, reproduces the config)."""
+  fields = {}
+  for name in _field_types(type(cfg)):
+    value = getattr(cfg, name)
+    if dataclasses.is_dataclass(value):
+      fields.update(as_dotted(value, f"{_prefix}{name}."))
+    else:
+      fields[_prefix + name] = value
+  return fields
+
+
+def apply_overrides(cfg: Any, assignments: list[str]) -> Any:
+  for assignment in assignments:
+    key, eq, text = assignment.partition("=")
+    if not eq:
+      raise ConfigError(f"--set {assignment!r} must look like KEY=VALUE, e.g. train.steps=10")
+    key = key.strip()
+    if key in MOVED_KEYS:
+      log.warning("config key %s is deprecated; it is now %s", key, MOVED_KEYS[key])
+      key = MOVED_KEYS[key]
+    cfg = override(cfg, key, text.strip())
+  return cfg
+
+
+def check_literals(cfg: Any, _prefix: str = "") -> None:
+  """Rejects a Literal-typed field holding a value outside its choices."""
+  for name, typ in _field_types(type(cfg)).items():
+    value = getattr(cfg, name)
+    if dataclasses.is_dataclass(value):
+      check_literals(value, _prefix + name + ".")
+    elif get_origin(typ) is Literal and value not in get_args(typ):
+      raise ConfigError(f"{_prefix}{name}={value!r} is not valid; choose one of: "
+                        + ", ".join(map(str, get_args(typ))))

@@ -1,0 +1,119 @@
+"""A process that is alive but stuck is named, not waited on: with 2 and 3 processes,
+one is stopped (SIGSTOP) mid-compile, mid-step and mid-save; process 0 reports
+which process is where within distributed.stall_s + 5 s, and after SIGCONT the run
+goes on to the losses of an uninterrupted run."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxzero import config
+from jaxzero.training import loop
+
+from processes import ROOT, TINY, clean_env, cli_env, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+STALL_S = 3
+SETTINGS = ["model.dim=48", "model.n_layers=2", "model.mlp_dim=96", "train.seq_len=32",
+            "train.grad_accum=2", "train.steps=6", "train.log_every=1", "checkpoint.every=4",
+            "data.max_bytes=200000", "precision.compute=float32", f"distributed.stall_s={STALL_S}"]
+# Where the stopped process is stopped, in order: each phase as it reports it.
+STOPS = ("compile", "step 3", "save 4")
+
+# jaxzero.train that writes each phase it reports to PHASE_FILE and, in the phases
+# LINGER_IN names, lingers two seconds: a window for the test to stop it there.
+WATCHED = """
+import os, pathlib, sys, time
+from jaxzero import train
+from jaxzero.runtime import peerwatch
+report = peerwatch.phase
+def phase(name):
+  report(name)
+  pathlib.Path(os.environ["PHASE_FILE"]).write_text(name)
+  if name in os.environ.get("LINGER_IN", "").split(","):
+    time.sleep(2)
+peerwatch.phase = phase
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def settings(n):
+  return [*SETTINGS, f"train.global_batch={n * 2 * 2}", f"mesh.fsdp={n * 2}"]
+
+
+class Lines:
+  """A process's stderr, read as it comes."""
+
+  def __init__(self, stream):
+    self.lines = []
+    threading.Thread(target=lambda: self.lines.extend(stream), daemon=True).start()
+
+  def wait_for(self, text: str, timeout_s: float) -> float:
+    start = time.monotonic()
+    while not any(text in line for line in self.lines):
+      assert time.monotonic() - start < timeout_s, f"no {text!r} in: {self.lines[-20:]}"
+      time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def run_with_stops(n, tmp_path, env):
+  coordinator, workdir = f"127.0.0.1:{free_port()}", tmp_path / "w"
+  victim = n - 1
+  phase_file = tmp_path / "phase"
+  args = [arg for s in settings(n) for arg in ("--set", s)]
+  procs = [subprocess.Popen(  # pylint: disable=consider-using-with
+      [sys.executable, "-c", WATCHED, "--config", TINY, *args, "--workdir", str(workdir),
+       "--no-progress"], cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+      env=clean_env(**env, JAXZERO_COORDINATOR=coordinator, JAXZERO_NUM_PROCESSES=str(n),
+                    JAXZERO_PROCESS_ID=str(rank),
+                    PHASE_FILE=str(phase_file if rank == victim else tmp_path / f"p{rank}"),
+                    LINGER_IN=",".join(STOPS) if rank == victim else ""))
+      for rank in range(n)]
+  stderr0 = Lines(procs[0].stderr)
+  waits = {}
+  try:
+    for stop in STOPS:
+      deadline = time.monotonic() + 300
+      while not (phase_file.exists() and phase_file.read_text() == stop):
+        assert all(p.poll() is None for p in procs), stderr0.lines[-20:]
+        assert time.monotonic() < deadline, f"never reached {stop}"
+        time.sleep(0.02)
+      procs[victim].send_signal(signal.SIGSTOP)
+      try:
+        waits[stop] = stderr0.wait_for(f"process {victim} is silent in {stop} ",
+                                       STALL_S + 5 + 2)
+      finally:
+        procs[victim].send_signal(signal.SIGCONT)
+    codes = [p.wait(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert codes == [0] * n, stderr0.lines[-20:]
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return waits, [r["loss"] for r in records], stderr0.lines
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_stopped_process_is_named_in_every_phase_and_the_run_goes_on(n, tmp_path,
+                                                                        tmp_path_factory):
+  env = cli_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
+  waits, losses, lines = run_with_stops(n, tmp_path, env)
+  assert set(waits) == set(STOPS) and max(waits.values()) < STALL_S + 5
+  stalls = [line for line in lines if "stalled for" in line]
+  assert all(line.startswith("jaxzero.train: stalled for ") for line in stalls)
+  # The line says where the others are too.
+  assert any(f"process {n - 1} is silent in step 3" in line and
+             re.search(r"process(es)? 0(-\d+)? (is|are) in step", line) for line in stalls), stalls
+  cfg = config.load(TINY, settings(n))
+  reference = loop.train(cfg, tmp_path / "one", devices=jax.devices()[:2 * n], progress=False)
+  np.testing.assert_allclose(losses, [r["loss"] for r in reference], rtol=1e-5)
