@@ -1,5 +1,6 @@
-"""A random tiny Hugging Face Llama, the reference the model and loader tests compare to,
-and whole-state-dict conversions built from jaxzero.interop.hf_mapping's per-tensor ones."""
+"""A random tiny Hugging Face Llama (or Mistral, Qwen2), the reference the model and loader
+tests compare to, and whole-state-dict conversions built from jaxzero.interop.hf_mapping's
+per-tensor ones."""
 
 import math
 
@@ -19,20 +20,36 @@ def random_hf_llama(n_kv_heads: int, tied: bool, scaled: bool):
   Scaled rope uses original_max_position_embeddings=16, so the Llama-3
   scaling changes the frequencies at the tests' sequence lengths.
   """
+  return random_hf_model("llama", n_kv_heads, tied, scaled)
+
+
+def random_hf_model(family: str, n_kv_heads: int, tied: bool, scaled: bool, window: int = 0):
+  """A float32 LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM (`family`) of the
+  shapes of random_hf_llama, with weights (biases too) of order one; `window` > 0 is a
+  sliding window (on every layer)."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   torch.manual_seed(0)
-  hf_cfg = transformers.LlamaConfig(
+  common = dict(
       vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
       num_key_value_heads=n_kv_heads, intermediate_size=128, rms_norm_eps=1e-5,
       max_position_embeddings=128, tie_word_embeddings=tied, attn_implementation="eager",
       rope_theta=10_000.0, rope_scaling=LLAMA3_ROPE if scaled else None)
-  model = transformers.LlamaForCausalLM(hf_cfg).float().eval()
+  hf_cfg = {
+      "llama": lambda: transformers.LlamaConfig(**common),
+      "mistral": lambda: transformers.MistralConfig(**common, sliding_window=window or None),
+      "qwen2": lambda: transformers.Qwen2Config(
+          **common, use_sliding_window=bool(window), sliding_window=window or None,
+          max_window_layers=0),
+  }[family]()
+  model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
   with torch.no_grad():
     # A tied head is the embedding's Parameter, so it is drawn once.
     for name, p in model.named_parameters():
-      p.copy_(1 + 0.2 * torch.randn_like(p) if name.endswith("norm.weight")
-              else torch.randn_like(p) / math.sqrt(p.shape[1]))
+      if name.endswith("norm.weight"):
+        p.copy_(1 + 0.2 * torch.randn_like(p))
+      else:
+        p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1] if p.ndim > 1 else 4))
   return model
 
 

@@ -1,4 +1,4 @@
-"""Writing a jaxzero checkpoint as a Hugging Face Llama model directory.
+"""Writing a jaxzero checkpoint as a Hugging Face Llama, Mistral or Qwen2 model directory.
 
 ``export_hf`` reads the checkpoint's fp32 master weights one leaf at a time (a
 stacked leaf one layer at a time) and streams them into safetensors shards, so
@@ -51,7 +51,8 @@ class _Planned(NamedTuple):
 
 def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
               dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Export:
-  """Writes a checkpoint as a Hugging Face Llama directory: ``config.json``,
+  """Writes a checkpoint as a Hugging Face directory of its model's family (Llama,
+  Mistral, Qwen2: ``model.family``): ``config.json``,
   ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``.
 
   Reads the fp32 master weights one leaf at a time and writes them one

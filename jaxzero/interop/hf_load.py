@@ -1,4 +1,4 @@
-"""Reading Hugging Face Llama checkpoint files into sharded weights.
+"""Reading Hugging Face Llama, Mistral and Qwen2 checkpoint files into sharded weights.
 
 ``load_llama`` and ``load_params`` take a model directory (config.json with
 model.safetensors, or shards listed in model.safetensors.index.json) one
@@ -73,7 +73,8 @@ def check_matches(model: LlamaConfig, path: str | os.PathLike) -> LlamaConfig:
 
 def load_llama(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *,
                dtype: Any = jnp.float32) -> Llama:
-  """A jaxzero.models.llama.Llama holding a Hugging Face Llama checkpoint's weights.
+  """A jaxzero.models.llama.Llama holding a Hugging Face Llama, Mistral or Qwen2
+  checkpoint's weights (LlamaConfig.family says which).
 
   Args:
     path: the model directory: config.json and model.safetensors, or shards
@@ -99,7 +100,7 @@ def load_llama(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *
 
 def load_params(path: str | os.PathLike, cfg: LlamaConfig, shardings: Any,
                 dtype: Any = jnp.float32) -> dict[str, Any]:
-  """Reads a Hugging Face Llama checkpoint straight into sharded jaxzero params.
+  """Reads a Hugging Face checkpoint straight into sharded jaxzero params.
 
   Each distinct shard of each leaf is read once, one Hugging Face tensor (or
   the slice of it the shard needs) at a time, and copied to the devices that
@@ -224,7 +225,7 @@ def _check_tensors(reader: SafetensorsReader, cfg: LlamaConfig) -> None:
                       if not hf_mapping.carries_no_weight(n, cfg))
   if unexpected:
     more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
-    raise HFCheckpointError(f"{reader.directory}: tensors that a Llama with this "
+    raise HFCheckpointError(f"{reader.directory}: tensors that a {cfg.family} model with this "
                             f"{CONFIG_FILE} does not have: {', '.join(unexpected[:3])}{more}")
 
 

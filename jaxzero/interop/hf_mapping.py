@@ -1,4 +1,4 @@
-"""Hugging Face Llama <-> jaxzero: config.json fields, tensor names and layouts.
+"""Hugging Face Llama, Mistral and Qwen2 <-> jaxzero: config.json fields, tensor names, layouts.
 
 The one place that knows Hugging Face's names (``_TENSORS``). Both directions are exact
 inverses: a tensor only goes through a transpose and a reshape, never arithmetic, so a round
@@ -20,8 +20,9 @@ from jaxzero.models.llama import LlamaConfig, ParamSpec, is_param_spec, param_sp
 Path = tuple[str, ...]
 
 
-_ARCHITECTURE = "LlamaForCausalLM"
-_MODEL_TYPE = "llama"
+# LlamaConfig.family (= config.json's model_type) -> its causal-LM class.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM"}
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size", "rms_norm_eps")
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")
@@ -49,43 +50,41 @@ def llama_config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
   """Builds a LlamaConfig from a Hugging Face ``config.json`` dict.
 
   Reads both the transformers 4 layout (top-level ``rope_theta`` plus
-  ``rope_scaling``) and the transformers 5 one (``rope_parameters``).
+  ``rope_scaling``) and the transformers 5 one (``rope_parameters``), of a
+  Llama, Mistral or Qwen2 causal LM.
 
   Raises:
-    ValueError: naming the field, when the config is not a Llama causal LM, a
-      required field is missing, or it uses a feature jaxzero does not model.
+    ValueError: naming the field, when the config is not one of those causal
+      LMs, a required field is missing, or it uses a feature jaxzero does not model.
   """
-  _check_architecture(hf_config)
+  family = _check_architecture(hf_config)
   for field in _REQUIRED_FIELDS:
     if hf_config.get(field) is None:
       raise ValueError(f"Hugging Face config is missing required field {field!r}")
-  _check_unsupported(hf_config)
+  _check_unsupported(hf_config, family)
   n_heads = int(hf_config["num_attention_heads"])
   # Hugging Face's own meaning of an absent/null num_key_value_heads is plain
   # multi-head attention (Llama-1/2 configs omit it).
   n_kv_heads = hf_config.get("num_key_value_heads")
   cfg = LlamaConfig(
-      vocab_size=int(hf_config["vocab_size"]),
-      dim=int(hf_config["hidden_size"]),
-      n_layers=int(hf_config["num_hidden_layers"]),
-      n_heads=n_heads,
+      vocab_size=int(hf_config["vocab_size"]), dim=int(hf_config["hidden_size"]),
+      n_layers=int(hf_config["num_hidden_layers"]), n_heads=n_heads,
       n_kv_heads=n_heads if n_kv_heads is None else int(n_kv_heads),
-      mlp_dim=int(hf_config["intermediate_size"]),
-      norm_eps=float(hf_config["rms_norm_eps"]),
-      # transformers' LlamaConfig defaults to untied; it always writes the field.
+      mlp_dim=int(hf_config["intermediate_size"]), norm_eps=float(hf_config["rms_norm_eps"]),
+      # transformers' configs default to untied; they always write the field.
       tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
       init_std=float(hf_config.get("initializer_range", LlamaConfig.init_std)),
-      **_rope_fields_from_hf(hf_config),
-  )
+      family=family, qkv_bias=family == "qwen2",
+      sliding_window=_sliding_window_from_hf(hf_config, family),
+      **_rope_fields_from_hf(hf_config))
   try:
     cfg.validate()
   except ValueError as e:
-    raise ValueError(f"Hugging Face config is not a valid jaxzero Llama: {e}") from e
+    raise ValueError(f"Hugging Face config is not a valid jaxzero model: {e}") from e
   head_dim = hf_config.get("head_dim")
   if head_dim is not None and int(head_dim) != cfg.head_dim:
-    raise ValueError(f"Hugging Face config field 'head_dim'={head_dim} differs from "
-                     f"hidden_size // num_attention_heads = {cfg.head_dim}; "
-                     "jaxzero derives head_dim")
+    raise ValueError(f"Hugging Face config field 'head_dim'={head_dim} differs from hidden_size"
+                     f" // num_attention_heads = {cfg.head_dim}; jaxzero derives head_dim")
   return cfg
 
 
@@ -94,31 +93,31 @@ def hf_config_from_llama(cfg: LlamaConfig, *, max_position_embeddings: int | Non
   """The Hugging Face ``config.json`` dict for ``cfg`` (inverse of llama_config_from_hf).
 
   RoPE is written in the transformers 4 layout (``rope_theta`` +
-  ``rope_scaling``), which transformers 5 also reads.
-
-  Args:
-    cfg: the jaxzero model config.
-    max_position_embeddings: jaxzero has no such field (it only matters to
-      Hugging Face for cache sizing); defaults to the context length the RoPE
-      settings were made for: ``rope_original_max_len``, times the scaling
-      factor when scaling is on.
+  ``rope_scaling``), which transformers 5 also reads. ``cfg.family`` picks the
+  architecture; a Qwen2 window is written as every layer's (``max_window_layers=0``).
+  ``max_position_embeddings`` (no jaxzero field: Hugging Face sizes caches by it)
+  defaults to the context length the RoPE settings were made for:
+  ``rope_original_max_len``, times the scaling factor when scaling is on.
   """
   cfg.validate()
   scaled = cfg.rope_scaling_factor >= 1.0
   if max_position_embeddings is None:
     factor = cfg.rope_scaling_factor if scaled else 1.0
     max_position_embeddings = int(cfg.rope_original_max_len * factor)
+  window = cfg.sliding_window or None
   hf_config: dict[str, Any] = {
-      "architectures": [_ARCHITECTURE],
-      "model_type": _MODEL_TYPE,
+      "architectures": [_ARCHITECTURES[cfg.family]],
+      "model_type": cfg.family,
       **{hf_name: getattr(cfg, name) for name, hf_name in _HF_FIELDS.items()
          if "." not in hf_name},
       "head_dim": cfg.head_dim,
       "hidden_act": "silu",
-      "attention_bias": False,
-      "mlp_bias": False,
       "max_position_embeddings": max_position_embeddings,
       "initializer_range": cfg.init_std,
+      **{"llama": {"attention_bias": False, "mlp_bias": False},
+         "mistral": {"sliding_window": window},
+         "qwen2": {"use_sliding_window": window is not None, "sliding_window": window,
+                   "max_window_layers": 0 if window else cfg.n_layers}}[cfg.family],
   }
   # jaxzero.models.llama treats factor <= 1 as "off"; exactly 1 is still exported as
   # llama3 (an identity in both libraries) so that the config round-trips.
@@ -129,26 +128,55 @@ def hf_config_from_llama(cfg: LlamaConfig, *, max_position_embeddings: int | Non
   return hf_config
 
 
-def _check_architecture(hf_config: Mapping[str, Any]) -> None:
+def _check_architecture(hf_config: Mapping[str, Any]) -> str:
+  """The family (model_type) of a supported causal LM."""
   model_type = hf_config.get("model_type")
-  if model_type != _MODEL_TYPE:
-    raise ValueError(f"Hugging Face config field 'model_type' is {model_type!r}; "
-                     f"only {_MODEL_TYPE!r} is supported")
+  if model_type not in _ARCHITECTURES:
+    raise ValueError(f"Hugging Face config field 'model_type' is {model_type!r}; supported: "
+                     + ", ".join(map(repr, _ARCHITECTURES)))
   # transformers writes architectures=None for configs built in memory.
-  architectures = hf_config.get("architectures") or [_ARCHITECTURE]
-  if list(architectures) != [_ARCHITECTURE]:
+  architecture = _ARCHITECTURES[model_type]
+  architectures = hf_config.get("architectures") or [architecture]
+  if list(architectures) != [architecture]:
     raise ValueError(f"Hugging Face config field 'architectures' is {architectures!r}; "
-                     f"only [{_ARCHITECTURE!r}] is supported")
+                     f"only [{architecture!r}] is supported for model_type {model_type!r}")
+  return model_type
 
 
-def _check_unsupported(hf_config: Mapping[str, Any]) -> None:
-  """Rejects Llama options that change the maths but that jaxzero.models.llama lacks."""
+def _check_unsupported(hf_config: Mapping[str, Any], family: str) -> None:
+  """Rejects options that change the maths but that jaxzero.models.llama lacks."""
   if hf_config.get("hidden_act", "silu") != "silu":
     raise ValueError(f"Hugging Face config field 'hidden_act' is {hf_config['hidden_act']!r}; "
                      "jaxzero's MLP is SwiGLU ('silu')")
-  for field in ("attention_bias", "mlp_bias"):
+  # Only Llama reads these (Qwen2's q/k/v biases are always there, Mistral has none).
+  for field in ("attention_bias", "mlp_bias") if family == "llama" else ():
     if hf_config.get(field):
-      raise ValueError(f"Hugging Face config field {field!r} is true; jaxzero has no biases")
+      raise ValueError(f"Hugging Face config field {field!r} is true; jaxzero has no such biases")
+
+
+def _sliding_window_from_hf(hf_config: Mapping[str, Any], family: str) -> int:
+  """LlamaConfig.sliding_window, as transformers applies it: Mistral's
+  ``sliding_window`` (null: none); Qwen2's when ``use_sliding_window``, on the
+  layers ``layer_types`` names, by default those from ``max_window_layers`` (28) on."""
+  window = hf_config.get("sliding_window")
+  if family == "llama" or window is None or (
+      family == "qwen2" and not hf_config.get("use_sliding_window", False)):
+    return 0
+  if family == "qwen2":
+    key = "layer_types" if hf_config.get("layer_types") else "max_window_layers"
+    types = list(hf_config.get("layer_types") or [
+        "sliding_attention" if i >= int(hf_config.get("max_window_layers", 28)) else "full"
+        for i in range(int(hf_config["num_hidden_layers"]))])
+    n_sliding = types.count("sliding_attention")
+    if n_sliding == 0:
+      return 0
+    if n_sliding < len(types):
+      raise ValueError(f"Hugging Face config field {key!r} gives {n_sliding} of {len(types)} "
+                       "layers a sliding window; jaxzero gives every layer the same attention")
+  if int(window) < 1:
+    raise ValueError(f"Hugging Face config field 'sliding_window' is {window}; it must be "
+                     "positive, or null for full attention")
+  return int(window)
 
 
 def _rope_fields_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -184,13 +212,10 @@ def _rope_fields_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
   if factor < 1.0:
     # transformers would raise frequencies; jaxzero.models.llama would switch scaling off.
     raise ValueError(f"Hugging Face config llama3 rope field 'factor'={factor} is below 1")
-  return {
-      "rope_theta": float(theta),
-      "rope_scaling_factor": factor,
-      "rope_low_freq_factor": float(rope["low_freq_factor"]),
-      "rope_high_freq_factor": float(rope["high_freq_factor"]),
-      "rope_original_max_len": int(original),
-  }
+  return {"rope_theta": float(theta), "rope_scaling_factor": factor,
+          "rope_low_freq_factor": float(rope["low_freq_factor"]),
+          "rope_high_freq_factor": float(rope["high_freq_factor"]),
+          "rope_original_max_len": int(original)}
 
 
 def check_config_matches(model: LlamaConfig, found: LlamaConfig, where: str) -> None:
@@ -198,7 +223,8 @@ def check_config_matches(model: LlamaConfig, found: LlamaConfig, where: str) -> 
   at ``where``; a ValueError names the first ``model.*`` field that differs
   and the value that would match."""
   scaled = found.rope_scaling_factor > 1
-  for name, hf_name in _HF_FIELDS.items():
+  for name, hf_name in [("family", "model_type"), ("sliding_window", "sliding_window"),
+                        *_HF_FIELDS.items()]:
     have, want = getattr(model, name), getattr(found, name)
     if name in _SCALING_FIELDS and not scaled:
       if model.rope_scaling_factor > 1:
@@ -210,7 +236,7 @@ def check_config_matches(model: LlamaConfig, found: LlamaConfig, where: str) -> 
     if have != want:
       raise ValueError(
           f"model.{name}={have!r} but {where} has {hf_name}={want!r}; the model config must "
-          f"match the checkpoint (--set model.{name}={want!r}, or a preset made for it)")
+          f"match the checkpoint (--set model.{name}={want}, or a preset made for it)")
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -220,7 +246,8 @@ class _Tensor(NamedTuple):
   """How one Hugging Face tensor maps onto one jaxzero leaf."""
   path: Path
   # For Linear weights: how many leading axes of the jaxzero (per-layer) array
-  # make up the HF "in" axis. None: same layout on both sides.
+  # make up the HF "in" axis. None: same layout on both sides. 0: a bias, whose
+  # jaxzero axes are flattened into HF's one.
   n_in_axes: int | None
 
 
@@ -232,6 +259,9 @@ _TENSORS = {
     "model.layers.{}.self_attn.k_proj.weight": _Tensor(("layers", "wk_LxDxKxE"), 1),
     "model.layers.{}.self_attn.v_proj.weight": _Tensor(("layers", "wv_LxDxKxE"), 1),
     "model.layers.{}.self_attn.o_proj.weight": _Tensor(("layers", "wo_LxHxExD"), 2),
+    "model.layers.{}.self_attn.q_proj.bias": _Tensor(("layers", "bq_LxHxE"), 0),
+    "model.layers.{}.self_attn.k_proj.bias": _Tensor(("layers", "bk_LxKxE"), 0),
+    "model.layers.{}.self_attn.v_proj.bias": _Tensor(("layers", "bv_LxKxE"), 0),
     "model.layers.{}.mlp.gate_proj.weight": _Tensor(("layers", "w_gate_LxDxF"), 1),
     "model.layers.{}.mlp.up_proj.weight": _Tensor(("layers", "w_up_LxDxF"), 1),
     "model.layers.{}.mlp.down_proj.weight": _Tensor(("layers", "w_down_LxFxD"), 1),
@@ -255,22 +285,15 @@ def carries_no_weight(name: str, cfg: LlamaConfig) -> bool:
 
 def hf_tensor_to_jaxzero(name: str, array: np.ndarray, cfg: LlamaConfig
                         ) -> tuple[Path, int | None, np.ndarray] | None:
-  """Maps one Hugging Face tensor onto jaxzero.
+  """Maps one Hugging Face tensor (state-dict ``name``, e.g.
+  ``model.layers.3.mlp.up_proj.weight``; ``array`` of any dtype, kept) onto jaxzero.
 
-  Args:
-    name: Hugging Face state-dict name, e.g. ``model.layers.3.mlp.up_proj.weight``.
-    array: the tensor, any dtype (kept).
-    cfg: the model config, for shapes.
-
-  Returns:
-    ``(path, layer, array)``: the jaxzero leaf path (e.g. ``("layers",
-    "w_up_LxDxF")``), the layer index into its leading axis (None for leaves
-    that are not stacked), and the array in jaxzero layout (per layer). None
-    for tensors that carry no jaxzero parameter (see carries_no_weight).
-
-  Raises:
-    KeyError: the name is not a Llama tensor, or its layer index is out of range.
-    ValueError: the array's shape is wrong for ``cfg``.
+  Returns ``(path, layer, array)``: the jaxzero leaf path (e.g. ``("layers",
+  "w_up_LxDxF")``), the layer index into its leading axis (None for leaves that
+  are not stacked), and the array in jaxzero layout (per layer); None for
+  tensors that carry no jaxzero parameter (see carries_no_weight). Raises
+  KeyError when the name is not a tensor of ``cfg``'s model or its layer is out
+  of range, ValueError when the array's shape is wrong for ``cfg``.
   """
   if carries_no_weight(name, cfg):
     return None
@@ -289,14 +312,10 @@ def jaxzero_to_hf_tensors(path: Path, array: np.ndarray, cfg: LlamaConfig
                          ) -> Iterator[tuple[str, np.ndarray]]:
   """Maps one jaxzero leaf (stacked over layers if under ``layers``) to HF tensors.
 
-  Returns:
-    An iterator of ``(hf_name, array)`` in Hugging Face layout, one per layer
-    for stacked leaves, in layer order. Dtype is kept. Lazy, so a big stacked
-    leaf is converted one layer at a time.
-
-  Raises:
-    KeyError: ``path`` is not a jaxzero parameter for ``cfg``.
-    ValueError: the array's shape is wrong for ``cfg``.
+  Returns a lazy iterator of ``(hf_name, array)`` in Hugging Face layout (dtype
+  kept), one per layer for stacked leaves, in layer order, so a big stacked leaf
+  is converted one layer at a time. Raises KeyError when ``path`` is not a
+  jaxzero parameter for ``cfg``, ValueError when the array's shape is wrong.
   """
   path = tuple(path)
   spec = _spec(cfg, path)
@@ -315,11 +334,9 @@ def jaxzero_to_hf_tensors(path: Path, array: np.ndarray, cfg: LlamaConfig
 
 
 def hf_tensor_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-  """{Hugging Face name: shape} of every tensor a checkpoint of ``cfg`` holds.
-
-  Leaf by leaf in param_specs order, layers in order (the order export writes
-  them); a tied model has no ``lm_head.weight``.
-  """
+  """{Hugging Face name: shape} of every tensor a checkpoint of ``cfg`` holds (a tied
+  model: no ``lm_head.weight``), leaf by leaf in param_specs order, layers in order (the
+  order export writes them)."""
   shapes = {}
   for path in _flat_specs(cfg):
     shape = _hf_shape(_layer_shape(cfg, path), _TENSORS[_TEMPLATE_OF[path]].n_in_axes)
@@ -350,13 +367,16 @@ def _read_block(read, name: str, tensor: _Tensor, shape: tuple[int, ...],
                 index: tuple[slice, ...]) -> np.ndarray:
   """``jaxzero_layout(tensor)[index]``, reading only what `index` needs.
 
-  A Linear weight is stored as [prod(out dims), prod(in dims)]. Slicing the
-  leading dim of a group is a contiguous range of the flattened group (the
-  usual case: ZeRO splits `embed`, which leads its group), so it is read
-  directly; slices of the other dims are taken after the read.
+  A Linear weight is stored as [prod(out dims), prod(in dims)], a bias as
+  [prod(out dims)]. Slicing the leading dim of a group is a contiguous range of
+  the flattened group (the usual case: ZeRO splits `embed`, which leads its
+  group), so it is read directly; slices of the other dims are taken after.
   """
   if tensor.n_in_axes is None:
     return read(name, index)
+  if tensor.n_in_axes == 0:  # a bias
+    block = read(name, (_flat_range(shape, index),)).reshape(-1, *shape[1:])
+    return block[(slice(None), *index[1:])]
   k = tensor.n_in_axes
   rows = _flat_range(shape[k:], index[k:])
   cols = _flat_range(shape[:k], index[:k])
@@ -378,8 +398,8 @@ def _lookup(name: str, cfg: LlamaConfig) -> tuple[_Tensor, int | None]:
   match = _LAYER_NAME.fullmatch(name)
   if match:
     template, layer = f"model.layers.{{}}.{match.group(2)}", int(match.group(1))
-  if template not in _TENSORS:
-    raise KeyError(f"{name!r} is not a Hugging Face Llama tensor name")
+  if template not in _TENSORS or _TENSORS[template].path not in _flat_specs(cfg):
+    raise KeyError(f"{name!r} is not a tensor of this {_ARCHITECTURES[cfg.family]}")
   if layer is not None and layer >= cfg.n_layers:
     raise KeyError(f"{name!r}: layer {layer} is out of range for n_layers={cfg.n_layers}")
   return _TENSORS[template], layer
@@ -389,13 +409,16 @@ def _to_hf_layout(array: np.ndarray, tensor: _Tensor) -> np.ndarray:
   if tensor.n_in_axes is None:
     return np.ascontiguousarray(array)
   n_in = math.prod(array.shape[:tensor.n_in_axes])
-  return np.ascontiguousarray(array.reshape(n_in, -1).T)
+  hf_shape = _hf_shape(array.shape, tensor.n_in_axes)
+  return np.ascontiguousarray(array.reshape(n_in, -1).T).reshape(hf_shape)
 
 
 def _hf_shape(shape: tuple[int, ...], n_in_axes: int | None) -> tuple[int, ...]:
+  """[out, in] of a Linear weight, [out] of a bias (n_in_axes 0)."""
   if n_in_axes is None:
     return shape
-  return (math.prod(shape[n_in_axes:]), math.prod(shape[:n_in_axes]))
+  n_in = (math.prod(shape[:n_in_axes]),) if n_in_axes else ()
+  return (math.prod(shape[n_in_axes:]), *n_in)
 
 
 def _hf_name(path: Path, layer: int | None) -> str:

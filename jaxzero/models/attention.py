@@ -1,11 +1,12 @@
-"""Causal grouped-query attention, with a choice of kernel.
+"""Causal grouped-query attention, optionally in a sliding window, with a choice of kernel.
 
 Queries are [B, T, H, E], keys and values [B, T, K, E] with K dividing H (query head h reads
-key/value head h // (H / K)). The kernels: ``"xla"`` materialises the B×H×T×T scores (the
-reference); ``"cudnn"`` is cuDNN flash attention (GPU only); ``"blockwise"`` is flash attention
-in plain JAX, one block × block tile of scores per head at a time; ``"auto"`` picks ``"cudnn"``
-where the default backend is a GPU and cuDNN accepts the shapes and dtypes, otherwise
-``"blockwise"``, at trace time.
+key/value head h // (H / K)). With a window W > 0, query i sees keys j with i - W < j <= i
+(Hugging Face Mistral's convention); W = 0 is full causal attention. The kernels: ``"xla"``
+materialises the B×H×T×T scores (the reference); ``"cudnn"`` is cuDNN flash attention (GPU
+only); ``"blockwise"`` is flash attention in plain JAX, one block × block tile of scores per
+head at a time; ``"auto"`` picks ``"cudnn"`` where the default backend is a GPU and cuDNN
+accepts the shapes, dtypes and window, otherwise ``"blockwise"``, at trace time.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def check_implementation(name: str, key: str = "attention implementation") -> No
 
 
 def attention(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, *,
-              implementation: str = "auto", block: int = DEFAULT_BLOCK) -> Array:
+              implementation: str = "auto", block: int = DEFAULT_BLOCK, window: int = 0
+              ) -> Array:
   """Causal softmax(q kᵀ / √E) v, [B, T, H, E] in the dtype of q.
 
   Args:
@@ -44,37 +46,47 @@ def attention(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, *,
     v_BxTxKxE: values.
     implementation: one of IMPLEMENTATIONS (see the module docstring).
     block: query and key tile length of "blockwise" (capped at T).
+    window: sliding window W (query i sees keys i - W < j <= i); 0, or W >= T, is full
+      causal attention.
 
   Raises:
-    ValueError: for an unknown implementation, or K not dividing H.
+    ValueError: for an unknown implementation, K not dividing H, or a negative window.
   """
   check_implementation(implementation)
   if q_BxTxHxE.shape[2] % k_BxTxKxE.shape[2]:
     raise ValueError(f"query heads {q_BxTxHxE.shape[2]} are not a multiple of key/value heads "
                      f"{k_BxTxKxE.shape[2]}")
+  if window < 0:
+    raise ValueError(f"attention window {window} must not be negative (0 = full causal)")
+  T = q_BxTxHxE.shape[1]
+  window = 0 if window >= T else window  # a window as long as the sequence masks nothing
   if implementation == "auto":
-    implementation = _resolve_auto(q_BxTxHxE, k_BxTxKxE)
+    implementation = _resolve_auto(q_BxTxHxE, k_BxTxKxE, window)
   if implementation == "blockwise":
-    return _flash(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, min(block, q_BxTxHxE.shape[1]))
+    return _flash(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, min(block, T), window)
+  # jax's (left, right) local window counts the keys besides the query's own.
   return jax.nn.dot_product_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, is_causal=True,
+                                     local_window_size=(window - 1, 0) if window else None,
                                      implementation=implementation)
 
 
-def _resolve_auto(q_BxTxHxE: Array, k_BxTxKxE: Array) -> str:
+def _resolve_auto(q_BxTxHxE: Array, k_BxTxKxE: Array, window: int) -> str:
   if jax.default_backend() != "gpu":
     return "blockwise"
-  reason = _cudnn_refusal(q_BxTxHxE.shape, k_BxTxKxE.shape, jnp.dtype(q_BxTxHxE.dtype))
+  reason = _cudnn_refusal(q_BxTxHxE.shape, k_BxTxKxE.shape, jnp.dtype(q_BxTxHxE.dtype), window)
   return "blockwise" if reason else "cudnn"
 
 
 @functools.lru_cache(maxsize=None)
-def _cudnn_refusal(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype) -> str | None:
+def _cudnn_refusal(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
+                   window: int = 0) -> str | None:
   """Why cuDNN flash attention cannot take these inputs (None if it can); logged once."""
   if dtype not in (jnp.float16, jnp.bfloat16):
     reason = f"it needs float16 or bfloat16 inputs, not {dtype}"
   else:
     # jax checks cuDNN's constraints while tracing: trace it abstractly.
     cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                              local_window_size=(window - 1, 0) if window else None,
                               implementation="cudnn")
     q, kv = jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct(kv_shape, dtype)
     try:
@@ -83,7 +95,7 @@ def _cudnn_refusal(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype) -
     except (NotImplementedError, ValueError, RuntimeError, TypeError) as e:
       reason = f"{type(e).__name__}: {e}"
   log.warning("attention 'auto': using 'blockwise', not cuDNN flash attention, for queries "
-              "%s and keys %s of %s: %s", q_shape, kv_shape, dtype, reason)
+              "%s and keys %s of %s (window %d): %s", q_shape, kv_shape, dtype, window, reason)
   return reason
 
 
@@ -91,7 +103,8 @@ def _cudnn_refusal(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype) -
 # "blockwise": FlashAttention-2 in plain JAX.
 #
 # Shapes inside: N blocks of C positions; queries grouped as [.., K, G, E]
-# with G = H / K query heads per key/value head.
+# with G = H / K query heads per key/value head. A window W > 0 skips the key
+# blocks wholly outside it, as causality skips the later ones.
 #
 # A custom_vjp is needed: differentiating through the loops would make JAX
 # save every iteration's probabilities and softmax carries for the backward
@@ -100,13 +113,14 @@ def _cudnn_refusal(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype) -
 # probabilities from those.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: int) -> Array:
-  return _flash_forward(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _flash(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: int,
+           window: int) -> Array:
+  return _flash_forward(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, block, window)[0]
 
 
-def _flash_fwd(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, block):
-  out_BxTxHxE, lse_NxBxKxGxC = _flash_forward(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, block)
+def _flash_fwd(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, block, window):
+  out_BxTxHxE, lse_NxBxKxGxC = _flash_forward(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, block, window)
   # Named like the output, so that a remat policy saving "attention" keeps
   # these residuals instead of rerunning the whole forward in the backward.
   lse_NxBxKxGxC = checkpoint_name(lse_NxBxKxGxC, "attention")
@@ -128,10 +142,23 @@ def _unblock(x_NxBxCxS: Array, T: int) -> Array:
   return jnp.moveaxis(x_NxBxCxS, 0, 1).reshape(B, n * C, *x_NxBxCxS.shape[3:])[:, :T]
 
 
-def _causal_CxC(i: Array, j: Array, block: int) -> Array:
-  """Query block i may see key block j's position c from its row r: i*C + r >= j*C + c."""
+def _visible_CxC(i: Array, j: Array, block: int, window: int) -> Array:
+  """Query block i may see key block j's position c from its row r: 0 <= i*C + r - (j*C + c),
+  and, with a window, that distance < W."""
   r_C, c_C = jnp.arange(block), jnp.arange(block)
-  return (i - j) * block + r_C[:, None] >= c_C[None, :]
+  distance_CxC = (i - j) * block + r_C[:, None] - c_C[None, :]
+  visible_CxC = distance_CxC >= 0
+  return visible_CxC & (distance_CxC < window) if window else visible_CxC
+
+
+def _first_key_block(i: Array, block: int, window: int) -> Array:
+  """The first key block that query block i's first row sees (0 without a window)."""
+  return jnp.maximum(0, (i * block - window + 1) // block) if window else 0
+
+
+def _last_query_block(j: Array, block: int, window: int, n: int) -> Array:
+  """The last query block that sees key block j (the last block without a window)."""
+  return jnp.minimum(n - 1, ((j + 1) * block + window - 2) // block) if window else n - 1
 
 
 def _grouped(q_BxTxHxE: Array, K: int) -> Array:
@@ -139,9 +166,10 @@ def _grouped(q_BxTxHxE: Array, K: int) -> Array:
   return q_BxTxHxE.reshape(B, T, K, H // K, E)
 
 
-def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: int
-                   ) -> tuple[Array, Array]:
-  """Online softmax over key blocks 0..i for each query block i (later ones are masked)."""
+def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: int,
+                   window: int) -> tuple[Array, Array]:
+  """Online softmax over key blocks 0..i for each query block i (later ones are masked;
+  with a window, from the first block the window reaches)."""
   B, T, H, E = q_BxTxHxE.shape
   K = k_BxTxKxE.shape[2]
   G, scale = H // K, 1.0 / math.sqrt(E)
@@ -156,11 +184,16 @@ def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: 
       o_BxKxGxCxE, m_BxKxGxC, l_BxKxGxC = carry
       s_BxKxGxCxC = scale * jnp.einsum("bqkge,bske->bkgqs", q_BxCxKxGxE, k_NxBxCxKxE[j],
                                        preferred_element_type=f32)
-      s_BxKxGxCxC = jnp.where(_causal_CxC(i, j, block), s_BxKxGxCxC, -jnp.inf)
-      # Key 0 is in block 0 and visible to every query: the max is finite from j = 0 on.
+      s_BxKxGxCxC = jnp.where(_visible_CxC(i, j, block, window), s_BxKxGxCxC, -jnp.inf)
+      # Without a window key 0 (block 0) is visible to every query: the max is finite from
+      # j = 0 on.
       m_new_BxKxGxC = jnp.maximum(m_BxKxGxC, s_BxKxGxCxC.max(axis=-1))
-      p_BxKxGxCxC = jnp.exp(s_BxKxGxCxC - m_new_BxKxGxC[..., None])
-      rescale_BxKxGxC = jnp.exp(m_BxKxGxC - m_new_BxKxGxC)
+      # With a window a row may see nothing of its first blocks (max -inf): it then shifts
+      # by 0, so that exp gives 0, not NaN, until its window starts.
+      shift_BxKxGxC = (jnp.where(m_new_BxKxGxC == -jnp.inf, 0.0, m_new_BxKxGxC) if window
+                       else m_new_BxKxGxC)
+      p_BxKxGxCxC = jnp.exp(s_BxKxGxCxC - shift_BxKxGxC[..., None])
+      rescale_BxKxGxC = jnp.exp(m_BxKxGxC - shift_BxKxGxC)
       l_BxKxGxC = l_BxKxGxC * rescale_BxKxGxC + p_BxKxGxCxC.sum(axis=-1)
       pv_BxKxGxCxE = jnp.einsum("bkgqs,bske->bkgqe", p_BxKxGxCxC.astype(v_NxBxCxKxE.dtype),
                                 v_NxBxCxKxE[j], preferred_element_type=f32)
@@ -168,7 +201,8 @@ def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: 
 
     init = (jnp.zeros((B, K, G, block, E), f32), jnp.full((B, K, G, block), -jnp.inf, f32),
             jnp.zeros((B, K, G, block), f32))
-    o_BxKxGxCxE, m_BxKxGxC, l_BxKxGxC = jax.lax.fori_loop(0, i + 1, key_block, init)
+    o_BxKxGxCxE, m_BxKxGxC, l_BxKxGxC = jax.lax.fori_loop(
+        _first_key_block(i, block, window), i + 1, key_block, init)
     out_BxCxKxGxE = jnp.einsum("bkgqe->bqkge", o_BxKxGxCxE / l_BxKxGxC[..., None])
     return out_BxCxKxGxE.astype(q_BxTxHxE.dtype), m_BxKxGxC + jnp.log(l_BxKxGxC)
 
@@ -176,8 +210,9 @@ def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: 
   return _unblock(out_NxBxCxKxGxE, T).reshape(B, T, H, E), lse_NxBxKxGxC
 
 
-def _flash_bwd(block, residuals, dout_BxTxHxE):
-  """FlashAttention-2's backward: for each key block j, query blocks j..N-1."""
+def _flash_bwd(block, window, residuals, dout_BxTxHxE):
+  """FlashAttention-2's backward: for each key block j, query blocks j..N-1 (with a window,
+  up to the last that sees block j)."""
   q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, out_BxTxHxE, lse_NxBxKxGxC = residuals
   B, T, H, E = q_BxTxHxE.shape
   K = k_BxTxKxE.shape[2]
@@ -199,7 +234,7 @@ def _flash_bwd(block, residuals, dout_BxTxHxE):
       q_BxCxKxGxE, do_BxCxKxGxE = q_NxBxCxKxGxE[i], do_NxBxCxKxGxE[i]
       s_BxKxGxCxC = scale * jnp.einsum("bqkge,bske->bkgqs", q_BxCxKxGxE, k_BxCxKxE,
                                        preferred_element_type=f32)
-      p_BxKxGxCxC = jnp.where(_causal_CxC(i, j, block),
+      p_BxKxGxCxC = jnp.where(_visible_CxC(i, j, block, window),
                               jnp.exp(s_BxKxGxCxC - lse_NxBxKxGxC[i][..., None]), 0.0)
       dv_BxCxKxE += jnp.einsum("bkgqs,bqkge->bske", p_BxKxGxCxC.astype(do_BxCxKxGxE.dtype),
                                do_BxCxKxGxE, preferred_element_type=f32)
@@ -215,7 +250,8 @@ def _flash_bwd(block, residuals, dout_BxTxHxE):
 
     zeros = jnp.zeros((B, block, K, E), f32)
     dk_BxCxKxE, dv_BxCxKxE, dq_NxBxCxKxGxE = jax.lax.fori_loop(
-        j, n, query_block, (zeros, zeros, dq_NxBxCxKxGxE))
+        j, _last_query_block(j, block, window, n) + 1, query_block,
+        (zeros, zeros, dq_NxBxCxKxGxE))
     return dq_NxBxCxKxGxE, (dk_BxCxKxE, dv_BxCxKxE)
 
   dq_NxBxCxKxGxE, (dk_NxBxCxKxE, dv_NxBxCxKxE) = jax.lax.scan(

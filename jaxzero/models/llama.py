@@ -1,19 +1,22 @@
-"""Llama-3 in flax NNX, with every weight declared once with logical axis names.
+"""Llama-3 in flax NNX (and Mistral, Qwen2), with every weight declared once with logical axes.
 
 The decoder layers are stacked (leading ``layers`` axis) and run with ``jax.lax.scan``. This
 module knows nothing about meshes: the caller steers parallelism and memory through three
 hooks, all no-ops by default: ``shard(x, logical_axes)`` on activations, ``gather(w,
 logical_axes)`` on each weight where it is used, ``remat(fn)`` on the per-layer function.
 Training takes the loss from ``Llama.hidden`` and ``Llama.head_DxV`` (jaxzero.models.loss),
-never from all the logits. Shapes are in names: B batch, T sequence, D embed, H query heads,
-K key/value heads, E head dim, F mlp hidden, V vocab, L layers.
+never from all the logits. Mistral is Llama with sliding-window attention, Qwen2 with q/k/v
+biases (and optionally the window): ``LlamaConfig.family`` names the Hugging Face architecture.
+Shapes are in names: B batch, T sequence, D embed, H query heads, K key/value heads, E head
+dim, F mlp hidden, V vocab, L layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple
+import typing
+from typing import Callable, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +28,8 @@ from jaxzero.models.attention import Implementation, attention, check_implementa
 Array = jax.Array
 ShardFn = Callable[[Array, tuple], Array]  # also the type of `gather`
 RematFn = Callable[[Callable], Callable]
+Family = Literal["llama", "mistral", "qwen2"]
+FAMILIES: tuple[str, ...] = typing.get_args(Family)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +52,13 @@ class LlamaConfig:
   # Attention kernel (jaxzero.models.attention): "auto" is cuDNN flash attention on a
   # GPU that takes the shapes, else "blockwise"; "xla" builds T×T scores.
   attention: Implementation = "auto"
+  # The Hugging Face architecture (LlamaForCausalLM, MistralForCausalLM,
+  # Qwen2ForCausalLM) that import expects and export writes.
+  family: Family = "llama"
+  # Biases on the q, k and v projections (not o): Qwen2's, so only with family "qwen2".
+  qkv_bias: bool = False
+  # Query i sees keys j with i - sliding_window < j <= i; 0 is full causal attention.
+  sliding_window: int = 0
 
   @property
   def head_dim(self) -> int:
@@ -59,6 +71,18 @@ class LlamaConfig:
       raise ValueError(
           f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={self.n_kv_heads}")
     check_implementation(self.attention, "model.attention")
+    if self.family not in FAMILIES:
+      raise ValueError(f"model.family={self.family!r} is unknown; choose one of: "
+                       + ", ".join(FAMILIES))
+    if self.qkv_bias != (self.family == "qwen2"):
+      raise ValueError(f"model.qkv_bias={self.qkv_bias} with model.family={self.family!r}: "
+                       "q/k/v biases are Qwen2's, and every Qwen2 has them (set both or neither)")
+    if self.sliding_window < 0:
+      raise ValueError(f"model.sliding_window={self.sliding_window} must not be negative "
+                       "(0 = full causal attention)")
+    if self.sliding_window and self.family == "llama":
+      raise ValueError(f"model.sliding_window={self.sliding_window} with model.family='llama': "
+                       "Llama has no sliding window; use model.family=mistral or qwen2")
 
 
 # Published shapes (the values of Meta's Hugging Face config.json files).
@@ -75,7 +99,7 @@ LLAMA32_1B = dataclasses.replace(LLAMA31_8B, dim=2048, n_layers=16, mlp_dim=8192
 class ParamSpec(NamedTuple):
   shape: tuple[int, ...]
   logical_axes: tuple[str, ...]
-  init: str  # "normal" (std = init_std) or "ones"
+  init: str  # "normal" (std = init_std), "ones" or "zeros"
 
 
 def is_param_spec(x) -> bool:
@@ -98,6 +122,10 @@ def param_specs(cfg: LlamaConfig) -> dict[str, dict[str, ParamSpec] | ParamSpec]
       "w_up_LxDxF": ParamSpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
       "w_down_LxFxD": ParamSpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
   }
+  if cfg.qkv_bias:
+    layers["bq_LxHxE"] = ParamSpec((L, H, E), ("layers", "heads", "head_dim"), "zeros")
+    layers["bk_LxKxE"] = ParamSpec((L, K, E), ("layers", "kv_heads", "head_dim"), "zeros")
+    layers["bv_LxKxE"] = ParamSpec((L, K, E), ("layers", "kv_heads", "head_dim"), "zeros")
   specs: dict = {
       "embed_VxD": ParamSpec((V, D), ("vocab", "embed"), "normal"),
       "layers": layers,
@@ -109,8 +137,8 @@ def param_specs(cfg: LlamaConfig) -> dict[str, dict[str, ParamSpec] | ParamSpec]
 
 
 def _new_param(spec: ParamSpec, key: Array, std: float) -> nnx.Param:
-  if spec.init == "ones":
-    value = jnp.ones(spec.shape, jnp.float32)
+  if spec.init in ("ones", "zeros"):
+    value = (jnp.ones if spec.init == "ones" else jnp.zeros)(spec.shape, jnp.float32)
   else:
     value = std * jax.random.normal(key, spec.shape, jnp.float32)
   return nnx.Param(value)
@@ -202,17 +230,22 @@ RESIDUAL_AXES = ("batch", "seq", "embed")
 def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE: Array,
                   sin_TxE: Array, shard: ShardFn = _no_shard) -> Array:
   """One pre-norm transformer block: attention then SwiGLU MLP, both residual."""
-  def proj(spec, h, weight, axes, name):
-    return checkpoint_name(shard(jnp.einsum(spec, h, weight), axes), name)
+  def proj(spec, h, weight, axes, name, bias=None):
+    y = jnp.einsum(spec, h, weight)
+    return checkpoint_name(shard(y if bias is None else y + bias, axes), name)
 
   h_BxTxD = shard(rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps), RESIDUAL_AXES)
-  q_BxTxHxE = proj("btd,dhe->bthe", h_BxTxD, w["wq_LxDxHxE"], HEADS_AXES, "q_proj")
-  k_BxTxKxE = proj("btd,dke->btke", h_BxTxD, w["wk_LxDxKxE"], KV_AXES, "k_proj")
-  v_BxTxKxE = proj("btd,dke->btke", h_BxTxD, w["wv_LxDxKxE"], KV_AXES, "v_proj")
+  q_BxTxHxE = proj("btd,dhe->bthe", h_BxTxD, w["wq_LxDxHxE"], HEADS_AXES, "q_proj",
+                   w.get("bq_LxHxE"))
+  k_BxTxKxE = proj("btd,dke->btke", h_BxTxD, w["wk_LxDxKxE"], KV_AXES, "k_proj",
+                   w.get("bk_LxKxE"))
+  v_BxTxKxE = proj("btd,dke->btke", h_BxTxD, w["wv_LxDxKxE"], KV_AXES, "v_proj",
+                   w.get("bv_LxKxE"))
   q_BxTxHxE = apply_rope(q_BxTxHxE, cos_TxE, sin_TxE)
   k_BxTxKxE = apply_rope(k_BxTxKxE, cos_TxE, sin_TxE)
   # Grouped-query attention is native here: K may divide H.
-  ctx_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, implementation=cfg.attention)
+  ctx_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, implementation=cfg.attention,
+                          window=cfg.sliding_window)
   ctx_BxTxHxE = checkpoint_name(shard(ctx_BxTxHxE, HEADS_AXES), "attention")
   attn_BxTxD = proj("bthe,hed->btd", ctx_BxTxHxE, w["wo_LxHxExD"], RESIDUAL_AXES, "o_proj")
   x_BxTxD = x_BxTxD + attn_BxTxD

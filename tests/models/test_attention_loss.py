@@ -1,7 +1,8 @@
 """Memory-light attention and cross-entropy equal the plain ones, and stay light.
 
 * jaxzero.models.attention "blockwise" (flash attention in plain JAX, custom_vjp)
-  against jax.nn.dot_product_attention's XLA kernel: outputs and gradients.
+  against jax.nn.dot_product_attention's XLA kernel: outputs and gradients, with and
+  without a sliding window (and the XLA kernel's window against a numpy mask).
 * jaxzero.models.loss.cross_entropy (chunked over the vocabulary) against optax on the
   full logits: value and gradients.
 * The whole model's loss and gradients: blockwise attention + chunked loss
@@ -16,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -49,11 +51,16 @@ def _max_diff(a, b) -> float:
 # ----------------------------------------------------------------------------- attention
 
 
-@pytest.mark.parametrize("B, T, H, K, E, block", [
-    pytest.param(2, 24, 4, 2, 16, 8, id="gqa-batch2-3blocks"),
-    pytest.param(1, 37, 4, 1, 8, 16, id="mqa-T-not-multiple-of-block"),
+@pytest.mark.parametrize("B, T, H, K, E, block, window", [
+    pytest.param(2, 24, 4, 2, 16, 8, 0, id="gqa-batch2-3blocks"),
+    pytest.param(1, 37, 4, 1, 8, 16, 0, id="mqa-T-not-multiple-of-block"),
+    # Windows within a block, across blocks, of two keys and of a whole block.
+    pytest.param(2, 24, 4, 2, 16, 8, 5, id="gqa-window5-block8"),
+    pytest.param(1, 37, 4, 1, 8, 16, 20, id="mqa-window20-block16-ragged"),
+    pytest.param(1, 40, 2, 2, 8, 8, 2, id="mha-window2"),
+    pytest.param(1, 40, 2, 2, 8, 8, 8, id="mha-window-equals-block"),
 ])  # a block longer than T (one block) is the whole-model test's case
-def test_blockwise_matches_xla(B, T, H, K, E, block):
+def test_blockwise_matches_xla(B, T, H, K, E, block, window):
   q, k, v = _qkv(B, T, H, K, E)
   dout = _normal(3, B, T, H, E)
 
@@ -61,7 +68,8 @@ def test_blockwise_matches_xla(B, T, H, K, E, block):
   def both(q, k, v):
     results = []
     for impl in ("xla", "blockwise"):
-      out, vjp = jax.vjp(lambda *a: attention(*a, implementation=impl, block=block), q, k, v)
+      out, vjp = jax.vjp(lambda *a: attention(*a, implementation=impl, block=block,
+                                              window=window), q, k, v)
       results.append((out, vjp(dout)))
     return results
 
@@ -70,6 +78,39 @@ def test_blockwise_matches_xla(B, T, H, K, E, block):
   assert _max_diff(got, want) <= TOL
   assert all(float(jnp.abs(g).max()) > 0.1 for g in want_grads)
   assert _max_diff(got_grads, want_grads) <= TOL
+  if window:  # the reference itself applies Mistral's window: i - W < j <= i
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    mask = (j <= i) & (j > i - window)
+    ref = jax.nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask)[None, None])
+    assert _max_diff(want, ref) <= TOL
+    assert _max_diff(want, attention(q, k, v, implementation="xla")) > 0.1
+
+
+def test_window_edges():
+  q, k, v = _qkv(1, 16, 2, 1, 8)
+  for impl in ("xla", "blockwise"):  # a window of 1: each query sees its own key only
+    out = attention(q, k, v, implementation=impl, block=8, window=1)
+    assert _max_diff(out, jnp.repeat(v, 2, axis=2)) <= TOL
+  # A window as long as the sequence is full causal attention.
+  full = attention(q, k, v, implementation="blockwise", block=8)
+  for window in (16, 1000):
+    assert jnp.array_equal(attention(q, k, v, implementation="blockwise", block=8,
+                                     window=window), full)
+  with pytest.raises(ValueError, match="window -1 must not be negative"):
+    attention(q, k, v, window=-1)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs a GPU")
+@pytest.mark.parametrize("window", [0, 100])
+def test_cudnn_window_matches_xla(window):
+  q, k, v = (a.astype(jnp.bfloat16) for a in _qkv(2, 512, 8, 2, 64))
+  dout = _normal(3, 2, 512, 8, 64).astype(jnp.bfloat16)
+
+  def run(impl):
+    out, vjp = jax.vjp(lambda *a: attention(*a, implementation=impl, window=window), q, k, v)
+    return [x.astype(jnp.float32) for x in (out, *vjp(dout))]
+
+  assert _max_diff(jax.jit(lambda: run("cudnn"))(), jax.jit(lambda: run("xla"))()) <= 0.05
 
 
 def test_blockwise_keeps_bfloat16():
@@ -168,9 +209,10 @@ def test_chunked_cross_entropy_reduces_head_gradient_once():
 # ----------------------------------------------------------------------------- whole model
 
 
-def test_model_loss_matches_full_logits():
+@pytest.mark.parametrize("family, window", [("llama", 0), ("qwen2", 7)])
+def test_model_loss_matches_full_logits(family, window):
   # Tied: the embedding's gradient gathers the lookup's and the head's parts.
-  cfg = make_cfg(n_kv_heads=2, tied=True)
+  cfg = make_cfg(n_kv_heads=2, tied=True, family=family, window=window)
   params = jax.tree.map(jnp.asarray, random_params(cfg))
   tokens = random_tokens(cfg)
 

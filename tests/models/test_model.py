@@ -1,9 +1,11 @@
-"""Tests that jaxzero.models.llama computes Llama-3, and that jaxzero.interop.hf_mapping maps it exactly.
+"""Tests that jaxzero.models.llama computes Llama-3 (and Mistral, Qwen2), and that
+jaxzero.interop.hf_mapping maps it exactly.
 
 Three independent witnesses of the forward pass:
 * a from-scratch numpy float64 reference written below (no code shared with
   jaxzero.models.llama),
-* transformers' LlamaForCausalLM, loaded through jaxzero.interop.hf_mapping,
+* transformers' LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM, loaded
+  through jaxzero.interop.hf_mapping,
 * the model itself with and without rematerialisation (gradients).
 
 Weights are random everywhere (norm scales too, not ones) and of unit-ish
@@ -13,6 +15,7 @@ far more than the tolerances.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -25,7 +28,7 @@ from jaxzero.interop import hf_mapping
 from jaxzero.models import llama
 from jaxzero.models.llama import LlamaConfig
 
-from hf_reference import hf_state_dict, params_from_hf, random_hf_llama
+from hf_reference import hf_state_dict, params_from_hf, random_hf_model
 
 B, T = 2, 24
 # original_max_len 16 < T: with theta 1e4 and head_dim 16 the highest of the 8
@@ -35,9 +38,11 @@ SCALING = dict(rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq
                rope_original_max_len=16)
 
 
-def make_cfg(n_kv_heads: int = 2, tied: bool = False, scaled: bool = True) -> LlamaConfig:
+def make_cfg(n_kv_heads: int = 2, tied: bool = False, scaled: bool = True,
+             family: str = "llama", window: int = 0) -> LlamaConfig:
   return LlamaConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
                      mlp_dim=128, norm_eps=1e-5, rope_theta=10_000.0, tie_embeddings=tied,
+                     family=family, qkv_bias=family == "qwen2", sliding_window=window,
                      **(SCALING if scaled else {}))
 
 
@@ -47,7 +52,8 @@ def random_params(cfg: LlamaConfig, seed: int = 0) -> dict:
   # Input width of each product. The embedding is a lookup, but it is also the
   # tied head, so it gets the same scale: logits stay at a few units, where
   # float32 rounding (~1e-6) is well inside the 1e-5 tolerance.
-  fan_in = {"w_down_LxFxD": cfg.mlp_dim}
+  # Biases are of order one, as the projections' outputs are.
+  fan_in = {"w_down_LxFxD": cfg.mlp_dim, "bq_LxHxE": 1, "bk_LxKxE": 1, "bv_LxKxE": 1}
 
   def draw(name: str, spec: llama.ParamSpec) -> np.ndarray:
     if spec.init == "ones":
@@ -112,13 +118,16 @@ def ref_rope(x_BxTxNxE: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
   return x_BxTxNxE * np.cos(angles) + np.concatenate([-x2, x1], axis=-1) * np.sin(angles)
 
 
-def ref_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-  """Causal softmax attention; [B, T, H, E] in and out, k/v with K heads."""
+def ref_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0) -> np.ndarray:
+  """Causal softmax attention; [B, T, H, E] in and out, k/v with K heads; a window W > 0
+  hides the keys W or more positions back."""
   H, K, E = q.shape[2], k.shape[2], q.shape[3]
   # GQA: query head h reads kv head h // (H / K), like HF's repeat_kv.
   k, v = np.repeat(k, H // K, axis=2), np.repeat(v, H // K, axis=2)
   scores = np.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(E)
   future = np.triu(np.ones((q.shape[1], k.shape[1]), bool), 1)
+  if window:
+    future |= np.tril(np.ones((q.shape[1], k.shape[1]), bool), -window)
   scores = np.where(future, -np.inf, scores)
   probs = np.exp(scores - scores.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
@@ -131,13 +140,17 @@ def ref_forward(cfg: LlamaConfig, params: dict, tokens: np.ndarray) -> np.ndarra
   lp = p["layers"]
   inv_freq = ref_inv_freq(cfg)
   silu = lambda z: z / (1 + np.exp(-z))
+  bias = lambda name, l: lp[name][l] if cfg.qkv_bias else 0.0
   x = p["embed_VxD"][tokens]
   for l in range(cfg.n_layers):
     h = ref_rms_norm(x, lp["attn_norm"][l], cfg.norm_eps)
-    q = ref_rope(np.einsum("btd,dhe->bthe", h, lp["wq_LxDxHxE"][l]), inv_freq)
-    k = ref_rope(np.einsum("btd,dke->btke", h, lp["wk_LxDxKxE"][l]), inv_freq)
-    v = np.einsum("btd,dke->btke", h, lp["wv_LxDxKxE"][l])
-    x = x + np.einsum("bthe,hed->btd", ref_attention(q, k, v), lp["wo_LxHxExD"][l])
+    q = ref_rope(np.einsum("btd,dhe->bthe", h, lp["wq_LxDxHxE"][l]) + bias("bq_LxHxE", l),
+                 inv_freq)
+    k = ref_rope(np.einsum("btd,dke->btke", h, lp["wk_LxDxKxE"][l]) + bias("bk_LxKxE", l),
+                 inv_freq)
+    v = np.einsum("btd,dke->btke", h, lp["wv_LxDxKxE"][l]) + bias("bv_LxKxE", l)
+    ctx = ref_attention(q, k, v, cfg.sliding_window)
+    x = x + np.einsum("bthe,hed->btd", ctx, lp["wo_LxHxExD"][l])
     h = ref_rms_norm(x, lp["mlp_norm"][l], cfg.norm_eps)
     x = x + (silu(h @ lp["w_gate_LxDxF"][l]) * (h @ lp["w_up_LxDxF"][l])) @ lp["w_down_LxFxD"][l]
   x = ref_rms_norm(x, p["final_norm"], cfg.norm_eps)
@@ -146,15 +159,17 @@ def ref_forward(cfg: LlamaConfig, params: dict, tokens: np.ndarray) -> np.ndarra
 
 
 # Each of GQA, tying and llama3 scaling is on in two cases and off in two
-# (pairwise cover of the 8 combinations; each case costs a compile).
-@pytest.mark.parametrize("n_kv_heads, tied, scaled", [
-    pytest.param(4, False, False, id="mha-untied-rope"),
-    pytest.param(4, True, True, id="mha-tied-llama3"),
-    pytest.param(2, False, True, id="gqa-untied-llama3"),
-    pytest.param(2, True, False, id="gqa-tied-rope"),
+# (pairwise cover of the 8 combinations; each case costs a compile); then Qwen2's
+# q/k/v biases with a sliding window shorter than T.
+@pytest.mark.parametrize("n_kv_heads, tied, scaled, family, window", [
+    pytest.param(4, False, False, "llama", 0, id="mha-untied-rope"),
+    pytest.param(4, True, True, "llama", 0, id="mha-tied-llama3"),
+    pytest.param(2, False, True, "llama", 0, id="gqa-untied-llama3"),
+    pytest.param(2, True, False, "llama", 0, id="gqa-tied-rope"),
+    pytest.param(2, False, False, "qwen2", 7, id="qwen2-bias-window7"),
 ])
-def test_matches_numpy_reference(n_kv_heads, tied, scaled):
-  cfg = make_cfg(n_kv_heads, tied, scaled)
+def test_matches_numpy_reference(n_kv_heads, tied, scaled, family, window):
+  cfg = make_cfg(n_kv_heads, tied, scaled, family, window)
   params, tokens = random_params(cfg), random_tokens(cfg)
   got = model_logits(cfg, params, tokens)
   want = ref_forward(cfg, params, tokens)
@@ -169,6 +184,18 @@ def test_reference_is_sensitive_to_rope_scaling():
   diff = ref_forward(make_cfg(scaled=True), params, tokens) - ref_forward(
       make_cfg(scaled=False), params, tokens)
   assert np.abs(diff).max() > 0.1
+
+
+def test_reference_is_sensitive_to_window_and_biases():
+  """Guards the test set-up: at this T, a window of 7 and the biases change the logits."""
+  cfg = make_cfg(family="qwen2", window=7)
+  params, tokens = random_params(cfg), random_tokens(cfg)
+  full = ref_forward(dataclasses.replace(cfg, sliding_window=0), params, tokens)
+  assert np.abs(ref_forward(cfg, params, tokens) - full).max() > 0.1
+  no_bias = jax.tree.map(np.zeros_like, params["layers"])
+  no_bias = {**params, "layers": {**params["layers"], **{
+      n: no_bias[n] for n in ("bq_LxHxE", "bk_LxKxE", "bv_LxKxE")}}}
+  assert np.abs(ref_forward(cfg, no_bias, tokens) - ref_forward(cfg, params, tokens)).max() > 0.1
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -200,7 +227,9 @@ def test_remat_does_not_change_gradients():
 
 
 def test_config_round_trip():
-  for cfg in (make_cfg(4, False, False), make_cfg(2, True, True)):
+  for cfg in (make_cfg(4, False, False), make_cfg(2, True, True),
+              make_cfg(family="mistral", window=8), make_cfg(family="mistral"),
+              make_cfg(family="qwen2", tied=True), make_cfg(family="qwen2", window=5)):
     assert hf_mapping.llama_config_from_hf(hf_mapping.hf_config_from_llama(cfg)) == cfg
 
 
@@ -220,7 +249,8 @@ def test_config_reads_both_rope_layouts():
 
 
 @pytest.mark.parametrize("change, field", [
-    (dict(model_type="mistral"), "model_type"),
+    (dict(model_type="gemma"), "model_type"),
+    (dict(model_type="mistral"), "architectures"),
     (dict(architectures=["LlamaModel"]), "architectures"),
     (dict(intermediate_size=None), "intermediate_size"),
     (dict(rope_theta=None), "rope_theta"),
@@ -234,6 +264,45 @@ def test_config_rejects(change, field):
   hf_config = {k: v for k, v in hf_config.items() if v is not None}
   with pytest.raises(ValueError, match=field):
     hf_mapping.llama_config_from_hf(hf_config)
+
+
+@pytest.mark.parametrize("family, change, message", [
+    # Qwen2's window on layer 1 only (layers from max_window_layers on): refused.
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+     "field 'max_window_layers' gives 1 of 2 layers a sliding window"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"]),
+     "field 'layer_types' gives 1 of 2 layers a sliding window"),
+    ("mistral", dict(sliding_window=0), "field 'sliding_window' is 0; it must be positive"),
+    ("mistral", dict(hidden_act="gelu"), "field 'hidden_act' is 'gelu'"),
+])
+def test_family_config_rejects(family, change, message):
+  hf_config = {**hf_mapping.hf_config_from_llama(make_cfg(family=family)), **change}
+  with pytest.raises(ValueError, match=message):
+    hf_mapping.llama_config_from_hf(hf_config)
+
+
+@pytest.mark.parametrize("change, window", [
+    (dict(use_sliding_window=False, sliding_window=32768, max_window_layers=0), 0),
+    (dict(use_sliding_window=True, sliding_window=32768, max_window_layers=2), 0),
+    (dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), 8),
+    (dict(use_sliding_window=True, sliding_window=8,
+          layer_types=["sliding_attention"] * 2, max_window_layers=28), 8),
+])
+def test_qwen2_window_is_the_one_transformers_applies(change, window):
+  hf_config = {**hf_mapping.hf_config_from_llama(make_cfg(family="qwen2")), **change}
+  cfg = hf_mapping.llama_config_from_hf(hf_config)
+  assert (cfg.family, cfg.qkv_bias, cfg.sliding_window) == ("qwen2", True, window)
+
+
+def test_family_fields_are_validated():
+  for fields, message in [(dict(family="qwen2"), "model.qkv_bias=False with model.family"),
+                          (dict(qkv_bias=True), "q/k/v biases are Qwen2's"),
+                          (dict(sliding_window=4), "Llama has no sliding window"),
+                          (dict(family="mistral", sliding_window=-1), "must not be negative"),
+                          (dict(family="gemma"), "model.family='gemma' is unknown")]:
+    with pytest.raises(ValueError, match=message):
+      LlamaConfig(**fields).validate()
 
 
 # ----------------------------------------------------------------------------- hf_mapping tensors
@@ -282,20 +351,28 @@ def test_per_tensor_layouts():
 # ----------------------------------------------------------------------------- transformers parity
 
 HF_CASES = [
-    pytest.param(4, False, True, id="mha-untied-llama3"),
-    pytest.param(2, True, True, id="gqa-tied-llama3"),
-    pytest.param(2, False, False, id="gqa-untied-rope"),
+    pytest.param("llama", 4, False, True, 0, id="llama-mha-untied-llama3"),
+    pytest.param("llama", 2, True, True, 0, id="llama-gqa-tied-llama3"),
+    pytest.param("llama", 2, False, False, 0, id="llama-gqa-untied-rope"),
+    # T = 24: a window of 8 hides most keys from the later queries.
+    pytest.param("mistral", 2, False, False, 8, id="mistral-window8"),
+    pytest.param("mistral", 4, True, True, 0, id="mistral-tied-llama3-no-window"),
+    pytest.param("qwen2", 2, False, False, 0, id="qwen2-bias-untied"),
+    pytest.param("qwen2", 2, True, False, 0, id="qwen2-bias-tied"),
+    pytest.param("qwen2", 4, False, True, 5, id="qwen2-bias-window5-llama3"),
 ]
 
 
-@pytest.mark.parametrize("n_kv_heads, tied, scaled", HF_CASES)
-def test_matches_transformers(n_kv_heads, tied, scaled):
+@pytest.mark.parametrize("family, n_kv_heads, tied, scaled, window", HF_CASES)
+def test_matches_transformers(family, n_kv_heads, tied, scaled, window):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  model = random_hf_llama(n_kv_heads, tied, scaled)
+  model = random_hf_model(family, n_kv_heads, tied, scaled, window)
+  assert type(model).__name__ == hf_mapping.hf_config_from_llama(
+      make_cfg(family=family))["architectures"][0]
 
   cfg = hf_mapping.llama_config_from_hf(model.config.to_dict())  # transformers 5 layout
-  assert cfg == make_cfg(n_kv_heads, tied, scaled)
+  assert cfg == make_cfg(n_kv_heads, tied, scaled, family, window)
   assert llama.count_params(cfg) == sum(p.numel() for p in model.parameters())
 
   state_dict = {k: v.detach().numpy() for k, v in model.state_dict().items()}
@@ -315,8 +392,10 @@ def test_matches_transformers(n_kv_heads, tied, scaled):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), again, params)
 
   # Export: the exported config and tensors rebuild the same transformers model.
-  rebuilt = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(
-      hf_mapping.hf_config_from_llama(cfg), attn_implementation="eager")).eval()
+  hf_config = hf_mapping.hf_config_from_llama(cfg)
+  rebuilt = transformers.AutoModelForCausalLM.from_config(
+      transformers.AutoConfig.for_model(**hf_config), attn_implementation="eager").eval()
+  assert type(rebuilt) is type(model)
   rebuilt.load_state_dict({k: torch.from_numpy(v) for k, v in exported.items()}, strict=not tied)
   with torch.no_grad():
     np.testing.assert_array_equal(rebuilt(torch.from_numpy(tokens).long()).logits.numpy(), want)
