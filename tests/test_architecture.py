@@ -42,6 +42,7 @@ LAYERS = (
     ("offload",),  # the NVMe tier, plugged into checkpoints as a side item
     ("planning",),
     ("interop",),
+    ("api",),  # jaxzero.Engine: any model, as a library
     ("training",),
     ("cli", "train", "plan", "launch", "export", "migrate", "__init__"),  # the commands
 )
@@ -107,6 +108,15 @@ def test_the_layer_check_sees_an_upward_import():
   assert upward_imports("sharding", "import jaxzero.planning.planner\n") == ["planning"]
   assert upward_imports("offload", "from jaxzero import train\n") == ["train"]
   assert upward_imports("training", "from jaxzero.offload import nvme_tier\n") == []
+
+
+def test_the_engine_and_sharding_layers_know_no_particular_model():
+  # Any model enters through jaxzero.models.interface; the Llama is one client.
+  offenders = {str(p.relative_to(ROOT)) for folder in ("engine", "sharding")
+               for p in (PACKAGE / folder).rglob("*.py")
+               if re.search(r"jaxzero\.models\.(llama|trainable|attention|loss)|"
+                            r"from jaxzero\.models import (llama|trainable)", p.read_text())}
+  assert not offenders, offenders
 
 
 def test_no_private_jax_or_orbax_api():

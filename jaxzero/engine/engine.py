@@ -12,32 +12,44 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+import optax
 
 from jaxzero.config import Config
 from jaxzero.engine import loss_scale
 from jaxzero.engine.optimizer import make_optimizer
+from jaxzero.engine.schedules import learning_rate_schedule
 from jaxzero.engine.state import TrainState, dtype_of, state_shardings
 from jaxzero.engine.step import make_grad_fn, make_train_step
-from jaxzero.models.llama import Llama
+from jaxzero.models.interface import Model
 from jaxzero.sharding.zero import Layout, on_device
 
 
 class Engine:
-  """The train step's pieces for one config on one layout, built once.
+  """The train step's pieces for one model, config and layout, built once.
 
   Attributes:
-    tx: the optimizer (AdamW, clipping, schedule).
+    model: the model (jaxzero.models.interface.Model).
+    tx: the optimizer: `optimizer` (else AdamW on cfg.train's schedule), after
+      global-norm clipping when cfg.train.clip_norm > 0.
+    inner: `tx` less its clipping (the step clips by the norm it computes).
     shardings: a TrainState of NamedShardings, where each leaf lives at rest.
     abstract: a TrainState of ShapeDtypeStructs (no sharding), for byte counts.
-    train_step: the jitted step, (state, tokens [A, B, T+1]) -> (state, metrics).
+    train_step: the jitted step, (state, batch [A, B, ...]) -> (state, metrics).
   """
 
-  def __init__(self, cfg: Config, layout: Layout):
-    self.cfg, self.layout = cfg, layout
-    self.tx = make_optimizer(cfg)
-    self.shardings, self.abstract = state_shardings(cfg, layout, self.tx)
-    self.train_step = make_train_step(cfg, layout, self.shardings)
+  def __init__(self, cfg: Config, layout: Layout, model: Model,
+               optimizer: optax.GradientTransformation | None = None):
+    self.cfg, self.layout, self.model = cfg, layout, model
+    schedule = None
+    if optimizer is None:
+      self.inner = make_optimizer(cfg, clip=False, decay=model.decay)
+      schedule = learning_rate_schedule(cfg)
+    else:
+      self.inner = optimizer
+    clip = cfg.train.clip_norm
+    self.tx = optax.chain(optax.clip_by_global_norm(clip), self.inner) if clip > 0 else self.inner
+    self.shardings, self.abstract = state_shardings(cfg, layout, self.tx, model)
+    self.train_step = make_train_step(cfg, layout, self.shardings, model, self.inner, schedule)
 
   @functools.cached_property
   def grad_step(self):
@@ -48,7 +60,7 @@ class Engine:
     grads_sh = on_device(self.shardings.master)
     replicated = self.layout.replicated()
     scale = (replicated,) if self.cfg.precision.scales_loss else ()  # float16: the loss scale
-    return jax.jit(make_grad_fn(self.cfg, self.layout, self.shardings),
+    return jax.jit(make_grad_fn(self.cfg, self.layout, self.shardings, self.model),
                    in_shardings=(self.shardings.params, self.batch_sharding, *scale),
                    out_shardings=(grads_sh, replicated, replicated))
 
@@ -68,13 +80,14 @@ class Engine:
     """Of a step's tokens [A, B, T+1]: rows over every data-parallel device."""
     return self.layout.batch_sharding(leading_dims=1)
 
-  def init(self, master: Any = None) -> TrainState:
+  def init(self, master: Any = None, key: jax.Array | None = None) -> TrainState:
     """Step 0, created directly into its shards: no device holds a full model.
 
     Args:
       master: fp32 master weights already placed by ``shardings.master`` (e.g.
         read from a Hugging Face checkpoint); None draws random weights from
-        ``cfg.seed``. The compute copy is cast from them and Adam starts at zero.
+        `key` (default: from ``cfg.seed``). The compute copy is cast from them
+        and the optimizer starts from its own init.
     """
     cfg, sh, tx = self.cfg, self.shardings, self.tx
     compute = dtype_of(cfg.precision.compute)
@@ -87,8 +100,6 @@ class Engine:
                         loss_scale.init(cfg.precision))
 
     if master is None:
-      def init():
-        model = Llama(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
-        return derive(nnx.to_pure_dict(nnx.split(model, nnx.Param)[1]))
-      return jax.jit(init, out_shardings=sh)()
+      key = jax.random.key(cfg.seed) if key is None else key
+      return jax.jit(lambda key: derive(self.model.init(key)), out_shardings=sh)(key)
     return jax.jit(derive, out_shardings=sh)(master)

@@ -8,7 +8,8 @@ the two. The NVMe tier runs the same math one chunk at a time.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,14 +19,19 @@ from jaxzero.config import Config
 from jaxzero.engine.schedules import learning_rate_schedule
 
 
-def make_optimizer(cfg: Config, clip: bool = True) -> optax.GradientTransformation:
+def make_optimizer(cfg: Config, clip: bool = True,
+                   decay: Callable[[str], bool] = lambda path: "norm" not in path
+                   ) -> optax.GradientTransformation:
   """AdamW (or Adam with L2) on the schedule, after global-norm clipping.
 
   `clip=False` leaves the clipping out (the state has the same leaves): the
   train step clips with :func:`clip_by_norm` by the norm it already computed.
+  `decay` says, by a parameter's path, whether weight decay applies (the
+  model's: jaxzero.models.interface.Model.decay).
   """
   t = cfg.train
   schedule = learning_rate_schedule(cfg)
+  _decay_mask = functools.partial(decay_mask, decay)
   if t.optimizer == "adamw":
     adam = optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
                        mask=_decay_mask)
@@ -62,10 +68,10 @@ def join_clip(clip_state: Any, inner_state: Any) -> Any:
   return inner_state if clip_state is None else (clip_state, inner_state)
 
 
-def _decay_mask(params):
-  # As in Llama and most LM recipes: no weight decay on norm gains.
+def decay_mask(decay: Callable[[str], bool], params):
+  """Whether weight decay applies to each leaf of `params` (Llama's: not on norm gains)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+      lambda path, _: decay(jax.tree_util.keystr(path)), params)
 
 
 def mean_grad(grad_sum: Any, accum: int) -> Any:

@@ -39,6 +39,14 @@ _POLICIES: dict[str, Callable[[], object]] = {
 POLICY_NAMES = tuple(_POLICIES)
 
 
+def checkpoint_policy(policy: str):
+  """The jax.checkpoint policy `policy` names."""
+  if policy not in _POLICIES:
+    raise ValueError(f"remat.policy={policy!r} is unknown; choose one of: "
+                     + ", ".join(POLICY_NAMES))
+  return _POLICIES[policy]()
+
+
 def remat_wrapper(policy: str) -> Callable[[Callable], Callable]:
   """The model's `remat` hook for `policy`."""
   if policy not in _POLICIES:

@@ -18,7 +18,7 @@ import optax
 
 from jaxzero.config import Config
 from jaxzero.engine import loss_scale
-from jaxzero.models.llama import is_param_spec, param_specs
+from jaxzero.models.interface import Model, is_spec
 from jaxzero.sharding.zero import Layout
 
 
@@ -36,13 +36,13 @@ def dtype_of(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
-def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformation
-                    ) -> tuple[TrainState, TrainState]:
+def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformation,
+                    model: Model) -> tuple[TrainState, TrainState]:
   """(shardings, abstract shapes) of every train-state leaf; allocates nothing."""
-  specs = param_specs(cfg.model)
+  specs = model.specs
   compute = dtype_of(cfg.precision.compute)
-  abstract_master = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), specs,
-                                 is_leaf=is_param_spec)
+  abstract_master = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s.shape), jnp.float32),
+                                 specs, is_leaf=is_spec)
   abstract = TrainState(
       step=jax.ShapeDtypeStruct((), jnp.int32),
       params=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, compute), abstract_master),

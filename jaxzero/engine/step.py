@@ -1,10 +1,10 @@
-"""The jitted train step: the loss, the gradient over the micro-steps, the update.
+"""The jitted train step: any model's loss, the gradient over the micro-steps, the update.
 
 Stages 2-3 reduce-scatter each micro-step's gradient into sharded buffers (their memory
 saving); stages 0-1 keep each device's gradient unreduced and reduce once per step, as
 DeepSpeed does. Under hybrid sharding the shards are reduced across ``replica`` once per step.
 After each update the master weights are cast to the compute dtype and placed by the
-``params`` role. No [B, T, V] float32 logits exist (jaxzero.models.loss).
+``params`` role. A batch is any pytree of arrays [A, B, ...]: A micro-steps of B rows.
 """
 
 from __future__ import annotations
@@ -16,42 +16,27 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.experimental.compute_on import compute_on
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.config import Config
 from jaxzero.engine import loss_scale
 from jaxzero.engine.loss_scale import applied_updates
-from jaxzero.engine.optimizer import clip_by_norm, join_clip, make_optimizer, mean_grad, split_clip
+from jaxzero.engine.optimizer import clip_by_norm, join_clip, mean_grad, split_clip
 from jaxzero.engine.remat import remat_wrapper
-from jaxzero.engine.schedules import learning_rate_schedule
 from jaxzero.engine.state import TrainState, dtype_of
-from jaxzero.models.llama import Llama, param_specs
-from jaxzero.models.loss import cross_entropy
+from jaxzero.models.interface import Hooks, Model
 from jaxzero.sharding.mesh import AXES
 from jaxzero.sharding.zero import Layout, local_sharding, on_device
 
-# Vocabulary entries per chunk of the loss: V = 128256 gives 16 chunks of 8016,
-# whose float32 logits are B x T x 8016 x 4 bytes (263 MB for seq 8192, B 1).
-LOSS_CHUNK = 8192
+
+def loss_fn(model: Model, params, batch, layout: Layout, remat) -> jax.Array:
+  """The model's mean loss over `batch`, with the layout's hooks."""
+  return model.loss(params, batch, Hooks(shard=layout.shard_activation,
+                                         gather=layout.gather_for_compute, remat=remat))
 
 
-def loss_fn(graphdef, params, tokens_BxT1: jax.Array, layout: Layout, remat) -> jax.Array:
-  """Mean next-token cross-entropy over a batch of sequences of T+1 tokens."""
-  model = nnx.merge(graphdef, params)
-  x_BxTxD, head_DxV = model.forward(tokens_BxT1[:, :-1], shard=layout.shard_activation,
-                                    gather=layout.gather_for_compute, remat=remat)
-  return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=LOSS_CHUNK,
-                       shard=layout.shard_activation)
-
-
-def model_graphdef(cfg: Config):
-  abstract_model = nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0)))
-  return nnx.split(abstract_model, nnx.Param)[0]
-
-
-def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
+def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model):
   """(params, tokens [A, B, T+1]) -> (gradient sum, mean loss, gradient norm).
 
   A is the number of gradient-accumulation micro-steps; B the global
@@ -61,10 +46,9 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
   A in float32 where used (:func:`mean_grad`). The norm is that of the mean
   gradient in float32.
   """
-  graphdef = model_graphdef(cfg)
   remat = remat_wrapper(cfg.remat.policy)
   grad_dtype = dtype_of(cfg.zero.grad_dtype)
-  specs = param_specs(cfg.model)
+  specs = model.specs
   # Stages 2-3 reduce into their gradient shards, stage 1 into the optimizer's.
   reduced_sh = on_device(layout.tree_shardings(specs, layout.reduce_role))
   reduce_dtype = dtype_of(layout.reduce_dtype)
@@ -77,11 +61,11 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
   if cfg.precision.scales_loss:
     # float16: the gradient of loss x scale (jaxzero.engine.loss_scale), the loss itself as aux.
     def scaled(params, tokens, layout, remat, scale):
-      loss = loss_fn(graphdef, params, tokens, layout, remat)
+      loss = loss_fn(model, params, tokens, layout, remat)
       return loss * scale, loss
     value_and_grad = jax.value_and_grad(scaled, has_aux=True)
   else:
-    value_and_grad = jax.value_and_grad(functools.partial(loss_fn, graphdef))
+    value_and_grad = jax.value_and_grad(functools.partial(loss_fn, model))
   # Gradients kept apart per group of `local_axes` and reduced across them once
   # per step: per device for stages 0-1 (as DeepSpeed accumulates; with one
   # micro-step too, since the explicit reduce sends a tied embedding's two
@@ -107,18 +91,19 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
   else:
     accum_sh, accum_shape = reduced_sh, lambda p: p.shape
 
-  def micro_step(params, scale, carry, tokens_BxT1):
+  def micro_step(params, scale, carry, batch):
     loss_sum, grad_sum = carry
     if local_axes:
-      tokens_GxbxT1 = jax.lax.with_sharding_constraint(
-          tokens_BxT1.reshape(n_groups, -1, tokens_BxT1.shape[-1]),
-          local_sharding(layout, P(tuple(a for a in AXES if a not in local_axes) or None, None)))
-      losses_G, grads = grouped_grads(params, tokens_GxbxT1, *scale)
+      rows = tuple(a for a in AXES if a not in local_axes) or None
+      grouped = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+          x.reshape(n_groups, -1, *x.shape[1:]),
+          local_sharding(layout, P(rows, *[None] * (x.ndim - 1)))), batch)
+      losses_G, grads = grouped_grads(params, grouped, *scale)
       loss = _unscaled(losses_G).mean()  # equal rows per group: the mean of means is the mean
     else:
       # Stages 2-3 accumulate into sharded buffers: each reduce is a reduce-scatter.
       # (Layout.gather_for_compute makes each gradient leave the layer reduced.)
-      loss, grads = value_and_grad(params, tokens_BxT1, layout, remat, *scale)
+      loss, grads = value_and_grad(params, batch, layout, remat, *scale)
       loss = _unscaled(loss)
     if streams_weights:
       # The gradient of a weight left in pinned_host is typed pinned_host: each
@@ -129,10 +114,10 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
                                                 accum_sh)
     return (loss_sum + loss, grad_sum), None
 
-  def grad_fn(params, tokens_AxBxT1: jax.Array, *scale):
+  def grad_fn(params, batch_Ax, *scale):
     """`scale`, under float16 only: the loss scale (the sum and the norm are then
     of the scaled gradients, and the norm unscaled)."""
-    accum = tokens_AxBxT1.shape[0]
+    accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     if streams_weights:  # the embedding, head and final norm come over now
       params = {k: v if k == "layers" else jax.device_put(v, params_on_device[k])
                 for k, v in params.items()}
@@ -142,7 +127,7 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState):
         jax.tree.map(lambda p: jnp.zeros(accum_shape(p), grad_dtype), params), accum_sh)
     (loss_sum, grad_sum), _ = jax.lax.scan(
         functools.partial(micro_step, params, scale), (jnp.zeros((), jnp.float32), zeros),
-        tokens_AxBxT1)
+        batch_Ax)
     if local_axes:  # the one reduce across groups (stage 1: into shards), in reduce_dtype
       grad_sum = jax.tree.map(
           lambda g, sh: jax.lax.with_sharding_constraint(g.astype(reduce_dtype).sum(axis=0), sh)
@@ -162,13 +147,16 @@ def _unscaled(value_and_aux):
   return value_and_aux[1] if isinstance(value_and_aux, tuple) else value_and_aux
 
 
-def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState):
-  """Returns the jitted step: (state, tokens [A, B, T+1]) -> (state, metrics)."""
-  grad_fn = make_grad_fn(cfg, layout, state_sh)
-  schedule = learning_rate_schedule(cfg)
+def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState, model: Model,
+                    unclipped: optax.GradientTransformation, schedule=None):
+  """Returns the jitted step: (state, batch [A, B, ...]) -> (state, metrics).
+
+  `unclipped` is the optimizer less its clipping (the step clips by the norm it
+  computes); `schedule`, where known, gives the `lr` metric.
+  """
+  grad_fn = make_grad_fn(cfg, layout, state_sh, model)
   compute = dtype_of(cfg.precision.compute)
   optimizer_on_host = layout.optimizer_memory == "pinned_host"
-  unclipped = make_optimizer(cfg, clip=False)  # Engine.tx less its clipping: same state
 
   def update(grad_sum, grad_norm, master, opt_state, finite, accum, scale=None):
     """AdamW on the master weights; the new compute copy cast from them.
@@ -206,10 +194,10 @@ def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState):
   # shards: 2Φ/N up).
   cast_on_device = on_device(state_sh.master)
 
-  def train_step(state: TrainState, tokens_AxBxT1: jax.Array):
-    accum = tokens_AxBxT1.shape[0]
+  def train_step(state: TrainState, batch_Ax):
+    accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     scale = () if state.loss_scale is None else (state.loss_scale.scale,)
-    grad_sum, loss, grad_norm = grad_fn(state.params, tokens_AxBxT1, *scale)
+    grad_sum, loss, grad_norm = grad_fn(state.params, batch_Ax, *scale)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if optimizer_on_host:
       master, opt_state, params = host_update(jax.device_put(grad_sum, grads_on_host),
@@ -220,9 +208,9 @@ def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState):
     else:
       master, opt_state, params = update(grad_sum, grad_norm, state.master, state.opt_state,
                                          finite, accum, *scale)
-    metrics = {"loss": loss, "grad_norm": grad_norm,
-               "lr": schedule(applied_updates(state.step, state.loss_scale)),
-               "nonfinite": (~finite).astype(jnp.int32)}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
+    if schedule is not None:
+      metrics["lr"] = schedule(applied_updates(state.step, state.loss_scale))
     new_scale = state.loss_scale
     if new_scale is not None:
       new_scale, scale_metrics = loss_scale.after_step(new_scale, loss, grad_norm, cfg.precision)

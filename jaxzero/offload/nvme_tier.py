@@ -21,12 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import integrity
 from jaxzero.engine import TrainState, loss_scale
-from jaxzero.models.llama import Llama
 from jaxzero.offload import nvme_checkpoint, nvme_store
 from jaxzero.sharding.zero import on_device
 
@@ -102,7 +100,7 @@ class Tier:
   def __init__(self, engine: engine_lib.Engine, directory: pathlib.Path):
     self.engine, self.cfg, self.directory = engine, engine.cfg, directory
     sh, abstract = engine.shardings, engine.abstract
-    self._inner = engine_lib.make_optimizer(engine.cfg, clip=False)
+    self._inner = engine.inner
     copies = weight_copies(engine.tx, abstract.opt_state, abstract.master)
     flat, self._master_def = jax.tree_util.tree_flatten_with_path(abstract.master)
     master_sh = jax.tree.leaves(on_device(sh.master))
@@ -216,8 +214,7 @@ class Tier:
     cfg = self.cfg
 
     def draw():
-      model = Llama(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
-      weights = jax.tree.leaves(nnx.to_pure_dict(nnx.split(model, nnx.Param)[1]))
+      weights = jax.tree.leaves(self.engine.model.init(jax.random.key(cfg.seed)))
       return [weights[i] for i in batch]
 
     return jax.jit(draw, out_shardings=shardings)()

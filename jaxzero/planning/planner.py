@@ -22,6 +22,7 @@ from jaxzero import engine as engine_lib
 from jaxzero.config import Config
 from jaxzero.engine.remat import POLICY_NAMES
 from jaxzero.errors import ConfigError
+from jaxzero.models import trainable
 from jaxzero.models.llama import count_params
 from jaxzero.planning import collectives as comm_lib
 from jaxzero.planning import state_bytes as state_lib
@@ -278,7 +279,8 @@ def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant]
   rows, compiles = [], 0
   for variant in variants(cfg, sweep, replica) if isinstance(sweep, str) else sweep:
     variant_cfg = variant.apply(cfg)
-    engine = engine_lib.Engine(variant_cfg, Layout.from_config(variant_cfg, mesh))
+    engine = engine_lib.Engine(variant_cfg, Layout.from_config(variant_cfg, mesh),
+                               trainable.llama(variant_cfg.model))
     row, n = _plan_variant(engine, variant, hbm_bytes, search, comm)
     rows.append(row)
     compiles += n

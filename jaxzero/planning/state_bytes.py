@@ -15,7 +15,7 @@ import optax
 
 from jaxzero import engine as engine_lib
 from jaxzero.config import Config
-from jaxzero.models.llama import count_params, param_specs
+from jaxzero.models.llama import count_params
 from jaxzero.sharding.zero import SHARDED_ROLES, Layout, bytes_per_device
 
 # AdamW's fp32 master weights and its two moments, per parameter.
@@ -35,7 +35,7 @@ def state_bytes(engine: engine_lib.Engine) -> dict[str, int]:
       "nvme": nvme_bytes(engine),
       "params": bytes_per_device(abstract.params, sh.params),
       "grads": bytes_per_device(abstract_grads,
-                                layout.tree_shardings(param_specs(cfg.model), "grads")),
+                                layout.tree_shardings(engine.model.specs, "grads")),
       "optimizer": (bytes_per_device(abstract.master, sh.master)
                     + bytes_per_device(abstract.opt_state, sh.opt_state)),
       "host": host,
@@ -98,14 +98,15 @@ def bytes_per_param(cfg: Config) -> dict[str, int]:
           "optimizer": OPTIMIZER_BYTES_PER_PARAM}
 
 
-def theory_state_bytes(cfg: Config, layout: Layout) -> tuple[int, str]:
+def theory_state_bytes(cfg: Config, layout: Layout, phi: int | None = None) -> tuple[int, str]:
   """The ZeRO paper's per-device model state, and the formula as text.
 
-  Each role costs its bytes per parameter times Φ, divided by N where the
-  stage shards it. With bf16 compute and bf16 grads this is the paper's
-  16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N for stages 0-3.
+  Each role costs its bytes per parameter times Φ (`phi`, default the config's
+  Llama's), divided by N where the stage shards it. With bf16 compute and bf16
+  grads this is the paper's 16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N for stages 0-3.
   """
-  phi, n, t = count_params(cfg.model), layout.shard_size, layout.tensor_size
+  phi = count_params(cfg.model) if phi is None else phi
+  n, t = layout.shard_size, layout.tensor_size
   per_param = bytes_per_param(cfg)
   sharded = sum(b for role, b in per_param.items() if role in SHARDED_ROLES[layout.stage])
   replicated = sum(per_param.values()) - sharded

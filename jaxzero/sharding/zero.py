@@ -49,7 +49,8 @@ SHARDED_ROLES: dict[int, frozenset[str]] = {
 # whose `embed` dimension does not divide the axis. `layers` is never split:
 # the scan slices it, one layer per step.
 FSDP_DIM_PREFERENCE = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim")
-KNOWN_LOGICAL_AXES = frozenset(FSDP_DIM_PREFERENCE) | {"layers"}
+# "none": a dimension never split (jaxzero.sharding.rules names it for any model).
+KNOWN_LOGICAL_AXES = frozenset(FSDP_DIM_PREFERENCE) | {"layers", "none"}
 # Megatron's tensor-parallel dimensions, best first: a weight or activation is
 # split over `tensor` along the first it has. Only `kv_heads` may fall back
 # (KV heads replicated across the tensor group); the others must divide.
@@ -204,8 +205,9 @@ class Layout:
   # -- the model's hooks: activations (`shard`), weights where used (`gather`) --
 
   def batch_sharding(self, leading_dims: int = 0) -> NamedSharding:
-    """Sharding of a token batch [..., B, T] (with `leading_dims` unsplit axes)."""
-    return NamedSharding(self.mesh, P(*([None] * leading_dims), AXES, None))
+    """Sharding of a batch [..., B, ...] of any rank (with `leading_dims` unsplit
+    axes before the rows), e.g. tokens [A, B, T+1]: rows over the data axes."""
+    return NamedSharding(self.mesh, P(*([None] * leading_dims), AXES))
 
   def shard_activation(self, x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
     """The model's `shard` hook: batch over the data axes; over `tensor`, the

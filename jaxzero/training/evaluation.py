@@ -80,8 +80,8 @@ def make_eval_batches(cfg, tokens: np.ndarray) -> EvalBatches:
 
 def make_eval_step(engine: engine_lib.Engine):
   """The jitted evaluation: (compute params, tokens [N, B, T+1]) -> mean loss (fp32 scalar)."""
-  cfg, layout = engine.cfg, engine.layout
-  loss = functools.partial(step_lib.loss_fn, step_lib.model_graphdef(cfg), layout=layout,
+  layout = engine.layout
+  loss = functools.partial(step_lib.loss_fn, engine.model, layout=layout,
                            remat=remat_wrapper("full"))
   params_on_device = on_device(engine.shardings.params)
 

@@ -19,17 +19,18 @@ from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import checkpointer as checkpoint_lib
 from jaxzero.config import Config
 from jaxzero.data import batches as batches_lib
-from jaxzero.engine import loss_scale
 from jaxzero.data import tokens as tokens_lib
+from jaxzero.engine import loss_scale
 from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
 from jaxzero.interop import hf_load
+from jaxzero.models import trainable
 from jaxzero.offload import checks as offload_checks
 from jaxzero.offload import nvme_checkpoint, nvme_store
 from jaxzero.offload import nvme_tier as nvme_lib
 from jaxzero.planning import memory_check
+from jaxzero.runtime import peerwatch
 from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.sharding.zero import Layout
-from jaxzero.runtime import peerwatch
 from jaxzero.training import banner, evaluation, first_step, profiling, throughput, tracking
 from jaxzero.training import workdir as workdir_lib
 from jaxzero.training.metrics import MetricsLogger, PendingMetrics, drop_metrics_after
@@ -82,7 +83,7 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
   batches = batches_lib.Batches(tokens, cfg.train.seq_len, cfg.train.grad_accum,
                                 micro * layout.data_parallel_size, cfg.seed, order=source.order)
   eval_batches = None if held_out is None else evaluation.make_eval_batches(cfg, held_out)
-  engine = engine_lib.Engine(cfg, layout)
+  engine = engine_lib.Engine(cfg, layout, trainable.llama(cfg.model))
   tier = (nvme_lib.Tier(engine, nvme_lib.store_directory(cfg.offload.nvme_dir, workdir))
           if cfg.offload.optimizer == "nvme" else None)
   return Run(cfg, layout, engine, batches, eval_batches, tier)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxzero.checkpoint import checkpointer
-from jaxzero.engine import step
 from jaxzero.errors import NonFiniteError
+from jaxzero.models import trainable
 from jaxzero.training import loop
 
 from tiny import master_at, tiny_config
@@ -29,12 +29,12 @@ def poison(monkeypatch):
     tokens = run.batches(POISONED_STEP - 1)[0]
     rows = tokens if cfg.zero.stage == 3 else tokens[:len(tokens) // 8]
     marker = int(rows[:, 1:].astype(np.int64).sum())
-    real = step.cross_entropy
+    real = trainable.cross_entropy
 
     def poisoned(x, head, labels, **kw):
       loss = real(x, head, labels, **kw)
       return jnp.where(labels.astype(jnp.int32).sum() == marker, jnp.nan, loss)
-    monkeypatch.setattr(step, "cross_entropy", poisoned)
+    monkeypatch.setattr(trainable, "cross_entropy", poisoned)
   return arm
 
 

@@ -1,6 +1,7 @@
-"""Export: a sharded checkpoint becomes a Hugging Face Llama directory that
+"""Export: a sharded checkpoint becomes a Hugging Face Llama (Mistral, Qwen2) directory that
 transformers and jaxzero load to the same logits; bad input is one clear line."""
 
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -22,13 +23,12 @@ from jaxzero import engine as engine_lib
 from jaxzero import export
 from jaxzero.checkpoint import checkpointer as checkpoint_lib
 from jaxzero.checkpoint.checkpointer import Checkpointer, CheckpointReader, checkpoint_dir
-from jaxzero.engine import step as step_lib
-from jaxzero.interop import hf_mapping
+from jaxzero.interop import hf_load, hf_mapping
 from jaxzero.interop.hf_export import export_hf
 from jaxzero.models.llama import Llama, param_specs
 from jaxzero.training import loop
 
-from hf_reference import hf_state_dict, params_from_hf
+from hf_reference import hf_state_dict, params_from_hf, random_hf_model
 from processes import ROOT, TINY, cli_env
 
 # As in test_checkpoint, so that the training run reuses its compiled program.
@@ -62,7 +62,8 @@ def master_weights(workdir) -> dict:
 
 
 def jaxzero_logits(cfg, params, tokens):
-  model = nnx.merge(step_lib.model_graphdef(cfg), jax.tree.map(jnp.asarray, params))
+  graphdef = nnx.split(nnx.eval_shape(lambda: Llama(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)[0]
+  model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
   return np.asarray(model(jnp.asarray(tokens)))
 
 
@@ -149,7 +150,7 @@ def damage(workdir, how):
     ("empty", r"no checkpoint in \S+/checkpoints: --workdir must be a jaxzero.train workdir"),
     ("foreign", r"no checkpoint in \S+/checkpoints: --workdir must be a jaxzero.train workdir"),
     ("missing_step", r"no checkpoint of step 7 in \S+; available steps: 2"),
-    ("truncated", r"checkpoint \S+/checkpoints/2 is damaged: leaf master/\S+ cannot be read: "),
+    ("truncated", r"checkpoint \S+/checkpoints/2 is damaged: leaf \S+ cannot be read: "),
     ("no_metadata", r"checkpoint \S+/2 is damaged: its state metadata \(state/_METADATA\) "),
     ("out_not_empty", r"--out \S+ already exists and is not an empty directory"),
 ])
@@ -248,3 +249,38 @@ def test_export_reads_stacked_weights_one_layer_at_a_time(trained, tmp_path, mon
   expected = hf_state_dict(master_weights(workdir), cfg.model)
   for name, value in expected.items():
     np.testing.assert_array_equal(exported[name], value)
+
+
+@pytest.mark.parametrize("family, tied, window, architecture", [
+    ("mistral", False, 8, "MistralForCausalLM"),
+    ("qwen2", True, 0, "Qwen2ForCausalLM"),
+    ("qwen2", False, 6, "Qwen2ForCausalLM"),
+])
+def test_family_round_trip_through_a_checkpoint(family, tied, window, architecture, tmp_path):
+  """A Hugging Face Mistral or Qwen2 directory, imported and saved as a jaxzero checkpoint,
+  exports to a directory that transformers loads as the same class, to the same logits."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  original = random_hf_model(family, 2, tied, False, window)
+  original.save_pretrained(tmp_path / "in")
+  model = hf_load.load_llama(tmp_path / "in")
+  master = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+  cfg = config.Config(model=model.cfg, precision=config.PrecisionConfig(compute="float32"))
+  state = engine_lib.TrainState(jnp.int32(0), master, master,
+                                engine_lib.make_optimizer(cfg).init(master))
+  info = checkpoint_lib.run_info(cfg.model, "float32", cfg.seed)
+  with Checkpointer(tmp_path / "w", 1, info) as checkpoints:
+    checkpoints.save(0, state, wait=True)
+
+  done = export_hf(tmp_path / "w", tmp_path / "out")
+  hf_config = json.loads((done.out / "config.json").read_text())
+  assert (hf_config["architectures"], hf_config["model_type"]) == ([architecture], family)
+  exported = transformers.AutoModelForCausalLM.from_pretrained(
+      done.out, dtype=torch.float32, attn_implementation="eager")  # as `original`
+  assert type(exported) is type(original)
+  assert hf_load.read_config(done.out) == dataclasses.replace(model.cfg, attention="auto")
+  tokens = torch.from_numpy(np.random.default_rng(1).integers(0, 97, size=(2, 24)))
+  with torch.no_grad():
+    want, got = original(tokens).logits.numpy(), exported(tokens).logits.numpy()
+  np.testing.assert_array_equal(got, want)  # the same weights, bit for bit
+  assert np.abs(np.asarray(model(jnp.asarray(tokens.numpy()))) - want).max() <= 1e-4

@@ -1,4 +1,5 @@
-"""Loading Hugging Face Llama checkpoint directories into sharded jaxzero weights.
+"""Loading Hugging Face Llama, Mistral and Qwen2 checkpoint directories into sharded
+jaxzero weights.
 
 Parity cases are saved by transformers itself (single file and sharded);
 the memory and error cases write safetensors files directly, so they also run
@@ -20,11 +21,12 @@ from jaxzero import engine as engine_lib
 from jaxzero.engine import step as step_lib
 from jaxzero.errors import HFCheckpointError
 from jaxzero.interop import hf_load, hf_mapping
+from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, param_specs
 from jaxzero.sharding.mesh import make_mesh
 from jaxzero.sharding.zero import Layout
 
-from hf_reference import hf_state_dict, params_from_hf, random_hf_llama
+from hf_reference import hf_state_dict, params_from_hf, random_hf_llama, random_hf_model
 
 B, T = 2, 24
 hf_model = random_hf_llama
@@ -61,6 +63,26 @@ def test_logits_match_transformers(n_kv_heads, tied, scaled, shard_size, tmp_pat
   got = np.asarray(ours(tokens))
   assert got.dtype == np.float32 and got.shape == (B, T, 97)
   assert np.abs(want).max() > 1.0  # not a comparison between near-zeros
+  assert np.abs(got - want).max() <= 1e-4
+
+
+@pytest.mark.parametrize("family, tied, window", [
+    pytest.param("mistral", False, 8, id="mistral-window8"),
+    pytest.param("qwen2", True, 0, id="qwen2-bias-tied"),
+    pytest.param("qwen2", False, 0, id="qwen2-bias-untied"),
+])
+def test_family_logits_match_transformers(family, tied, window, tmp_path):
+  torch = pytest.importorskip("torch")
+  model = random_hf_model(family, 2, tied, False, window)
+  model.save_pretrained(tmp_path)
+  tokens = tokens_BxT(97)
+  with torch.no_grad():
+    want = model(torch.from_numpy(tokens).long()).logits.numpy()
+  ours = hf_load.load_llama(tmp_path)
+  assert (ours.cfg.family, ours.cfg.qkv_bias, ours.cfg.sliding_window, ours.cfg.tie_embeddings
+          ) == (family, family == "qwen2", window, tied)
+  got = np.asarray(ours(tokens))
+  assert np.abs(want).max() > 1.0
   assert np.abs(got - want).max() <= 1e-4
 
 
@@ -135,6 +157,21 @@ def test_zero3_load_reads_each_shard_once_and_never_the_whole_model(tmp_path, mo
     np.testing.assert_array_equal(np.asarray(leaf), value)
 
 
+def test_zero3_load_shards_qwen2_biases(tmp_path):
+  cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64,
+                    family="qwen2", qkv_bias=True)
+  state_dict = random_state_dict(cfg)
+  assert state_dict["model.layers.1.self_attn.k_proj.bias"].shape == (16,)
+  layout = Layout.from_config(config.Config(model=cfg), make_mesh(1, 8))  # ZeRO-3
+  shardings = layout.tree_shardings(param_specs(cfg), "params")
+  params = hf_load.load_params(write_checkpoint(tmp_path, cfg, state_dict, n_files=3), cfg,
+                               shardings)
+  bias = params["layers"]["bq_LxHxE"]
+  assert bias.shape == (2, 4, 8) and bias.addressable_shards[0].data.shape == (2, 4, 1)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params,
+               params_from_hf(state_dict, cfg))
+
+
 def test_bfloat16_checkpoint_loads_exactly(tmp_path):
   ml_dtypes = pytest.importorskip("ml_dtypes")
   cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64)
@@ -160,7 +197,7 @@ def test_training_starts_from_the_checkpoint(tmp_path):
   cfg = config.apply_overrides(base, [f"init.hf_checkpoint={tmp_path}"])
   assert cfg.init.hf_checkpoint == str(tmp_path)
   layout = Layout.from_config(cfg, make_mesh(1, 8))
-  engine = engine_lib.Engine(cfg, layout)
+  engine = engine_lib.Engine(cfg, layout, trainable.llama(cfg.model))
   # As the trainer does: the fp32 master weights straight into their shards.
   master = hf_load.load_params(cfg.init.hf_checkpoint, cfg.model, engine.shardings.master)
   state = engine.init(master=master)
@@ -171,8 +208,8 @@ def test_training_starts_from_the_checkpoint(tmp_path):
   assert not any(np.asarray(x).any() for x in jax.tree.leaves(state.opt_state))  # fresh Adam
   # The train step's loss on the sharded state is transformers' loss.
   batch = tokens_BxT(97, (8, 17))
-  graphdef = step_lib.model_graphdef(cfg)
-  loss = jax.jit(lambda p, t: step_lib.loss_fn(graphdef, p, t, layout, None))(state.params, batch)
+  loss = jax.jit(lambda p, t: step_lib.loss_fn(engine.model, p, t, layout, None))(state.params,
+                                                                                 batch)
   with torch.no_grad():
     logits = model(torch.from_numpy(batch[:, :-1]).long()).logits
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, 97),
@@ -198,7 +235,13 @@ def bad_checkpoint(case: str, root):
     return root, CFG
   if case == "not_llama":
     return write_checkpoint(root, CFG, good, hf_config=dict(
-        hf_mapping.hf_config_from_llama(CFG), model_type="mistral")), CFG
+        hf_mapping.hf_config_from_llama(CFG), model_type="gemma")), CFG
+  if case in ("family_mismatch", "missing_bias"):
+    qwen2 = LlamaConfig(**{**CFG.__dict__, "family": "qwen2", "qkv_bias": True})
+    weights = random_state_dict(qwen2)
+    if case == "missing_bias":
+      del weights["model.layers.1.self_attn.v_proj.bias"]
+    return write_checkpoint(root, qwen2, weights), CFG if case == "family_mismatch" else qwen2
   if case == "no_weights":
     (root / "config.json").write_text(json.dumps(hf_mapping.hf_config_from_llama(CFG)))
     return root, CFG
@@ -221,7 +264,10 @@ def bad_checkpoint(case: str, root):
 @pytest.mark.parametrize("case, message", [
     ("not_a_directory", "file' is not a directory"),
     ("no_config", "no config.json; expected a Hugging Face model directory"),
-    ("not_llama", "config.json: Hugging Face config field 'model_type' is 'mistral'"),
+    ("not_llama", "config.json: Hugging Face config field 'model_type' is 'gemma'; "
+                  "supported: 'llama', 'mistral', 'qwen2'"),
+    ("family_mismatch", "model.family='llama' but"),
+    ("missing_bias", "tensor 'model.layers.1.self_attn.v_proj.bias' is missing"),
     ("no_weights", "no model.safetensors or model.safetensors.index.json"),
     ("missing_tensor", "tensor 'model.layers.1.mlp.up_proj.weight' is missing"),
     ("missing_shard_file", "model-00002-of-00003.safetensors: no such file"),
@@ -239,3 +285,6 @@ def test_bad_checkpoint_is_one_line_naming_the_culprit(case, message, tmp_path):
   if case == "config_mismatch":
     assert "num_key_value_heads=2; the model config must match" in text
     assert "--set model.n_kv_heads=2" in text
+  if case == "family_mismatch":
+    assert "has model_type='qwen2'; the model config must match" in text
+    assert "--set model.family=qwen2" in text

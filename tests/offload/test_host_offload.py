@@ -21,6 +21,7 @@ import pytest
 
 from jaxzero import config
 from jaxzero.engine import Engine
+from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig
 from jaxzero.offload import nvme_store, nvme_tier
 from jaxzero.planning import planner
@@ -50,7 +51,7 @@ def tiny(stage: int, optimizer="device", params="device", compute="float32",
 
 def engine(cfg: config.Config) -> Engine:
   mesh = mesh_lib.make_mesh(1, 8, jax.devices()[:8])
-  return Engine(cfg, Layout.from_config(cfg, mesh))
+  return Engine(cfg, Layout.from_config(cfg, mesh), trainable.llama(cfg.model))
 
 
 def losses(cfg: config.Config) -> np.ndarray:

@@ -20,6 +20,7 @@ import pytest
 
 from jaxzero import config
 from jaxzero import engine as engine_lib
+from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, count_params
 from jaxzero.planning import collectives, planner
 from jaxzero.sharding import mesh, zero
@@ -39,7 +40,7 @@ def compiled_report(zero: dict, accum: int, replica: int = 1, fsdp: int = 8,
       precision=config.PrecisionConfig(compute=dtype),
       remat=config.RematConfig(policy="full"))
   layout = Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, jax.devices()[:8], tensor))
-  compiled = planner.compile_step(engine_lib.Engine(cfg, layout), micro_batch=tensor)
+  compiled = planner.compile_step(engine_lib.Engine(cfg, layout, trainable.llama(cfg.model)), micro_batch=tensor)
   return collectives.report(compiled, layout.mesh, count_params(MODEL), stage=layout.stage,
                      grad_accum=accum, tensor=tensor)
 

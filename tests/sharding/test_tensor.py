@@ -25,6 +25,7 @@ from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import checkpointer
 from jaxzero.config import ConfigError
 from jaxzero.interop import hf_export, hf_load
+from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, count_params, is_param_spec, param_specs
 from jaxzero.models.loss import cross_entropy
 from jaxzero.planning import collectives, planner, state_bytes
@@ -55,7 +56,7 @@ def make_engine(cfg: config.Config) -> engine_lib.Engine:
   config.validate(cfg)
   devices = jax.devices()[:mesh.devices_needed(cfg.mesh)]
   replica, fsdp, tensor = mesh.resolve_shape(cfg.mesh, len(devices))
-  return engine_lib.Engine(cfg, Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, devices, tensor)))
+  return engine_lib.Engine(cfg, Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, devices, tensor)), trainable.llama(cfg.model))
 
 
 _COMPILED: dict = {}  # config -> (engine, its compiled step): the module compiles each once
@@ -418,4 +419,4 @@ def test_batch_arithmetic_counts_data_parallel_devices_only():
   assert mesh.micro_batch(cfg.train, engine.layout.data_parallel_size) == 2
   assert mesh.devices_needed(config.MeshConfig(2, 2, 2)) == 8
   assert mesh.data_parallel_needed(config.MeshConfig(2, 2, 2)) == 4
-  assert engine.batch_sharding.spec == P(None, DATA, None)
+  assert engine.batch_sharding.spec == P(None, DATA)  # tokens [A, B, T+1]: rows split

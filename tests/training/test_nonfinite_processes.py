@@ -29,17 +29,17 @@ POISON = f"""
 import sys
 import jax.numpy as jnp, numpy as np
 from jaxzero import train
-from jaxzero.engine import step
+from jaxzero.models import trainable
 from jaxzero.training import loop
 real_build = loop.build
 def build(cfg, *args, **kwargs):
   run = real_build(cfg, *args, **kwargs)
   marker = int(run.batches({POISONED_STEP - 1})[0][:, 1:].astype(np.int64).sum())
-  real = step.cross_entropy
+  real = trainable.cross_entropy
   def poisoned(x, head, labels, **kw):
     loss = real(x, head, labels, **kw)
     return jnp.where(labels.astype(jnp.int32).sum() == marker, jnp.nan, loss)
-  step.cross_entropy = poisoned
+  trainable.cross_entropy = poisoned
   return run
 loop.build = build
 sys.exit(train.main(sys.argv[1:]))

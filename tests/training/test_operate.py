@@ -23,6 +23,7 @@ import pytest
 from jaxzero import config, launch, plan
 from jaxzero import train as train_cli
 from jaxzero.errors import UserError
+from jaxzero.models import trainable
 from jaxzero.planning import memory_check, planner
 from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.training import evaluation, loop
@@ -114,7 +115,7 @@ def test_the_check_names_what_fits_and_force_goes_on():
   from jaxzero.models.llama import count_params
   from jaxzero.sharding.zero import Layout
   cfg = config.load(str(ROOT / "configs/llama8b_zero3.py"), ["zero.stage=1"])
-  engine = engine_lib.Engine(cfg, Layout.from_config(cfg, mesh_lib.make_mesh(1, 8, jax.devices()[:8])))
+  engine = engine_lib.Engine(cfg, Layout.from_config(cfg, mesh_lib.make_mesh(1, 8, jax.devices()[:8])), trainable.llama(cfg.model))
   budget = memory_check.budget(engine, jax.devices()[:8])
   phi = count_params(cfg.model)
   assert budget.params == 2 * phi and budget.grads == 2 * phi  # bf16, replicated at stage 1

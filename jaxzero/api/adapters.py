@@ -1,0 +1,153 @@
+"""A user's model as the engine trains it (jaxzero.models.interface.Model): a Flax NNX
+module or a function making one, a Linen module with its init inputs, or an
+``(init_fn, apply_fn)`` pair over a params pytree.
+
+The loss is the user's ``loss_fn(model, batch)``, called with the model bound to
+the current parameters (an NNX module, or a callable applying the Linen module or
+``apply_fn``). Names the model gives its dimensions become ZeRO's placement through
+jaxzero.sharding.rules. NNX state that is not a Param (e.g. RNG counters) is kept as
+it was created and never trained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from jaxzero.engine import remat
+from jaxzero.errors import ConfigError
+from jaxzero.models.interface import Hooks, Model
+from jaxzero.sharding import rules as rules_lib
+
+
+def build(model: Any, loss_fn: Callable, *, shard_size: int, init_args: tuple = (),
+          rules: dict | None = None, min_size: int = rules_lib.DEFAULT_MIN_SIZE,
+          remat_block: type | None = None, remat_policy: str = "full") -> Model:
+  """The Model for any of the three kinds of `model` (see the module's docstring);
+  `remat_block`, an NNX class whose every call is checkpointed with `remat_policy`."""
+  remat_block = (remat_block, remat_policy) if remat_block is not None else None
+  if isinstance(model, tuple) and len(model) == 2 and all(map(callable, model)):
+    return _functions(*model, loss_fn, shard_size, rules, min_size, remat_block)
+  if _is_linen(model):
+    return _linen(model, init_args, loss_fn, shard_size, rules, min_size, remat_block)
+  if isinstance(model, nnx.Module) or callable(model):
+    return _nnx(model, loss_fn, shard_size, rules, min_size, remat_block)
+  raise ConfigError(f"model {type(model).__name__} is not one jaxzero can train: give a Flax "
+                    "NNX module (or a function returning one), a Linen module with init_args, "
+                    "or an (init_fn, apply_fn) pair")
+
+
+def _is_linen(model) -> bool:
+  try:
+    import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return False
+  return isinstance(model, nn.Module)
+
+
+# ----------------------------------------------------------------------------- Flax NNX
+
+
+def _nnx(model, loss_fn, shard_size, rules, min_size, remat_block) -> Model:
+  instance = model if isinstance(model, nnx.Module) else None
+  takes_rngs = instance is None and len(inspect.signature(model).parameters) > 0
+
+  def make(key):
+    if instance is not None:
+      return instance
+    with nnx.use_eager_sharding(False):  # placement is jaxzero's, not the module's
+      return model(nnx.Rngs(key)) if takes_rngs else model()
+
+  abstract = instance if instance is not None else nnx.eval_shape(lambda: make(jax.random.key(0)))
+  graphdef, abstract_params, _ = nnx.split(abstract, nnx.Param, ...)
+  variables = jax.tree.leaves(abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  names = jax.tree.unflatten(jax.tree.structure(nnx.to_pure_dict(abstract_params)),
+                             [_nnx_names(v) for v in variables])
+  shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                        nnx.to_pure_dict(abstract_params))
+  rest = (nnx.split(instance, nnx.Param, ...)[2] if instance is not None else
+          jax.jit(lambda: nnx.split(make(jax.random.key(0)), nnx.Param, ...)[2])())
+
+  def init(key):
+    return nnx.to_pure_dict(nnx.split(make(key), nnx.Param, ...)[1])
+
+  def loss(params, batch, hooks: Hooks):
+    with _remat(remat_block, hooks):
+      return loss_fn(nnx.merge(graphdef, params, rest), batch)
+
+  return Model(rules_lib.specs(shapes, names, rules, shard_size, min_size), init, loss)
+
+
+def _nnx_names(variable) -> tuple | None:
+  metadata = variable.get_metadata()
+  names = metadata.get("out_sharding") or metadata.get("sharding_names") or metadata.get(
+      "sharding")
+  return tuple(names) if names else None
+
+
+@contextlib.contextmanager
+def _remat(block: tuple | None, hooks: Hooks):
+  """Checkpoints every call of the block class (FSDP's transformer_layer_cls) with
+  its policy, while the loss is traced."""
+  del hooks
+  if block is None:
+    yield
+    return
+  block, policy = block
+  original = block.__call__
+  block.__call__ = nnx.remat(original, policy=remat.checkpoint_policy(policy), prevent_cse=False)
+  try:
+    yield
+  finally:
+    block.__call__ = original
+
+
+# ----------------------------------------------------------------------------- Linen
+
+
+def _linen(module, init_args, loss_fn, shard_size, rules, min_size, remat_block) -> Model:
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  if remat_block is not None:
+    raise ConfigError("remat by block class applies to Flax NNX modules; for Linen, wrap the "
+                      "block in nn.remat (nn.checkpoint) inside the model")
+  if not init_args:
+    raise ConfigError(f"Linen module {type(module).__name__} needs init_args: the inputs its "
+                      "init takes (e.g. a batch of the right shape)")
+  boxed = jax.eval_shape(module.init, jax.random.key(0), *init_args)
+  if set(boxed) != {"params"}:
+    raise ConfigError(f"Linen module {type(module).__name__} has collections "
+                      f"{sorted(set(boxed) - {'params'})} besides params; jaxzero trains params "
+                      "only (e.g. use LayerNorm, not BatchNorm)")
+  specs = nn.get_partition_spec(boxed)["params"]
+  names = jax.tree.map(lambda p: tuple(p) if len(p) else None, specs,
+                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  shapes = nn.meta.unbox(boxed)["params"]
+
+  def init(key):
+    return nn.meta.unbox(module.init(key, *init_args))["params"]
+
+  def loss(params, batch, hooks: Hooks):
+    del hooks
+    return loss_fn(lambda *a, **k: module.apply({"params": params}, *a, **k), batch)
+
+  return Model(rules_lib.specs(shapes, names, rules, shard_size, min_size), init, loss)
+
+
+# ----------------------------------------------------------------------------- functions
+
+
+def _functions(init_fn, apply_fn, loss_fn, shard_size, rules, min_size, remat_block) -> Model:
+  if remat_block is not None:
+    raise ConfigError("remat by block class applies to Flax NNX modules; for an apply "
+                      "function, wrap its layer in jax.checkpoint")
+  shapes = jax.eval_shape(init_fn, jax.random.key(0))
+
+  def loss(params, batch, hooks: Hooks):
+    del hooks
+    return loss_fn(lambda *a, **k: apply_fn(params, *a, **k), batch)
+
+  return Model(rules_lib.specs(shapes, None, rules, shard_size, min_size), init_fn, loss)
