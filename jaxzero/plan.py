@@ -45,6 +45,10 @@ def main(argv=None) -> int:
     if args.hbm_gb <= 0:
       parser.error(f"--hbm-gb={args.hbm_gb:g} must be positive")
     cfg = config_lib.load(args.config, args.set)
+    if cfg.model_factory:
+      raise config_lib.ConfigError(
+          f"model_factory={cfg.model_factory!r}: jaxzero.plan plans the Llama family's presets; "
+          "for your own model, jaxzero.Engine(...).plan(batch) gives the bytes per device")
     # The count jaxzero.train uses on a CPU for the same mesh (jaxzero.planning.memory_check).
     n_devices = args.devices or mesh_lib.devices_for(cfg.mesh)
     mesh_lib.resolve_shape(cfg.mesh, n_devices)  # a mesh that does not fit fails before JAX starts

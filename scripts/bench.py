@@ -105,7 +105,9 @@ def add_rates(result: dict, cfg) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   t = cfg.train
   tokens = t.global_batch * t.seq_len
-  tflops = model_flops_per_token(cfg.model, t.seq_len) * tokens / result["step_time_s"] / 1e12
+  from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
+  flops_per_token = model_flops_per_token(cfg, count_params(cfg.model))
+  tflops = flops_per_token * tokens / result["step_time_s"] / 1e12
   peak = device_peak_tflops(jax.devices()[0])
   devices = result["devices"]
   result.update(tokens_per_sec=tokens / result["step_time_s"], model_tflops=tflops,

@@ -38,6 +38,11 @@ def test_bench_cpu_mode_reports_every_figure(tmp_path):
 
 def test_model_flops_follow_the_palm_convention():
   bench = load_bench()
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from jaxzero import config  # pylint: disable=import-outside-toplevel
   from jaxzero.models.llama import LlamaConfig, count_params
-  cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128)
-  assert bench.model_flops_per_token(cfg, 128) == 6 * count_params(cfg) + 12 * 2 * 64 * 128
+  model = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128)
+  cfg = dataclasses.replace(config.base(), model=model,
+                            train=dataclasses.replace(config.base().train, seq_len=128))
+  phi = count_params(model)
+  assert bench.model_flops_per_token(cfg, phi) == 6 * phi + 12 * 2 * 64 * 128

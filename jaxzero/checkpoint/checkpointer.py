@@ -49,11 +49,14 @@ def damaged_dir(workdir: str | pathlib.Path) -> pathlib.Path:
 _NOT_ARCHITECTURE = ("attention",)
 
 
-def run_info(model: LlamaConfig, compute_dtype: str, seed: int) -> dict[str, Any]:
+def run_info(model: LlamaConfig, compute_dtype: str, seed: int,
+             factory: str = "") -> dict[str, Any]:
   """What a checkpoint records about its run besides the state: the architecture
-  (for shape checks and export), the compute dtype and the data seed."""
-  architecture = {k: v for k, v in dataclasses.asdict(model).items()
-                  if k not in _NOT_ARCHITECTURE}
+  (for shape checks and export; a user's model: its factory), the compute dtype
+  and the data seed."""
+  architecture = ({"factory": factory} if factory else
+                  {k: v for k, v in dataclasses.asdict(model).items()
+                   if k not in _NOT_ARCHITECTURE})
   return {"model": architecture, "compute_dtype": compute_dtype, "seed": seed}
 
 

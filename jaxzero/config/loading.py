@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import pathlib
+import sys
 
 from jaxzero.config.overrides import apply_overrides, check_literals
 from jaxzero.config.sections import Config, PrecisionConfig
@@ -24,6 +25,10 @@ def load(path: str, assignments: list[str] = ()) -> Config:
                                          if p.name != "__init__.py")))
   spec = importlib.util.spec_from_file_location(f"jaxzero_config_{file.stem}", file)
   module = importlib.util.module_from_spec(spec)
+  # A model module kept beside the config file imports by its name (model_factory).
+  directory = str(file.resolve().parent)
+  if directory not in sys.path:
+    sys.path.append(directory)
   spec.loader.exec_module(module)
   if not hasattr(module, "get_config"):
     raise ConfigError(f"config file {path!r} defines no get_config()")
@@ -75,6 +80,10 @@ def validate(cfg: Config) -> None:
   _validate_eval(cfg)
   _validate_loss_scale(cfg.precision)
   _validate_operations(cfg)
+  if cfg.model_factory and (":" not in cfg.model_factory or cfg.init.hf_checkpoint):
+    raise ConfigError(f"model_factory={cfg.model_factory!r} must be \"module:function\""
+                      + (" and cannot start from init.hf_checkpoint (a Llama-family checkpoint)"
+                         if cfg.init.hf_checkpoint else ""))
   if cfg.offload.params == "pinned_host" and cfg.zero.resolved[0] != 3:
     raise ConfigError("offload.params=pinned_host needs ZeRO stage 3 (zero.stage=3 or "
                       "zero.strategy=FULL_SHARD/HYBRID_SHARD)")

@@ -229,6 +229,11 @@ class Config:
   log: LogConfig = LogConfig()
   profile: ProfileConfig = ProfileConfig()
   seed: int = 0
+  # Your own model instead of the Llama family: "module:function", the function
+  # returning (model, loss_fn) or a dict of jaxzero.Engine's model arguments (model,
+  # loss_fn, init_args, rules, min_shard_size); loss_fn(model, tokens [B, T+1]). The
+  # module is looked up beside the config file too. See docs/any-model.md.
+  model_factory: str = ""
 
 
 def base() -> Config:

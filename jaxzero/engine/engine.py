@@ -64,6 +64,11 @@ class Engine:
                    in_shardings=(self.shardings.params, self.batch_sharding, *scale),
                    out_shardings=(grads_sh, replicated, replicated))
 
+  @property
+  def n_params(self) -> int:
+    """Φ: the model's parameter count."""
+    return sum(leaf.size for leaf in jax.tree.leaves(self.abstract.master))
+
   def abstract_state(self) -> TrainState:
     """The state as shapes carrying their shardings: a restore target, or a
     stand-in for compiling ahead of time. Nothing is allocated."""

@@ -138,8 +138,10 @@ def budget(engine, devices) -> Budget:
   state = state_bytes.state_bytes(engine)
   micro = mesh_lib.micro_batch(engine.cfg.train, layout.data_parallel_size)
   available, where = available_bytes(devices)
-  return Budget(state["params"], state["grads"], state["optimizer"], state["host"],
-                activation_bytes(engine.cfg, micro, layout.shard_size, layout.is_sharded("params")),
+  # A user's model (model_factory) has no estimate: its state is counted, its activations not.
+  activations = 0 if engine.cfg.model_factory else activation_bytes(
+      engine.cfg, micro, layout.shard_size, layout.is_sharded("params"))
+  return Budget(state["params"], state["grads"], state["optimizer"], state["host"], activations,
                 available, where, len(devices), devices[0].platform,
                 disk=state["nvme"])
 
@@ -167,10 +169,9 @@ def check(engine, devices, force: bool = False) -> Budget:
 def suggest(engine, b: Budget) -> str:
   """What would fit, from the analytic accounting: another stage or remat policy,
   offload, a smaller micro-batch, or more devices."""
-  from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
   from jaxzero.sharding.zero import SHARDED_ROLES  # pylint: disable=import-outside-toplevel
   cfg, layout = engine.cfg, engine.layout
-  phi = count_params(cfg.model)
+  phi = engine.n_params
   c = 4 if cfg.precision.compute == "float32" else 2
   g = 4 if cfg.zero.grad_dtype == "float32" else 2
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)

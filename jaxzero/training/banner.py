@@ -8,7 +8,6 @@ import pathlib
 import jax
 
 from jaxzero import config as config_lib
-from jaxzero.models.llama import count_params
 from jaxzero.planning.memory_check import Budget
 from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.utils.files import write_json_atomic
@@ -38,7 +37,7 @@ def _loss_scaling(p) -> str:
 def figures(run, budget: Budget) -> dict:
   """The banner's figures as numbers (for a tracker's run config)."""
   cfg, layout = run.cfg, run.layout
-  return {"run/parameters": count_params(cfg.model), "run/devices": len(run.devices),
+  return {"run/parameters": run.engine.n_params, "run/devices": len(run.devices),
           "run/processes": jax.process_count(), "run/mesh": dict(layout.mesh.shape),
           "run/micro_batch": mesh_lib.micro_batch(cfg.train, layout.data_parallel_size),
           "run/tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
@@ -63,10 +62,13 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
                       (("optimizer", cfg.offload.optimizer), ("params", cfg.offload.params))
                       if kind != "device") or "none"
   available = (f" of {_b(budget.available)}" if budget.available is not None else "")
+  model = (f"{cfg.model_factory}, {format_count(run.engine.n_params)} parameters"
+           if cfg.model_factory else
+           f"{m.family.capitalize()}, {format_count(run.engine.n_params)} parameters (dim "
+           f"{m.dim}, {m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} kv, mlp "
+           f"{m.mlp_dim}, vocab {m.vocab_size})")
   lines = [
-      f"jaxzero.train: Llama, {format_count(count_params(m))} parameters (dim {m.dim}, "
-      f"{m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} kv, mlp {m.mlp_dim}, "
-      f"vocab {m.vocab_size})",
+      f"jaxzero.train: {model}",
       f"  mesh      {mesh} = {len(devices)} {devices[0].platform} devices, "
       f"{jax.process_count()} process{'es' if jax.process_count() > 1 else ''}",
       f"  ZeRO      stage {stage} ({config_lib.strategy_name(stage, hybrid)}), state sharded "

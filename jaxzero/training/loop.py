@@ -23,7 +23,6 @@ from jaxzero.data import tokens as tokens_lib
 from jaxzero.engine import loss_scale
 from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
 from jaxzero.interop import hf_load
-from jaxzero.models import trainable
 from jaxzero.offload import checks as offload_checks
 from jaxzero.offload import nvme_checkpoint, nvme_store
 from jaxzero.offload import nvme_tier as nvme_lib
@@ -31,7 +30,8 @@ from jaxzero.planning import memory_check
 from jaxzero.runtime import peerwatch
 from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.sharding.zero import Layout
-from jaxzero.training import banner, evaluation, first_step, profiling, throughput, tracking
+from jaxzero.training import (banner, evaluation, first_step, profiling, throughput, tracking,
+                              user_model)
 from jaxzero.training import workdir as workdir_lib
 from jaxzero.training.metrics import MetricsLogger, PendingMetrics, drop_metrics_after
 from jaxzero.training.preemption import StopSignals
@@ -83,7 +83,7 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
   batches = batches_lib.Batches(tokens, cfg.train.seq_len, cfg.train.grad_accum,
                                 micro * layout.data_parallel_size, cfg.seed, order=source.order)
   eval_batches = None if held_out is None else evaluation.make_eval_batches(cfg, held_out)
-  engine = engine_lib.Engine(cfg, layout, trainable.llama(cfg.model))
+  engine = engine_lib.Engine(cfg, layout, user_model.model_for(cfg, layout.shard_size))
   tier = (nvme_lib.Tier(engine, nvme_lib.store_directory(cfg.offload.nvme_dir, workdir))
           if cfg.offload.optimizer == "nvme" else None)
   return Run(cfg, layout, engine, batches, eval_batches, tier)
@@ -136,7 +136,7 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
   total = steps if steps is not None else cfg.train.steps
   checkpoints = checkpoint_lib.Checkpointer(
       workdir, cfg.checkpoint.keep,
-      checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed),
+      checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed, cfg.model_factory),
       side=nvme_checkpoint.SIDE_ITEM)  # any run may resume an NVMe run's checkpoint
   stop = StopSignals()
   run = None
@@ -300,7 +300,7 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
                          tracker=tracker)
   profiler = profiling.StepProfiler(cfg.profile.window, workdir)
   metrics = PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len,
-                           throughput.model_flops_per_token(cfg.model, cfg.train.seq_len),
+                           throughput.model_flops_per_token(cfg, run.engine.n_params),
                            run.devices)
   guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_nonfinite, checkpoints)
   done = start

@@ -15,10 +15,12 @@ import os
 PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
 
 
-def model_flops_per_token(model_cfg, seq_len: int) -> float:
-  from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
-  attention = 12 * model_cfg.n_layers * model_cfg.dim * seq_len
-  return 6 * count_params(model_cfg) + attention
+def model_flops_per_token(cfg, n_params: int) -> float:
+  """6Φ, and for the Llama family its attention's 12 x layers x dim x seq_len."""
+  if cfg.model_factory:  # a user's model: its attention, if any, is its own
+    return 6 * n_params
+  m = cfg.model
+  return 6 * n_params + 12 * m.n_layers * m.dim * cfg.train.seq_len
 
 
 def device_peak_tflops(device) -> float | None:

@@ -211,3 +211,33 @@ def test_an_nnx_checkpoint_resumes_on_another_stage_and_mesh(tmp_path):
   assert int(restored.step) == 3
   _, _, rest = train("gpt2_nnx", "hybrid", state=restored, start=3)
   np.testing.assert_allclose(first + rest, one_device("gpt2_nnx"), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_remat_of_the_models_own_block_class_changes_no_loss():
+  plain = train("gpt2_nnx", "stage3", steps=3)[2]
+  e = engine("gpt2_nnx", "stage3", remat=jaxzero.Remat("full", block=Block))
+  state, remat = e.init(jax.random.key(0)), []
+  for batch in gpt2_batches()[:3]:
+    state, metrics = e.step(state, batch)
+    remat.append(float(metrics["loss"]))
+  np.testing.assert_allclose(remat, plain, rtol=1e-6)
+  batch = e._micro_batches(gpt2_batches()[0])  # pylint: disable=protected-access
+  jaxpr = str(e.core.train_step.trace(e.core.abstract_state(), batch).jaxpr)
+  assert jaxpr.count("remat2[") == 2  # one per Block call: the blocks are recomputed
+
+
+@pytest.mark.parametrize("offload", ["pinned_host", "nvme"])
+def test_the_optimizer_state_of_any_pytree_offloads(offload, tmp_path):
+  kept = train("mlp_pytree", "stage3", steps=3)[2]
+  e = engine("mlp_pytree", "stage3",
+             offload=jaxzero.Offload(offload, nvme_dir=str(tmp_path) if offload == "nvme" else ""))
+  state, got = e.init(jax.random.key(0)), []
+  for batch in mlp_batches()[:3]:
+    state, metrics = e.step(state, batch)
+    got.append(float(metrics["loss"]))
+  np.testing.assert_allclose(got, kept, rtol=1e-6)
+  if offload == "pinned_host":
+    assert {s.memory_kind for s in jax.tree.leaves(e.shardings.opt_state)} >= {"pinned_host"}
+  else:
+    assert e.tier.store is not None and list(tmp_path.rglob("*"))  # the state is in files

@@ -1,0 +1,84 @@
+"""`jaxzero.train --config` on a config that names the user's own model
+(`model_factory`): it trains on the run's token batches, checkpoints and resumes,
+with the banner, metrics and memory check of any run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from processes import ROOT, cli_env
+
+pytestmark = pytest.mark.slow  # two runs of jaxzero.train
+
+MODEL = '''
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+class TinyLM(nnx.Module):
+  def __init__(self, rngs, vocab=256, dim=32, seq=16):
+    self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+    self.pos = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (seq, dim)))
+    self.mlp = nnx.Linear(dim, dim, rngs=rngs)
+    self.norm = nnx.LayerNorm(dim, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens) + self.pos[...][:tokens.shape[1]]
+    x = x + jnp.tanh(self.mlp(x))
+    return self.embed.attend(self.norm(x))
+
+
+def loss(model, tokens):
+  logits = model(tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def make():
+  return {"model": lambda rngs: TinyLM(rngs), "loss_fn": loss, "min_shard_size": 0}
+'''
+
+CONFIG = '''
+import dataclasses
+from jaxzero import config
+
+
+def get_config():
+  c = config.base()
+  return dataclasses.replace(
+      c, model_factory="tiny_lm:make", mesh=config.MeshConfig(replica=1, fsdp=8),
+      train=dataclasses.replace(c.train, steps=5, global_batch=16, grad_accum=2, seq_len=16,
+                                lr=3e-3, warmup_steps=1),
+      precision=config.PrecisionConfig(compute="float32"),
+      checkpoint=config.CheckpointConfig(every=3), data=config.DataConfig(max_bytes=200_000))
+'''
+
+
+def train(tmp_path, workdir, *args):
+  env = cli_env(tmp_path / "xla_cache")
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxzero.train", "--config", str(tmp_path / "my_config.py"),
+       "--workdir", str(workdir), "--no-progress", *args],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
+def losses(workdir):
+  return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_user_model_trains_checkpoints_and_resumes(tmp_path):
+  (tmp_path / "tiny_lm.py").write_text(MODEL)  # beside the config: found by its name
+  (tmp_path / "my_config.py").write_text(CONFIG)
+  out = train(tmp_path, tmp_path / "w", "--steps", "3")
+  assert out.startswith("jaxzero.train: tiny_lm:make, ")
+  assert (tmp_path / "w" / "checkpoints" / "3").is_dir()
+  resumed = train(tmp_path, tmp_path / "w")
+  assert "trained to step 5" in resumed and (tmp_path / "w" / "checkpoints" / "5").is_dir()
+  train(tmp_path, tmp_path / "whole")
+  got, whole = losses(tmp_path / "w"), losses(tmp_path / "whole")
+  assert len(got) == 5 and got[-1] < got[0]
+  assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, whole)), (got, whole)
