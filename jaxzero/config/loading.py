@@ -55,7 +55,8 @@ def validate(cfg: Config) -> None:
                      ("train.lr", cfg.train.lr), ("train.weight_decay", cfg.train.weight_decay),
                      ("train.clip_norm", cfg.train.clip_norm),
                      ("train.warmup_min_ratio", cfg.train.warmup_min_ratio),
-                     ("train.min_lr_ratio", cfg.train.min_lr_ratio)):
+                     ("train.min_lr_ratio", cfg.train.min_lr_ratio),
+                     ("zero.min_shard_size", cfg.zero.min_shard_size)):
     if value < 0:
       raise ConfigError(f"{key}={value} must not be negative")
   try:

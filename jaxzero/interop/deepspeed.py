@@ -34,9 +34,8 @@ UNNEEDED_ZERO = {
     "sub_group_size": _BUFFERS, "use_multi_rank_bucket_allreduce": _BUFFERS,
     "reduce_scatter": _LAYOUT, "allgather_partitions": _LAYOUT,
     "round_robin_gradients": _LAYOUT,
-    **dict.fromkeys(("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                     "stage3_model_persistence_threshold", "stage3_max_live_parameters",
-                     "stage3_max_reuse_distance", "stage3_use_all_reduce_for_fetch_params",
+    **dict.fromkeys(("stage3_prefetch_bucket_size", "stage3_model_persistence_threshold",
+                     "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_use_all_reduce_for_fetch_params",
                      "mics_hierarchical_params_gather"), GATHERED_PER_LAYER),
     "stage3_gather_16bit_weights_on_model_save": SHARDED_SAVES,
     "stage3_gather_fp16_weights_on_model_save": SHARDED_SAVES,
@@ -79,7 +78,8 @@ REFUSED = {
 }
 ZERO_KEYS = {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params",
              "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
-             "zero_quantized_nontrainable_weights", "mics_shard_size", *UNNEEDED_ZERO}
+             "zero_quantized_nontrainable_weights", "mics_shard_size",
+             "stage3_param_persistence_threshold", *UNNEEDED_ZERO}
 OFFLOAD_KEYS = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
                 "fast_init", "ratio", "pipeline", "pipeline_read", "pipeline_write"}
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -208,6 +208,10 @@ def _zero(tr: Translation, zero: dict) -> None:
   tr.check_keys(zero, "zero_optimization.", ZERO_KEYS)
   tr.unneeded.update({f"zero_optimization.{k}": UNNEEDED_ZERO[k]
                       for k in zero if k in UNNEEDED_ZERO})
+  threshold = zero.get("stage3_param_persistence_threshold", "auto")
+  if threshold != "auto":
+    where = "zero_optimization.stage3_param_persistence_threshold"
+    tr.set("zero.min_shard_size", number(tr, threshold, where, int, 0), where)
   if "stage" in zero:
     stage = zero["stage"]
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import jax
 
+from jaxzero.config.sections import ZeroConfig
 from jaxzero.errors import ConfigError
 from jaxzero.models.interface import Leaf
 from jaxzero.sharding.zero import FSDP_DIM_PREFERENCE, KNOWN_LOGICAL_AXES
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 NONE = "none"  # a dimension ZeRO never splits
 # DeepSpeed's stage3_param_persistence_threshold: smaller parameters stay whole.
-DEFAULT_MIN_SIZE = 100_000
+DEFAULT_MIN_SIZE = ZeroConfig.min_shard_size
 
 
 def leaf_axes(path: str, shape: tuple[int, ...], names: tuple | None, rules: Mapping[str, str],

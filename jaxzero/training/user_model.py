@@ -30,5 +30,7 @@ def model_for(cfg: Config, shard_size: int) -> Model:
   if {"model", "loss_fn"} - set(spec):
     raise ConfigError(f"model_factory={cfg.model_factory!r} must return (model, loss_fn) or a "
                       "dict with model and loss_fn")
-  return adapters.build(spec.pop("model"), spec.pop("loss_fn"), shard_size=shard_size, **{
-      {"min_shard_size": "min_size"}.get(k, k): v for k, v in spec.items()})
+  model, loss_fn = spec.pop("model"), spec.pop("loss_fn")
+  options = {"min_size": cfg.zero.min_shard_size}  # the factory's own min_shard_size wins
+  options.update({{"min_shard_size": "min_size"}.get(k, k): v for k, v in spec.items()})
+  return adapters.build(model, loss_fn, shard_size=shard_size, **options)

@@ -123,6 +123,18 @@ def test_zero3_cpu_optimizer_offload_warmup_cosine_lr():
   assert "zero_optimization.stage3_max_live_parameters" in tr.unneeded
 
 
+def test_param_persistence_threshold_is_the_min_shard_size():
+  knobs = {"stage": 3, "stage3_param_persistence_threshold": 1e6}
+  assert from_ds({"zero_optimization": knobs}).zero.min_shard_size == 1_000_000
+  auto = {"stage": 3, "stage3_param_persistence_threshold": "auto"}  # the HF Trainer's
+  assert from_ds({"zero_optimization": auto}).zero.min_shard_size == base().zero.min_shard_size
+  tr = deepspeed.translate({"zero_optimization": knobs}, base())
+  assert "zero_optimization.stage3_param_persistence_threshold" not in tr.unneeded
+  with pytest.raises(ConfigError, match="stage3_param_persistence_threshold=-1 must be an "
+                                        "integer of at least 0"):
+    from_ds({"zero_optimization": {"stage3_param_persistence_threshold": -1}})
+
+
 def test_zero3_param_offload_and_the_knobs_are_reported_once(caplog):
   ds = {"train_batch_size": 16, "zero_optimization": {
       "stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},

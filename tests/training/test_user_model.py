@@ -2,15 +2,17 @@
 (`model_factory`): it trains on the run's token batches, checkpoints and resumes,
 with the banner, metrics and memory check of any run."""
 
+import dataclasses
 import json
 import subprocess
 import sys
 
+import jax
 import pytest
 
+from jaxzero import config
+from jaxzero.training import user_model
 from processes import ROOT, cli_env
-
-pytestmark = pytest.mark.slow  # two runs of jaxzero.train
 
 MODEL = '''
 import jax.numpy as jnp
@@ -70,6 +72,27 @@ def losses(workdir):
   return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.parametrize("threshold, factory_says, whole", [
+    (100_000, None, True),   # the default: every leaf of the tiny model is below it
+    (0, None, False),        # zero.min_shard_size (ds stage3_param_persistence_threshold)
+    (0, 100_000, True),      # the factory's own min_shard_size wins
+])
+def test_the_persistence_threshold_decides_which_leaves_stay_whole(
+    tmp_path, monkeypatch, threshold, factory_says, whole):
+  extra = "" if factory_says is None else f', "min_shard_size": {factory_says}'
+  name = f"tiny_lm_{threshold}_{factory_says}"  # a module of its own: imports are cached
+  (tmp_path / f"{name}.py").write_text(MODEL.replace(', "min_shard_size": 0}', extra + "}"))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  cfg = dataclasses.replace(config.base(), model_factory=f"{name}:make",
+                            zero=config.ZeroConfig(min_shard_size=threshold))
+  specs = user_model.model_for(cfg, shard_size=8).specs
+  axes = {jax.tree_util.keystr(path): leaf.logical_axes for path, leaf in
+          jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: hasattr(x, "logical_axes"))}
+  split = {path for path, names in axes.items() if set(names) != {"none"}}
+  assert split == (set() if whole else set(axes)), axes  # tiny leaves: all whole, or all split
+
+
+@pytest.mark.slow  # three runs of jaxzero.train
 def test_a_user_model_trains_checkpoints_and_resumes(tmp_path):
   (tmp_path / "tiny_lm.py").write_text(MODEL)  # beside the config: found by its name
   (tmp_path / "my_config.py").write_text(CONFIG)
