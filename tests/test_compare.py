@@ -12,13 +12,15 @@ from jaxzero import config
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # fp32, and nothing DeepSpeed would compile: torch's AdamW (torch_adam), no CPU offload.
+# Weight decay 1.0 makes a wrong decay mask show: decaying the norm gains too moves step 4's
+# loss by 3.5e-4; the scheduler stepped once too early moves step 3's by 1.5e-2.
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 2,
     "gradient_clipping": 1.0,
     "bf16": {"enabled": False},
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
-                                              "weight_decay": 0.1, "torch_adam": True}},
+                                              "weight_decay": 1.0, "torch_adam": True}},
     "scheduler": {"type": "WarmupDecayLR",
                   "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 3e-3, "warmup_num_steps": 2,
                              "warmup_type": "linear", "total_num_steps": 4}},
@@ -46,11 +48,11 @@ def test_deepspeed_fsdp2_and_jaxzero_losses_agree(tmp_path, stage):
   ds_file.write_text(json.dumps(DS_CONFIG))
   out = tmp_path / "compare.json"
   code = compare.main(["--deepspeed", str(ds_file), "--ds-set", f"zero_optimization.stage={stage}",
-                       "--steps", "3", *TINY, "--workdir", str(tmp_path / "runs"),
+                       "--steps", "4", *TINY, "--workdir", str(tmp_path / "runs"),
                        "--json", str(out)])
   assert code == 0
   result = json.loads(out.read_text())
-  assert [r["step"] for r in result["steps"]] == [1, 2, 3]
+  assert [r["step"] for r in result["steps"]] == [1, 2, 3, 4]
   for row in result["steps"]:
     assert {"deepspeed", "fsdp2", "jaxzero"} <= row.keys()
   assert result["steps"][-1]["jaxzero"] < result["steps"][0]["jaxzero"]  # it trains
