@@ -2,7 +2,10 @@
 
 Stages 2-3 reduce-scatter each micro-step's gradient into sharded buffers (their memory
 saving); stages 0-1 keep each device's gradient unreduced and reduce once per step, as
-DeepSpeed does. Under hybrid sharding the shards are reduced across ``replica`` once per step.
+DeepSpeed does. With gradient accumulation, a model that scans its layers through
+``Hooks.scan`` has each layer's gradient added into the sum as the backward pass
+produces it (jaxzero.engine.accumulate): one gradient-sized buffer, not two. Under
+hybrid sharding the shards are reduced across ``replica`` once per step.
 After each update the master weights are cast to the compute dtype and placed by the
 ``params`` role. A batch is any pytree of arrays [A, B, ...]: A micro-steps of B rows.
 """
@@ -17,23 +20,56 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.experimental.compute_on import compute_on
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.config import Config
 from jaxzero.engine import loss_scale
+from jaxzero.engine.accumulate import AccumulatingScan
 from jaxzero.engine.loss_scale import applied_updates
 from jaxzero.engine.optimizer import clip_by_norm, join_clip, mean_grad, split_clip
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import TrainState, dtype_of
-from jaxzero.models.interface import Hooks, Model
+from jaxzero.models.interface import Hooks, Model, is_spec
 from jaxzero.sharding.mesh import AXES
 from jaxzero.sharding.zero import Layout, local_sharding, on_device
 
 
-def loss_fn(model: Model, params, batch, layout: Layout, remat) -> jax.Array:
-  """The model's mean loss over `batch`, with the layout's hooks."""
+def loss_fn(model: Model, params, batch, layout: Layout, remat, **scan) -> jax.Array:
+  """The model's mean loss over `batch`, with the layout's hooks (and `scan=`, where given)."""
   return model.loss(params, batch, Hooks(shard=layout.shard_activation,
-                                         gather=layout.gather_for_compute, remat=remat))
+                                         gather=layout.gather_for_compute, remat=remat, **scan))
+
+
+def accumulating_value_and_grad(model: Model, scales_loss: bool):
+  """(params, batch, layout, remat, layers_sum, *scale) -> (value, other params'
+  gradients, layers_sum + the stacked layers' gradients), each layer's gradient added
+  into `layers_sum` as the backward pass produces it (jaxzero.engine.accumulate)."""
+  key = model.layers_key
+  layer_axes = jax.tree.map(lambda s: s.logical_axes[1:], model.specs[key], is_leaf=is_spec)
+
+  def loss(other, layers_sum, layers, batch, layout, remat, *scale):
+    place = None
+    if layout.params_memory == "pinned_host":  # each layer's gradient comes back up to the sum
+      place = lambda grads: jax.tree.map(lambda g, axes: jax.device_put(g, NamedSharding(
+          layout.mesh, layout.spec(g.shape, axes, layout.reduce_role), memory_kind="device")),
+          grads, layer_axes)
+    scan = AccumulatingScan(layers_sum, place)
+    params = {k: layers if k == key else other[k] for k in (*other, key)}
+    value = loss_fn(model, params, batch, layout, remat, scan=scan)
+    if scan.calls != 1:
+      raise ValueError(f"the model declares layers_key={key!r} but its loss ran Hooks.scan "
+                       f"{scan.calls} times: it must run params[{key!r}] through it once")
+    return (value * scale[0], value) if scales_loss else value
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=scales_loss)
+
+  def value_and_grad(params, batch, layout, remat, layers_sum, *scale):
+    other = {k: v for k, v in params.items() if k != key}
+    value, (other_grads, layers_sum) = grad(other, layers_sum, params[key], batch, layout,
+                                            remat, *scale)
+    return value, other_grads, layers_sum
+  return value_and_grad
 
 
 def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model):
@@ -57,6 +93,15 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
   # Offloaded weights stream: the decoder layers' shards stay in pinned_host and
   # move to the device one layer at a time (Layout.gather_for_compute).
   streams_weights = layout.params_memory == "pinned_host"
+  # With gradient accumulation, each layer's gradient is added into the sum inside
+  # the backward pass (one gradient-sized buffer), for a model that scans its layers
+  # through Hooks.scan. Otherwise a micro-step's whole gradient is added after its
+  # backward pass. With one micro-step that is the cheaper way: the gradient is then
+  # built in the compute dtype and only the result widened to the grad dtype, where
+  # the sum would be held in the grad dtype all through the backward pass.
+  layers_key = model.layers_key
+  if layers_key is not None:
+    accumulating = accumulating_value_and_grad(model, cfg.precision.scales_loss)
 
   if cfg.precision.scales_loss:
     # float16: the gradient of loss x scale (jaxzero.engine.loss_scale), the loss itself as aux.
@@ -91,27 +136,43 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
   else:
     accum_sh, accum_shape = reduced_sh, lambda p: p.shape
 
-  def micro_step(params, scale, carry, batch):
+  def micro_step(params, scale, per_layer, carry, batch):
     loss_sum, grad_sum = carry
     if local_axes:
       rows = tuple(a for a in AXES if a not in local_axes) or None
       grouped = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
           x.reshape(n_groups, -1, *x.shape[1:]),
           local_sharding(layout, P(rows, *[None] * (x.ndim - 1)))), batch)
-      losses_G, grads = grouped_grads(params, grouped, *scale)
+      if per_layer:  # each group's sum is a row of the stacked sums
+        losses_G, grads, layers_sum = jax.vmap(
+            lambda p, t, acc, *s: accumulating(p, t, local_layout, remat, acc, *s),
+            in_axes=(None, 0, 0, *[None] * len(scale)), spmd_axis_name=local_axes)(
+                params, grouped, grad_sum[layers_key], *scale)
+      else:
+        losses_G, grads = grouped_grads(params, grouped, *scale)
       loss = _unscaled(losses_G).mean()  # equal rows per group: the mean of means is the mean
+    # Stages 2-3 accumulate into sharded buffers: each reduce is a reduce-scatter.
+    # (Layout.gather_for_compute makes each gradient leave the layer reduced.)
+    elif per_layer:
+      loss, grads, layers_sum = accumulating(params, batch, layout, remat,
+                                             grad_sum[layers_key], *scale)
+      loss = _unscaled(loss)
     else:
-      # Stages 2-3 accumulate into sharded buffers: each reduce is a reduce-scatter.
-      # (Layout.gather_for_compute makes each gradient leave the layer reduced.)
       loss, grads = value_and_grad(params, batch, layout, remat, *scale)
       loss = _unscaled(loss)
     if streams_weights:
       # The gradient of a weight left in pinned_host is typed pinned_host: each
       # layer's shard went down as the backward pass produced it; added up here.
-      grads = jax.device_put(grads, reduced_sh)
+      # (Accumulated in the backward pass, the layers' sum is already on the device.)
+      grads = jax.device_put(grads, {k: reduced_sh[k] for k in grads}
+                             if per_layer else reduced_sh)
     grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
-    grad_sum = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grad_sum, grads),
-                                                accum_sh)
+    if per_layer:  # the layers' sum is already the new one
+      grad_sum = {k: layers_sum if k == layers_key
+                  else jax.tree.map(jnp.add, grad_sum[k], grads[k]) for k in grad_sum}
+    else:
+      grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+    grad_sum = jax.lax.with_sharding_constraint(grad_sum, accum_sh)
     return (loss_sum + loss, grad_sum), None
 
   def grad_fn(params, batch_Ax, *scale):
@@ -126,7 +187,8 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
     zeros = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda p: jnp.zeros(accum_shape(p), grad_dtype), params), accum_sh)
     (loss_sum, grad_sum), _ = jax.lax.scan(
-        functools.partial(micro_step, params, scale), (jnp.zeros((), jnp.float32), zeros),
+        functools.partial(micro_step, params, scale, layers_key is not None and accum > 1),
+        (jnp.zeros((), jnp.float32), zeros),
         batch_Ax)
     if local_axes:  # the one reduce across groups (stage 1: into shards), in reduce_dtype
       grad_sum = jax.tree.map(
@@ -134,7 +196,9 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
           .astype(jnp.float32) / n_groups, grad_sum, master_on_device)
     # To the optimizer's layout: for stage 1 a reduce-scatter or a local slice.
     grad_sum = jax.lax.with_sharding_constraint(grad_sum, master_on_device)
-    grad_norm = optax.tree.norm(mean_grad(grad_sum, accum))
+    # The norm of the sum, divided as a scalar: dividing every element first would
+    # cost a pass over the gradients (on XLA:CPU a float32 copy of them).
+    grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grad_sum)) / accum
     if scale:
       grad_norm = grad_norm / scale[0]
     return grad_sum, loss_sum / accum, grad_norm

@@ -26,13 +26,20 @@ def _no_remat(fn):
   return fn
 
 
+def _plain_scan(layer, carry, stacked):
+  return jax.lax.scan(layer, carry, stacked)[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class Hooks:
   """The engine's hooks: `shard(x, logical_axes)` on an activation, `gather(w,
-  logical_axes)` on a weight where it is used, `remat(fn)` on a layer's function."""
+  logical_axes)` on a weight where it is used, `remat(fn)` on a layer's function,
+  and `scan(layer, carry, stacked) -> carry`, ``jax.lax.scan(layer, carry,
+  stacked)[0]`` over a model's stacked layers (see `Model.layers_key`)."""
   shard: Callable[[Array, tuple], Array] = _same
   gather: Callable[[Array, tuple], Array] = _same
   remat: Callable[[Callable], Callable] = _no_remat
+  scan: Callable[[Callable, Any, Any], Any] = _plain_scan
 
 
 class Leaf(NamedTuple):
@@ -56,8 +63,14 @@ class Model:
     init: key -> the fp32 parameters (the structure of `specs`).
     loss: (parameters in the compute dtype, batch, Hooks) -> the batch's mean loss.
     decay: a parameter's path ("layers/w_up_LxDxF") -> whether weight decay applies.
+    layers_key: where the parameters are a dict, the key whose leaves are stacked
+      per layer (leading axis) and which the loss runs once through `hooks.scan`,
+      passing exactly ``params[layers_key]``. The engine then adds each layer's
+      gradient into the accumulated sum as the backward pass produces it, so that
+      gradient accumulation holds one gradient-sized buffer, not two.
   """
   specs: Any
   init: Callable[[Array], Any]
   loss: Callable[[Any, Any, Hooks], Array]
   decay: Callable[[str], bool] = lambda path: "norm" not in path
+  layers_key: str | None = None

@@ -183,9 +183,11 @@ class Llama(nnx.Module):
     return shard(logits_BxTxV, ("batch", "seq", "vocab"))
 
   def forward(self, tokens_BxT: Array, *, shard: ShardFn | None = None,
-              gather: ShardFn | None = None, remat: RematFn | None = None
-              ) -> tuple[Array, Array]:
-    """(final-normed hidden states [B, T, D], head [D, V]): the logits' factors."""
+              gather: ShardFn | None = None, remat: RematFn | None = None,
+              scan: Callable | None = None) -> tuple[Array, Array]:
+    """(final-normed hidden states [B, T, D], head [D, V]): the logits' factors.
+
+    `scan(layer, x, stacked) -> x` runs the layers (default: ``jax.lax.scan``)."""
     cfg = self.cfg
     shard, gather = shard or _no_shard, gather or _no_shard
     T = tokens_BxT.shape[1]
@@ -207,7 +209,10 @@ class Llama(nnx.Module):
 
     if remat is not None:
       layer = remat(layer)
-    x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, self.layers.stacked())
+    if scan is None:
+      x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, self.layers.stacked())
+    else:
+      x_BxTxD = scan(layer, x_BxTxD, self.layers.stacked())
     x_BxTxD = rms_norm(x_BxTxD, self.final_norm[...], cfg.norm_eps)
     head_DxV = embed_VxD.T if cfg.tie_embeddings else gather(self.lm_head_DxV[...], HEAD_AXES)
     return x_BxTxD, head_DxV

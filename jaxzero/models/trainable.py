@@ -32,10 +32,11 @@ def llama(cfg: LlamaConfig) -> Model:
   def loss(params, tokens_BxT1: jax.Array, hooks: Hooks) -> jax.Array:
     model = nnx.merge(graphdef, params)
     x_BxTxD, head_DxV = model.forward(tokens_BxT1[:, :-1], shard=hooks.shard,
-                                      gather=hooks.gather, remat=hooks.remat)
+                                      gather=hooks.gather, remat=hooks.remat,
+                                      scan=hooks.scan)
     return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=LOSS_CHUNK,
                          shard=hooks.shard)
 
   # No weight decay on norm gains or on Qwen2's q/k/v biases (as transformers' Trainer).
   decay = lambda path: "norm" not in path and not re.search(r"\['b[qkv]_", path)
-  return Model(specs=param_specs(cfg), init=init, loss=loss, decay=decay)
+  return Model(specs=param_specs(cfg), init=init, loss=loss, decay=decay, layers_key="layers")
