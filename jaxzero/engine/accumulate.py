@@ -39,7 +39,8 @@ def _tap_for(place):
     def add(ct_sum, g):
       row = jax.lax.dynamic_index_in_dim(ct_sum, i, keepdims=False) + g.astype(ct_sum.dtype)
       return jax.lax.dynamic_update_index_in_dim(ct_sum, row, i, 0)
-    # The weights themselves are not differentiated: their gradient lives in acc.
+    # The weights are not differentiated here: their gradient lives in acc. (Any other
+    # use of them in the loss gets no gradient: hence Model.layers_key's contract.)
     return None, jax.tree.map(add, ct_acc, ct_weights), None
 
   tap.defvjp(tap_fwd, tap_bwd)
@@ -57,6 +58,9 @@ def _seed_fwd(carry, acc):
 
 
 def _seed_bwd(acc, ct_carry):
+  # The sum's cotangent is the sum itself, whatever the incoming one: right for the one
+  # reverse pass from the loss (cotangent 1, or the float16 loss scale applied inside
+  # the loss) that the engine runs, not for other transformations of the loss.
   return ct_carry, acc
 
 
@@ -81,9 +85,11 @@ class AccumulatingScan:
 
   def __call__(self, layer, carry, stacked):
     self.calls += 1
-    if jax.tree.structure(stacked) != jax.tree.structure(self.acc):
-      raise ValueError("Hooks.scan must run over params[Model.layers_key]: got a tree "
-                       f"{jax.tree.structure(stacked)}, expected {jax.tree.structure(self.acc)}")
+    shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
+    if (jax.tree.structure(stacked) != jax.tree.structure(self.acc)
+        or shapes(stacked) != shapes(self.acc)):
+      raise ValueError("Hooks.scan must run over params[Model.layers_key], whole: got "
+                       f"{shapes(stacked)}, expected {shapes(self.acc)}")
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
 
     def body(state, xs):

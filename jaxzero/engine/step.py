@@ -80,7 +80,7 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
   over the A micro-steps, in the grad dtype (float32 where it was reduced
   across groups), placed in the optimizer's layout on the device; divided by
   A in float32 where used (:func:`mean_grad`). The norm is that of the mean
-  gradient in float32.
+  gradient in float32, taken as ‖sum‖ / A.
   """
   remat = remat_wrapper(cfg.remat.policy)
   grad_dtype = dtype_of(cfg.zero.grad_dtype)
@@ -100,8 +100,8 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
   # built in the compute dtype and only the result widened to the grad dtype, where
   # the sum would be held in the grad dtype all through the backward pass.
   layers_key = model.layers_key
-  if layers_key is not None:
-    accumulating = accumulating_value_and_grad(model, cfg.precision.scales_loss)
+  accumulating = (None if layers_key is None
+                  else accumulating_value_and_grad(model, cfg.precision.scales_loss))
 
   if cfg.precision.scales_loss:
     # float16: the gradient of loss x scale (jaxzero.engine.loss_scale), the loss itself as aux.
@@ -151,9 +151,9 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
       else:
         losses_G, grads = grouped_grads(params, grouped, *scale)
       loss = _unscaled(losses_G).mean()  # equal rows per group: the mean of means is the mean
-    # Stages 2-3 accumulate into sharded buffers: each reduce is a reduce-scatter.
-    # (Layout.gather_for_compute makes each gradient leave the layer reduced.)
     elif per_layer:
+      # Stages 2-3 accumulate into sharded buffers: each reduce is a reduce-scatter.
+      # (Layout.gather_for_compute makes each gradient leave the layer reduced.)
       loss, grads, layers_sum = accumulating(params, batch, layout, remat,
                                              grad_sum[layers_key], *scale)
       loss = _unscaled(loss)
@@ -164,8 +164,8 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
       # The gradient of a weight left in pinned_host is typed pinned_host: each
       # layer's shard went down as the backward pass produced it; added up here.
       # (Accumulated in the backward pass, the layers' sum is already on the device.)
-      grads = jax.device_put(grads, {k: reduced_sh[k] for k in grads}
-                             if per_layer else reduced_sh)
+      # In the layout of the sum: under hybrid sharding, one row per replica group.
+      grads = jax.device_put(grads, {k: accum_sh[k] for k in grads} if per_layer else accum_sh)
     grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
     if per_layer:  # the layers' sum is already the new one
       grad_sum = {k: layers_sum if k == layers_key
@@ -180,7 +180,7 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
     of the scaled gradients, and the norm unscaled)."""
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     if streams_weights:  # the embedding, head and final norm come over now
-      params = {k: v if k == "layers" else jax.device_put(v, params_on_device[k])
+      params = {k: v if k == layers_key else jax.device_put(v, params_on_device[k])
                 for k, v in params.items()}
     else:
       params = jax.device_put(params, params_on_device)

@@ -22,11 +22,15 @@ MODEL = LlamaConfig(vocab_size=64, dim=64, n_layers=32, n_heads=4, n_kv_heads=2,
                     rope_theta=10_000.0)
 
 
-def cfg_for(stage: int, accum: int, replica: int = 1, dtype: str = "float32") -> config.Config:
+def cfg_for(stage: int, accum: int, replica: int = 1, dtype: str = "float32",
+            params: str = "device") -> config.Config:
+  """`replica` > 1: HYBRID_SHARD on replica x (8 / replica)."""
   c = config.base()
   return dataclasses.replace(
       c, model=MODEL,
-      zero=dataclasses.replace(c.zero, stage=stage, strategy="", grad_dtype=dtype),
+      zero=dataclasses.replace(c.zero, stage=stage, strategy="", hybrid=replica > 1,
+                               grad_dtype=dtype),
+      offload=dataclasses.replace(c.offload, params=params),
       mesh=config.MeshConfig(replica=replica, fsdp=-1),
       train=dataclasses.replace(c.train, global_batch=8 * accum, grad_accum=accum, seq_len=32),
       precision=config.PrecisionConfig(compute=dtype))
@@ -66,12 +70,15 @@ def grad_sums(cfg: config.Config, model, n_devices: int = 8):
   return jax.device_get(grad_sum), float(loss), float(norm)
 
 
-@pytest.mark.parametrize("stage,replica", [(1, 1), (3, 1), (3, 2)],
-                         ids=["stage1", "stage3", "hybrid_shard"])
-def test_the_sum_equals_adding_whole_micro_step_gradients(stage, replica):
+@pytest.mark.parametrize("stage,replica,params", [
+    (1, 1, "device"), (3, 1, "device"), (3, 2, "device"), (3, 1, "pinned_host"),
+    (3, 2, "pinned_host")],
+    ids=["stage1", "stage3", "hybrid_shard", "params_pinned_host", "hybrid_params_pinned_host"])
+def test_the_sum_equals_adding_whole_micro_step_gradients(stage, replica, params):
   """The same model without `layers_key` takes the plain path (jax.grad of the whole
   micro-step, then an add): the sums, loss and norm agree to float32 rounding."""
-  cfg = cfg_for(stage, accum=3, replica=replica)
+  cfg = cfg_for(stage, accum=3, replica=replica, params=params)
+  assert cfg.zero.hybrid == (replica > 1)
   model = trainable.llama(cfg.model)
   assert model.layers_key == "layers"
   got = grad_sums(cfg, model)
