@@ -35,10 +35,10 @@ from jaxzero.sharding.mesh import AXES
 from jaxzero.sharding.zero import Layout, local_sharding, on_device
 
 
-def loss_fn(model: Model, params, batch, layout: Layout, remat, **scan) -> jax.Array:
-  """The model's mean loss over `batch`, with the layout's hooks (and `scan=`, where given)."""
-  return model.loss(params, batch, Hooks(shard=layout.shard_activation,
-                                         gather=layout.gather_for_compute, remat=remat, **scan))
+def loss_fn(model: Model, params, batch, layout: Layout, remat, scan=None) -> jax.Array:
+  """The model's mean loss over `batch`, with the layout's hooks (and `scan`, where given)."""
+  hooks = Hooks(shard=layout.shard_activation, gather=layout.gather_for_compute, remat=remat)
+  return model.loss(params, batch, hooks if scan is None else dataclasses.replace(hooks, scan=scan))
 
 
 def accumulating_value_and_grad(model: Model, scales_loss: bool):
