@@ -4,12 +4,14 @@ A plain ``jax.grad`` of a scanned layer stack returns the whole stack's gradient
 [L, ...] at once, and only then can it be added to the running sum over the
 micro-steps: with gradient accumulation the step holds two gradient-sized buffers.
 PyTorch FSDP and DeepSpeed add each layer's gradient into its accumulator as the
-backward pass produces it. :func:`accumulating_scan` does the same for a model that
+backward pass produces it. :class:`AccumulatingScan` does the same for a model that
 runs its layers through ``Hooks.scan`` (``Model.layers_key``): the sum is carried
 through the layer scan, and its cotangent is the sum itself plus each layer's
 gradient, added in place (a dynamic-update-slice of the carried buffer) one layer
 at a time. The caller differentiates with respect to the sum, not the stacked
-weights: the gradient it gets back is the new sum.
+weights: the gradient it gets back is the new sum. (XLA:CPU moves bfloat16 data as
+float32, and there copies a bf16 sum whole after each layer's row update; a float32
+sum is updated in place.)
 
 Two ``custom_vjp``s, because no sharding or scan annotation expresses "this
 cotangent starts from a given buffer": ``_seed`` makes the sum's cotangent start as
