@@ -1,5 +1,6 @@
-"""Helpers for tests that run jaxzero's command-line tools as processes."""
+"""Helpers for tests that run jaxzero's command-line tools and scripts."""
 
+import importlib.util
 import os
 import pathlib
 import socket
@@ -51,3 +52,11 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def load_script(name: str):
+  """`scripts/NAME.py` as a module (the scripts are not a package)."""
+  spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

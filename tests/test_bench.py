@@ -1,26 +1,17 @@
 """The benchmark's CPU mode runs, so scripts/bench.py cannot rot."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def load_bench():
-  spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from processes import ROOT, load_script
 
 
 @pytest.mark.slow
 def test_bench_cpu_mode_reports_every_figure(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
-  bench = load_bench()
+  bench = load_script("bench")
   out = tmp_path / "bench.json"
   code = bench.main(["--config", str(ROOT / "configs" / "tiny_zero3.py"), "--steps", "2",
                      "--warmup", "1", "--torch", "--json", str(out),
@@ -37,7 +28,7 @@ def test_bench_cpu_mode_reports_every_figure(tmp_path):
 
 
 def test_model_flops_follow_the_palm_convention():
-  bench = load_bench()
+  bench = load_script("bench")
   import dataclasses  # pylint: disable=import-outside-toplevel
   from jaxzero import config  # pylint: disable=import-outside-toplevel
   from jaxzero.models.llama import LlamaConfig, count_params

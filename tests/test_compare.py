@@ -3,13 +3,12 @@
 import dataclasses
 import importlib.util
 import json
-import pathlib
 
 import pytest
 
 from jaxzero import config
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from processes import load_script
 
 # fp32, and nothing DeepSpeed would compile: torch's AdamW (torch_adam), no CPU offload.
 # Weight decay 1.0 makes a wrong decay mask show: decaying the norm gains too moves step 4's
@@ -30,20 +29,13 @@ TINY = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ml
         "--vocab", "256", "--seq", "32", "--max-bytes", "200000", "--nproc", "2"]
 
 
-def load_compare():
-  spec = importlib.util.spec_from_file_location("compare", ROOT / "scripts" / "compare.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_fsdp2_and_jaxzero_losses_agree(tmp_path, stage):
   for name in ("torch", "transformers", "deepspeed"):
     pytest.importorskip(name, reason=f"{name} is not installed (pip install 'jaxzero[compare]')")
-  compare = load_compare()
+  compare = load_script("compare")
   ds_file = tmp_path / "ds_config.json"
   ds_file.write_text(json.dumps(DS_CONFIG))
   out = tmp_path / "compare.json"
@@ -62,7 +54,7 @@ def test_deepspeed_fsdp2_and_jaxzero_losses_agree(tmp_path, stage):
 
 
 def test_without_the_extras_names_the_install_and_exits_2(monkeypatch, capsys, tmp_path):
-  compare = load_compare()
+  compare = load_script("compare")
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "deepspeed" else real(name, *a))
@@ -73,7 +65,7 @@ def test_without_the_extras_names_the_install_and_exits_2(monkeypatch, capsys, t
 
 
 def test_batch_sizes_follow_deepspeeds_rule_and_other_autos_are_refused():
-  compare = load_compare()
+  compare = load_script("compare")
   cfg = config.base()
   cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=16,
                                                            grad_accum=8))
