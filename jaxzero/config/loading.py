@@ -85,9 +85,24 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"model_factory={cfg.model_factory!r} must be \"module:function\""
                       + (" and cannot start from init.hf_checkpoint (a Llama-family checkpoint)"
                          if cfg.init.hf_checkpoint else ""))
-  if cfg.offload.params == "pinned_host" and cfg.zero.resolved[0] != 3:
-    raise ConfigError("offload.params=pinned_host needs ZeRO stage 3 (zero.stage=3 or "
+  if cfg.offload.params != "device" and cfg.zero.resolved[0] != 3:
+    raise ConfigError(f"offload.params={cfg.offload.params} needs ZeRO stage 3 (zero.stage=3 or "
                       "zero.strategy=FULL_SHARD/HYBRID_SHARD)")
+  if cfg.offload.params == "nvme":
+    _validate_param_tier(cfg)
+
+
+def _validate_param_tier(cfg) -> None:
+  """offload.params=nvme: what the layer-by-layer driver (jaxzero.offload.infinity) runs."""
+  where = "offload.params=nvme"
+  if cfg.offload.optimizer != "nvme":
+    raise ConfigError(f"{where} needs offload.optimizer=nvme (the master weights it reads live "
+                      f"there); got offload.optimizer={cfg.offload.optimizer}")
+  if cfg.zero.resolved[1] or cfg.mesh.replica not in (1,) or cfg.mesh.tensor != 1:
+    raise ConfigError(f"{where} runs on an fsdp-only mesh at zero.stage=3 (mesh.replica=1, "
+                      "mesh.tensor=1, no HYBRID_SHARD)")
+  if cfg.eval.every:
+    raise ConfigError(f"{where} does not evaluate held-out data yet: set eval.every=0")
 
 
 def _check_tensor(tensor: int, model) -> None:

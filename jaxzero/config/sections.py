@@ -129,7 +129,10 @@ class OffloadConfig:
   # Where the fp32 master weights and Adam moments live: device memory, pinned
   # host memory (ZeRO-Offload), or files in `nvme_dir` (ZeRO-Infinity's NVMe tier).
   optimizer: Literal["device", "pinned_host", "nvme"] = "device"
-  params: MemoryKind = "device"  # the compute copy at rest (stage 3)
+  # The compute copy at rest (stage 3): device memory, pinned host memory streamed one
+  # layer at a time, or "nvme": ZeRO-Infinity's parameter tier (with optimizer=nvme),
+  # parameters and gradients on disk too, the model run one layer at a time.
+  params: Literal["device", "pinned_host", "nvme"] = "device"
   # offload.optimizer=nvme: a directory on local disk (each process keeps its
   # shards in a subdirectory it makes, and deletes when the run ends).
   nvme_dir: str = ""

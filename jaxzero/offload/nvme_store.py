@@ -205,10 +205,14 @@ class Store:
     self._buffers = _Buffers(max((padded for _, _, padded in self._slots.values()),
                                  default=_ALIGN))
 
-  def read(self, leaf: Leaf, region: Region, starts: tuple[int, ...]):
-    """Future of a chunk [K, ...] of `region` (float32 numpy)."""
+  def read(self, leaf: Leaf, region: Region, starts: tuple[int, ...], copies: int | None = None):
+    """Future of a chunk [K, ...] of `region` (float32 numpy), or of its first
+    `copies` copies only (the copies lie one after the other: only those are read)."""
     offset, shape, padded = self._slots[leaf.name, region.box, starts]
     fd = self._files[leaf.name]
+    if copies is not None:
+      shape = (copies, *shape[1:])
+      padded = -(-4 * math.prod(shape) // _ALIGN) * _ALIGN
 
     def read():
       buffer = self._buffers.lend()

@@ -274,11 +274,10 @@ class Tier:
 
   def step(self, state: NvmeState, batch: jax.Array, grad_step=None):
     """One optimizer step; `state` is consumed (its compute copy is updated in place)."""
-    grad_step = grad_step or self.engine.grad_step
     start = time.perf_counter()
     scaler = state.loss_scale
     scale = () if scaler is None else (scaler.scale,)  # float16: the loss scale
-    grads, loss, grad_norm = grad_step(state.params, batch, *scale)
+    grads, loss, grad_norm = self._gradients(state, batch, scale, grad_step)
     finite = bool(np.isfinite(float(loss)) and np.isfinite(float(grad_norm)))
     self.stats = {"grad_s": time.perf_counter() - start, "update_s": 0.0}
     metrics = {"loss": loss, "grad_norm": grad_norm,
@@ -295,6 +294,10 @@ class Tier:
     del grads
     return NvmeState(self._next_step(state.step), params, state.master, opt_state, scaler,
                      state.store), metrics
+
+  def _gradients(self, state: NvmeState, batch: jax.Array, scale: tuple, grad_step=None):
+    """(gradient sum, loss, gradient norm) of a step, from the whole-program gradient step."""
+    return (grad_step or self.engine.grad_step)(state.params, batch, *scale)
 
   def _update(self, state: NvmeState, grads: Any, grad_norm: jax.Array, scale=None):
     """The streamed optimizer update: (new compute copy, new optimizer scalars)."""
@@ -338,36 +341,22 @@ class Tier:
     (compute weight, new chunk, new scalars) for one chunk of `leaf`."""
     if leaf.name in self._units:
       return self._units[leaf.name]
-    cfg, sh, inner = self.cfg, self.engine.shardings, self._inner
-    accum, clip = cfg.train.grad_accum, cfg.train.clip_norm
-    compute = engine_lib.dtype_of(cfg.precision.compute)
+    sh, inner = self.engine.shardings, self._inner
+    compute = engine_lib.dtype_of(self.cfg.precision.compute)
     i = [l.name for l in self.leaves].index(leaf.name)
     params_sh = jax.tree.leaves(on_device(sh.params))[i]
     replicated = self.engine.layout.replicated()
     scalar_sh = jax.tree.leaves(self._scalar_sh)
 
     def unit(weight, grad_sum, chunk, starts, scalars, grad_norm, scale):
-      g = engine_lib.mean_grad(_box_of(leaf, grad_sum, starts), accum)
-      if cfg.precision.scales_loss:  # unscaled before clipping, as in memory
-        g = g / scale
-      if clip > 0:
-        g = engine_lib.clip_by_norm(g, grad_norm, clip)
-      master = _nest(leaf.name, chunk[0])
-      template = inner.init(master)  # its zeros are replaced (and never computed)
-      flags = _weight_flags(inner, template)
-      copies, counts = iter(list(chunk[1:])), iter(scalars)
-      state = jax.tree.unflatten(jax.tree.structure(template),
-                                 [next(copies) if f else next(counts) for f in flags])
-      updates, state = inner.update(_nest(leaf.name, g), state, master)
-      new_master = jax.tree.leaves(optax.apply_updates(master, updates))[0]
-      leaves = jax.tree.leaves(state)
-      new_copies = [x for x, f in zip(leaves, flags) if f]
-      new_scalars = [x for x, f in zip(leaves, flags) if not f]
-      new_weight = new_master.astype(compute)
+      new_chunk, new_scalars = update_chunk(self.cfg, inner, leaf.name,
+                                            _box_of(leaf, grad_sum, starts), chunk, scalars,
+                                            grad_norm, scale)
+      new_weight = new_chunk[0].astype(compute)
       if leaf.cut:  # in place (the weight is donated)
         new_weight = _as(weight.dtype, jax.lax.dynamic_update_slice(
             _bits(weight), _bits(new_weight), _corner(leaf, starts)))
-      return new_weight, jnp.stack([new_master, *new_copies]), new_scalars
+      return new_weight, new_chunk, new_scalars
 
     fn = jax.jit(unit, donate_argnums=0 if leaf.cut else (),
                  in_shardings=(params_sh, jax.tree.leaves(on_device(sh.master))[i],
@@ -376,6 +365,30 @@ class Tier:
                  out_shardings=(params_sh, leaf.chunk_sharding, scalar_sh))
     self._units[leaf.name] = fn
     return fn
+
+
+def update_chunk(cfg, inner: optax.GradientTransformation, name: str, grad_sum: jax.Array,
+                 chunk: jax.Array, scalars: list, grad_norm: jax.Array, scale: jax.Array):
+  """The in-memory step's update of one chunk [K, ...] of weight `name` (its master
+  weight, then the optimizer's per-weight leaves), from the gradient sum over the
+  step's micro-steps of the same box: (new chunk, the optimizer's new scalars)."""
+  g = engine_lib.mean_grad(grad_sum, cfg.train.grad_accum)
+  if cfg.precision.scales_loss:  # unscaled before clipping, as in memory
+    g = g / scale
+  if cfg.train.clip_norm > 0:
+    g = engine_lib.clip_by_norm(g, grad_norm, cfg.train.clip_norm)
+  master = _nest(name, chunk[0])
+  template = inner.init(master)  # its zeros are replaced (and never computed)
+  flags = _weight_flags(inner, template)
+  copies, counts = iter(list(chunk[1:])), iter(scalars)
+  state = jax.tree.unflatten(jax.tree.structure(template),
+                             [next(copies) if f else next(counts) for f in flags])
+  updates, state = inner.update(_nest(name, g), state, master)
+  new_master = jax.tree.leaves(optax.apply_updates(master, updates))[0]
+  leaves = jax.tree.leaves(state)
+  new_copies = [x for x, f in zip(leaves, flags) if f]
+  new_scalars = [x for x, f in zip(leaves, flags) if not f]
+  return jnp.stack([new_master, *new_copies]), new_scalars
 
 
 def _corner(leaf: nvme_store.Leaf, starts) -> list:

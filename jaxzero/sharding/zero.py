@@ -88,8 +88,11 @@ class Layout:
                "not divide them), as Megatron does", cfg.model.n_kv_heads, tensor)
     # The NVMe tier keeps the optimizer state in files, outside the jitted step;
     # what of it memory holds (its step counts, the chunks being updated) is on the device.
+    # Likewise the parameter tier (offload.params=nvme): a layer's weights are on the device
+    # while its program runs.
     optimizer = "device" if cfg.offload.optimizer == "nvme" else cfg.offload.optimizer
-    return cls(mesh, stage, hybrid, params_memory=cfg.offload.params, optimizer_memory=optimizer,
+    params = "device" if cfg.offload.params == "nvme" else cfg.offload.params
+    return cls(mesh, stage, hybrid, params_memory=params, optimizer_memory=optimizer,
                reduce_dtype=cfg.zero.reduce_dtype or cfg.zero.grad_dtype)
 
   @property

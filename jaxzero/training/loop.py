@@ -21,19 +21,21 @@ from jaxzero.config import Config
 from jaxzero.data import batches as batches_lib
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.engine import loss_scale
-from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
+from jaxzero.errors import (CheckpointError, DamagedCheckpointError,
+                            NonFiniteError)
 from jaxzero.interop import hf_load
 from jaxzero.offload import checks as offload_checks
-from jaxzero.offload import nvme_checkpoint, nvme_store
+from jaxzero.offload import infinity, nvme_checkpoint, nvme_store
 from jaxzero.offload import nvme_tier as nvme_lib
 from jaxzero.planning import memory_check
 from jaxzero.runtime import peerwatch
 from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.sharding.zero import Layout
-from jaxzero.training import (banner, evaluation, first_step, profiling, throughput, tracking,
-                              user_model)
+from jaxzero.training import (banner, evaluation, first_step, profiling,
+                              throughput, tracking, user_model)
 from jaxzero.training import workdir as workdir_lib
-from jaxzero.training.metrics import MetricsLogger, PendingMetrics, drop_metrics_after
+from jaxzero.training.metrics import (MetricsLogger, PendingMetrics,
+                                      drop_metrics_after)
 from jaxzero.training.preemption import StopSignals
 
 log = logging.getLogger(__name__)
@@ -84,8 +86,10 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
                                 micro * layout.data_parallel_size, cfg.seed, order=source.order)
   eval_batches = None if held_out is None else evaluation.make_eval_batches(cfg, held_out)
   engine = engine_lib.Engine(cfg, layout, user_model.model_for(cfg, layout.shard_size))
-  tier = (nvme_lib.Tier(engine, nvme_lib.store_directory(cfg.offload.nvme_dir, workdir))
-          if cfg.offload.optimizer == "nvme" else None)
+  tier = None
+  if cfg.offload.optimizer == "nvme":
+    kind = infinity.Infinity if cfg.offload.params == "nvme" else nvme_lib.Tier
+    tier = kind(engine, nvme_lib.store_directory(cfg.offload.nvme_dir, workdir))
   return Run(cfg, layout, engine, batches, eval_batches, tier)
 
 

@@ -1,0 +1,289 @@
+"""ZeRO-Infinity's parameter tier (``offload.params=nvme``): a model bigger than the
+machine, trained one layer at a time.
+
+With ``offload.optimizer=nvme`` the store on local disk already holds each weight's fp32
+master and optimizer moments (jaxzero.offload.nvme_tier). Here nothing else is kept whole
+either. The forward pass reads each layer's master weights from the store (only the master
+copy of each chunk), and the layer's program casts them to the compute dtype; the backward
+pass reads them again. Each layer's gradient leaves the device as its backward program
+ends (reduce-scattered by the program's output sharding at stage 3) and is added, on the
+host, into a gradient file on the same disk, where the micro-steps accumulate. The update
+then streams gradient, master and moments chunk by chunk. Memory holds the embedding and
+head while they run, a layer's weights and gradient (and the next layer's, read ahead),
+and one activation checkpoint per layer.
+
+Mechanism: a driver of jitted per-layer programs (jaxzero.offload.layer_programs). XLA:CPU
+has no memory kinds, so a single scanned program cannot place a layer's weights off the
+device on this backend; an ``io_callback`` inside the scan would put each read on the
+program's critical path. Separate programs let the store's threads read the next layer
+while the current one computes (JAX dispatches asynchronously), and write a layer's
+gradient while the next one computes. The whole-program step stays the default; this mode
+is what ``offload.params=nvme`` selects.
+
+The compute copy is never stored: it is the master weight cast, as the in-memory step
+makes it after every update. So a checkpoint's ``params`` are derived from its masters
+(jaxzero.offload.nvme_checkpoint), and runs resume across modes, meshes and stages.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxzero import engine as engine_lib
+from jaxzero.checkpoint import integrity
+from jaxzero.offload import nvme_store, nvme_tier
+from jaxzero.offload.layer_programs import LayerPrograms
+
+GRADS = "grads"  # the store subdirectory of the gradient sums
+
+
+class Infinity(nvme_tier.Tier):
+  """The NVMe tier with the parameters and gradients off the device too.
+
+  The state's ``params`` are None at every leaf; :attr:`names` lists them among the
+  leaves the tier keeps (a checkpoint derives them from the masters).
+  """
+
+  def __init__(self, engine: engine_lib.Engine, directory: pathlib.Path):
+    super().__init__(engine, directory)
+    self.programs = LayerPrograms(engine)
+    self.key = self.programs.key
+    self.names |= {f"params/{leaf.name}" for leaf in self.leaves}
+    # The gradient sums: one fp32 copy per weight, chunked as the optimizer's state.
+    self.grad_leaves = [nvme_store.Leaf(leaf.name, leaf.shape, ("grad",), leaf.sharding,
+                                        leaf.chunk) for leaf in self.leaves]
+    self.grad_store: nvme_store.Store | None = None
+    self.io_bytes = self._io_bytes()
+
+  # -- structure ---------------------------------------------------------------------
+
+  def _layer_leaves(self, leaves):
+    return [leaf for leaf in leaves if leaf.name.startswith(self.key + "/")]
+
+  def _outer_leaves(self, leaves):
+    return [leaf for leaf in leaves if not leaf.name.startswith(self.key + "/")]
+
+  def nest(self, arrays: dict[str, Any], layers: bool) -> Any:
+    """{weight name: array} as ``params[layers_key]`` (`layers`) or as the other weights."""
+    master = self.engine.abstract.master
+    tree = master[self.key] if layers else {k: v for k, v in master.items() if k != self.key}
+    prefix = (self.key,) if layers else ()
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: arrays[integrity.leaf_name(prefix + tuple(path))], tree)
+
+  def named(self, tree: Any, layers: bool) -> dict[str, Any]:
+    """`nest`'s inverse."""
+    prefix = (self.key,) if layers else ()
+    return {integrity.leaf_name(prefix + tuple(path)): x
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+  @property
+  def n_layers(self) -> int:
+    return self._layer_leaves(self.leaves)[0].shape[0]
+
+  def open_store(self) -> nvme_store.Store:
+    store = super().open_store()
+    if self.grad_store is not None:
+      self.grad_store.close()
+    self.grad_store = nvme_store.Store(self.directory / GRADS, self.grad_leaves)
+    return store
+
+  def close(self) -> None:
+    if self.grad_store is not None:
+      self.grad_store.close()
+      self.grad_store = None
+    super().close()
+
+  def _compute_copy(self, store) -> Any:
+    """No compute copy is kept: None at every leaf (see the module's docstring)."""
+    return jax.tree.map(lambda _: None, self.engine.abstract.params)
+
+  def state(self, restored) -> nvme_tier.NvmeState:
+    return nvme_tier.NvmeState(*restored._replace(params=self._compute_copy(None)), self.store)
+
+  def _io_bytes(self) -> dict[str, int]:
+    """This process's bytes read and written per step, at the config's grad_accum."""
+    accum = self.cfg.train.grad_accum
+    master = sum(leaf.local_bytes // len(leaf.kinds) for leaf in self.leaves)
+    layers = sum(leaf.local_bytes // len(leaf.kinds) for leaf in self._layer_leaves(self.leaves))
+    state = sum(leaf.local_bytes for leaf in self.leaves)
+    # Per micro-step: the outer masters once, the layers' twice (forward, backward), the
+    # gradients written (and, after the first micro-step, read back to be added to).
+    read = accum * (master + layers) + (accum - 1) * master + master + state
+    written = accum * master + state
+    return {"read": read, "written": written}
+
+  # -- the step ------------------------------------------------------------------------
+
+  def compile(self, state: nvme_tier.NvmeState, batch: jax.Array):
+    """The step (its programs compile on first use, one per kind of program)."""
+    return self.step
+
+  def _gradients(self, state, batch_Ax: jax.Array, scale: tuple, grad_step=None):
+    """The step's gradients, summed into the gradient store: (None, loss, norm)."""
+    del grad_step
+    p, accum = self.programs, jax.tree.leaves(batch_Ax)[0].shape[0]
+    outer = self._read_weights(self._outer_leaves(self.leaves), None).result()
+    loss_sum, outer_grads, squares = 0.0, None, 0.0
+    for a in range(accum):
+      batch = jax.tree.map(lambda x, a=a: x[a], batch_Ax)
+      carry, consts = p.pre(outer, batch)
+      checkpoints = []
+      for _, weights in self._layers(range(self.n_layers)):
+        checkpoints.append(carry)
+        carry = p.layer_forward(weights, carry, consts)
+      value, (grads, ct_carry) = p.post_grad(outer, batch, carry, *scale)
+      loss_sum += value[1] if scale else value
+      ct_consts = [0.0 * c for c in p.float_consts(consts)]
+      last = a == accum - 1
+      self.grad_store.writes.wait()  # the last micro-step's sums, before they are added to
+      pending = None
+      for i, weights in self._layers(reversed(range(self.n_layers))):
+        layer_grads, ct_carry, ct = p.layer_backward(weights, checkpoints.pop(), consts, ct_carry)
+        ct_consts = p.add(ct_consts, ct)
+        if pending is not None:  # the previous layer's, while this one computes
+          squares += self._add_grads(*pending, first=a == 0, last=last)
+        pending = (self._layer_leaves(self.grad_leaves), i, layer_grads)
+      squares += self._add_grads(*pending, first=a == 0, last=last)
+      grads = p.add(grads, p.pre_backward(outer, batch, ct_carry, ct_consts))
+      outer_grads = p.add(outer_grads, grads)
+    self.grad_store.writes.wait()
+    squares += self._add_grads(self._outer_leaves(self.grad_leaves), None, outer_grads,
+                               first=True, last=True)
+    self.grad_store.writes.wait()
+    if jax.process_count() > 1:
+      squares = float(np.sum(multihost_utils.process_allgather(np.float64(squares))))
+    grad_norm = np.float32(np.sqrt(squares) / accum)
+    if scale:
+      grad_norm = grad_norm / np.float32(scale[0])
+    return None, np.float32(loss_sum / accum), grad_norm
+
+  def _layers(self, order):
+    """(layer, its master weights) in `order`, the next layer's chunks read meanwhile."""
+    leaves = self._layer_leaves(self.leaves)
+    yield from nvme_store.prefetched(order, lambda i: self._read_weights(leaves, i), depth=1)
+
+  def _read_weights(self, leaves, layer: int | None) -> "_Weights":
+    """The master weights of `leaves` (of one layer [1, ...] where `layer` is given),
+    their chunks' reads started now; `.result()` gives them as the global arrays of
+    their master layout, nested as the model's parameters (or as ``params[layers_key]``)."""
+    reads = []
+    for leaf in leaves:
+      chunks = [s for s in leaf.starts() if layer is None or s[0] == layer]
+      reads.append([(region, [(s, self.store.read(leaf, region, s, copies=1)) for s in chunks])
+                    for region in leaf.regions])
+    return _Weights(self, leaves, layer, reads)
+
+  def _add_grads(self, leaves, layer: int | None, grads: dict, first: bool, last: bool) -> float:
+    """Adds `grads` (of one layer where given) into the gradient store; returns the sum
+    of squares of the new sums of the boxes this process owns, on the last micro-step."""
+    store, squares = self.grad_store, 0.0
+    grads = self.named(grads, layers=layer is not None)
+    for leaf in leaves:
+      grad = grads[leaf.name]
+      shards = {s.device: s.data for s in grad.addressable_shards}
+      for region in leaf.regions:
+        box = _layer_box(region.box, layer)
+        data = np.asarray(shards[region.devices[0]], np.float32)
+        for s in leaf.starts():
+          if layer is not None and s[0] != layer:
+            continue
+          chunk = data[_local(leaf.chunk_box(region, s), box)][None]
+          if not first:
+            chunk = chunk + store.read(leaf, region, s).result()
+          if last and region.owner:
+            squares += float(np.sum(np.square(chunk, dtype=np.float64)))
+          store.write(leaf, region, s, chunk)
+    return squares
+
+  def _update(self, state, grads, grad_norm, scale=None):
+    """The streamed update from the gradient store: (None params, new optimizer scalars)."""
+    del grads
+    store, grad_store = state.store, self.grad_store
+    store.writes.wait()
+    scalars = jax.tree.leaves(state.opt_state)
+    new_scalars, written = None, None
+    units = [(leaf, g, starts) for leaf, g in zip(self.leaves, self.grad_leaves)
+             for starts in leaf.starts()]
+
+    def read(unit):
+      leaf, g, starts = unit
+      return nvme_tier._All([store.read(leaf, region, starts) for region in leaf.regions]
+                            + [grad_store.read(g, region, starts) for region in g.regions])
+
+    replicated = self.engine.layout.replicated()
+    norm = jax.device_put(np.float32(grad_norm), replicated)
+    scale = jax.device_put(np.float32(1.0 if scale is None else scale), replicated)
+    for (leaf, g, starts), chunks in nvme_store.prefetched(units, read):
+      n = len(leaf.regions)
+      new_chunk, out_scalars = self._chunk_unit(leaf)(
+          self._global_chunk(g, chunks[n:]), self._global_chunk(leaf, chunks[:n]), scalars,
+          norm, scale)
+      new_scalars = new_scalars or out_scalars
+      if written is not None:  # the previous chunk's, while this one computes
+        self._write_chunk(store, *written)
+      written = (leaf, starts, new_chunk)
+    self._write_chunk(store, *written)
+    return state.params, self._scalar_def.unflatten(new_scalars)
+
+  def _chunk_unit(self, leaf: nvme_store.Leaf):
+    """Jitted (gradient chunk [1, ...], chunk [K, ...], scalars, norm, scale) -> (new
+    chunk, new scalars)."""
+    name = "chunk:" + leaf.name
+    if name not in self._units:
+      inner, cfg = self._inner, self.cfg
+      scalar_sh = jax.tree.leaves(self._scalar_sh)
+      replicated = self.engine.layout.replicated()
+      grad_sh = nvme_store.Leaf(leaf.name, leaf.shape, ("grad",), leaf.sharding,
+                                leaf.chunk).chunk_sharding
+      self._units[name] = jax.jit(
+          lambda g, chunk, scalars, norm, scale: nvme_tier.update_chunk(
+              cfg, inner, leaf.name, g[0], chunk, scalars, norm, scale),
+          in_shardings=(grad_sh, leaf.chunk_sharding, scalar_sh, replicated, replicated),
+          out_shardings=(leaf.chunk_sharding, scalar_sh))
+    return self._units[name]
+
+  def step(self, state, batch, grad_step=None):
+    start = time.perf_counter()
+    state, metrics = super().step(state, batch, grad_step)
+    self.stats["step_s"] = time.perf_counter() - start
+    return state, metrics
+
+
+class _Weights:
+  """A read of master weights in flight (Infinity._read_weights); assembled, and put
+  on the devices, on the caller's thread when asked for."""
+
+  def __init__(self, tier: Infinity, leaves, layer: int | None, reads):
+    self._tier, self._leaves, self._layer, self._reads = tier, leaves, layer, reads
+
+  def result(self) -> Any:
+    arrays, layer = {}, self._layer
+    for leaf, regions in zip(self._leaves, self._reads):
+      shards = []
+      for region, chunks in regions:
+        box = _layer_box(region.box, layer)
+        data = np.empty([b - a for a, b in box], np.float32)
+        for starts, future in chunks:
+          data[_local(leaf.chunk_box(region, starts), box)] = future.result()[0]
+        shards += [jax.device_put(data, d) for d in region.devices]
+      shape = leaf.shape if layer is None else (1, *leaf.shape[1:])
+      arrays[leaf.name] = jax.make_array_from_single_device_arrays(shape, leaf.sharding, shards)
+    return self._tier.nest(arrays, layers=layer is not None)
+
+
+def _layer_box(box, layer):
+  return box if layer is None else ((layer, layer + 1), *box[1:])
+
+
+def _local(box, within) -> tuple[slice, ...]:
+  """Where `box` lies in an array holding `within`."""
+  return tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(box, within))
+
+
