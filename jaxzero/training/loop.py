@@ -21,8 +21,7 @@ from jaxzero.config import Config
 from jaxzero.data import batches as batches_lib
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.engine import loss_scale
-from jaxzero.errors import (CheckpointError, DamagedCheckpointError,
-                            NonFiniteError)
+from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
 from jaxzero.interop import hf_load
 from jaxzero.offload import checks as offload_checks
 from jaxzero.offload import infinity, nvme_checkpoint, nvme_store
@@ -31,11 +30,10 @@ from jaxzero.planning import memory_check
 from jaxzero.runtime import peerwatch
 from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.sharding.zero import Layout
-from jaxzero.training import (banner, evaluation, first_step, profiling,
-                              throughput, tracking, user_model)
+from jaxzero.training import (banner, evaluation, first_step, profiling, throughput, tracking,
+                              user_model)
 from jaxzero.training import workdir as workdir_lib
-from jaxzero.training.metrics import (MetricsLogger, PendingMetrics,
-                                      drop_metrics_after)
+from jaxzero.training.metrics import MetricsLogger, PendingMetrics, drop_metrics_after
 from jaxzero.training.preemption import StopSignals
 
 log = logging.getLogger(__name__)
