@@ -218,11 +218,12 @@ class Checkpointer(_Checkpoints):
     item = self.side_saved(step)
     # The leaves on the side (saved in the side item, or to be restored into
     # `into`) are not in `state`, or not read from it.
-    partial = _without(target, into.names if into else item.shapes() if item else ())
+    kept = set(into.names) if into else set()
+    partial = _without(target, kept | set(item.shapes() if item else ()))
     try:
       restored = self._restore_fields(step, partial, unwanted)
-      if item and not into:
-        restored = item.with_leaves(restored, target)
+      if item:  # what the item holds and `into` does not keep: read from the item
+        restored = item.with_leaves(restored, target, kept)
     except Exception as e:  # pylint: disable=broad-except
       # orbax and tensorstore report a damaged file as a bare Exception.
       raise DamagedCheckpointError(read_errors.read_error(where, e)) from e

@@ -23,8 +23,9 @@ class SavedSide(Protocol):
   def view(self, name: str):
     """Leaf `name` as a TensorStore-like array to read boxes of, or None."""
 
-  def with_leaves(self, restored, target):
-    """`restored` (None at this item's leaves) with them read into `target`'s shardings."""
+  def with_leaves(self, restored, target, kept=()):
+    """`restored` (None at this item's leaves) with them read into `target`'s shardings,
+    but for those in `kept` (left None)."""
 
   def recorded(self) -> tuple[dict, list[str]]:
     """(its checksums as jaxzero.checkpoint.integrity records them, leaves saved non-finite)."""

@@ -46,12 +46,14 @@ def check_offload(cfg, devices) -> None:
     raise PathError(f"{where} cannot be written: {e.strerror or e}") from e
 
 
-def check_nvme_room(cfg, needed: int, replaced: int = 0) -> None:
+def check_nvme_room(cfg, needed: int, holds: str = "the optimizer state",
+                    replaced: int = 0) -> None:
   """Raises PathError when offload.nvme_dir lacks room for `needed` bytes (this
-  process's store), counting as free the `replaced` bytes of its previous store."""
+  process's store, which `holds` what it names), counting as free the `replaced`
+  bytes of its previous store."""
   free = shutil.disk_usage(pathlib.Path(cfg.offload.nvme_dir).expanduser()).free + replaced
   if needed > free:
     raise PathError(f"offload.nvme_dir={cfg.offload.nvme_dir} has {format_bytes(free)} free "
                     f"({free:,} bytes) but the NVMe tier needs {format_bytes(needed)} "
-                    f"({needed:,} bytes) for this process's share of the optimizer state; free "
+                    f"({needed:,} bytes) for this process's share of {holds}; free "
                     "space or choose another directory")

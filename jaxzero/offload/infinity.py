@@ -61,7 +61,12 @@ class Infinity(nvme_tier.Tier):
     self.grad_store: nvme_store.Store | None = None
     self.io_bytes = self._io_bytes()
 
+  holds = "the optimizer state, the master weights and the gradients"
+
   # -- structure ---------------------------------------------------------------------
+
+  def bytes_needed(self) -> int:
+    return super().bytes_needed() + nvme_store.bytes_needed(self.grad_leaves)
 
   def _layer_leaves(self, leaves):
     return [leaf for leaf in leaves if leaf.name.startswith(self.key + "/")]
@@ -89,6 +94,7 @@ class Infinity(nvme_tier.Tier):
 
   def open_store(self) -> nvme_store.Store:
     store = super().open_store()
+    store.derived = self.cfg.precision.compute  # checkpoints derive the compute copy
     if self.grad_store is not None:
       self.grad_store.close()
     self.grad_store = nvme_store.Store(self.directory / GRADS, self.grad_leaves)

@@ -81,10 +81,13 @@ def save_item(store: nvme_store.Store, directory: pathlib.Path) -> None:
              for leaf in store.leaves}
   sums, writes = nvme_store.Sums(), nvme_store.Writes()
   owned = [c for c in store.chunks() if c[1].owner]
+  derived = store.derived and np.dtype(store.derived)
   for (leaf, region, starts), chunk in nvme_store.prefetched(owned, lambda c: store.read(*c)):
     box = leaf.chunk_box(region, starts)
     writes.add(targets[leaf.name][nvme_store.index(box)].write(chunk))
     sums.add(leaf, box, chunk)
+    if derived:  # the compute copy a restore derives: cast as XLA casts (nearest even)
+      sums.add(leaf, box, chunk[:1].astype(derived), [nvme_store.derived_kind(leaf.name)])
   writes.wait()
   (directory / f"checksums.process_{jax.process_index()}.json").write_text(
       json.dumps(sums.as_json()) + "\n")
@@ -92,6 +95,8 @@ def save_item(store: nvme_store.Store, directory: pathlib.Path) -> None:
     index = {"format": FORMAT, "leaves": {leaf.name: {"shape": list(leaf.shape),
                                                       "kinds": list(leaf.kinds)}
                                           for leaf in store.leaves}}
+    if store.derived:  # params/<weight>: its master (copy 0) cast to this dtype
+      index["derived"] = store.derived
     (directory / INDEX).write_text(json.dumps(index, indent=1) + "\n")
 
 
@@ -102,30 +107,40 @@ class ItemReader:
     self.directory = directory
     index = json.loads((directory / INDEX).read_text())
     self.leaves = index["leaves"]
+    # A run that kept no compute copy (offload.params=nvme) saved none: it is its
+    # masters cast to the compute dtype, read as the master and cast by `with_leaves`.
+    self.derived = index.get("derived")
     self._context = ts.Context(_ITEM_CONTEXT)
     self._arrays: dict[str, ts.TensorStore] = {}
 
   def shapes(self) -> dict[str, tuple[int, ...]]:
     """{TrainState leaf: shape} of every copy it holds."""
-    return {kind: tuple(v["shape"]) for v in self.leaves.values() for kind in v["kinds"]}
+    return {kind: tuple(v["shape"]) for v in self.leaves.values() for kind in self._kinds(v)}
+
+  def _kinds(self, leaf: dict) -> list[str]:
+    """The TrainState leaves a weight's array gives: its copies, then any derived one."""
+    master = leaf["kinds"][0]
+    return leaf["kinds"] + ([nvme_store.derived_kind(master.split("/", 1)[1])]
+                            if self.derived else [])
 
   def view(self, kind: str) -> ts.TensorStore | None:
     """The saved TrainState leaf `kind` (None if the item does not hold it)."""
     for name, v in self.leaves.items():
-      if kind in v["kinds"]:
-        return self.array(name)[v["kinds"].index(kind)]
+      if kind in self._kinds(v):  # a derived copy is its master's (copy 0), cast where read
+        return self.array(name)[v["kinds"].index(kind) if kind in v["kinds"] else 0]
     return None
 
-  def with_leaves(self, restored, target):
+  def with_leaves(self, restored, target, kept=()):
     """`restored` (a TrainState read with None at this item's leaves) with those
-    leaves read into the shardings of `target`'s, box by box."""
+    leaves read into the shardings of `target`'s, box by box; those in `kept` (a
+    run keeps them itself: jaxzero.checkpoint.side_item.SideTarget) stay None."""
     have = {integrity.leaf_name(p): x
             for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
 
     def leaf(path, t):
       name = integrity.leaf_name(path)
-      if name in have:
-        return have[name]
+      if name in have or name in kept:
+        return have.get(name)
       saved = self.view(name)
       return jax.make_array_from_callback(
           t.shape, t.sharding, lambda index: np.asarray(saved[index].read().result(), t.dtype))

@@ -184,9 +184,12 @@ class Store:
   A static pytree node: a state holding it flattens to its in-memory leaves.
   """
 
-  def __init__(self, directory: pathlib.Path, leaves: list[Leaf]):
+  def __init__(self, directory: pathlib.Path, leaves: list[Leaf], derived: str | None = None):
+    """`derived`: where the run keeps no compute copy of the weights (offload.params=nvme),
+    its dtype: a checkpoint then records ``params/<weight>`` as the master cast to it."""
     self.directory = directory
     self.leaves = leaves
+    self.derived = derived
     self.writes = Writes()
     if directory.exists():
       remove(directory)  # a killed run's: never read, the checkpoint is the state
@@ -341,10 +344,10 @@ class Sums:
     self.sums: dict[str, int] = collections.defaultdict(int)
     self.finite: dict[str, bool] = collections.defaultdict(lambda: True)
 
-  def add(self, leaf: Leaf, box: Box, chunk: np.ndarray) -> None:
+  def add(self, leaf: Leaf, box: Box, chunk: np.ndarray, kinds=None) -> None:
     offsets = np.array([a for a, _ in box], np.int32)
     values = np.asarray(integrity.box_checksums(_on_cpu(chunk), offsets, leaf.shape))
-    for k, kind in enumerate(leaf.kinds):
+    for k, kind in enumerate(kinds or leaf.kinds):
       self.sums[kind] = (self.sums[kind] + int(values[0, k])) % 2**32
       self.finite[kind] &= bool(values[1, k])
 
@@ -376,6 +379,11 @@ def _cpu():
 
 def _on_cpu(chunk: np.ndarray) -> jax.Array:
   return jax.device_put(chunk, _cpu())
+
+
+def derived_kind(name: str) -> str:
+  """The TrainState leaf of weight `name`'s compute copy, where derived from its master."""
+  return f"params/{name}"
 
 
 def bytes_needed(leaves: list[Leaf]) -> int:

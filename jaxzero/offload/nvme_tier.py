@@ -128,7 +128,13 @@ class Tier:
     self.stats: dict[str, float] = {}
     self.step_bytes = sum(leaf.local_bytes for leaf in self.leaves)  # read, and written
 
+  holds = "the optimizer state"  # what the store holds, as bad input names it
+
   # -- structure ---------------------------------------------------------------------
+
+  def bytes_needed(self) -> int:
+    """Bytes this process's store takes on disk."""
+    return nvme_store.bytes_needed(self.leaves)
 
   def open_store(self) -> nvme_store.Store:
     """An empty store (a killed run's is deleted first)."""

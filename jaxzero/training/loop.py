@@ -155,7 +155,7 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
     budget = memory_check.check(run.engine, run.devices, force)  # before any state exists
     if run.nvme:
       directory = run.nvme.directory
-      offload_checks.check_nvme_room(cfg, nvme_store.bytes_needed(run.nvme.leaves),
+      offload_checks.check_nvme_room(cfg, run.nvme.bytes_needed(), run.nvme.holds,
                                 nvme_store.directory_bytes(directory) if directory.exists() else 0)
     if jax.process_index() == 0:
       print(banner.text(run, budget, workdir, total), flush=True)
