@@ -34,6 +34,7 @@ import os
 import pathlib
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -63,6 +64,8 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.steps < 2 or args.seq_gb * 1e9 < BLOCK:
     parser.error(f"--steps must be >= 2 and --seq-gb at least {BLOCK / 1e9:.3f} (one block)")
+  # SIGTERM (a scheduler's, or kill) exits through the clean-up below, as an error does.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
   from jaxzero.sharding import mesh  # pylint: disable=import-outside-toplevel
   mesh.use_virtual_cpu_devices(1)
   from jaxzero import cli  # pylint: disable=import-outside-toplevel
@@ -85,7 +88,7 @@ def bench(args) -> int:
           f"model.vocab_size={args.vocab}", f"model.tie_embeddings={not args.untied}",
           "mesh.fsdp=1", "zero.stage=3", "train.global_batch=1", "train.grad_accum=1",
           f"train.seq_len={args.seq}", f"train.steps={args.steps}", "precision.compute=bfloat16",
-          "remat.policy=full", "train.lr=3e-4", "train.warmup_steps=0", "data.max_bytes=1000000",
+          "remat.policy=full", "train.lr=1e-5", "train.warmup_steps=0", "data.max_bytes=1000000",
           "offload.optimizer=nvme", "offload.params=nvme", f"offload.nvme_dir={nvme_dir}"]
   cfg = config.load(str(ROOT / "configs" / "tiny_zero3.py"), sets)
   devices = jax.devices()[:1]
@@ -223,6 +226,8 @@ def compute_alone(tier, state, batch_Ax) -> float:
 
   p = tier.programs
   outer = tier._read_weights(tier._outer_leaves(tier.leaves), None).result()  # pylint: disable=protected-access
+  batch = jax.tree.map(lambda x: x[0], batch_Ax)
+  pre_in, post_in = ({n: outer[n] for n in p.outer_names(side, batch)} for side in ("pre", "post"))
   weights = tier._read_weights(tier._layer_leaves(tier.leaves), 0).result()  # pylint: disable=protected-access
   units = [(leaf, g, s) for leaf, g in zip(tier.leaves, tier.grad_leaves) for s in leaf.starts()]
   first = {}
@@ -235,17 +240,16 @@ def compute_alone(tier, state, batch_Ax) -> float:
   norm = scale = jax.device_put(np.float32(1.0), tier.engine.layout.replicated())
   jax.block_until_ready(first)
   start = time.perf_counter()
-  batch = jax.tree.map(lambda x: x[0], batch_Ax)
-  carry, consts = p.pre(outer, batch)
+  carry, consts = p.pre(pre_in, batch)
   checkpoints = []
   for _ in range(tier.n_layers):
     checkpoints.append(carry)
     carry = p.layer_forward(weights, carry, consts)
-  _, (grads, ct) = p.post_grad(outer, batch, carry)
+  _, (grads, ct) = p.post_grad(post_in, batch, carry)
   for _ in range(tier.n_layers):
     layer_grads, ct, _ = p.layer_backward(weights, checkpoints.pop(), consts, ct)
     np.asarray(jax.tree.leaves(layer_grads)[0])  # as the step waits to write it
-  jax.block_until_ready(p.pre_backward(outer, batch, ct, p.float_consts(consts)))
+  jax.block_until_ready(p.pre_backward(pre_in, batch, ct, p.float_consts(consts)))
   for leaf, _, _ in units:
     out = tier._chunk_unit(leaf)(*first[leaf.name], scalars, norm, scale)  # pylint: disable=protected-access
     np.asarray(out[0])  # as the step waits to write it

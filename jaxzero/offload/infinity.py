@@ -135,33 +135,41 @@ class Infinity(nvme_tier.Tier):
     """The step's gradients, summed into the gradient store: (None, loss, norm)."""
     del grad_step
     p, accum = self.programs, jax.tree.leaves(batch_Ax)[0].shape[0]
-    outer = self._read_weights(self._outer_leaves(self.leaves), None).result()
-    loss_sum, outer_grads, squares = 0.0, None, 0.0
+    # The weights outside the layer stack (embedding, head, final norm) stay in host
+    # memory through the step; each program gets, on the device, those it reads.
+    outer = self._read_weights(self._outer_leaves(self.leaves), None).host()
+    first_batch = jax.tree.map(lambda x: x[0], batch_Ax)
+    pre_names, post_names = (p.outer_names(side, first_batch) for side in ("pre", "post"))
+    loss_sum, squares = 0.0, 0.0
     for a in range(accum):
       batch = jax.tree.map(lambda x, a=a: x[a], batch_Ax)
-      carry, consts = p.pre(outer, batch)
+      first, last = a == 0, a == accum - 1
+      carry, consts = p.pre(self._on_device(outer, pre_names), batch)
       checkpoints = []
       for _, weights in self._layers(range(self.n_layers)):
         checkpoints.append(carry)
         carry = p.layer_forward(weights, carry, consts)
-      value, (grads, ct_carry) = p.post_grad(outer, batch, carry, *scale)
+        # Dispatch is asynchronous: without waiting for the previous layer, this loop
+        # would put every layer's weights on the device before the first had run.
+        jax.block_until_ready(checkpoints[-1])
+      value, (post_grads, ct_carry) = p.post_grad(self._on_device(outer, post_names), batch,
+                                                  carry, *scale)
       loss_sum += value[1] if scale else value
       ct_consts = [0.0 * c for c in p.float_consts(consts)]
-      last = a == accum - 1
       self.grad_store.writes.wait()  # the last micro-step's sums, before they are added to
       pending = None
       for i, weights in self._layers(reversed(range(self.n_layers))):
         layer_grads, ct_carry, ct = p.layer_backward(weights, checkpoints.pop(), consts, ct_carry)
         ct_consts = p.add(ct_consts, ct)
         if pending is not None:  # the previous layer's, while this one computes
-          squares += self._add_grads(*pending, first=a == 0, last=last)
+          squares += self._add_grads(*pending, first=first, last=last)
         pending = (self._layer_leaves(self.grad_leaves), i, layer_grads)
-      squares += self._add_grads(*pending, first=a == 0, last=last)
-      grads = p.add(grads, p.pre_backward(outer, batch, ct_carry, ct_consts))
-      outer_grads = p.add(outer_grads, grads)
-    self.grad_store.writes.wait()
-    squares += self._add_grads(self._outer_leaves(self.grad_leaves), None, outer_grads,
-                               first=True, last=True)
+      squares += self._add_grads(*pending, first=first, last=last)
+      pre_grads = p.pre_backward(self._on_device(outer, pre_names), batch, ct_carry, ct_consts)
+      outer_grads = {leaf.name: _sum(post_grads.get(leaf.name), pre_grads.get(leaf.name), leaf)
+                     for leaf in self._outer_leaves(self.leaves)}
+      squares += self._add_grads(self._outer_leaves(self.grad_leaves), None, outer_grads,
+                                 first=first, last=last)
     self.grad_store.writes.wait()
     if jax.process_count() > 1:
       squares = float(np.sum(multihost_utils.process_allgather(np.float64(squares))))
@@ -169,6 +177,11 @@ class Infinity(nvme_tier.Tier):
     if scale:
       grad_norm = grad_norm / np.float32(scale[0])
     return None, np.float32(loss_sum / accum), grad_norm
+
+  @staticmethod
+  def _on_device(host: dict, names: list[str]) -> dict[str, jax.Array]:
+    """{name: global array} of the weights `names` of `host` (_Weights.host)."""
+    return {name: _to_device(*host[name]) for name in names}
 
   def _layers(self, order):
     """(layer, its master weights) in `order`, the next layer's chunks read meanwhile."""
@@ -190,7 +203,7 @@ class Infinity(nvme_tier.Tier):
     """Adds `grads` (of one layer where given) into the gradient store; returns the sum
     of squares of the new sums of the boxes this process owns, on the last micro-step."""
     store, squares = self.grad_store, 0.0
-    grads = self.named(grads, layers=layer is not None)
+    grads = self.named(grads, layers=True) if layer is not None else grads
     for leaf in leaves:
       grad = grads[leaf.name]
       shards = {s.device: s.data for s in grad.addressable_shards}
@@ -263,25 +276,42 @@ class Infinity(nvme_tier.Tier):
 
 
 class _Weights:
-  """A read of master weights in flight (Infinity._read_weights); assembled, and put
-  on the devices, on the caller's thread when asked for."""
+  """A read of master weights in flight (Infinity._read_weights): `host()` waits for it,
+  `result()` also puts the weights on the devices (on the caller's thread)."""
 
   def __init__(self, tier: Infinity, leaves, layer: int | None, reads):
     self._tier, self._leaves, self._layer, self._reads = tier, leaves, layer, reads
 
-  def result(self) -> Any:
-    arrays, layer = {}, self._layer
+  def host(self) -> dict[str, tuple]:
+    """{name: (leaf, global shape, [(region, its data)])}."""
+    out, layer = {}, self._layer
     for leaf, regions in zip(self._leaves, self._reads):
-      shards = []
+      data = []
       for region, chunks in regions:
         box = _layer_box(region.box, layer)
-        data = np.empty([b - a for a, b in box], np.float32)
+        array = np.empty([b - a for a, b in box], np.float32)
         for starts, future in chunks:
-          data[_local(leaf.chunk_box(region, starts), box)] = future.result()[0]
-        shards += [jax.device_put(data, d) for d in region.devices]
-      shape = leaf.shape if layer is None else (1, *leaf.shape[1:])
-      arrays[leaf.name] = jax.make_array_from_single_device_arrays(shape, leaf.sharding, shards)
-    return self._tier.nest(arrays, layers=layer is not None)
+          array[_local(leaf.chunk_box(region, starts), box)] = future.result()[0]
+        data.append((region, array))
+      out[leaf.name] = (leaf, leaf.shape if layer is None else (1, *leaf.shape[1:]), data)
+    return out
+
+  def result(self) -> Any:
+    arrays = {name: _to_device(*value) for name, value in self.host().items()}
+    return self._tier.nest(arrays, layers=True) if self._layer is not None else arrays
+
+
+def _to_device(leaf: nvme_store.Leaf, shape: tuple[int, ...], data: list) -> jax.Array:
+  shards = [jax.device_put(array, d) for region, array in data for d in region.devices]
+  return jax.make_array_from_single_device_arrays(shape, leaf.sharding, shards)
+
+
+def _sum(a, b, leaf: nvme_store.Leaf):
+  """The sum of a weight's gradients from both sides of the cut (None where a side does
+  not read the weight; zeros where neither does)."""
+  if a is None and b is None:
+    return jax.device_put(np.zeros(leaf.shape, np.float32), leaf.sharding)
+  return b if a is None else a if b is None else a + b
 
 
 def _layer_box(box, layer):

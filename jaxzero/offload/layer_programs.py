@@ -17,7 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
+
+from jaxzero.checkpoint import integrity
 
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import dtype_of
@@ -36,6 +39,17 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def used_inputs(fn, *args) -> list[bool]:
+  """For each leaf of `args`: whether `fn`'s outputs depend on it, dead code left out
+  (``jax.make_jaxpr`` keeps dead code; a program needs only the live inputs)."""
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  live = {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+  for eqn in reversed(jaxpr.eqns):
+    if eqn.effects or any(v in live for v in eqn.outvars):
+      live.update(v for v in eqn.invars if isinstance(v, jex.Var))
+  return [v in live for v in jaxpr.invars]
+
+
 class LayerPrograms:
   """The jitted programs of one model, config and layout.
 
@@ -43,8 +57,10 @@ class LayerPrograms:
   carry``; ``post_grad(outer, batch, carry, *scale) -> (loss, (outer grads, carry
   grad))``; ``layer_backward(weights, carry, consts, carry grad) -> (weights grads,
   carry grad, consts grads)``; ``pre_backward(outer, batch, carry grad, consts grads)
-  -> outer grads``. `outer` is the master weights less ``params[layers_key]``;
-  `weights` one layer's master weights, each with a leading axis of 1.
+  -> outer grads``. `outer` is {leaf name: fp32 master weight} of the weights outside
+  ``params[layers_key]`` that the program reads (:meth:`outer_names`), and its
+  gradients are keyed alike; `weights` is one layer's master weights, each with a
+  leading axis of 1, nested as ``params[layers_key]``.
   """
 
   def __init__(self, engine):
@@ -55,19 +71,29 @@ class LayerPrograms:
     self.key = key = model.layers_key
     compute = dtype_of(cfg.precision.compute)
     remat = remat_wrapper(cfg.remat.policy)
-    stacked_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, compute),
-                                 engine.abstract.master[key])
-    master_sh = engine.shardings.master
-    outer_sh = {k: v for k, v in master_sh.items() if k != key}
-    layer_sh = master_sh[key]
+    master = engine.abstract.master
+    self._outer_specs = {integrity.leaf_name(path): a
+                         for path, a in jax.tree_util.tree_flatten_with_path(master)[0]
+                         if not integrity.leaf_name(path).startswith(key + "/")}
+    self._outer_sh = {integrity.leaf_name(path): s for path, s in
+                      jax.tree_util.tree_flatten_with_path(engine.shardings.master)[0]
+                      if not integrity.leaf_name(path).startswith(key + "/")}
+    layer_sh = engine.shardings.master[key]
     scales_loss = cfg.precision.scales_loss
     cast = lambda tree: jax.tree.map(lambda w: w.astype(compute), tree)
     self._layer = None  # the layer function with its closure hoisted, set by tracing `pre`
+    self._names: dict[str, list[str]] = {}
 
     def params_of(outer):
-      # The stacked weights are never read before or after the cut: zeros that XLA removes.
-      stacked = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stacked_specs)
-      return {**cast(outer), key: stacked}
+      # Weights a program does not read (the stacked layers, and outer weights used only on
+      # the other side of the cut) are zeros that XLA removes.
+      def leaf(path, a):
+        name = integrity.leaf_name(path)
+        return outer[name].astype(compute) if name in outer else jnp.zeros(a.shape, compute)
+      return jax.tree_util.tree_map_with_path(leaf, master)
+
+    def reduced(grads):  # each outer weight's gradient leaves in its master layout
+      return {n: jax.lax.with_sharding_constraint(g, self._outer_sh[n]) for n, g in grads.items()}
 
     def capture(layer, carry, stacked):
       one = jax.tree.map(lambda x: x[0], stacked)
@@ -111,14 +137,37 @@ class LayerPrograms:
         carry, consts = pre(outer, batch)
         return carry, floats(consts)
       _, vjp = jax.vjp(f, outer)
-      return vjp((ct_carry, ct_float_consts))[0]
+      return reduced(vjp((ct_carry, ct_float_consts))[0])
 
+    def post_grad(outer, batch, carry, *scale):
+      value, (grads, ct_carry) = jax.value_and_grad(post, argnums=(0, 2), has_aux=scales_loss)(
+          outer, batch, carry, *scale)
+      return value, (reduced(grads), ct_carry)
+
+    self._pre = pre
+    self._post = post
     self.pre = jax.jit(pre)
     self.layer_forward = jax.jit(run_layer)
-    self.post_grad = jax.jit(jax.value_and_grad(post, argnums=(0, 2), has_aux=scales_loss),
-                             out_shardings=(None, (outer_sh, None)))
+    self.post_grad = jax.jit(post_grad)
     self.layer_backward = jax.jit(layer_backward, out_shardings=(layer_sh, None, None))
-    self.pre_backward = jax.jit(pre_backward, out_shardings=outer_sh)
+    self.pre_backward = jax.jit(pre_backward)
+
+  def outer_names(self, side: str, batch) -> list[str]:
+    """The outer weights that `side` ("pre" or "post") reads, for a micro-batch like
+    `batch` (traced once, nothing computed)."""
+    if side not in self._names:
+      specs = dict(self._outer_specs)
+      batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+      carry, _ = jax.eval_shape(self._pre, specs, batch)
+      n = len(specs)  # the outer weights come first among the traced inputs, sorted by name
+      self._names["pre"] = [name for name, used in zip(sorted(specs), used_inputs(
+          self._pre, specs, batch)[:n]) if used]
+      self._names["post"] = [name for name, used in zip(sorted(specs), used_inputs(
+          self._post, specs, batch, carry)[:n]) if used]
+    return self._names[side]
+
+  def outer_sharding(self, name: str):
+    return self._outer_sh[name]
 
   def float_consts(self, consts: list) -> list:
     return [c for f, c in zip(self._const_is_float, consts) if f]

@@ -150,7 +150,11 @@ def test_the_programs_hold_one_layer_and_gradients_leave_reduced(nvme_dir, tmp_p
     p = tier.programs
     batch = jax.tree.map(lambda x: x[0], run.batch(0))
     outer = tier._read_weights(tier._outer_leaves(tier.leaves), None).result()
-    carry, consts = p.pre(outer, batch)
+    # Each side of the cut reads only its own weights: the embedding before, the final
+    # norm and the head after (untied).
+    assert p.outer_names("pre", batch) == ["embed_VxD"]
+    assert p.outer_names("post", batch) == ["final_norm", "lm_head_DxV"]
+    carry, consts = p.pre({"embed_VxD": outer["embed_VxD"]}, batch)
     out = p.layer_forward(weights_in, carry, consts)
     grads, _, _ = p.layer_backward(weights_in, carry, consts, out)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(weights_in), strict=True):
@@ -180,7 +184,8 @@ def test_its_checkpoint_resumes_in_memory_on_another_mesh_and_stage(infinity_run
 def test_an_in_memory_checkpoint_resumes_with_everything_on_nvme(reference, nvme_dir, tmp_path):
   workdir = at_step(reference[8, 2], 5, tmp_path / "w")
   assert train(workdir, ["train.grad_accum=2", *infinity_sets(nvme_dir)], 1).start_step == 5
-  assert_same_run(workdir, reference[8, 2], range(6, 11))  # (on 1 device)
+  # On 1 device against 8: sums in another order, ~1e-6 apart after 10 steps in memory too.
+  assert_same_run(workdir, reference[8, 2], range(6, 11), rtol=3e-6)
 
 
 @pytest.mark.parametrize("into", ["memory", "nvme"])
