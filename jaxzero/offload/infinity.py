@@ -27,6 +27,7 @@ makes it after every update. So a checkpoint's ``params`` are derived from its m
 
 from __future__ import annotations
 
+import concurrent.futures
 import pathlib
 import time
 from typing import Any
@@ -59,6 +60,7 @@ class Infinity(nvme_tier.Tier):
     self.grad_leaves = [nvme_store.Leaf(leaf.name, leaf.shape, ("grad",), leaf.sharding,
                                         leaf.chunk) for leaf in self.leaves]
     self.grad_store: nvme_store.Store | None = None
+    self._assembler = concurrent.futures.ThreadPoolExecutor(1, "jaxzero-infinity")
     self.io_bytes = self._io_bytes()
 
   holds = "the optimizer state, the master weights and the gradients"
@@ -74,18 +76,15 @@ class Infinity(nvme_tier.Tier):
   def _outer_leaves(self, leaves):
     return [leaf for leaf in leaves if not leaf.name.startswith(self.key + "/")]
 
-  def nest(self, arrays: dict[str, Any], layers: bool) -> Any:
-    """{weight name: array} as ``params[layers_key]`` (`layers`) or as the other weights."""
-    master = self.engine.abstract.master
-    tree = master[self.key] if layers else {k: v for k, v in master.items() if k != self.key}
-    prefix = (self.key,) if layers else ()
+  def nest(self, arrays: dict[str, Any]) -> Any:
+    """{weight name: array} of one layer's weights, nested as ``params[layers_key]``."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: arrays[integrity.leaf_name(prefix + tuple(path))], tree)
+        lambda path, _: arrays[integrity.leaf_name((self.key, *path))],
+        self.engine.abstract.master[self.key])
 
-  def named(self, tree: Any, layers: bool) -> dict[str, Any]:
+  def named(self, tree: Any) -> dict[str, Any]:
     """`nest`'s inverse."""
-    prefix = (self.key,) if layers else ()
-    return {integrity.leaf_name(prefix + tuple(path)): x
+    return {integrity.leaf_name((self.key, *path)): x
             for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
   @property
@@ -189,21 +188,23 @@ class Infinity(nvme_tier.Tier):
     yield from nvme_store.prefetched(order, lambda i: self._read_weights(leaves, i), depth=1)
 
   def _read_weights(self, leaves, layer: int | None) -> "_Weights":
-    """The master weights of `leaves` (of one layer [1, ...] where `layer` is given),
-    their chunks' reads started now; `.result()` gives them as the global arrays of
-    their master layout, nested as the model's parameters (or as ``params[layers_key]``)."""
+    """The weights `leaves` (of one layer [1, ...] where `layer` is given) in the compute
+    dtype: their master copies read now, and cast on the host as they arrive (numpy's
+    rounding to bf16 is XLA's, to nearest even), on a thread of their own. The device
+    then receives, and holds, 2 bytes a weight in bf16, not the master's 4."""
     reads = []
     for leaf in leaves:
       chunks = [s for s in leaf.starts() if layer is None or s[0] == layer]
       reads.append([(region, [(s, self.store.read(leaf, region, s, copies=1)) for s in chunks])
                     for region in leaf.regions])
-    return _Weights(self, leaves, layer, reads)
+    compute = engine_lib.dtype_of(self.cfg.precision.compute)
+    return _Weights(self, layer, self._assembler.submit(_assemble, leaves, layer, reads, compute))
 
   def _add_grads(self, leaves, layer: int | None, grads: dict, first: bool, last: bool) -> float:
     """Adds `grads` (of one layer where given) into the gradient store; returns the sum
     of squares of the new sums of the boxes this process owns, on the last micro-step."""
     store, squares = self.grad_store, 0.0
-    grads = self.named(grads, layers=True) if layer is not None else grads
+    grads = self.named(grads) if layer is not None else grads
     for leaf in leaves:
       grad = grads[leaf.name]
       shards = {s.device: s.data for s in grad.addressable_shards}
@@ -275,30 +276,34 @@ class Infinity(nvme_tier.Tier):
     return state, metrics
 
 
-class _Weights:
-  """A read of master weights in flight (Infinity._read_weights): `host()` waits for it,
-  `result()` also puts the weights on the devices (on the caller's thread)."""
+def _assemble(leaves, layer: int | None, reads, dtype) -> dict[str, tuple]:
+  """{name: (leaf, global shape, [(region, its box in `dtype`)])} once `reads` are done."""
+  out = {}
+  for leaf, regions in zip(leaves, reads):
+    data = []
+    for region, chunks in regions:
+      box = _layer_box(region.box, layer)
+      array = np.empty([b - a for a, b in box], dtype)
+      for starts, future in chunks:
+        array[_local(leaf.chunk_box(region, starts), box)] = future.result()[0]
+      data.append((region, array))
+    out[leaf.name] = (leaf, leaf.shape if layer is None else (1, *leaf.shape[1:]), data)
+  return out
 
-  def __init__(self, tier: Infinity, leaves, layer: int | None, reads):
-    self._tier, self._leaves, self._layer, self._reads = tier, leaves, layer, reads
+
+class _Weights:
+  """Weights being read (Infinity._read_weights): `host()` waits for them, `result()`
+  also puts them on the devices (on the caller's thread, which orders the transfers)."""
+
+  def __init__(self, tier: Infinity, layer: int | None, assembled):
+    self._tier, self._layer, self._assembled = tier, layer, assembled
 
   def host(self) -> dict[str, tuple]:
-    """{name: (leaf, global shape, [(region, its data)])}."""
-    out, layer = {}, self._layer
-    for leaf, regions in zip(self._leaves, self._reads):
-      data = []
-      for region, chunks in regions:
-        box = _layer_box(region.box, layer)
-        array = np.empty([b - a for a, b in box], np.float32)
-        for starts, future in chunks:
-          array[_local(leaf.chunk_box(region, starts), box)] = future.result()[0]
-        data.append((region, array))
-      out[leaf.name] = (leaf, leaf.shape if layer is None else (1, *leaf.shape[1:]), data)
-    return out
+    return self._assembled.result()
 
   def result(self) -> Any:
     arrays = {name: _to_device(*value) for name, value in self.host().items()}
-    return self._tier.nest(arrays, layers=True) if self._layer is not None else arrays
+    return self._tier.nest(arrays) if self._layer is not None else arrays
 
 
 def _to_device(leaf: nvme_store.Leaf, shape: tuple[int, ...], data: list) -> jax.Array:

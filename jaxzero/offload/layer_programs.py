@@ -5,10 +5,10 @@ The cut is ``Hooks.scan`` (``Model.layers_key``): what runs before it (e.g. the
 embedding) is `pre`, one scan step is `layer`, what runs after it (final norm,
 head, loss) is `post`. The values the layer function closes over (e.g. RoPE
 tables) are hoisted into arguments with ``jax.closure_convert`` and passed from
-`pre` to every layer. Weights enter every program as fp32 master weights and are
-cast to the compute dtype inside it, as the in-memory step casts them after each
-update; gradients leave as fp32, in the master weights' layout (at stage 3 a
-reduce-scatter), so nothing whole is ever held. A layer's backward program
+`pre` to every layer. Weights enter every program in the compute dtype (the driver
+casts the master weights on the host, as the in-memory step casts them after each
+update) and gradients leave in ``zero.grad_dtype``, in the master weights' layout (at
+stage 3 a reduce-scatter), so nothing whole is ever held. A layer's backward program
 recomputes its forward from its input (full remat at layer boundaries).
 """
 
@@ -92,8 +92,11 @@ class LayerPrograms:
         return outer[name].astype(compute) if name in outer else jnp.zeros(a.shape, compute)
       return jax.tree_util.tree_map_with_path(leaf, master)
 
+    grad_dtype = dtype_of(cfg.zero.grad_dtype)
+
     def reduced(grads):  # each outer weight's gradient leaves in its master layout
-      return {n: jax.lax.with_sharding_constraint(g, self._outer_sh[n]) for n, g in grads.items()}
+      return {n: jax.lax.with_sharding_constraint(g.astype(grad_dtype), self._outer_sh[n])
+              for n, g in grads.items()}
 
     def capture(layer, carry, stacked):
       one = jax.tree.map(lambda x: x[0], stacked)
@@ -125,7 +128,8 @@ class LayerPrograms:
       def f(weights, carry, float_consts):
         return run_layer(weights, carry, merge(float_consts, consts))
       _, vjp = jax.vjp(f, weights, carry, floats(consts))
-      return vjp(ct_carry)
+      grads, ct_carry, ct_consts = vjp(ct_carry)
+      return jax.tree.map(lambda g: g.astype(grad_dtype), grads), ct_carry, ct_consts
 
     def post(outer, batch, carry, *scale):
       loss = loss_fn(model, params_of(outer), batch, layout, remat,

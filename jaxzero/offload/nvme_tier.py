@@ -165,14 +165,26 @@ class Tier:
 
   # -- step 0 --------------------------------------------------------------------------
 
-  def init(self, master: Any = None) -> NvmeState:
+  def init(self, master: Any = None, boxes=None) -> NvmeState:
     """Step 0 as Engine.init makes it (same random weights from cfg.seed, or
-    `master` placed by ``shardings.master``), its weights' copies written to disk."""
+    `master` placed by ``shardings.master``), its weights' copies written to disk.
+
+    `boxes(name, box) -> float32 array`, where given, draws the master weights one
+    chunk's box at a time instead: for a model whose largest weight cannot be drawn
+    whole in memory (Engine.init draws each weight whole, and its random bits take
+    three times its size)."""
     sh = self.engine.shardings
     store = self.open_store()
     master_sh = jax.tree.leaves(on_device(sh.master))
     random = master is None
-    if random:
+    if boxes is not None:
+      for leaf in self.leaves:
+        for region in leaf.regions:
+          for starts in leaf.starts():
+            w = np.asarray(boxes(leaf.name, leaf.chunk_box(region, starts)), np.float32)
+            store.write(leaf, region, starts, self._first_copies(leaf, w))
+      batches = []
+    elif random:
       batches = self._init_batches()
     else:
       weights = jax.tree.leaves(jax.device_put(master, on_device(sh.master)))
