@@ -28,6 +28,14 @@ _RESHARD = "checkpoints restore on any mesh and stage"
 _PINNED = "offloaded state lives in pinned_host memory"
 _NVME_ONLY = "an NVMe-tier setting, unused without device nvme"
 _NVME_FIXED = "the NVMe tier's buffers and I/O are fixed (jaxzero.offload.nvme_store)"
+# offload_param with device nvme: what DeepSpeed's knobs size, and what does it here.
+_PARAM_BUFFERS = {
+    "buffer_count": "the parameter tier reads one layer ahead of the one computing "
+                    "(jaxzero.offload.infinity); its buffers follow the layers' size",
+    "buffer_size": "the parameter tier reads whole layers, in the NVMe tier's chunks",
+    "max_in_cpu": "no parameters are kept in host memory between uses: each layer is read "
+                  "from NVMe when it runs",
+}
 UNNEEDED_ZERO = {
     "overlap_comm": _SCHEDULED, "contiguous_gradients": _BUFFERS,
     "reduce_bucket_size": _BUFFERS, "allgather_bucket_size": _BUFFERS,
@@ -237,6 +245,15 @@ def _zero(tr: Translation, zero: dict) -> None:
   _offload(tr, zero, "offload_optimizer", "offload.optimizer", legacy="cpu_offload")
   _offload(tr, zero, "offload_param", "offload.params", legacy="cpu_offload_params")
   stage_named = zero.get("stage", 3)  # absent: the base's stage, checked by config.validate
+  if (tr.settings.get("offload.params", ("device",))[0] == "nvme"
+      and tr.settings.get("offload.optimizer", ("device",))[0] != "nvme"):
+    raise tr.error("zero_optimization.offload_param.device=nvme needs "
+                   "zero_optimization.offload_optimizer.device=nvme too: the parameter tier reads "
+                   "the master weights from the optimizer's files (ZeRO-Infinity with the "
+                   "optimizer state in host memory is not available)")
+  if tr.settings.get("offload.params", ("device",))[0] == "nvme" and stage_named != 3:
+    raise tr.error("zero_optimization.offload_param needs stage 3 (parameters are "
+                   "sharded and offloaded only under ZeRO-3)")
   if tr.settings.get("offload.params", ("device",))[0] == "pinned_host" and stage_named != 3:
     raise tr.error("zero_optimization.offload_param needs stage 3 (parameters are "
                    "sharded and offloaded only under ZeRO-3)")
@@ -248,9 +265,6 @@ def _offload(tr: Translation, zero: dict, key: str, target: str, legacy: str) ->
     tr.set(target, "pinned_host", f"zero_optimization.{legacy}")
   block = tr.check_keys(zero.get(key, {}), where, OFFLOAD_KEYS)
   device = block.get("device", "none")
-  if device == "nvme" and target != "offload.optimizer":
-    raise tr.error(f"{where}device=nvme: the NVMe tier holds the optimizer state only; use "
-                   "device cpu (pinned host memory)")
   if device == "nvme" and not (isinstance(block.get("nvme_path"), str) and block["nvme_path"]):
     raise tr.error(f"{where}device=nvme needs {where}nvme_path, a directory on local disk")
   if device not in ("none", "cpu", "nvme"):
@@ -261,12 +275,19 @@ def _offload(tr: Translation, zero: dict, key: str, target: str, legacy: str) ->
   if key in zero:
     tr.set(target, {"cpu": "pinned_host", "nvme": "nvme"}.get(device, "device"), f"{where}device")
   if device == "nvme":
+    named = tr.settings.get("offload.nvme_dir")
+    if named and named[0] != block["nvme_path"]:
+      raise tr.error(f"{where}nvme_path={block['nvme_path']!r} differs from {named[1]}="
+                     f"{named[0]!r}: the parameters, gradients and optimizer state share one "
+                     "directory here (offload.nvme_dir); give both the same path")
     tr.set("offload.nvme_dir", block["nvme_path"], f"{where}nvme_path")
   for name in block:
     if name == "pin_memory" and device != "nvme":
       tr.unneeded[where + name] = _PINNED
     elif name not in ("device", "ratio") and not (device == "nvme" and name == "nvme_path"):
-      tr.unneeded[where + name] = _NVME_FIXED if device == "nvme" else _NVME_ONLY
+      tr.unneeded[where + name] = (_NVME_ONLY if device != "nvme" else
+                                   _PARAM_BUFFERS.get(name, _NVME_FIXED)
+                                   if key == "offload_param" else _NVME_FIXED)
 
 
 def _activation_checkpointing(tr: Translation, block: dict) -> None:

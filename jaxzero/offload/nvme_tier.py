@@ -115,6 +115,8 @@ class Tier:
                                               transform_non_params=lambda v: v)
     self._scalar_sh = keep(sh.opt_state)
     self._scalar_def = jax.tree.structure(keep(abstract.opt_state))
+    self._scalar_abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(
+        jax.tree.leaves(keep(abstract.opt_state)), jax.tree.leaves(self._scalar_sh))]
     self._units: dict[str, Any] = {}
     replicated = engine.layout.replicated()
     self._lr = jax.jit(engine_lib.learning_rate_schedule(engine.cfg), out_shardings=replicated)
@@ -162,6 +164,10 @@ class Tier:
     if self.store is not None:
       self.store.close()
       self.store = None
+
+  def abstract_scalars(self) -> list[jax.ShapeDtypeStruct]:
+    """The optimizer's scalars (what memory keeps of its state), as shapes."""
+    return list(self._scalar_abstract)
 
   # -- step 0 --------------------------------------------------------------------------
 

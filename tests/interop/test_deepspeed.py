@@ -163,17 +163,49 @@ def test_nvme_optimizer_offload_is_the_nvme_tier(tmp_path):
   tr = deepspeed.translate(ds, base())
   assert {"zero_optimization.offload_optimizer.buffer_count", "aio"} <= set(tr.unneeded)
   assert "zero_optimization.offload_optimizer.nvme_path" not in tr.unneeded
-  # DeepSpeed's nvme_path is required there too; parameters stay off the NVMe tier.
+  # DeepSpeed's nvme_path is required there too; parameters on NVMe need the optimizer
+  # state there, in the same directory, at stage 3.
+  nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
   for block, message in (
       ({"offload_optimizer": {"device": "nvme"}},
        "ds_config: zero_optimization.offload_optimizer.device=nvme needs "
        "zero_optimization.offload_optimizer.nvme_path, a directory on local disk"),
-      ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
-       "ds_config: zero_optimization.offload_param.device=nvme: the NVMe tier holds the "
-       "optimizer state only; use device cpu (pinned host memory)")):
+      ({"stage": 3, "offload_param": nvme},
+       "ds_config: zero_optimization.offload_param.device=nvme needs "
+       "zero_optimization.offload_optimizer.device=nvme too: the parameter tier reads the master "
+       "weights from the optimizer's files (ZeRO-Infinity with the optimizer state in host "
+       "memory is not available)"),
+      ({"stage": 2, "offload_param": nvme, "offload_optimizer": nvme},
+       "ds_config: zero_optimization.offload_param needs stage 3 (parameters are sharded and "
+       "offloaded only under ZeRO-3)"),
+      ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/elsewhere"},
+        "offload_optimizer": nvme},
+       "ds_config: zero_optimization.offload_param.nvme_path='/elsewhere' differs from "
+       f"zero_optimization.offload_optimizer.nvme_path={str(tmp_path)!r}: the parameters, "
+       "gradients and optimizer state share one directory here (offload.nvme_dir); give both "
+       "the same path")):
     with pytest.raises(ConfigError) as e:
       from_ds({"zero_optimization": block})
     assert str(e.value) == message
+
+
+def test_zero_infinity_puts_parameters_gradients_and_optimizer_on_nvme(tmp_path):
+  # DeepSpeed's ZeRO-Infinity block as its docs give it: both on NVMe, with buffer knobs.
+  nvme = {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
+  ds = {"zero_optimization": {
+      "stage": 3, "offload_optimizer": {**nvme, "buffer_count": 4, "fast_init": False},
+      "offload_param": {**nvme, "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9}},
+      "aio": {"block_size": 1048576, "queue_depth": 8}}
+  cfg = from_ds(ds)
+  assert_fields(cfg, zero__stage=3, offload__optimizer="nvme", offload__params="nvme",
+                offload__nvme_dir=str(tmp_path))
+  unneeded = deepspeed.translate(ds, base()).unneeded
+  assert unneeded["zero_optimization.offload_param.max_in_cpu"].startswith(
+      "no parameters are kept in host memory between uses")
+  assert "one layer ahead" in unneeded["zero_optimization.offload_param.buffer_count"]
+  assert "chunks" in unneeded["zero_optimization.offload_param.buffer_size"]
+  assert {"zero_optimization.offload_param.pin_memory", "aio",
+          "zero_optimization.offload_optimizer.buffer_count"} <= set(unneeded)
 
 
 def test_auto_fields_take_the_base_values():

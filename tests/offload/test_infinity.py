@@ -22,6 +22,7 @@ from jaxzero.checkpoint import checkpointer
 from jaxzero.errors import ConfigError, DamagedCheckpointError, PathError
 from jaxzero.offload import checks as offload_checks
 from jaxzero.offload import infinity, nvme_checkpoint
+from jaxzero.planning import infinity_plan, planner
 from jaxzero.training import loop
 
 from processes import ROOT, TINY, cli_env, wait_for
@@ -307,3 +308,55 @@ def test_a_model_without_a_layer_scan_is_refused(nvme_dir):
     infinity.Infinity(run.engine, nvme_dir / "x")
   with pytest.raises(ConfigError):  # (a config error elsewhere stays one)
     config.load(TINY, ["offload.params=disk"])
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_the_plan_is_the_compiled_programs_and_the_files_on_disk(nvme_dir, tmp_path):
+  cfg = config.load(TINY, [*SETS, "train.grad_accum=2", *infinity_sets(nvme_dir)])
+  run = loop.build(cfg, jax.devices()[:8], tmp_path, progress=False)
+  tier = run.nvme
+  try:
+    tier.init()
+    found = infinity_plan.plan(cfg, 8, tier=tier)
+    planned = {prog.name: prog for prog in found.programs}
+    # The programs as the step runs them, from real arrays.
+    p, batch = tier.programs, jax.tree.map(lambda x: x[0], run.batch(0))
+    weights = tier._read_weights(tier._layer_leaves(tier.leaves), 0).result()
+    outer = tier._read_weights(tier._outer_leaves(tier.leaves), None).result()
+    pre_in = {n: outer[n] for n in p.outer_names("pre", batch)}
+    post_in = {n: outer[n] for n in p.outer_names("post", batch)}
+    carry, consts = p.pre(pre_in, batch)
+    analysed = lambda fn, *args: planner.xla_total_bytes(
+        fn.lower(*args).compile(compiler_options=planner.MEMORY_COMPILE_OPTIONS)
+        .memory_analysis())
+    assert planned["pre (embedding)"].program_bytes == analysed(p.pre, pre_in, batch)
+    assert planned["layer forward"].program_bytes == analysed(p.layer_forward, weights, carry,
+                                                              consts)
+    assert planned["post (head, loss, gradient)"].program_bytes == analysed(
+        p.post_grad, post_in, batch, carry)
+    assert planned["layer backward"].program_bytes == analysed(
+        p.layer_backward, weights, carry, consts, carry)
+    # Beside a layer's backward: every layer's checkpoint, the next layer's weights (in
+    # the compute dtype) and the last layer's gradient (in grad_dtype, float32 here).
+    shard = lambda x: x.addressable_shards[0].data.nbytes
+    layer = sum(shard(w) for w in jax.tree.leaves(weights))
+    checkpoints = 3 * shard(carry) + sum(shard(c) for c in consts)
+    assert planned["layer backward"].resident_bytes == checkpoints + 2 * layer
+    assert found.device_bytes == max(prog.device_bytes for prog in planned.values())
+    files = sum(f.stat().st_size for f in tier.directory.rglob("*.f32"))
+    assert found.nvme_bytes == files == tier.bytes_needed()
+    assert found.bound in ("compute", "pcie", "disk")
+  finally:
+    tier.close()
+
+
+def test_plan_prints_the_70b_preset_within_20_gb_on_one_device(capsys):
+  from jaxzero import plan as plan_cli
+  assert plan_cli.main(["--config", str(ROOT / "configs/llama70b_infinity.py"), "--json"]) == 0
+  found = json.loads(capsys.readouterr().out)
+  assert found["devices"] == 1 and found["n_params"] > 70e9
+  assert found["device_bytes"] <= 20e9
+  assert found["nvme_bytes"] >= 16 * found["n_params"] and found["host_bytes"] > 0
+  assert found["bound"] == "disk" and found["predicted_step_s"] > 0
