@@ -27,8 +27,9 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxzero import cli  # noqa: E402  (before JAX: virtual devices)
+from jaxzero.planning.flops import model_flops_per_token  # noqa: E402
 from jaxzero.runtime import xla_flags  # noqa: E402  (before JAX: virtual devices)
-from jaxzero.training.throughput import device_peak_tflops, model_flops_per_token  # noqa: E402
+from jaxzero.training.throughput import device_peak_tflops  # noqa: E402
 
 
 def median_step_time(run_step, steps: int, warmup: int) -> float:

@@ -28,14 +28,9 @@ _RESHARD = "checkpoints restore on any mesh and stage"
 _PINNED = "offloaded state lives in pinned_host memory"
 _NVME_ONLY = "an NVMe-tier setting, unused without device nvme"
 _NVME_FIXED = "the NVMe tier's buffers and I/O are fixed (jaxzero.offload.nvme_store)"
-# offload_param with device nvme: what DeepSpeed's knobs size, and what does it here.
-_PARAM_BUFFERS = {
-    "buffer_count": "the parameter tier reads one layer ahead of the one computing "
-                    "(jaxzero.offload.infinity); its buffers follow the layers' size",
-    "buffer_size": "the parameter tier reads whole layers, in the NVMe tier's chunks",
-    "max_in_cpu": "no parameters are kept in host memory between uses: each layer is read "
-                  "from NVMe when it runs",
-}
+_PARAM_BUFFERS = {"buffer_count": "one layer is read ahead (jaxzero.offload.infinity)",  # nvme
+                  "buffer_size": "whole layers are read, in the NVMe tier's chunks",
+                  "max_in_cpu": "each layer is read from NVMe when it runs, none kept in RAM"}
 UNNEEDED_ZERO = {
     "overlap_comm": _SCHEDULED, "contiguous_gradients": _BUFFERS,
     "reduce_bucket_size": _BUFFERS, "allgather_bucket_size": _BUFFERS,
@@ -247,14 +242,9 @@ def _zero(tr: Translation, zero: dict) -> None:
   stage_named = zero.get("stage", 3)  # absent: the base's stage, checked by config.validate
   if (tr.settings.get("offload.params", ("device",))[0] == "nvme"
       and tr.settings.get("offload.optimizer", ("device",))[0] != "nvme"):
-    raise tr.error("zero_optimization.offload_param.device=nvme needs "
-                   "zero_optimization.offload_optimizer.device=nvme too: the parameter tier reads "
-                   "the master weights from the optimizer's files (ZeRO-Infinity with the "
-                   "optimizer state in host memory is not available)")
-  if tr.settings.get("offload.params", ("device",))[0] == "nvme" and stage_named != 3:
-    raise tr.error("zero_optimization.offload_param needs stage 3 (parameters are "
-                   "sharded and offloaded only under ZeRO-3)")
-  if tr.settings.get("offload.params", ("device",))[0] == "pinned_host" and stage_named != 3:
+    raise tr.error("zero_optimization.offload_param.device=nvme needs offload_optimizer.device="
+                   "nvme too: the parameter tier reads the master weights from its files")
+  if tr.settings.get("offload.params", ("device",))[0] != "device" and stage_named != 3:
     raise tr.error("zero_optimization.offload_param needs stage 3 (parameters are "
                    "sharded and offloaded only under ZeRO-3)")
 

@@ -167,6 +167,7 @@ class Infinity(nvme_tier.Tier):
       pre_grads = p.pre_backward(self._on_device(outer, pre_names), batch, ct_carry, ct_consts)
       outer_grads = {leaf.name: _sum(post_grads.get(leaf.name), pre_grads.get(leaf.name), leaf)
                      for leaf in self._outer_leaves(self.leaves)}
+      del post_grads, pre_grads  # (a tied embedding's two parts: only their sum is kept)
       squares += self._add_grads(self._outer_leaves(self.grad_leaves), None, outer_grads,
                                  first=first, last=last)
     self.grad_store.writes.wait()
@@ -210,11 +211,11 @@ class Infinity(nvme_tier.Tier):
       shards = {s.device: s.data for s in grad.addressable_shards}
       for region in leaf.regions:
         box = _layer_box(region.box, layer)
-        data = np.asarray(shards[region.devices[0]], np.float32)
+        data = np.asarray(shards[region.devices[0]])  # widened a chunk at a time, below
         for s in leaf.starts():
           if layer is not None and s[0] != layer:
             continue
-          chunk = data[_local(leaf.chunk_box(region, s), box)][None]
+          chunk = data[_local(leaf.chunk_box(region, s), box)][None].astype(np.float32)
           if not first:
             chunk = chunk + store.read(leaf, region, s).result()
           if last and region.owner:

@@ -21,7 +21,6 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from jaxzero.checkpoint import integrity
-
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import dtype_of
 from jaxzero.engine.step import loss_fn

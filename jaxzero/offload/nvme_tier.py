@@ -166,8 +166,7 @@ class Tier:
       self.store = None
 
   def abstract_scalars(self) -> list[jax.ShapeDtypeStruct]:
-    """The optimizer's scalars (what memory keeps of its state), as shapes."""
-    return list(self._scalar_abstract)
+    return list(self._scalar_abstract)  # the optimizer's scalars (memory keeps them), as shapes
 
   # -- step 0 --------------------------------------------------------------------------
 
@@ -175,10 +174,8 @@ class Tier:
     """Step 0 as Engine.init makes it (same random weights from cfg.seed, or
     `master` placed by ``shardings.master``), its weights' copies written to disk.
 
-    `boxes(name, box) -> float32 array`, where given, draws the master weights one
-    chunk's box at a time instead: for a model whose largest weight cannot be drawn
-    whole in memory (Engine.init draws each weight whole, and its random bits take
-    three times its size)."""
+    `boxes(name, box) -> float32 array`, where given, draws the master weights a chunk
+    at a time instead (Engine.init draws each weight whole: 4x its size in memory)."""
     sh = self.engine.shardings
     store = self.open_store()
     master_sh = jax.tree.leaves(on_device(sh.master))

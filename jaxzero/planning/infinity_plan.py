@@ -25,7 +25,7 @@ import numpy as np
 from jaxzero.engine.state import dtype_of
 from jaxzero.offload import nvme_store
 from jaxzero.planning import planner
-from jaxzero.training import throughput
+from jaxzero.planning.flops import model_flops_per_token
 from jaxzero.utils.formatting import format_bytes
 
 # Defaults of the step-time prediction (jaxzero.plan's flags): dense bf16 at about 40%
@@ -69,8 +69,7 @@ class InfinityPlan:
   bound: str  # the largest of `seconds`
   predicted_step_s: float  # max(seconds): I/O overlapped with compute
   rates: dict[str, float]
-  accounting: str = ("each program's XLA memory analysis, plus the driver's buffers kept "
-                     "on the device between programs")
+  accounting: str = ""  # what the per-device figure is, in words
 
 
 def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
@@ -133,7 +132,7 @@ def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
   to_device = A * (outer_in + 2 * L * layer_weights) + state_local + master_local
   to_host = A * (master_local // 4 * grad_dtype.itemsize) + state_local
   tokens = cfg.train.global_batch * cfg.train.seq_len
-  flops = throughput.model_flops_per_token(cfg, engine.n_params) * tokens * 4 / 3 / n
+  flops = model_flops_per_token(cfg, engine.n_params) * tokens * 4 / 3 / n
   io = tier.io_bytes
   seconds = {"compute": flops / (tflops * 1e12),
              "pcie": max(to_device, to_host) / (pcie_gbps * 1e9),
@@ -152,7 +151,10 @@ def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
       nvme_bytes=tier.bytes_needed(), nvme_read_bytes=io["read"], nvme_write_bytes=io["written"],
       host_to_device_bytes=to_device, device_to_host_bytes=to_host, flops_per_device=flops,
       seconds=seconds, bound=bound, predicted_step_s=seconds[bound],
-      rates={"tflops": tflops, "pcie_gbps": pcie_gbps, "disk_gbps": disk_gbps})
+      rates={"tflops": tflops, "pcie_gbps": pcie_gbps, "disk_gbps": disk_gbps},
+      accounting=(f"XLA:{layout.mesh.devices.flat[0].platform.upper()}'s memory analysis of each "
+                  "program, plus what the driver keeps on the device beside it; no memory kinds "
+                  "are involved: every buffer counted is a device buffer"))
 
 
 def _tier(cfg, n_devices: int):

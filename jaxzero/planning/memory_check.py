@@ -90,7 +90,8 @@ def activation_bytes(cfg, micro_batch: int, shard_size: int, params_sharded: boo
   working += micro_batch * m.n_heads * t.seq_len * min(t.seq_len, 512) * 4
   logits = 2 * tokens * min(m.vocab_size, 8192) * 4
   layer_params = count_params(m) / m.n_layers
-  gathered = 2 * layer_params * c if params_sharded and shard_size > 1 else 0
+  gathered = (2 * layer_params * c if params_sharded and (shard_size > 1
+                                                           or cfg.offload.params == "nvme") else 0)
   layer_grads = layer_params * 4
   return int(saved + working + logits + gathered + layer_grads)
 
@@ -139,11 +140,18 @@ def budget(engine, devices) -> Budget:
   micro = mesh_lib.micro_batch(engine.cfg.train, layout.data_parallel_size)
   available, where = available_bytes(devices)
   # A user's model (model_factory) has no estimate: its state is counted, its activations not.
-  activations = 0 if engine.cfg.model_factory else activation_bytes(
-      engine.cfg, micro, layout.shard_size, layout.is_sharded("params"))
+  cfg, disk = engine.cfg, state["nvme"]
+  if cfg.offload.params == "nvme":
+    # ZeRO-Infinity (jaxzero.offload.infinity): the whole state is in files, the device
+    # runs one layer at a time with a checkpoint per layer (full remat) and holds that
+    # layer's weights and the next one's (the estimate's "gathered" term).
+    disk = state["params"] + state["grads"] + state["optimizer"]
+    cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy="full"))
+  activations = 0 if cfg.model_factory else activation_bytes(
+      cfg, micro, layout.shard_size, layout.is_sharded("params")
+      or cfg.offload.params == "nvme")
   return Budget(state["params"], state["grads"], state["optimizer"], state["host"], activations,
-                available, where, len(devices), devices[0].platform,
-                disk=state["nvme"])
+                available, where, len(devices), devices[0].platform, disk=disk)
 
 
 # ----------------------------------------------------------------------------

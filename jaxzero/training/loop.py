@@ -27,11 +27,11 @@ from jaxzero.offload import checks as offload_checks
 from jaxzero.offload import infinity, nvme_checkpoint, nvme_store
 from jaxzero.offload import nvme_tier as nvme_lib
 from jaxzero.planning import memory_check
+from jaxzero.planning.flops import model_flops_per_token
 from jaxzero.runtime import peerwatch
 from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.sharding.zero import Layout
-from jaxzero.training import (banner, evaluation, first_step, profiling, throughput, tracking,
-                              user_model)
+from jaxzero.training import banner, evaluation, first_step, profiling, tracking, user_model
 from jaxzero.training import workdir as workdir_lib
 from jaxzero.training.metrics import MetricsLogger, PendingMetrics, drop_metrics_after
 from jaxzero.training.preemption import StopSignals
@@ -302,7 +302,7 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
                          tracker=tracker)
   profiler = profiling.StepProfiler(cfg.profile.window, workdir)
   metrics = PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len,
-                           throughput.model_flops_per_token(cfg, run.engine.n_params),
+                           model_flops_per_token(cfg, run.engine.n_params),
                            run.devices)
   guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_nonfinite, checkpoints)
   done = start

@@ -1,9 +1,7 @@
 """Model FLOPs, MFU and memory in use: the figures a training log shows beside the loss.
 
-Model FLOPs per token: 6 * parameters (all of them, embeddings included) +
-12 * layers * dim * seq_len (attention scores and values, not halved for
-causality), the PaLM convention. MFU is model TFLOP/s over the devices' bf16
-dense peak, where the device is known (a CPU has none).
+Model FLOPs per token are jaxzero.planning.flops's. MFU is model TFLOP/s over the
+devices' bf16 dense peak, where the device is known (a CPU has none).
 """
 
 from __future__ import annotations
@@ -13,14 +11,6 @@ import os
 # bf16 dense peak per device, TFLOP/s (vendor datasheets, without sparsity).
 # The H100 figure is the SXM part's; PCIe H100s peak lower (756 TFLOP/s).
 PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
-
-
-def model_flops_per_token(cfg, n_params: int) -> float:
-  """6Φ, and for the Llama family its attention's 12 x layers x dim x seq_len."""
-  if cfg.model_factory:  # a user's model: its attention, if any, is its own
-    return 6 * n_params
-  m = cfg.model
-  return 6 * n_params + 12 * m.n_layers * m.dim * cfg.train.seq_len
 
 
 def device_peak_tflops(device) -> float | None:

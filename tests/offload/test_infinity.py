@@ -25,7 +25,7 @@ from jaxzero.offload import infinity, nvme_checkpoint
 from jaxzero.planning import infinity_plan, planner
 from jaxzero.training import loop
 
-from processes import ROOT, TINY, cli_env, wait_for
+from processes import ROOT, TINY, cli_env, load_script, wait_for
 
 # The tiny preset, smaller, in float32: 10 steps, saved at 5 and 10.
 SETS = ["model.dim=64", "model.n_layers=3", "model.mlp_dim=128", "train.global_batch=16",
@@ -360,3 +360,28 @@ def test_plan_prints_the_70b_preset_within_20_gb_on_one_device(capsys):
   assert found["device_bytes"] <= 20e9
   assert found["nvme_bytes"] >= 16 * found["n_params"] and found["host_bytes"] > 0
   assert found["bound"] == "disk" and found["predicted_step_s"] > 0
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def test_the_benchmark_reports_its_figures_and_leaves_nothing(tmp_path, capsys):
+  bench = load_script("infinity_bench")
+  shape = ["--dim", "64", "--layers", "2", "--mlp", "128", "--heads", "4", "--kv-heads", "2",
+           "--vocab", "256", "--seq", "16", "--steps", "3", "--seq-gb", "0.02"]
+  assert bench.main(["--nvme-dir", str(tmp_path), *shape]) == 0
+  result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert result["state_bytes"] == 16 * result["params"]
+  assert len(result["losses"]) == 3 and result["losses"][2] < result["losses"][0]
+  assert result["nvme_read_bytes_per_step"] > result["nvme_write_bytes_per_step"] > 0
+  for key in ("peak_rss_bytes", "sequential_read_gbps", "sequential_write_gbps", "io_alone_s",
+              "compute_alone_s", "overlap_efficiency"):
+    assert result[key] > 0, key
+  assert not list(tmp_path.iterdir())
+  # Without room: one line, exit 2, nothing left behind.
+  huge = [*shape[:2], "8192", "--layers", "400", *shape[4:]]
+  assert bench.main(["--nvme-dir", str(tmp_path), *huge]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"infinity_bench.py: error: --nvme-dir {tmp_path} has")
+  assert "free; the benchmark needs about" in err[0]
+  assert not list(tmp_path.iterdir())
