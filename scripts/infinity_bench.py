@@ -7,7 +7,7 @@ device: a model whose training state is larger than the machine's RAM.
 The defaults are Llama-3.2-3B's shape (tied embeddings, as it has). Its state, 16 bytes a
 parameter (fp32 master, Adam's two moments and the gradient sum; the compute copy is never
 stored), lives in DIR; stage 3, bf16 compute and gradients (summed in fp32 on disk), AdamW
-at lr 3e-5. Its random weights are
+at lr 1e-5. Its random weights are
 drawn chunk by chunk (normal(0, init_std) with numpy: Engine.init would draw each stacked
 weight whole). Every step trains on the same batch, 1 x --seq tokens of the Python standard
 library, so that the losses show the optimizer at work, not one batch against another.
@@ -93,7 +93,7 @@ def bench(args) -> int:
           "mesh.fsdp=1", "zero.stage=3", "train.global_batch=1", "train.grad_accum=1",
           f"train.seq_len={args.seq}", f"train.steps={args.steps}", "precision.compute=bfloat16",
           "zero.grad_dtype=bfloat16",
-          "remat.policy=full", "train.lr=3e-5", "train.warmup_steps=0", "data.max_bytes=1000000",
+          "remat.policy=full", "train.lr=1e-5", "train.warmup_steps=0", "data.max_bytes=1000000",
           "offload.optimizer=nvme", "offload.params=nvme", f"offload.nvme_dir={nvme_dir}"]
   cfg = config.load(str(ROOT / "configs" / "tiny_zero3.py"), sets)
   devices = jax.devices()[:1]
