@@ -27,7 +27,13 @@ Prints progress, then one JSON line:
   weights, already in memory, run through every layer forward and backward, and the
   update's program run on resident chunks as many times as a step runs it;
 * ``overlap_efficiency`` = max(io_alone_s, compute_alone_s) / the mean time of the steps
-  after the first: 1 where I/O and compute overlap perfectly.
+  after the first: 1 where I/O and compute overlap perfectly;
+* ``plan_device_bytes``, ``plan_predicted_step_s``, ``plan_bound``: jaxzero.plan's figures
+  for this run (jaxzero.planning.infinity_plan), the step predicted at this run's measured
+  disk bandwidth, --tflops and --pcie-gbps (on a CPU the latter two mean nothing);
+* ``peak_device_bytes``: on a GPU, the device's own peak (``memory_stats``); null on a CPU,
+  whose device memory is the process's RSS. Cap a GPU below the model's state with
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (e.g. 0.15 of an 80 GB H100: 12 GB).
 """
 
 from __future__ import annotations
@@ -63,6 +69,10 @@ def main(argv=None) -> int:
   parser.add_argument("--seq", type=int, default=128)
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--untied", action="store_true", help="a separate output head")
+  parser.add_argument("--tflops", type=float, default=400.0,
+                      help="the device's TFLOP/s for the plan's predicted step (default 400)")
+  parser.add_argument("--pcie-gbps", type=float, default=25.0,
+                      help="host<->device GB/s for the plan's predicted step (default 25)")
   parser.add_argument("--seq-gb", type=float, default=4.0,
                       help="GB written and read to measure the disk's sequential bandwidth")
   args = parser.parse_args(argv)
@@ -152,6 +162,14 @@ def measure(args, nvme_dir: pathlib.Path, run, seq_size: int) -> int:
   compute_s = compute_alone(tier, state, run.batch(0))
   print(f"compute alone: {compute_s:.1f} s", flush=True)
   steady = sum(step_s[1:]) / len(step_s[1:])
+  # The plan's figures for the same run: its device bytes, and its step predicted at this
+  # run's measured disk bandwidth (compute at --tflops, PCIe at --pcie-gbps).
+  from jaxzero.planning import infinity_plan  # pylint: disable=import-outside-toplevel
+  planned = infinity_plan.plan(run.cfg, 1, args.tflops, args.pcie_gbps,
+                               2 / (1 / seq_read + 1 / seq_write), tier=tier)
+  device = run.devices[0]
+  peak_device = (device.memory_stats() or {}).get("peak_bytes_in_use") \
+      if device.platform != "cpu" else None
   result = {
       "machine": f"{platform.node()} ({os.cpu_count()} CPUs, "
                  f"{memory_check.host_memory_bytes() / 2**30:.0f} GiB RAM), {platform.platform()}",
@@ -164,6 +182,8 @@ def measure(args, nvme_dir: pathlib.Path, run, seq_size: int) -> int:
       "sequential_read_gbps": seq_read, "sequential_write_gbps": seq_write,
       "io_alone_s": io_s, "compute_alone_s": compute_s,
       "overlap_efficiency": max(io_s, compute_s) / steady,
+      "plan_device_bytes": planned.device_bytes, "plan_predicted_step_s": planned.predicted_step_s,
+      "plan_bound": planned.bound, "peak_device_bytes": peak_device,
   }
   print(json.dumps(result))
   return 0

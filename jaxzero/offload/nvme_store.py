@@ -207,18 +207,21 @@ class Store:
         os.posix_fallocate(fd, 0, size)
     self._buffers = _Buffers(max((padded for _, _, padded in self._slots.values()),
                                  default=_ALIGN))
+    self._partial: dict[int, _Buffers] = {}  # reads of a chunk's first copies, by size
 
   def read(self, leaf: Leaf, region: Region, starts: tuple[int, ...], copies: int | None = None):
     """Future of a chunk [K, ...] of `region` (float32 numpy), or of its first
     `copies` copies only (the copies lie one after the other: only those are read)."""
     offset, shape, padded = self._slots[leaf.name, region.box, starts]
     fd = self._files[leaf.name]
-    if copies is not None:
+    buffers = self._buffers
+    if copies is not None:  # into a buffer of their size: a third of one, for a master weight
       shape = (copies, *shape[1:])
       padded = -(-4 * math.prod(shape) // _ALIGN) * _ALIGN
+      buffers = self._partial.setdefault(padded, _Buffers(padded))
 
     def read():
-      buffer = self._buffers.lend()
+      buffer = buffers.lend()
       _transfer(os.preadv, fd, buffer[:padded], offset)
       return buffer[:4 * math.prod(shape)].view(np.float32).reshape(shape)
 
@@ -248,7 +251,8 @@ class Store:
     self._threads.shutdown()
     for fd in self._files.values():
       os.close(fd)
-    self._buffers.clear()
+    for buffers in (self._buffers, *self._partial.values()):
+      buffers.clear()
     remove(self.directory)
 
 
