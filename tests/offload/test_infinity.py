@@ -234,7 +234,7 @@ def test_two_processes_train_as_in_memory(reference, tmp_path):
   sets = [*SETS, "train.grad_accum=2", "mesh.fsdp=8", *infinity_sets(store)]
   run = subprocess.run(
       [sys.executable, "-m", "jaxzero.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
-       "jaxzero.train", "--config", TINY, "--workdir", str(tmp_path / "w"), "--no-progress",
+       "--config", TINY, "--workdir", str(tmp_path / "w"), "--no-progress",
        *[a for s in sets for a in ("--set", s)]],
       cwd=ROOT, env=env, text=True, capture_output=True, timeout=500, check=False)
   assert run.returncode == 0, run.stderr[-3000:]
