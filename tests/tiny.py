@@ -25,3 +25,15 @@ def master_at(workdir, step_no):
     shapes = reader.leaf_shapes(step_no)
     name = "master/layers/w_up_LxDxF"
     return reader.read(step_no, tuple(name.split("/")), shapes[name])
+
+
+# The tiny preset, smaller, in float32: 10 steps, saved at 5 and 10 (ZeRO-Infinity's tests).
+INFINITY_SETS = ["model.dim=64", "model.n_layers=3", "model.mlp_dim=128", "train.global_batch=16",
+                 "train.seq_len=32", "precision.compute=float32", "train.steps=10",
+                 "train.warmup_steps=1", "train.lr=3e-3", "train.log_every=1",
+                 "data.max_bytes=200000", "checkpoint.every=5"]
+
+
+def infinity_sets(nvme_dir, params="nvme"):
+  """offload.params=nvme (or `params`) with the optimizer state on NVMe in `nvme_dir`."""
+  return ["offload.optimizer=nvme", f"offload.params={params}", f"offload.nvme_dir={nvme_dir}"]
