@@ -1,6 +1,7 @@
 """Helpers for tests that run jaxzero's command-line tools and scripts."""
 
 import importlib.util
+import json
 import os
 import pathlib
 import socket
@@ -25,6 +26,18 @@ def cli_env(compilation_cache: pathlib.Path) -> dict:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   return {**env, "XLA_FLAGS": FAST_XLA_FLAGS, "JAX_COMPILATION_CACHE_DIR": str(compilation_cache),
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def logged(workdir) -> list[dict]:
+  """A run's metrics.jsonl records (a line being written is skipped)."""
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  lines = path.read_text().splitlines() if path.exists() else []
+  return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def losses(workdir) -> dict[int, float]:
+  """{step: loss} of a run's logged steps."""
+  return {r["step"]: r["loss"] for r in logged(workdir)}
 
 
 def wait_for(condition, process, timeout=300):

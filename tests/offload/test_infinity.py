@@ -24,7 +24,7 @@ from jaxzero.offload import checks as offload_checks
 from jaxzero.offload import infinity, nvme_checkpoint
 from jaxzero.training import loop
 
-from processes import ROOT, TINY, cli_env, wait_for
+from processes import ROOT, TINY, cli_env, logged, losses, wait_for
 from tiny import INFINITY_SETS as SETS
 from tiny import infinity_sets
 
@@ -32,16 +32,6 @@ from tiny import infinity_sets
 def train(workdir, sets=(), devices=8, steps=None):
   cfg = config.load(TINY, [*SETS, f"mesh.fsdp={devices}", *sets])
   return loop.run_training(cfg, workdir, steps, devices=jax.devices()[:devices], progress=False)
-
-
-def logged(workdir) -> list[dict]:
-  path = pathlib.Path(workdir) / "metrics.jsonl"
-  lines = path.read_text().splitlines() if path.exists() else []
-  return [json.loads(line) for line in lines if line.endswith("}")]
-
-
-def losses(workdir) -> dict[int, float]:
-  return {r["step"]: r["loss"] for r in logged(workdir)}
 
 
 def weights(workdir, step) -> dict[str, np.ndarray]:

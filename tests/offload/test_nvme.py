@@ -29,7 +29,7 @@ from jaxzero.offload import checks as offload_checks
 from jaxzero.offload import nvme_checkpoint, nvme_store
 from jaxzero.training import loop
 
-from processes import ROOT, TINY, cli_env, wait_for
+from processes import ROOT, TINY, cli_env, logged, losses, wait_for
 
 # tiny_zero3, smaller, in float32 with two micro-steps; saved at steps 2 and 4.
 SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
@@ -58,17 +58,6 @@ def launch(workdir, sets, env, nproc=1):
       [sys.executable, "-m", *command, "--config", TINY, "--workdir", str(workdir),
        "--no-progress", *[arg for s in [*SETS, *sets] for arg in ("--set", s)]],
       cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def logged(workdir) -> list[dict]:
-  """metrics.jsonl's records (a line being written is skipped)."""
-  path = pathlib.Path(workdir) / "metrics.jsonl"
-  lines = path.read_text().splitlines() if path.exists() else []
-  return [json.loads(line) for line in lines if line.endswith("}")]
-
-
-def losses(workdir) -> dict[int, float]:
-  return {r["step"]: r["loss"] for r in logged(workdir)}
 
 
 def snapshot(directory) -> dict:
