@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import pathlib
-import time
 from typing import Any
 
 import jax
@@ -270,11 +269,6 @@ class Infinity(nvme_tier.Tier):
           out_shardings=(leaf.chunk_sharding, scalar_sh))
     return self._units[name]
 
-  def step(self, state, batch, grad_step=None):
-    start = time.perf_counter()
-    state, metrics = super().step(state, batch, grad_step)
-    self.stats["step_s"] = time.perf_counter() - start
-    return state, metrics
 
 
 def _assemble(leaves, layer: int | None, reads, dtype) -> dict[str, tuple]:
