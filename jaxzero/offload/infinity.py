@@ -270,7 +270,6 @@ class Infinity(nvme_tier.Tier):
     return self._units[name]
 
 
-
 def _assemble(leaves, layer: int | None, reads, dtype) -> dict[str, tuple]:
   """{name: (leaf, global shape, [(region, its box in `dtype`)])} once `reads` are done."""
   out = {}
