@@ -28,8 +28,8 @@ def master_at(workdir, step_no):
 
 
 # The tiny preset, smaller, in float32: 10 steps, saved at 5 and 10 (ZeRO-Infinity's tests).
-INFINITY_SETS = ["model.dim=64", "model.n_layers=3", "model.mlp_dim=128", "train.global_batch=16",
-                 "train.seq_len=32", "precision.compute=float32", "train.steps=10",
+INFINITY_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
+                 "train.seq_len=16", "precision.compute=float32", "train.steps=10",
                  "train.warmup_steps=1", "train.lr=3e-3", "train.log_every=1",
                  "data.max_bytes=200000", "checkpoint.every=5"]
 
