@@ -1,7 +1,8 @@
 """float16 training with DeepSpeed's dynamic loss scaling, on 8 devices.
 
-The tiny preset trains 40 steps in float16 at stages 2 and 3 to within 2% of
-the float32 run's loss; a huge initial scale overflows, is skipped and
+The tiny preset trains 40 steps in float16 at stage 3 to within 2% of the
+float32 run's loss (stage 2, hybrid and tensor layouts equal one device over 8
+steps); a huge initial scale overflows, is skipped and
 settles; the scaler is checkpointed and restored exactly; the optimizer on
 the host and the NVMe tier train as in memory.
 """
@@ -43,9 +44,8 @@ def float32_losses(tmp_path_factory):
   return [r["loss"] for r in history]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_float16_trains_to_within_2_percent_of_float32(stage, float32_losses, tmp_path):
-  history = train(tiny("precision.compute=float16", f"zero.stage={stage}"), tmp_path).history
+def test_float16_trains_to_within_2_percent_of_float32(float32_losses, tmp_path):
+  history = train(tiny("precision.compute=float16"), tmp_path).history
   losses = [r["loss"] for r in history]
   assert len(losses) == STEPS and np.all(np.isfinite(losses))
   assert losses[-1] < 0.6 * losses[0]
