@@ -222,11 +222,11 @@ def io_alone(tier) -> float:
   and the optimizer's chunks written back as read."""
   import numpy as np  # pylint: disable=import-outside-toplevel
 
-  from jaxzero.offload import nvme_store  # pylint: disable=import-outside-toplevel
+  from jaxzero.offload import nvme_store, nvme_tier  # pylint: disable=import-outside-toplevel
 
   store, grads = tier.store, tier.grad_store
-  layers = tier._layer_leaves(tier.leaves)  # pylint: disable=protected-access
-  outer = tier._outer_leaves(tier.leaves)  # pylint: disable=protected-access
+  layers = tier.layer_leaves(tier.leaves)
+  outer = tier.outer_leaves(tier.leaves)
   start = time.perf_counter()
   _Read(store, outer, None).result()
   for order in (range(tier.n_layers), reversed(range(tier.n_layers))):
@@ -241,7 +241,7 @@ def io_alone(tier) -> float:
 
   def read(unit):
     leaf, g, starts = unit
-    return _All([store.read(leaf, r, starts) for r in leaf.regions]
+    return nvme_tier.All([store.read(leaf, r, starts) for r in leaf.regions]
                 + [grads.read(g, r, starts) for r in g.regions])
 
   grads.writes.wait()
@@ -263,31 +263,23 @@ class _Read:
     return [f.result() for f in self._futures]
 
 
-class _All:
-  def __init__(self, futures):
-    self._futures = futures
-
-  def result(self):
-    return [f.result() for f in self._futures]
-
-
 def compute_alone(tier, state, batch_Ax) -> float:
   """Seconds of one step's programs with their inputs resident (see the docstring)."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 
   p = tier.programs
-  outer = tier._read_weights(tier._outer_leaves(tier.leaves), None).result()  # pylint: disable=protected-access
+  outer = tier.read_weights(tier.outer_leaves(tier.leaves), None).result()
   batch = jax.tree.map(lambda x: x[0], batch_Ax)
   pre_in, post_in = ({n: outer[n] for n in p.outer_names(side, batch)} for side in ("pre", "post"))
-  weights = tier._read_weights(tier._layer_leaves(tier.leaves), 0).result()  # pylint: disable=protected-access
+  weights = tier.read_weights(tier.layer_leaves(tier.leaves), 0).result()
   units = [(leaf, g, s) for leaf, g in zip(tier.leaves, tier.grad_leaves) for s in leaf.starts()]
   first = {}
   for leaf, g, starts in units:  # one resident chunk (and gradient) of each weight
     if leaf.name not in first:
       chunk = [state.store.read(leaf, r, starts).result() for r in leaf.regions]
       grad = [tier.grad_store.read(g, r, starts).result() for r in g.regions]
-      first[leaf.name] = (tier._global_chunk(g, grad), tier._global_chunk(leaf, chunk))  # pylint: disable=protected-access
+      first[leaf.name] = (tier._global_chunk(g, grad), tier._global_chunk(leaf, chunk))
   scalars = jax.tree.leaves(state.opt_state)
   norm = scale = jax.device_put(np.float32(1.0), tier.engine.layout.replicated())
   jax.block_until_ready(first)
@@ -303,7 +295,7 @@ def compute_alone(tier, state, batch_Ax) -> float:
     np.asarray(jax.tree.leaves(layer_grads)[0])  # as the step waits to write it
   jax.block_until_ready(p.pre_backward(pre_in, batch, ct, p.float_consts(consts)))
   for leaf, _, _ in units:
-    out = tier._chunk_unit(leaf)(*first[leaf.name], scalars, norm, scale)  # pylint: disable=protected-access
+    out = tier._chunk_unit(leaf)(*first[leaf.name], scalars, norm, scale)
     np.asarray(out[0])  # as the step waits to write it
   return time.perf_counter() - start
 

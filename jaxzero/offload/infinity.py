@@ -69,10 +69,10 @@ class Infinity(nvme_tier.Tier):
   def bytes_needed(self) -> int:
     return super().bytes_needed() + nvme_store.bytes_needed(self.grad_leaves)
 
-  def _layer_leaves(self, leaves):
+  def layer_leaves(self, leaves):
     return [leaf for leaf in leaves if leaf.name.startswith(self.key + "/")]
 
-  def _outer_leaves(self, leaves):
+  def outer_leaves(self, leaves):
     return [leaf for leaf in leaves if not leaf.name.startswith(self.key + "/")]
 
   def nest(self, arrays: dict[str, Any]) -> Any:
@@ -88,7 +88,7 @@ class Infinity(nvme_tier.Tier):
 
   @property
   def n_layers(self) -> int:
-    return self._layer_leaves(self.leaves)[0].shape[0]
+    return self.layer_leaves(self.leaves)[0].shape[0]
 
   def open_store(self) -> nvme_store.Store:
     store = super().open_store()
@@ -115,7 +115,7 @@ class Infinity(nvme_tier.Tier):
     """This process's bytes read and written per step, at the config's grad_accum."""
     accum = self.cfg.train.grad_accum
     master = sum(leaf.local_bytes // len(leaf.kinds) for leaf in self.leaves)
-    layers = sum(leaf.local_bytes // len(leaf.kinds) for leaf in self._layer_leaves(self.leaves))
+    layers = sum(leaf.local_bytes // len(leaf.kinds) for leaf in self.layer_leaves(self.leaves))
     state = sum(leaf.local_bytes for leaf in self.leaves)
     # Per micro-step: the outer masters once, the layers' twice (forward, backward), the
     # gradients written (and, after the first micro-step, read back to be added to).
@@ -135,7 +135,7 @@ class Infinity(nvme_tier.Tier):
     p, accum = self.programs, jax.tree.leaves(batch_Ax)[0].shape[0]
     # The weights outside the layer stack (embedding, head, final norm) stay in host
     # memory through the step; each program gets, on the device, those it reads.
-    outer = self._read_weights(self._outer_leaves(self.leaves), None).host()
+    outer = self.read_weights(self.outer_leaves(self.leaves), None).host()
     first_batch = jax.tree.map(lambda x: x[0], batch_Ax)
     pre_names, post_names = (p.outer_names(side, first_batch) for side in ("pre", "post"))
     loss_sum, squares = 0.0, 0.0
@@ -161,13 +161,13 @@ class Infinity(nvme_tier.Tier):
         ct_consts = p.add(ct_consts, ct)
         if pending is not None:  # the previous layer's, while this one computes
           squares += self._add_grads(*pending, first=first, last=last)
-        pending = (self._layer_leaves(self.grad_leaves), i, layer_grads)
+        pending = (self.layer_leaves(self.grad_leaves), i, layer_grads)
       squares += self._add_grads(*pending, first=first, last=last)
       pre_grads = p.pre_backward(self._on_device(outer, pre_names), batch, ct_carry, ct_consts)
       outer_grads = {leaf.name: _sum(post_grads.get(leaf.name), pre_grads.get(leaf.name), leaf)
-                     for leaf in self._outer_leaves(self.leaves)}
+                     for leaf in self.outer_leaves(self.leaves)}
       del post_grads, pre_grads  # (a tied embedding's two parts: only their sum is kept)
-      squares += self._add_grads(self._outer_leaves(self.grad_leaves), None, outer_grads,
+      squares += self._add_grads(self.outer_leaves(self.grad_leaves), None, outer_grads,
                                  first=first, last=last)
     self.grad_store.writes.wait()
     if jax.process_count() > 1:
@@ -184,10 +184,10 @@ class Infinity(nvme_tier.Tier):
 
   def _layers(self, order):
     """(layer, its master weights) in `order`, the next layer's chunks read meanwhile."""
-    leaves = self._layer_leaves(self.leaves)
-    yield from nvme_store.prefetched(order, lambda i: self._read_weights(leaves, i), depth=1)
+    leaves = self.layer_leaves(self.leaves)
+    yield from nvme_store.prefetched(order, lambda i: self.read_weights(leaves, i), depth=1)
 
-  def _read_weights(self, leaves, layer: int | None) -> "_Weights":
+  def read_weights(self, leaves, layer: int | None) -> "_Weights":
     """The weights `leaves` (of one layer [1, ...] where `layer` is given) in the compute
     dtype: their master copies read now, and cast on the host as they arrive (numpy's
     rounding to bf16 is XLA's, to nearest even), on a thread of their own. The device
@@ -234,7 +234,7 @@ class Infinity(nvme_tier.Tier):
 
     def read(unit):
       leaf, g, starts = unit
-      return nvme_tier._All([store.read(leaf, region, starts) for region in leaf.regions]
+      return nvme_tier.All([store.read(leaf, region, starts) for region in leaf.regions]
                             + [grad_store.read(g, region, starts) for region in g.regions])
 
     replicated = self.engine.layout.replicated()
@@ -286,7 +286,7 @@ def _assemble(leaves, layer: int | None, reads, dtype) -> dict[str, tuple]:
 
 
 class _Weights:
-  """Weights being read (Infinity._read_weights): `host()` waits for them, `result()`
+  """Weights being read (Infinity.read_weights): `host()` waits for them, `result()`
   also puts them on the devices (on the caller's thread, which orders the transfers)."""
 
   def __init__(self, tier: Infinity, layer: int | None, assembled):

@@ -333,7 +333,7 @@ class Tier:
 
     def read(unit):
       leaf, starts = unit
-      return _All([store.read(leaf, region, starts) for region in leaf.regions])
+      return All([store.read(leaf, region, starts) for region in leaf.regions])
 
     for (leaf, starts), chunks in nvme_store.prefetched(units, read):
       i = index[leaf.name]
@@ -439,8 +439,8 @@ def _as(dtype, bits: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-class _All:
-  """The results of several futures, as one."""
+class All:
+  """The results of several futures, as one (the stores' reads of one unit)."""
 
   def __init__(self, futures):
     self._futures = futures

@@ -88,17 +88,17 @@ def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
   batch = jax.ShapeDtypeStruct((micro, cfg.train.seq_len + 1), np.int32,
                                sharding=layout.batch_sharding())
   outer = {leaf.name: _abstract(leaf.shape, compute, leaf.sharding)
-           for leaf in tier._outer_leaves(tier.leaves)}  # pylint: disable=protected-access
+           for leaf in tier.outer_leaves(tier.leaves)}
   pre_in = {name: outer[name] for name in p.outer_names("pre", batch)}
   post_in = {name: outer[name] for name in p.outer_names("post", batch)}
-  layer_leaves = tier._layer_leaves(tier.leaves)  # pylint: disable=protected-access
+  layer_leaves = tier.layer_leaves(tier.leaves)
   weights = tier.nest({leaf.name: _abstract((1, *leaf.shape[1:]), compute, leaf.sharding)
                        for leaf in layer_leaves})
   pre = _compile(p.pre, pre_in, batch)
   carry, consts = _outputs(pre)
   forward = _compile(p.layer_forward, weights, carry, consts)
   post = _compile(p.post_grad, post_in, batch, carry)
-  ct_consts = [c for c, f in zip(consts, p._const_is_float) if f]  # pylint: disable=protected-access
+  ct_consts = [c for c, f in zip(consts, p._const_is_float) if f]
   backward = _compile(p.layer_backward, weights, carry, consts, carry)
   pre_back = _compile(p.pre_backward, pre_in, batch, carry, ct_consts)
 
@@ -210,7 +210,7 @@ def _update_program(tier, leaf):
           _abstract((len(leaf.kinds), *leaf.chunk), np.float32, leaf.chunk_sharding),
           tier.abstract_scalars(), _abstract((), np.float32, replicated),
           _abstract((), np.float32, replicated))
-  return _compile(tier._chunk_unit(leaf), *args)  # pylint: disable=protected-access
+  return _compile(tier._chunk_unit(leaf), *args)
 
 
 def format_text(plan_: InfinityPlan, title: str) -> str:

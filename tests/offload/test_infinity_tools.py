@@ -33,12 +33,12 @@ def test_the_programs_hold_one_layer_and_gradients_leave_reduced(nvme_dir, tmp_p
   tier = run.nvme
   try:
     state = tier.init()
-    weights_in = tier._read_weights(tier._layer_leaves(tier.leaves), 0).result()
+    weights_in = tier.read_weights(tier.layer_leaves(tier.leaves), 0).result()
     for w in jax.tree.leaves(weights_in):
       assert w.shape[0] == 1 and w.addressable_shards[0].data.size * 8 == w.size
     p = tier.programs
     batch = jax.tree.map(lambda x: x[0], run.batch(0))
-    outer = tier._read_weights(tier._outer_leaves(tier.leaves), None).result()
+    outer = tier.read_weights(tier.outer_leaves(tier.leaves), None).result()
     # Each side of the cut reads only its own weights: the embedding before, the final
     # norm and the head after (untied).
     assert p.outer_names("pre", batch) == ["embed_VxD"]
@@ -112,8 +112,8 @@ def test_the_plan_is_the_compiled_programs_and_the_files_on_disk(nvme_dir, tmp_p
     planned = {prog.name: prog for prog in found.programs}
     # The programs as the step runs them, from real arrays.
     p, batch = tier.programs, jax.tree.map(lambda x: x[0], run.batch(0))
-    weights = tier._read_weights(tier._layer_leaves(tier.leaves), 0).result()
-    outer = tier._read_weights(tier._outer_leaves(tier.leaves), None).result()
+    weights = tier.read_weights(tier.layer_leaves(tier.leaves), 0).result()
+    outer = tier.read_weights(tier.outer_leaves(tier.leaves), None).result()
     pre_in = {n: outer[n] for n in p.outer_names("pre", batch)}
     post_in = {n: outer[n] for n in p.outer_names("post", batch)}
     carry, consts = p.pre(pre_in, batch)
