@@ -236,9 +236,10 @@ def format_text(plan_: InfinityPlan, title: str) -> str:
             f"{plan_.seconds['compute']:.1f} s at {r['tflops']:g} TFLOP/s, PCIe "
             f"{plan_.seconds['pcie']:.1f} s at {r['pcie_gbps']:g} GB/s, disk "
             f"{plan_.seconds['disk']:.1f} s at {r['disk_gbps']:g} GB/s; each overlapped with "
-            "the others)",
-            "note: XLA's CPU compiler computes bf16 matmuls in fp32: a GPU's temporaries are "
-            "smaller"]
+            "the others)"]
+  if plan_.accounting.startswith("XLA:CPU"):
+    lines.append("note: XLA's CPU compiler computes bf16 matmuls in fp32: a GPU's temporaries "
+                 "are smaller")
   return "\n".join(lines)
 
 

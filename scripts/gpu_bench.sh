@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The single-GPU figures of README and docs/benchmarks.md, in one run, most wanted first:
+#
+#     scripts/gpu_bench.sh OUT_DIR [SECONDS]
+#
+#   1. the machine: GPU, JAX and library versions, disks;
+#   2. `jaxzero.plan` of configs/llama70b_infinity.py, compiled by XLA:GPU (human and --json);
+#   3. scripts/infinity_bench.py on a 0.55 B Llama (width 2048, 8 layers, vocab 32000, seq
+#      4096), its 8.8 GB of state on the largest local disk and the device capped below it
+#      (XLA_PYTHON_CLIENT_MEM_FRACTION=0.04);
+#   4. scripts/bench.py on configs/llama1b_bench.py: attention "auto" (cuDNN), then "xla";
+#   5. the same with --torch, where time is left.
+#
+# Each step writes OUT_DIR/NAME.log (and its JSON); each gets at most what is left of SECONDS
+# (default 470), so a slow step costs the later ones, never the whole run.
+set -u
+out=${1:?usage: scripts/gpu_bench.sh OUT_DIR [SECONDS]}
+deadline=$(( $(date +%s) + ${2:-470} ))
+mkdir -p "$out"
+cd "$(dirname "$0")/.." || exit 1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+
+step() {  # step NAME CAP_SECONDS COMMAND...: runs COMMAND for at most CAP, within the deadline
+  local name=$1 cap=$2 left; shift 2
+  left=$(( deadline - $(date +%s) ))
+  (( left < cap )) && cap=$left
+  if (( cap < 20 )); then echo "== $name: skipped, ${left}s left"; return; fi
+  echo "== $name (at most ${cap}s): $*"
+  local start=$(date +%s)
+  timeout -k 5 "$cap" "$@" >"$out/$name.log" 2>&1
+  echo "== $name: exit $?, $(( $(date +%s) - start ))s"
+  tail -n 25 "$out/$name.log"
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  $python - <<'EOF'
+import importlib.metadata as m
+print({p: m.version(p) for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex",
+                                  "tensorstore", "tensorboardX", "numpy", "torch", "transformers")})
+import jax
+print(jax.devices(), jax.devices()[0].device_kind)
+EOF
+  df -h / /tmp "$PWD" 2>/dev/null; free -g; nproc
+} >"$out/machine.log" 2>&1
+cat "$out/machine.log"
+
+# The local disk with the most room, for the NVMe tier's files.
+nvme=$($python -c "import shutil,sys; print(max(sys.argv[1:], key=lambda p: shutil.disk_usage(p).free))" /tmp "$PWD" /root)/jaxzero-nvme
+mkdir -p "$nvme"
+
+step plan70b 90 $python -m jaxzero.plan --config configs/llama70b_infinity.py
+step plan70b_json 60 sh -c "$python -m jaxzero.plan --config configs/llama70b_infinity.py --json >'$out/plan70b.json'"
+step infinity 170 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.04 $python scripts/infinity_bench.py \
+  --nvme-dir "$nvme" --dim 2048 --layers 8 --mlp 8192 --heads 32 --kv-heads 8 --vocab 32000 \
+  --seq 4096 --steps 3 --seq-gb 2 --tflops 790
+rm -rf "$nvme"
+step bench1b_cudnn 110 $python scripts/bench.py --config configs/llama1b_bench.py --steps 10 --warmup 3 \
+  --json "$out/bench1b_cudnn.json"
+step bench1b_xla 110 $python scripts/bench.py --config configs/llama1b_bench.py --steps 10 --warmup 3 \
+  --set model.attention=xla --json "$out/bench1b_xla.json"
+step bench1b_torch 200 $python scripts/bench.py --config configs/llama1b_bench.py --steps 10 --warmup 3 \
+  --torch --json "$out/bench1b_torch.json"
+echo "== done, $(( deadline - $(date +%s) ))s to spare"
