@@ -12,7 +12,8 @@
 #   5. the same with --torch, where time is left.
 #
 # Each step writes OUT_DIR/NAME.log (and its JSON); each gets at most what is left of SECONDS
-# (default 470), so a slow step costs the later ones, never the whole run.
+# (default 470), so a slow step costs the later ones, never the whole run. ONLY="NAME ..."
+# runs those steps alone.
 set -u
 out=${1:?usage: scripts/gpu_bench.sh OUT_DIR [SECONDS]}
 deadline=$(( $(date +%s) + ${2:-470} ))
@@ -23,6 +24,7 @@ python=${PYTHON:-python3}
 
 step() {  # step NAME CAP_SECONDS COMMAND...: runs COMMAND for at most CAP, within the deadline
   local name=$1 cap=$2 left; shift 2
+  [[ -n ${ONLY:-} && " $ONLY " != *" $name "* ]] && return
   left=$(( deadline - $(date +%s) ))
   (( left < cap )) && cap=$left
   if (( cap < 20 )); then echo "== $name: skipped, ${left}s left"; return; fi

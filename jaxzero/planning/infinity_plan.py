@@ -75,7 +75,8 @@ class InfinityPlan:
 def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
          pcie_gbps: float = DEFAULT_PCIE_GBPS, disk_gbps: float = DEFAULT_DISK_GBPS,
          tier=None) -> InfinityPlan:
-  """The plan of `cfg` on `n_devices` virtual CPU devices (or of a built `tier`:
+  """The plan of `cfg` on `n_devices` devices: the default backend's where it is a GPU
+  with that many, else virtual CPU devices (or of a built `tier`:
   jaxzero.offload.infinity.Infinity, whose programs are then the ones compiled)."""
   if tier is None:
     tier = _tier(cfg, n_devices)
@@ -165,7 +166,13 @@ def _tier(cfg, n_devices: int):
   from jaxzero.sharding.zero import Layout  # pylint: disable=import-outside-toplevel
 
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, n_devices)
-  mesh = mesh_lib.make_mesh(replica, fsdp, planner.cpu_devices(n_devices), tensor)
+  # On a GPU with the devices asked for, the programs are XLA:GPU's: the ones that run.
+  local = jax.local_devices()
+  if jax.default_backend() != "cpu" and len(local) >= n_devices:
+    devices = local[:n_devices]
+  else:
+    cfg, devices = planner.for_cpu(cfg), planner.cpu_devices(n_devices)
+  mesh = mesh_lib.make_mesh(replica, fsdp, devices, tensor)
   engine = Engine(cfg, Layout.from_config(cfg, mesh), trainable.llama(cfg.model))
   # Planned only: nothing is opened or written under this directory.
   return Infinity(engine, pathlib.Path(cfg.offload.nvme_dir or ".") / "planned")
@@ -183,6 +190,8 @@ def _local_bytes(a) -> int:
 
 def _compile(fn, *args):
   lowered = fn.lower(*args)
+  if jax.default_backend() != "cpu":  # planned on the GPU: compiled exactly as the run does
+    return lowered.compile()
   try:
     return lowered.compile(compiler_options=planner.MEMORY_COMPILE_OPTIONS)
   except jax.errors.JaxRuntimeError as e:

@@ -180,6 +180,15 @@ def fit_batch_arithmetic(cfg: Config, n_data_parallel: int) -> tuple[Config, lis
   return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum=accum)), [note]
 
 
+def for_cpu(cfg: Config) -> Config:
+  """`cfg` as compiled on virtual CPU devices: attention "auto" resolves from the
+  default backend (cuDNN on a GPU machine), which XLA:CPU cannot lower, so it is
+  set to what XLA:CPU runs ("blockwise")."""
+  if jax.default_backend() == "cpu" or getattr(cfg.model, "attention", None) != "auto":
+    return cfg
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
+
+
 def cpu_devices(n: int) -> list:
   devices = jax.devices("cpu")
   if n > len(devices):
@@ -273,6 +282,7 @@ def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant]
   variant's collectives (jaxzero.planning.collectives)."""
   t0 = time.perf_counter()
   devices = cpu_devices(n_devices)
+  cfg = for_cpu(cfg)
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, n_devices)
   cfg, notes = fit_batch_arithmetic(cfg, replica * fsdp)
   mesh = mesh_lib.make_mesh(replica, fsdp, devices, tensor)
