@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.experimental.compute_on import compute_on
+from jax.experimental import compute_on as compute_on_lib
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -253,7 +254,10 @@ def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState, model: Mo
     # go down to the host, AdamW runs there, and only the new compute copy
     # comes back; no master or moment leaf is ever moved to the device.
     grads_on_host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), state_sh.master)
-    host_update = compute_on("device_host")(jax.jit(update, static_argnums=5))
+
+    def host_update(grad_sum, grad_norm, master, opt_state, finite, accum, *scale):
+      run = functools.partial(_on_host, lambda *a: update(*a[:5], accum, *a[5:]))
+      return run(grad_sum, grad_norm, master, opt_state, finite, *scale)
   # The new compute copy leaves a host update in the optimizer's layout (its
   # shards: 2Φ/N up).
   cast_on_device = on_device(state_sh.master)
@@ -288,3 +292,12 @@ def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState, model: Mo
   return jax.jit(train_step, in_shardings=(state_sh, batch_sh),
                  out_shardings=(state_sh, layout.replicated()), donate_argnums=0)
 
+
+def _on_host(fn, *args):
+  """`fn(*args)` computed on the host, its outputs left in host memory. JAX from 0.11
+  spells the function transform `compute_on` (before, a context manager);
+  earlier JAX has it as `compute_on2`."""
+  transform = compute_on_lib.compute_on
+  if "out_memory_spaces" not in inspect.signature(transform).parameters:
+    transform = compute_on_lib.compute_on2
+  return transform(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(*args)
