@@ -133,6 +133,7 @@ class Infinity(nvme_tier.Tier):
     """The step's gradients, summed into the gradient store: (None, loss, norm)."""
     del grad_step
     p, accum = self.programs, jax.tree.leaves(batch_Ax)[0].shape[0]
+    self.store.writes.wait()  # the last update's writes, before their masters are read
     # The weights outside the layer stack (embedding, head, final norm) stay in host
     # memory through the step; each program gets, on the device, those it reads.
     outer = self.read_weights(self.outer_leaves(self.leaves), None).host()

@@ -5,6 +5,7 @@ a SIGKILL costs nothing; no room on disk changes nothing. Its programs, plan,
 benchmark and bad input: tests/offload/test_infinity_tools.py."""
 
 import json
+import os
 import pathlib
 import random
 import shutil
@@ -21,7 +22,7 @@ from jaxzero import config
 from jaxzero.checkpoint import checkpointer
 from jaxzero.errors import DamagedCheckpointError, PathError
 from jaxzero.offload import checks as offload_checks
-from jaxzero.offload import infinity, nvme_checkpoint
+from jaxzero.offload import infinity, nvme_checkpoint, nvme_store
 from jaxzero.training import loop
 
 from processes import ROOT, TINY, cli_env, logged, losses, wait_for
@@ -103,12 +104,21 @@ def test_every_loss_and_the_final_weights_are_the_in_memory_run(reference, infin
   assert index["derived"] == "float32"
 
 
-def test_one_device_without_accumulation(reference, nvme_dir, tmp_path):
+def test_one_device_without_accumulation(reference, nvme_dir, tmp_path, monkeypatch):
   # (With the weights in pinned_host and the optimizer on NVMe, the whole-program step's
   # equality is tests/offload/test_host_offload.py's.)
+  # Slow writes, as on a busy machine: a step's reads of the masters must wait for the
+  # last update's writes still in flight (a stale read once moved a loss by 2.6 %).
+  transfer = nvme_store._transfer  # pylint: disable=protected-access
+
+  def slow_transfer(call, *args):
+    if call is os.pwritev:
+      time.sleep(0.01)
+    transfer(call, *args)
+
+  monkeypatch.setattr(nvme_store, "_transfer", slow_transfer)
   train(tmp_path, ["train.grad_accum=1", *infinity_sets(nvme_dir)], 1)
-  # Within 1e-6 when run alone; one full-suite run (2 busy cores) saw more on 1 device.
-  assert_same_run(tmp_path, reference[1, 1], range(1, 11), rtol=2e-6)
+  assert_same_run(tmp_path, reference[1, 1], range(1, 11))
   expected, got = weights(reference[1, 1], 10), weights(tmp_path, 10)
   for name, value in got.items():
     np.testing.assert_allclose(value, expected[name], rtol=1e-6, atol=1e-7, err_msg=name)
