@@ -76,6 +76,7 @@ def validate(cfg: Config) -> None:
   if cfg.mesh.replica == -1 and cfg.mesh.fsdp == -1:
     raise ConfigError("mesh.replica and mesh.fsdp cannot both be -1")
   _check_tensor(cfg.mesh.tensor, cfg.model)
+  _check_pipeline(cfg)
   if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
     raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
   _validate_eval(cfg)
@@ -103,6 +104,33 @@ def _validate_param_tier(cfg) -> None:
                       "mesh.tensor=1, no HYBRID_SHARD)")
   if cfg.eval.every:
     raise ConfigError(f"{where} does not evaluate held-out data yet: set eval.every=0")
+
+
+def _check_pipeline(cfg) -> None:
+  """mesh.pipeline: stages of whole layers, at least one micro-batch per stage, on what
+  the pipelined step runs (jaxzero.engine.pipeline)."""
+  stages, layers = cfg.mesh.pipeline, cfg.model.n_layers
+  if stages < 1:
+    raise ConfigError(f"mesh.pipeline={stages} must be a positive stage count (1 = off)")
+  if stages == 1:
+    return
+  if cfg.model_factory:
+    raise ConfigError(f"mesh.pipeline={stages}: the pipeline axis runs the Llama family's "
+                      "stacked layers; a model_factory model trains with mesh.pipeline=1")
+  if layers % stages:
+    valid = ", ".join(str(d) for d in range(1, layers + 1) if layers % d == 0)
+    raise ConfigError(f"mesh.pipeline={stages} does not divide model.n_layers={layers} into "
+                      f"stages of whole layers; valid values: {valid}")
+  if cfg.train.grad_accum < stages:
+    raise ConfigError(f"train.grad_accum={cfg.train.grad_accum} gives fewer micro-batches than "
+                      f"mesh.pipeline={stages} stages: use train.grad_accum >= {stages} (the "
+                      "step's micro-batches are the pipeline's)")
+  for key, value in (("offload.params", cfg.offload.params),
+                     ("offload.optimizer", cfg.offload.optimizer)):
+    if value != "device" and not (key == "offload.optimizer" and value == "pinned_host"):
+      raise ConfigError(f"mesh.pipeline={stages} with {key}={value} is not supported; "
+                        "pipeline runs keep the weights on the device and the optimizer on "
+                        "the device or in pinned_host")
 
 
 def _check_tensor(tensor: int, model) -> None:

@@ -62,6 +62,18 @@ class MeshConfig:
   # Tensor (Megatron) and sequence parallelism, innermost: inside a host.
   # Divides the devices, the heads, the MLP width and the vocabulary.
   tensor: int = 1
+  # Pipeline stages: the layer stack split into this many groups of consecutive
+  # layers, one per device along the `pipeline` axis (outside `fsdp`: across hosts).
+  # Divides the layers; the step's grad_accum micro-batches flow through the stages.
+  pipeline: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  # How the micro-batches flow through the stages (mesh.pipeline > 1). "gpipe": every
+  # micro-batch forward, then every one backward (the backward is the forward's
+  # gradient); each stage holds the inputs of all its micro-batches.
+  schedule: Literal["gpipe"] = "gpipe"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +237,7 @@ class Config:
   init: InitConfig = InitConfig()
   zero: ZeroConfig = ZeroConfig()
   mesh: MeshConfig = MeshConfig()
+  pipeline: PipelineConfig = PipelineConfig()
   train: TrainConfig = TrainConfig()
   precision: PrecisionConfig = PrecisionConfig()
   remat: RematConfig = RematConfig()

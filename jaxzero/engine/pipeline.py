@@ -15,7 +15,7 @@ layer as elsewhere).
 
 Invariants: the result equals ``jax.lax.scan(layer, carry, stacked)[0]`` on the whole
 batch (each row goes through every layer in order); the stack's length divides by
-`stages` and the batch by `micro`. Ticks in the bubble compute on stale rows whose
+`stages` and the batch by `micro`; row r of the batch belongs to micro-batch r % micro. Ticks in the bubble compute on stale rows whose
 results are never read, so no gradient flows from them.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-PIPELINE = "pipeline"
+from jaxzero.sharding.mesh import PIPELINE
 
 
 def gpipe_scan(stages: int, micro: int,
@@ -43,7 +43,10 @@ def gpipe_scan(stages: int, micro: int,
                        f"and {micro} micro-batches")
     per_stage = jax.tree.map(lambda w: w.reshape(stages, n_layers // stages, *w.shape[1:]),
                              stacked)
-    inputs = jax.tree.map(lambda x: x.reshape(micro, rows // micro, *x.shape[1:]), carry)
+    # Row r is micro-batch r % micro: a device's rows of every micro-batch are its
+    # own block of the batch, so splitting them needs no communication.
+    inputs = jax.tree.map(
+        lambda x: x.reshape(rows // micro, micro, *x.shape[1:]).swapaxes(0, 1), carry)
 
     def one_stage(x, weights):  # a stage's layers, in order
       return jax.lax.scan(layer, x, weights)[0]
@@ -67,7 +70,7 @@ def gpipe_scan(stages: int, micro: int,
         lambda x: jnp.zeros((stages, *x.shape[1:]), x.dtype), inputs))
     outputs = jax.tree.map(jnp.zeros_like, inputs)
     (_, outputs), _ = jax.lax.scan(tick, (state, outputs), jnp.arange(micro + stages - 1))
-    return jax.tree.map(lambda y: y.reshape(rows, *y.shape[2:]), outputs)
+    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(rows, *y.shape[2:]), outputs)
 
   return scan
 

@@ -25,14 +25,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.config import Config
-from jaxzero.engine import loss_scale
+from jaxzero.engine import loss_scale, pipeline
 from jaxzero.engine.accumulate import AccumulatingScan
 from jaxzero.engine.loss_scale import applied_updates
 from jaxzero.engine.optimizer import clip_by_norm, join_clip, mean_grad, split_clip
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import TrainState, dtype_of
 from jaxzero.models.interface import Hooks, Model, is_spec
-from jaxzero.sharding.mesh import AXES
+from jaxzero.sharding.mesh import AXES, PIPELINE
 from jaxzero.sharding.zero import Layout, local_sharding, on_device
 
 
@@ -85,6 +85,8 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
   """
   remat = remat_wrapper(cfg.remat.policy)
   grad_dtype = dtype_of(cfg.zero.grad_dtype)
+  if layout.pipeline_size > 1:
+    return _pipelined_grad_fn(cfg, layout, state_sh, model)
   specs = model.specs
   # Stages 2-3 reduce into their gradient shards, stage 1 into the optimizer's.
   reduced_sh = on_device(layout.tree_shardings(specs, layout.reduce_role))
@@ -203,6 +205,43 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
     if scale:
       grad_norm = grad_norm / scale[0]
     return grad_sum, loss_sum / accum, grad_norm
+
+  return grad_fn
+
+
+def _pipelined_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model):
+  """make_grad_fn's function with the layer stack pipelined over ``mesh.pipeline`` stages
+  (jaxzero.engine.pipeline): the step's A micro-batches flow through the stages in one
+  pass of A x B rows. That pass's mean loss times A has, as its gradient, the sum of the
+  A micro-steps' gradients: the sum make_grad_fn returns."""
+  remat = remat_wrapper(cfg.remat.policy)
+  grad_dtype = dtype_of(cfg.zero.grad_dtype)
+  master_on_device = on_device(state_sh.master)
+  params_on_device = on_device(state_sh.params)
+
+  def stage_inputs(tree):  # [stages, rows, ...]: a stage per device of `pipeline`
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(
+        layout.mesh, P(PIPELINE, AXES, *[P.UNCONSTRAINED] * (x.ndim - 2)))), tree)
+
+  def loss(params, rows, accum, *scale):
+    scan = pipeline.gpipe_scan(layout.pipeline_size, accum, stage_inputs)
+    value = loss_fn(model, params, rows, layout, remat, scan=scan)
+    return value * accum * (scale[0] if scale else 1), value
+
+  grad = jax.grad(loss, has_aux=True)
+
+  def grad_fn(params, batch_Ax, *scale):
+    accum = jax.tree.leaves(batch_Ax)[0].shape[0]
+    params = jax.device_put(params, params_on_device)
+    # Row b x A + a is micro-batch a's row b (the scan's order): each device keeps its rows.
+    rows = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), batch_Ax)
+    grads, mean_loss = grad(params, rows, accum, *scale)
+    grad_sum = jax.lax.with_sharding_constraint(
+        jax.tree.map(lambda g: g.astype(grad_dtype), grads), master_on_device)
+    grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grad_sum)) / accum
+    if scale:
+      grad_norm = grad_norm / scale[0]
+    return grad_sum, mean_loss, grad_norm
 
   return grad_fn
 

@@ -1,10 +1,13 @@
-"""The named device mesh ``(replica, fsdp, tensor)``: how many devices, their
-shape and order, the batch arithmetic over them, and virtual CPU devices for
-laptops.
+"""The named device mesh ``(replica, fsdp, tensor)``, or ``(replica, pipeline, fsdp,
+tensor)`` with pipeline stages: how many devices, their shape and order, the batch
+arithmetic over them, and virtual CPU devices for laptops.
 
 ``replica`` and ``fsdp`` are the data axes: the batch is split over them and
 ZeRO shards the state over them. ``tensor`` is innermost (it stays inside a
 host, on NVLink): Megatron-style tensor and sequence parallelism (zero.py).
+``pipeline`` (present only when larger than 1) splits the layer stack into stages
+(jaxzero.engine.pipeline); it lies outside ``fsdp``, so that stages span hosts and
+only activations cross the slower links.
 
 Importing this module does not start JAX, so the command-line tools can ask
 for virtual devices first.
@@ -12,12 +15,14 @@ for virtual devices first.
 
 from __future__ import annotations
 
+import math
 import os
 
 from jaxzero.errors import ConfigError
 
 AXES = ("replica", "fsdp")  # the data-parallel axes
 TENSOR = "tensor"
+PIPELINE = "pipeline"
 MESH_AXES = (*AXES, TENSOR)
 DEFAULT_DEVICES = 8  # one GPU node, when a mesh takes "all remaining" devices
 ENV_CPU_DEVICES = "JAX_NUM_CPU_DEVICES"
@@ -46,12 +51,13 @@ def use_virtual_cpu_devices(n: int, *, exact: bool = False) -> None:
 def devices_needed(mesh_cfg) -> int:
   """Devices a MeshConfig asks for, or 0 when it takes 'all remaining'."""
   replica, fsdp = mesh_cfg.replica, mesh_cfg.fsdp
-  return replica * fsdp * mesh_cfg.tensor if replica > 0 and fsdp > 0 else 0
+  return (replica * fsdp * mesh_cfg.tensor * mesh_cfg.pipeline
+          if replica > 0 and fsdp > 0 else 0)
 
 
 def data_parallel_needed(mesh_cfg) -> int:
   """Data-parallel devices (replica x fsdp) a MeshConfig asks for, or 0 for 'all remaining'."""
-  return devices_needed(mesh_cfg) // mesh_cfg.tensor
+  return devices_needed(mesh_cfg) // (mesh_cfg.tensor * mesh_cfg.pipeline)
 
 
 def devices_for(mesh_cfg, environ=None) -> int:
@@ -83,16 +89,21 @@ def divisors(n: int) -> list[int]:
 def resolve_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
   """(replica, fsdp, tensor) for `n_devices`, resolving -1; raises if they do not fit."""
   replica, fsdp, tensor = mesh_cfg.replica, mesh_cfg.fsdp, mesh_cfg.tensor
-  if n_devices % tensor:
-    raise ConfigError(f"mesh.tensor={tensor} does not divide the {n_devices} devices; "
-                      f"valid values: {', '.join(map(str, divisors(n_devices)))}")
-  n_data = n_devices // tensor
+  for key, size in (("mesh.tensor", tensor), ("mesh.pipeline", mesh_cfg.pipeline)):
+    if n_devices % size:
+      raise ConfigError(f"{key}={size} does not divide the {n_devices} devices; "
+                        f"valid values: {', '.join(map(str, divisors(n_devices)))}")
+  if n_devices % (tensor * mesh_cfg.pipeline):
+    raise ConfigError(f"mesh.tensor={tensor} x mesh.pipeline={mesh_cfg.pipeline} does not "
+                      f"divide the {n_devices} devices")
+  n_data = n_devices // (tensor * mesh_cfg.pipeline)
   if replica == -1:
     replica = n_data // fsdp if n_data % fsdp == 0 else 0
   if fsdp == -1:
     fsdp = n_data // replica if n_data % replica == 0 else 0
   if replica * fsdp != n_data or replica < 1 or fsdp < 1:
-    tensor_part = f" x mesh.tensor={tensor}" if tensor > 1 else ""
+    tensor_part = (f" x mesh.tensor={tensor}" if tensor > 1 else "") + (
+        f" x mesh.pipeline={mesh_cfg.pipeline}" if mesh_cfg.pipeline > 1 else "")
     raise ConfigError(
         f"mesh.replica={mesh_cfg.replica} x mesh.fsdp={mesh_cfg.fsdp}{tensor_part} does not fit "
         f"{n_devices} devices; the product must equal the device count (use -1 for 'all "
@@ -111,9 +122,9 @@ def micro_batch(train_cfg, n_data_parallel: int) -> int:
   return train_cfg.global_batch // per_step
 
 
-def make_mesh(replica: int, fsdp: int, devices=None, tensor: int = 1):
-  """A mesh ``(replica, fsdp, tensor)`` over `devices` (default: all), ordered
-  by the hardware's topology.
+def make_mesh(replica: int, fsdp: int, devices=None, tensor: int = 1, pipeline: int = 1):
+  """A mesh ``(replica, fsdp, tensor)``, or ``(replica, pipeline, fsdp, tensor)`` with
+  `pipeline` > 1, over `devices` (default: all), ordered by the hardware's topology.
 
   ``jax.make_mesh`` puts devices that share the fast links (a node's NVLink)
   next to each other along the innermost axes, ``tensor`` then ``fsdp``. A
@@ -125,11 +136,13 @@ def make_mesh(replica: int, fsdp: int, devices=None, tensor: int = 1):
   from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
 
   devices = list(jax.devices() if devices is None else devices)
-  if replica * fsdp * tensor != len(devices):
-    raise ConfigError(f"mesh {replica}x{fsdp}x{tensor} needs {replica * fsdp * tensor} devices, "
+  shape, names = (replica, fsdp, tensor), MESH_AXES
+  if pipeline > 1:
+    shape, names = (replica, pipeline, fsdp, tensor), (AXES[0], PIPELINE, AXES[1], TENSOR)
+  if math.prod(shape) != len(devices):
+    raise ConfigError(f"mesh {'x'.join(map(str, shape))} needs {math.prod(shape)} devices, "
                       f"got {len(devices)}")
-  mesh = jax.make_mesh((replica, fsdp, tensor), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                       devices=devices)
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
   check_tensor_groups(mesh.devices.reshape(-1, tensor))
   return mesh
 

@@ -13,7 +13,8 @@ the collectives:
 
 Hybrid (HYBRID_SHARD, HYBRID_SHARD_ZERO2) shards over ``fsdp`` only and replicates over
 ``replica``; the batch is always split over both. The ``tensor`` axis adds Megatron's splits
-(``TENSOR_DIMS``) on top of every stage. Inside a layer the weights use the *compute* layout
+(``TENSOR_DIMS``) on top of every stage, and ``pipeline`` splits the stacked ``layers``
+dimension into pipeline stages in every role. Inside a layer the weights use the *compute* layout
 and their gradients leave in the *reduce* layout (:func:`gather_for_compute`).
 :meth:`Layout.from_config` reads the ``zero`` and ``offload`` sections, and is the only way
 the rest of jaxzero builds a Layout.
@@ -32,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.errors import ConfigError
-from jaxzero.sharding.mesh import AXES, TENSOR, divisors
+from jaxzero.sharding.mesh import AXES, PIPELINE, TENSOR, divisors
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,11 @@ class Layout:
     return ("fsdp",) if self.hybrid else AXES
 
   @property
+  def pipeline_size(self) -> int:
+    """Pipeline stages: each device of the ``pipeline`` axis holds its stage's layers."""
+    return self.mesh.shape.get(PIPELINE, 1)
+
+  @property
   def shard_size(self) -> int:
     return math.prod(self.mesh.shape[a] for a in self.shard_axes)
 
@@ -155,6 +161,8 @@ class Layout:
       raise ValueError(f"weight {name!r} has logical axes {logical_axes} for shape {shape}; "
                        f"each dimension needs one of {sorted(KNOWN_LOGICAL_AXES)}")
     axes: list = [None] * len(shape)
+    if self.pipeline_size > 1 and "layers" in logical_axes:  # each stage its own layers
+      axes[logical_axes.index("layers")] = PIPELINE
     tensor_dim = self.tensor_dim(shape, logical_axes, name)
     if tensor_dim is not None:
       axes[tensor_dim] = TENSOR

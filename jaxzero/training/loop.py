@@ -71,7 +71,8 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
   if cfg.offload.optimizer == "nvme":  # a run checked this first; a caller of build may not
     offload_checks.check_offload(cfg, devices)
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, len(devices))
-  layout = Layout.from_config(cfg, mesh_lib.make_mesh(replica, fsdp, devices, tensor))
+  layout = Layout.from_config(cfg, mesh_lib.make_mesh(replica, fsdp, devices, tensor,
+                                                      cfg.mesh.pipeline))
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
   progress = progress and jax.process_index() == 0
   source = tokens_lib.open_tokens(cfg.data, workdir, model_vocab_size=cfg.model.vocab_size,
