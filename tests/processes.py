@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import socket
 import time
 
@@ -73,3 +74,13 @@ def load_script(name: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def at_step(workdir, step, copy):
+  """A copy of `workdir` as it was when it had saved `step`."""
+  shutil.copytree(workdir, copy)
+  for later in (p for p in (copy / "checkpoints").iterdir() if int(p.name) > step):
+    shutil.rmtree(later)
+  (copy / "metrics.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in logged(copy)
+                                              if r["step"] <= step))
+  return copy

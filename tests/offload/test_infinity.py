@@ -25,7 +25,7 @@ from jaxzero.offload import checks as offload_checks
 from jaxzero.offload import infinity, nvme_checkpoint, nvme_store
 from jaxzero.training import loop
 
-from processes import ROOT, TINY, cli_env, logged, losses, wait_for
+from processes import ROOT, TINY, at_step, cli_env, logged, losses, wait_for
 from tiny import INFINITY_SETS as SETS
 from tiny import infinity_sets
 
@@ -41,16 +41,6 @@ def weights(workdir, step) -> dict[str, np.ndarray]:
     return {name: reader.read(step, tuple(name.split("/")), shape)
             for name, shape in reader.leaf_shapes(step).items()
             if name.startswith(("master/", "params/"))}
-
-
-def at_step(workdir, step, copy):
-  """A copy of `workdir` as it was when it had saved `step`."""
-  shutil.copytree(workdir, copy)
-  for later in (p for p in (copy / "checkpoints").iterdir() if int(p.name) > step):
-    shutil.rmtree(later)
-  (copy / "metrics.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in logged(copy)
-                                              if r["step"] <= step))
-  return copy
 
 
 def assert_same_run(got_dir, expected_dir, steps, rtol=1e-6):

@@ -24,6 +24,7 @@ from jaxzero.models.llama import is_param_spec, param_specs
 from jaxzero.planning import planner
 from jaxzero.sharding import mesh
 from jaxzero.sharding.zero import Layout
+from jaxzero.training import loop
 
 import processes
 
@@ -32,10 +33,12 @@ MODEL = dataclasses.replace(TINY.model, attention="xla")  # 4 layers
 STEPS = 10
 
 
-def make_cfg(zero: dict, replica=1, fsdp=1, tensor=1, pipeline_=1, accum=4) -> config.Config:
+def make_cfg(zero: dict, replica=1, fsdp=1, tensor=1, pipeline_=1, accum=4,
+             optimizer="device") -> config.Config:
   c = config.base()
   return dataclasses.replace(
       c, model=MODEL, zero=config.ZeroConfig(grad_dtype="float32", **zero),
+      offload=config.OffloadConfig(optimizer=optimizer),
       mesh=config.MeshConfig(replica=replica, fsdp=fsdp, tensor=tensor, pipeline=pipeline_),
       train=dataclasses.replace(c.train, global_batch=16, grad_accum=accum, seq_len=32,
                                 lr=3e-3, warmup_steps=1),
@@ -86,11 +89,16 @@ def reference():
     ({"stage": 1}, (1, 2, 2, 2)),
     ({"stage": 3}, (1, 2, 2, 2)),
     ({"strategy": "HYBRID_SHARD"}, (2, 2, 1, 2)),
-], ids=["pp2", "pp4", "pp2_f2_t2_zero1", "pp2_f2_t2_zero3", "hybrid_r2_f2_pp2"])
+    ({"stage": 3, "optimizer": "pinned_host"}, (1, 2, 1, 2)),
+], ids=["pp2", "pp4", "pp2_f2_t2_zero1", "pp2_f2_t2_zero3", "hybrid_r2_f2_pp2",
+        "pp2_f2_zero3_optimizer_on_host"])
 def test_every_loss_and_the_final_weights_equal_one_device(zero, shape, reference):
   state0, tokens, want, want_master = reference
   replica, fsdp, tensor, stages = shape
-  got, master = run_steps(make_cfg(zero, replica, fsdp, tensor, stages), state0, tokens)
+  zero = dict(zero)
+  optimizer = zero.pop("optimizer", "device")
+  got, master = run_steps(make_cfg(zero, replica, fsdp, tensor, stages, optimizer=optimizer),
+                          state0, tokens)
   assert len(got) == STEPS and got[-1] != got[0]
   np.testing.assert_allclose(got, want, rtol=1e-5)
   # Within 2e-4 absolute: Adam moves a weight by up to lr = 3e-3 a step and divides by the
@@ -145,3 +153,32 @@ def test_an_unknown_schedule_or_a_pipeline_that_does_not_divide_the_devices_exit
     line = done.stderr.strip().splitlines()[-1]
     assert (message or "mesh.pipeline=4 does not divide the 6 devices") in line, line
     assert not list(tmp_path.glob("run/*"))  # nothing written
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+RUN_SETS = ["train.steps=12", "train.seq_len=32", "train.global_batch=16", "train.grad_accum=4",
+            "train.log_every=1", "train.warmup_steps=1", "checkpoint.every=4", "eval.every=0",
+            "data.max_bytes=200000"]
+
+
+def train(workdir, mesh_sets, devices, steps):
+  cfg = config.load(processes.TINY, [*RUN_SETS, "mesh.fsdp=1", *mesh_sets])
+  loop.run_training(cfg, workdir, steps, devices=jax.devices()[:devices], progress=False)
+  return processes.losses(workdir)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_pipeline_sizes(tmp_path):
+  """One device to pipeline 4, and pipeline 4 to one device and to pipeline 2 x tensor 2:
+  each resumed run's losses are the uninterrupted one-device run's."""
+  want = train(tmp_path / "one", [], 1, 12)
+  piped = processes.at_step(tmp_path / "one", 4, tmp_path / "pp4")
+  got = train(piped, ["mesh.pipeline=4"], 4, 8)
+  np.testing.assert_allclose([got[s] for s in range(5, 9)], [want[s] for s in range(5, 9)],
+                             rtol=1e-5)
+  for name, sets in (("pp1", []), ("pp2_t2", ["mesh.pipeline=2", "mesh.tensor=2"])):
+    workdir = processes.at_step(piped, 8, tmp_path / name)
+    got = train(workdir, sets, 4 if sets else 1, 12)
+    np.testing.assert_allclose([got[s] for s in range(9, 13)], [want[s] for s in range(9, 13)],
+                               rtol=1e-5, err_msg=name)
