@@ -117,7 +117,8 @@ def format_table(plan_, title: str) -> str:
       title,
       f"Φ = {format_count(plan_.n_params)} parameters on {r0.devices} virtual CPU devices "
       f"(mesh replica {r0.mesh[0]} x fsdp {r0.mesh[1]}"
-      f"{f' x tensor {r0.tensor}' if r0.tensor > 1 else ''}); micro-batch {r0.micro_batch} x "
+      f"{f' x tensor {r0.tensor}' if r0.tensor > 1 else ''}"
+      f"{f' x pipeline {r0.pipeline}' if r0.pipeline > 1 else ''}); micro-batch {r0.micro_batch} x "
       f"{r0.seq_len} tokens, grad_accum {r0.grad_accum}; budget {plan_.hbm_bytes / 1e9:g} GB",
       f"per device, in {unit}; state = params + grads + optimizer (fp32 master + Adam m, v), "
       f"N = sharding devices; activations = XLA temporaries less the gradient buffers "

@@ -20,6 +20,7 @@ import jax
 from jaxzero import config as config_lib
 from jaxzero import engine as engine_lib
 from jaxzero.config import Config
+from jaxzero.engine import pipeline
 from jaxzero.engine.remat import POLICY_NAMES
 from jaxzero.errors import ConfigError
 from jaxzero.models import trainable
@@ -113,7 +114,8 @@ class Row:
   # With comm=True: every collective of the compiled step, counted the ZeRO way
   # (a jaxzero.planning.collectives.CommReport); None otherwise.
   comm_report: object = dataclasses.field(default=None, repr=False, compare=False)
-  tensor: int = 1  # mesh.tensor: `devices` = replica x fsdp x tensor
+  tensor: int = 1  # mesh.tensor: `devices` = replica x fsdp x tensor x pipeline
+  pipeline: int = 1  # mesh.pipeline: stages, each device holding its stage's layers
 
   @property
   def state_bytes(self) -> int:
@@ -330,7 +332,7 @@ def _row(engine: engine_lib.Engine, variant: Variant, stats, micro: int, hbm_byt
   return Row(
       strategy=variant.strategy, stage=variant.stage, hybrid=variant.hybrid,
       devices=layout.mesh.size, mesh=(layout.mesh.shape["replica"], layout.mesh.shape["fsdp"]),
-      tensor=layout.tensor_size,
+      tensor=layout.tensor_size, pipeline=layout.pipeline_size,
       micro_batch=micro, grad_accum=cfg.train.grad_accum, seq_len=cfg.train.seq_len,
       remat=variant.remat, offload_optimizer=variant.offload_optimizer,
       offload_params=variant.offload_params,
@@ -356,6 +358,15 @@ def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:
                  "activations and gradient buffers in fp32: a GPU's activations are smaller")
   if sweep == "stages" and cfg.offload.params == "pinned_host":
     notes.append("offload.params=pinned_host applies to the stage-3 rows only")
+  stages = cfg.mesh.pipeline
+  if stages > 1:
+    micro = cfg.train.grad_accum
+    notes.append(
+        f"pipeline: {stages} stages of {cfg.model.n_layers // stages} layers, schedule "
+        f"{cfg.pipeline.schedule}, {micro} micro-batches a step: bubble (S-1)/(M+S-1) = "
+        f"{pipeline.bubble_fraction(stages, micro):.1%}; each stage holds the inputs of all "
+        f"{micro} micro-batches (in 'activations'); the state columns are one device's, with "
+        "its stage's layers only, the ZeRO formula column the whole model's over N")
   if any(not r.xla_separates_host for r in rows):
     notes.append("XLA's CPU compiler does not separate pinned_host memory: its figures count "
                  "the host column and offloaded activations as device memory (a GPU compiler "

@@ -182,3 +182,13 @@ def test_checkpoints_move_between_pipeline_sizes(tmp_path):
     got = train(workdir, sets, 4 if sets else 1, 12)
     np.testing.assert_allclose([got[s] for s in range(9, 13)], [want[s] for s in range(9, 13)],
                                rtol=1e-5, err_msg=name)
+
+
+def test_the_plan_names_the_stages_and_the_bubble(capsys):
+  from jaxzero import plan as plan_cli  # pylint: disable=import-outside-toplevel
+  assert plan_cli.main(["--config", processes.TINY, "--no-search", "--set", "mesh.fsdp=4",
+                        "--set", "mesh.pipeline=2", "--set", "zero.stage=3"]) == 0
+  out = capsys.readouterr().out
+  assert "(mesh replica 1 x fsdp 4 x pipeline 2)" in out
+  assert ("pipeline: 2 stages of 2 layers, schedule gpipe, 2 micro-batches a step: bubble "
+          "(S-1)/(M+S-1) = 33.3%") in out
