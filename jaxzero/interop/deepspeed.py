@@ -13,6 +13,7 @@ import dataclasses
 import pathlib
 
 from jaxzero import config as config_lib
+from jaxzero.interop import ds_parallel
 from jaxzero.interop.translation import (GATHERED_PER_LAYER, SHARDED_SAVES, Translation, number,
                                          param, read_mapping)
 from jaxzero.sharding import mesh as mesh_lib
@@ -75,10 +76,6 @@ REFUSED_WHEN_ENABLED = {
     "amp": "(NVIDIA Apex AMP) is not available; use bf16",
     "elasticity": "(elastic batch sizes) is not available",
 }
-REFUSED = {
-    "pipeline": "pipeline parallelism is not available",
-    "tensor_parallel": "tensor parallelism is not available yet",
-}
 ZERO_KEYS = {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params",
              "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
              "zero_quantized_nontrainable_weights", "mics_shard_size",
@@ -89,7 +86,7 @@ TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
             "steps_per_print", "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16",
             "bfloat16", "zero_optimization", "activation_checkpointing", "data_types",
             "communication_data_type", "sparse_gradients", "wandb", *UNNEEDED_TOP,
-            *REFUSED_WHEN_ENABLED, *REFUSED}
+            "pipeline", "tensor_parallel", *REFUSED_WHEN_ENABLED}
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
              "fp16_master_weights_and_grads"}
@@ -111,9 +108,6 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   """The jaxzero settings a ds_config (a parsed JSON object) means over `base`."""
   tr = Translation(source)
   tr.check_keys(ds, "", TOP_KEYS)
-  for key, why in REFUSED.items():
-    if key in ds:
-      raise tr.error(f"{key}: {why}")
   for key, why in REFUSED_WHEN_ENABLED.items():
     if isinstance(ds.get(key), dict) and ds[key].get("enabled") is True:
       raise tr.error(f"{key}.enabled=true: {key} {why}")
@@ -123,6 +117,7 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   _precision(tr, ds, base)
   _wandb(tr, ds.get("wandb", {}), base)
   _zero(tr, ds.get("zero_optimization", {}))
+  ds_parallel.translate(tr, ds, base)
   _activation_checkpointing(tr, ds.get("activation_checkpointing", {}))
   lr = _optimizer(tr, ds["optimizer"], base) if "optimizer" in ds else base.train.lr
   if "scheduler" in ds:

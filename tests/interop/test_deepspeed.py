@@ -25,6 +25,7 @@ from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError
 from jaxzero.interop import deepspeed
 from jaxzero.interop.translation import apply_file
+from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.training import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -205,6 +206,22 @@ def test_zero_infinity_puts_parameters_gradients_and_optimizer_on_nvme(tmp_path)
           "zero_optimization.offload_optimizer.buffer_count"} <= set(unneeded)
 
 
+def test_tensor_parallel_and_pipeline_blocks_are_the_mesh_axes():
+  ds = {"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True},
+        "pipeline": {"stages": 2, "partition": "parameters", "activation_checkpoint_interval": 1,
+                     "pipe_partitioned": True, "grad_partitioned": True},
+        "train_batch_size": 32, "gradient_accumulation_steps": 2}
+  cfg = from_ds(ds, devices=8)
+  # The data-parallel group is what is left, as in DeepSpeed: 8 / (2 x 2).
+  assert (cfg.mesh.tensor, cfg.mesh.pipeline, cfg.mesh.fsdp) == (2, 2, -1)
+  assert mesh_lib.resolve_shape(cfg.mesh, 8) == (1, 2, 2)
+  unneeded = deepspeed.translate(ds, base()).unneeded
+  assert {"tensor_parallel.tp_overlap_comm", "pipeline.partition",
+          "pipeline.activation_checkpoint_interval"} <= set(unneeded)
+  # DeepSpeed's default "auto" stages (its PipelineModule's num_stages) keep the base's.
+  assert from_ds({"pipeline": {"stages": "auto"}}).mesh.pipeline == 1
+
+
 def test_auto_fields_take_the_base_values():
   # The Hugging Face Trainer's ds_config: every size and hyperparameter "auto".
   ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
@@ -292,6 +309,11 @@ def test_three_fixed_batch_sizes_against_the_devices_are_one_line_with_the_arith
     ({"wandb": {"enabled": True, "projekt": "x"}}, "unknown key 'wandb.projekt'"),
     ({"zero_optimization": {"zero_quantized_weights": True}},
      "quantized weights are not available"),
+    ({"pipeline": {"stages": 2, "partition": "type:LlamaDecoderLayer"}},
+     "pipeline.partition='type:LlamaDecoderLayer' is not available"),
+    ({"tensor_parallel": {"tp": {"tp_size": 2}}},
+     "tensor_parallel.tp: DeepSpeed's inference tensor parallelism is not available"),
+    ({"pipeline": {"stages": 3}}, "mesh.pipeline=3 does not divide model.n_layers=4"),
 ])
 def test_known_but_unhonourable_and_unknown_keys_are_refused(ds, message):
   with pytest.raises(ConfigError) as e:
