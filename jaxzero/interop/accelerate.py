@@ -13,7 +13,8 @@ from __future__ import annotations
 import pathlib
 
 from jaxzero import config as config_lib
-from jaxzero.interop.translation import GATHERED_PER_LAYER, SHARDED_SAVES, Translation, read_mapping
+from jaxzero.interop.translation import (GATHERED_PER_LAYER, SHARDED_SAVES, Translation, number,
+                                         read_mapping)
 
 # torch's ShardingStrategy numbers, as `accelerate config` offers them.
 STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD",
@@ -41,7 +42,14 @@ UNNEEDED_TOP = {
 }
 FSDP_KEYS = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
              "fsdp_activation_checkpointing", *UNNEEDED_FSDP}
-TOP_KEYS = {"distributed_type", "fsdp_config", "mixed_precision", "log_with", *UNNEEDED_TOP}
+TOP_KEYS = {"distributed_type", "fsdp_config", "mixed_precision", "log_with",
+            "parallelism_config", *UNNEEDED_TOP}
+# Accelerate's ParallelismConfig (it has no pipeline size): key -> mesh key.
+PARALLELISM_SIZES = {"parallelism_config_dp_replicate_size": "mesh.replica",
+                     "parallelism_config_dp_shard_size": "mesh.fsdp",
+                     "parallelism_config_tp_size": "mesh.tensor"}
+PARALLELISM_KEYS = {*PARALLELISM_SIZES, "parallelism_config_cp_size",
+                    "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend"}
 
 
 def read(path: str, base: config_lib.Config) -> Translation:
@@ -89,6 +97,7 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
       # HSDP shards inside a node and replicates across nodes.
       tr.set("mesh.replica", int(acc.get("num_machines", 1)), "num_machines")
       tr.set("mesh.fsdp", -1, "num_machines")
+  _parallelism(tr, acc.get("parallelism_config") or {})
   if "fsdp_activation_checkpointing" in fsdp:
     tr.set("remat.policy", "full" if fsdp["fsdp_activation_checkpointing"] else "none",
            "fsdp_config.fsdp_activation_checkpointing")
@@ -105,6 +114,23 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
     tr.set("offload.params", "device", "fsdp_config.fsdp_offload_params")
     tr.set("offload.optimizer", "device", "fsdp_config.fsdp_offload_params")
   return tr
+
+
+def _parallelism(tr: Translation, block: dict) -> None:
+  """ParallelismConfig's sizes as the mesh (over the hybrid strategy's), its context
+  parallelism refused."""
+  block = tr.check_keys(block, "parallelism_config.", PARALLELISM_KEYS)
+  for key, target in PARALLELISM_SIZES.items():
+    if key in block:
+      tr.set(target, number(tr, block[key], f"parallelism_config.{key}", int, 1),
+             f"parallelism_config.{key}")
+  if number(tr, block.get("parallelism_config_cp_size", 1),
+            "parallelism_config.parallelism_config_cp_size", int, 1) > 1:
+    raise tr.error("parallelism_config.parallelism_config_cp_size > 1: context parallelism is "
+                   "not available (mesh.tensor splits the sequence between layers)")
+  tr.unneeded.update({f"parallelism_config.{k}": "no context parallelism" for k in block
+                      if k in ("parallelism_config_cp_comm_strategy",
+                               "parallelism_config_cp_backend")})
 
 
 def _strategy(tr: Translation, fsdp: dict) -> str | None:

@@ -120,6 +120,16 @@ def test_migrate_reads_an_accelerate_yaml(tmp_path, capsys):
   assert config.load(str(migrated)) == from_yaml(ACCELERATE_FSDP.format(strategy=2))
 
 
+def test_the_parallelism_config_sizes_are_the_mesh():
+  cfg = from_yaml("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 4\n"
+                  "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
+                  "  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n"
+                  "  parallelism_config_cp_size: 1\n"
+                  "  parallelism_config_cp_comm_strategy: allgather\n")
+  assert (cfg.zero.strategy, cfg.mesh.replica, cfg.mesh.fsdp, cfg.mesh.tensor) == (
+      "HYBRID_SHARD", 2, 2, 2)
+
+
 @pytest.mark.parametrize("text, message", [
     (ACCELERATE_FSDP.format(strategy=1).replace("fsdp_forward_prefetch", "fsdp_forward_prefech"),
      "unknown key 'fsdp_config.fsdp_forward_prefech': jaxzero does not know it; did you mean "
@@ -129,6 +139,8 @@ def test_migrate_reads_an_accelerate_yaml(tmp_path, capsys):
      "mixed_precision=fp8: jaxzero has no fp8 training; use bf16 or fp16"),
     ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: [1\n  x: 2\n",
      "not valid YAML at line 4 column 4"),
+    ("parallelism_config:\n  parallelism_config_cp_size: 2\n",
+     "parallelism_config_cp_size > 1: context parallelism is not available"),
 ])
 def test_bad_accelerate_config_is_one_line_and_exit_code_2(text, message, tmp_path, capsys):
   path = tmp_path / "fsdp.yaml"
