@@ -19,5 +19,5 @@ from jaxzero.errors import ConfigError
 __all__ = ["MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
            "DistributedConfig", "Dtype", "EvalConfig", "InitConfig", "LogConfig", "MemoryKind",
            "MeshConfig", "OffloadConfig", "PipelineConfig", "PrecisionConfig", "ProfileConfig",
-           "RematConfig", "TrainConfig", "ZeroConfig", "apply_overrides", "as_dotted", "base", "check_literals",
-           "load", "override", "strategy_name", "validate"]
+           "RematConfig", "TrainConfig", "ZeroConfig", "apply_overrides", "as_dotted", "base",
+           "check_literals", "load", "override", "strategy_name", "validate"]

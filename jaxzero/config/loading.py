@@ -125,9 +125,10 @@ def _check_pipeline(cfg) -> None:
     raise ConfigError(f"train.grad_accum={cfg.train.grad_accum} gives fewer micro-batches than "
                       f"mesh.pipeline={stages} stages: use train.grad_accum >= {stages} (the "
                       "step's micro-batches are the pipeline's)")
-  for key, value in (("offload.params", cfg.offload.params),
-                     ("offload.optimizer", cfg.offload.optimizer)):
-    if value != "device" and not (key == "offload.optimizer" and value == "pinned_host"):
+  for key, value, allowed in (("offload.params", cfg.offload.params, ("device",)),
+                              ("offload.optimizer", cfg.offload.optimizer,
+                               ("device", "pinned_host"))):
+    if value not in allowed:
       raise ConfigError(f"mesh.pipeline={stages} with {key}={value} is not supported; "
                         "pipeline runs keep the weights on the device and the optimizer on "
                         "the device or in pinned_host")

@@ -15,8 +15,9 @@ layer as elsewhere).
 
 Invariants: the result equals ``jax.lax.scan(layer, carry, stacked)[0]`` on the whole
 batch (each row goes through every layer in order); the stack's length divides by
-`stages` and the batch by `micro`; row r of the batch belongs to micro-batch r % micro. Ticks in the bubble compute on stale rows whose
-results are never read, so no gradient flows from them.
+`stages` and the batch by `micro`; row r of the batch belongs to micro-batch r % micro.
+Ticks in the bubble compute on stale rows whose results are never read, so no gradient
+flows from them.
 """
 
 from __future__ import annotations

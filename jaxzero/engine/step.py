@@ -83,10 +83,10 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
   A in float32 where used (:func:`mean_grad`). The norm is that of the mean
   gradient in float32, taken as ‖sum‖ / A.
   """
-  remat = remat_wrapper(cfg.remat.policy)
-  grad_dtype = dtype_of(cfg.zero.grad_dtype)
   if layout.pipeline_size > 1:
     return _pipelined_grad_fn(cfg, layout, state_sh, model)
+  remat = remat_wrapper(cfg.remat.policy)
+  grad_dtype = dtype_of(cfg.zero.grad_dtype)
   specs = model.specs
   # Stages 2-3 reduce into their gradient shards, stage 1 into the optimizer's.
   reduced_sh = on_device(layout.tree_shardings(specs, layout.reduce_role))
