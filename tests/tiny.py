@@ -1,10 +1,15 @@
-"""A tiny model's config, and a checkpoint's weights read back, for tests that train it."""
+"""A tiny model's config, its initial state and batches drawn on the host, and a
+checkpoint's weights read back, for tests that train it."""
 
 import dataclasses
 
+import jax
+import numpy as np
+
 from jaxzero import config
+from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import checkpointer
-from jaxzero.models.llama import LlamaConfig
+from jaxzero.models.llama import LlamaConfig, is_param_spec, param_specs
 
 
 def tiny_config(stage: int, nonfinite: str) -> config.Config:
@@ -37,3 +42,20 @@ INFINITY_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train
 def infinity_sets(nvme_dir, params="nvme"):
   """offload.params=nvme (or `params`) with the optimizer state on NVMe in `nvme_dir`."""
   return ["offload.optimizer=nvme", f"offload.params={params}", f"offload.nvme_dir={nvme_dir}"]
+
+
+def initial_state_and_batches(cfg: config.Config, steps: int, seed: int = 0):
+  """(a TrainState on the host, token batches [steps, A, B, T+1]) for `cfg`: the weights
+  drawn on the host as the model's initialisers do (jitting Llama's init costs a compile)."""
+  model, t = cfg.model, cfg.train
+  rng = np.random.default_rng(seed)
+  master = jax.tree.map(
+      lambda s: (np.ones(s.shape, np.float32) if s.init == "ones" else
+                 (model.init_std * rng.standard_normal(s.shape)).astype(np.float32)),
+      param_specs(model), is_leaf=is_param_spec)
+  state = jax.device_get(engine_lib.TrainState(np.zeros((), np.int32), master, master,
+                                               engine_lib.make_optimizer(cfg).init(master)))
+  tokens = rng.integers(0, model.vocab_size,
+                        (steps, t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1),
+                        dtype=np.int32)
+  return state, tokens

@@ -20,13 +20,13 @@ from jaxzero import engine as engine_lib
 from jaxzero.config import ConfigError
 from jaxzero.engine import pipeline
 from jaxzero.models import trainable
-from jaxzero.models.llama import is_param_spec, param_specs
 from jaxzero.planning import planner
 from jaxzero.sharding import mesh
 from jaxzero.sharding.zero import Layout
 from jaxzero.training import loop
 
 import processes
+from tiny import initial_state_and_batches
 
 TINY = config.load(processes.TINY)
 MODEL = dataclasses.replace(TINY.model, attention="xla")  # 4 layers
@@ -70,16 +70,7 @@ def run_steps(cfg: config.Config, state, tokens):
 def reference():
   """The 1-device run: (initial state on the host, tokens, losses, final masters)."""
   cfg = make_cfg({"stage": 0})
-  rng = np.random.default_rng(0)
-  master = jax.tree.map(
-      lambda s: (np.ones(s.shape, np.float32) if s.init == "ones" else
-                 (MODEL.init_std * rng.standard_normal(s.shape)).astype(np.float32)),
-      param_specs(MODEL), is_leaf=is_param_spec)
-  state0 = jax.device_get(engine_lib.TrainState(np.zeros((), np.int32), master, master,
-                                                engine_lib.make_optimizer(cfg).init(master)))
-  t = cfg.train
-  tokens = rng.integers(0, MODEL.vocab_size, (STEPS, t.grad_accum, t.global_batch // t.grad_accum,
-                                              t.seq_len + 1), dtype=np.int32)
+  state0, tokens = initial_state_and_batches(cfg, STEPS)
   return (state0, tokens, *run_steps(cfg, state0, tokens))
 
 

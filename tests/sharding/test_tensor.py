@@ -33,6 +33,7 @@ from jaxzero.sharding import mesh
 from jaxzero.sharding.zero import Layout
 
 import processes
+from tiny import initial_state_and_batches
 
 DATA = ("replica", "fsdp")
 MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128,
@@ -85,18 +86,7 @@ def run_steps(cfg: config.Config, state, tokens_SxAxBxT1: np.ndarray):
 def reference():
   """The 1-device run: (initial state on the host, tokens, losses)."""
   cfg = make_cfg({"stage": 0}, (1, 1, 1))
-  rng = np.random.default_rng(0)
-  # Drawn on the host as the model's initialisers do (jitting Llama's init costs a compile).
-  master = jax.tree.map(
-      lambda s: (np.ones(s.shape, np.float32) if s.init == "ones" else
-                 (MODEL.init_std * rng.standard_normal(s.shape)).astype(np.float32)),
-      param_specs(MODEL), is_leaf=is_param_spec)
-  state0 = jax.device_get(engine_lib.TrainState(np.zeros((), np.int32), master, master,
-                                          engine_lib.make_optimizer(cfg).init(master)))
-  t = cfg.train
-  tokens = rng.integers(
-      0, MODEL.vocab_size, (STEPS, t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1),
-      dtype=np.int32)
+  state0, tokens = initial_state_and_batches(cfg, STEPS)
   losses, _ = run_steps(cfg, state0, tokens)
   return state0, tokens, losses
 
