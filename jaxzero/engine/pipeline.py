@@ -5,8 +5,8 @@ them (GPipe's schedule).
 The stages are a leading axis that a ``vmap`` with ``spmd_axis_name`` places one per
 device of the ``pipeline`` mesh axis: each device holds its own layers (the stack's
 ``layers`` dimension is split over ``pipeline``) and runs them on the micro-batch in
-front of it. After each tick the stage outputs shift one stage on (``jnp.roll`` of the
-stage axis, which XLA partitions into a collective-permute between neighbours): only
+front of it. After each tick the stage outputs shift one stage on (a shift of the stage
+axis, which XLA partitions into a collective-permute between neighbours): only
 activations cross stages, and their gradients on the way back. For M micro-batches and S
 stages a pass is M + S - 1 ticks, S - 1 of them partly idle (the bubble,
 (S - 1) / (M + S - 1) of the time). The backward pass is the forward's gradient, so it
@@ -65,7 +65,7 @@ def gpipe_scan(stages: int, micro: int,
       done = jnp.maximum(t - (stages - 1), 0)
       outputs = jax.tree.map(
           lambda o, y: jax.lax.dynamic_update_index_in_dim(o, y[-1], done, 0), outputs, out)
-      return (jax.tree.map(lambda y: jnp.roll(y, 1, axis=0), out), outputs), None
+      return (jax.tree.map(_shift, out), outputs), None
 
     state = constrain(jax.tree.map(
         lambda x: jnp.zeros((stages, *x.shape[1:]), x.dtype), inputs))
@@ -74,6 +74,12 @@ def gpipe_scan(stages: int, micro: int,
     return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(rows, *y.shape[2:]), outputs)
 
   return scan
+
+
+def _shift(y):
+  """Stage s's output as stage s + 1's input: one collective-permute between neighbours
+  (stage 0's row, which it replaces with the next micro-batch, is zeros)."""
+  return jnp.concatenate([jnp.zeros_like(y[:1]), y[:-1]])
 
 
 def bubble_fraction(stages: int, micro: int, virtual: int = 1) -> float:

@@ -344,6 +344,10 @@ class CommReport:
   unit_bytes_per_param: int
   paper_units: float | None  # the ZeRO paper's figure, when the stage is known
   notes: list[str]
+  # With a pipeline axis: the collective-permutes across it, and the formula's bytes
+  # (2 x micro-batches x one micro-batch's activations per stage boundary).
+  pipeline_send_bytes: int = 0
+  pipeline_formula_bytes: int | None = None
 
 
 def hlo_text(compiled_or_text: Any) -> str:
@@ -354,7 +358,8 @@ def hlo_text(compiled_or_text: Any) -> str:
 
 
 def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int = 2, *,
-           stage: int | None = None, grad_accum: int = 1, tensor: int = 1) -> CommReport:
+           stage: int | None = None, grad_accum: int = 1, tensor: int = 1,
+           activation_bytes: int | None = None) -> CommReport:
   """Every collective of a compiled step, and the bytes per device per step.
 
   Args:
@@ -364,6 +369,8 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
     stage, grad_accum: when the stage is given, the ZeRO paper's figure is added.
     tensor: `mesh.tensor`; each device then holds 1/tensor of every weight, so the
       paper's figure (for the data axes) is divided by it.
+    activation_bytes: with a ``pipeline`` axis, one micro-batch's activations at a stage
+      boundary on one device: the pipeline sends are set beside 2 x grad_accum x them.
   """
   module = _Module(hlo_text(compiled_or_text))
   found = list(module.collectives())
@@ -389,11 +396,20 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
     notes.append(f"mesh.tensor={tensor}: the ZeRO paper's figure is over the data axes, for "
                  f"the 1/{tensor} of each weight a device holds; what crosses `tensor` "
                  f"(activations) comes on top")
+  sends = sum(r.counted_bytes for r in rows if r.op == "collective-permute"
+              and r.axes == ("pipeline",))
+  formula = None if activation_bytes is None else 2 * grad_accum * activation_bytes
+  if formula is not None:
+    notes.append("pipeline sends: each tick's shift is counted for every device, also in the "
+                 "S - 1 ticks of the bubble; beside them cross `pipeline` the last stage's "
+                 "outputs and the first stage's input gradients (the embedding and head run "
+                 "on every stage)")
   return CommReport(
       rows, found, total, total / (n_params * unit_bytes_per_param),
       {a: sum(r.counted_bytes for r in rows if a in r.axes) for a in getattr(mesh, "axis_names", ())},
       n_params, unit_bytes_per_param,
-      None if stage is None else zero_paper_units(stage, grad_accum) / tensor, notes)
+      None if stage is None else zero_paper_units(stage, grad_accum) / tensor, notes,
+      sends, formula)
 
 
 def as_json(rep: CommReport) -> dict:
@@ -423,4 +439,8 @@ def format_table(rep: CommReport) -> str:
            f"(Φ×{rep.unit_bytes_per_param} bytes); ZeRO paper: "
            f"{'-' if rep.paper_units is None else f'{rep.paper_units:g}'}"]
   lines += [f"crossing {axis}: {size(b)}" for axis, b in rep.axis_bytes.items()]
+  if rep.pipeline_formula_bytes is not None:
+    lines.append(f"pipeline sends (collective-permutes across pipeline): "
+                 f"{size(rep.pipeline_send_bytes)}; 2 x micro-batches x activations per stage "
+                 f"boundary: {size(rep.pipeline_formula_bytes)}")
   return "\n".join(lines + [f"note: {n}" for n in rep.notes])

@@ -16,12 +16,14 @@ import time
 from typing import Callable
 
 import jax
+import numpy as np
 
 from jaxzero import config as config_lib
 from jaxzero import engine as engine_lib
 from jaxzero.config import Config
 from jaxzero.engine import pipeline
 from jaxzero.engine.remat import POLICY_NAMES
+from jaxzero.engine.state import dtype_of
 from jaxzero.errors import ConfigError
 from jaxzero.models import trainable
 from jaxzero.models.llama import count_params
@@ -313,7 +315,7 @@ def _plan_variant(engine: engine_lib.Engine, variant: Variant, hbm_bytes: int,
     row.comm_report = comm_lib.report(
         compile_step(engine, micro), engine.layout.mesh, count_params(engine.cfg.model),
         stage=engine.layout.stage, grad_accum=engine.cfg.train.grad_accum,
-        tensor=engine.layout.tensor_size)
+        tensor=engine.layout.tensor_size, activation_bytes=_boundary_bytes(engine, micro))
   if search:
     def total_at(micro_batch: int) -> int:
       nonlocal compiles
@@ -348,6 +350,17 @@ def _row(engine: engine_lib.Engine, variant: Variant, stats, micro: int, hbm_byt
       xla_host_bytes=xla_host_bytes(stats),
       xla_separates_host=xla_host_bytes(stats) > 0 or not (
           state["host"] or variant.remat in OFFLOADING_POLICIES))
+
+
+def _boundary_bytes(engine: engine_lib.Engine, micro: int) -> int | None:
+  """With pipeline stages: one micro-batch's activations at a stage boundary on one
+  device (its rows x sequence x width, in the compute dtype, split over `tensor` by
+  sequence parallelism); else None."""
+  layout, cfg = engine.layout, engine.cfg
+  if layout.pipeline_size == 1:
+    return None
+  itemsize = np.dtype(dtype_of(cfg.precision.compute)).itemsize
+  return micro * cfg.train.seq_len * cfg.model.dim * itemsize // layout.tensor_size
 
 
 def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:

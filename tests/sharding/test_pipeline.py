@@ -8,6 +8,7 @@ initial state, placed into each layout's shards (as tests/sharding/test_tensor.p
 """
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -175,11 +176,17 @@ def test_checkpoints_move_between_pipeline_sizes(tmp_path):
                                rtol=1e-5, err_msg=name)
 
 
-def test_the_plan_names_the_stages_and_the_bubble(capsys):
+def test_the_plan_names_the_stages_the_bubble_and_the_sends(capsys):
   from jaxzero import plan as plan_cli  # pylint: disable=import-outside-toplevel
-  assert plan_cli.main(["--config", processes.TINY, "--no-search", "--set", "mesh.fsdp=4",
-                        "--set", "mesh.pipeline=2", "--set", "zero.stage=3"]) == 0
+  assert plan_cli.main(["--config", processes.TINY, "--no-search", "--comm", "--set",
+                        "mesh.fsdp=4", "--set", "mesh.pipeline=2", "--set", "zero.stage=3"]) == 0
   out = capsys.readouterr().out
   assert "(mesh replica 1 x fsdp 4 x pipeline 2)" in out
   assert ("pipeline: 2 stages of 2 layers, schedule gpipe, 2 micro-batches a step: bubble "
           "(S-1)/(M+S-1) = 33.3%") in out
+  # A micro-batch at a boundary: 16 rows / 4 data devices x 128 tokens x width 128 x 4 bytes.
+  sends = re.search(r"pipeline sends \(collective-permutes across pipeline\): ([\d.]+) MB; "
+                    r"2 x micro-batches x activations per stage boundary: ([\d.]+) MB", out)
+  assert sends and float(sends.group(2)) == pytest.approx(2 * 2 * 4 * 128 * 128 * 4 / 1e6,
+                                                          abs=0.01)
+  assert float(sends.group(1)) >= float(sends.group(2))  # each tick counted, the bubble's too
