@@ -344,9 +344,10 @@ class CommReport:
   unit_bytes_per_param: int
   paper_units: float | None  # the ZeRO paper's figure, when the stage is known
   notes: list[str]
-  # With a pipeline axis: the collective-permutes across it, and the formula's bytes
-  # (2 x micro-batches x one micro-batch's activations per stage boundary).
-  pipeline_send_bytes: int = 0
+  # With a pipeline axis: what crosses it alone (of which collective-permutes), and the
+  # formula's bytes (2 x micro-batches x one micro-batch's activations per boundary).
+  pipeline_bytes: int = 0
+  pipeline_permute_bytes: int = 0
   pipeline_formula_bytes: int | None = None
 
 
@@ -396,20 +397,19 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
     notes.append(f"mesh.tensor={tensor}: the ZeRO paper's figure is over the data axes, for "
                  f"the 1/{tensor} of each weight a device holds; what crosses `tensor` "
                  f"(activations) comes on top")
-  sends = sum(r.counted_bytes for r in rows if r.op == "collective-permute"
-              and r.axes == ("pipeline",))
+  alone = [r for r in rows if r.axes == ("pipeline",)]
   formula = None if activation_bytes is None else 2 * grad_accum * activation_bytes
   if formula is not None:
-    notes.append("pipeline sends: each tick's shift is counted for every device, also in the "
-                 "S - 1 ticks of the bubble; beside them cross `pipeline` the last stage's "
-                 "outputs and the first stage's input gradients (the embedding and head run "
-                 "on every stage)")
+    notes.append("across `pipeline`: every tick's shift, the S - 1 ticks of the bubble too, "
+                 "and (the embedding and head running on every stage) the last stage's outputs "
+                 "to all stages and the input gradients back")
   return CommReport(
       rows, found, total, total / (n_params * unit_bytes_per_param),
       {a: sum(r.counted_bytes for r in rows if a in r.axes) for a in getattr(mesh, "axis_names", ())},
       n_params, unit_bytes_per_param,
       None if stage is None else zero_paper_units(stage, grad_accum) / tensor, notes,
-      sends, formula)
+      sum(r.counted_bytes for r in alone),
+      sum(r.counted_bytes for r in alone if r.op == "collective-permute"), formula)
 
 
 def as_json(rep: CommReport) -> dict:
@@ -440,7 +440,7 @@ def format_table(rep: CommReport) -> str:
            f"{'-' if rep.paper_units is None else f'{rep.paper_units:g}'}"]
   lines += [f"crossing {axis}: {size(b)}" for axis, b in rep.axis_bytes.items()]
   if rep.pipeline_formula_bytes is not None:
-    lines.append(f"pipeline sends (collective-permutes across pipeline): "
-                 f"{size(rep.pipeline_send_bytes)}; 2 x micro-batches x activations per stage "
-                 f"boundary: {size(rep.pipeline_formula_bytes)}")
+    lines.append(f"across pipeline alone: {size(rep.pipeline_bytes)} (collective-permutes "
+                 f"{size(rep.pipeline_permute_bytes)}); the formula, 2 x micro-batches x "
+                 f"activations per stage boundary: {size(rep.pipeline_formula_bytes)}")
   return "\n".join(lines + [f"note: {n}" for n in rep.notes])
