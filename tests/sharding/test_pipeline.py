@@ -192,3 +192,21 @@ def test_the_plan_names_the_stages_the_bubble_and_the_sends(capsys):
                                                           abs=0.01)
   # Every tick, the bubble's too; the embedding and head's traffic on top.
   assert float(sends.group(1)) > float(sends.group(2)) >= float(sends.group(3))
+
+
+@pytest.mark.slow
+def test_the_405b_3d_preset_plans_within_80_gb_a_device():
+  # In a process of its own: JAX makes its 1024 virtual devices when it starts.
+  preset = str(processes.ROOT / "configs" / "llama405b_3d.py")
+  done = subprocess.run([sys.executable, "-m", "jaxzero.plan", "--config", preset, "--no-search"],
+                        capture_output=True, text=True, timeout=600, check=False,
+                        env=processes.clean_env())
+  assert done.returncode == 0, done.stderr[-2000:]
+  out = done.stdout
+  assert "1024 virtual CPU devices (mesh replica 1 x fsdp 64 x tensor 8 x pipeline 2)" in out
+  row = next(line.split() for line in out.splitlines() if line.startswith("3 FULL_SHARD"))
+  state, total, fits = float(row[7]), float(row[-3]), row[-2]
+  # 16 bytes a parameter over fsdp 64 x tensor 8 x pipeline 2 (the embedding and head
+  # are not split over pipeline: a little more).
+  assert 16 * 405.85 / 1024 <= state <= 16 * 405.85 / 1024 * 1.05
+  assert total <= 80 and fits == "yes"
