@@ -11,7 +11,9 @@
 Micro-batch 1 x 8192 tokens per data-parallel device, 4 micro-batches a step (2M tokens;
 a bubble of 1/5), full remat, bf16. With GPipe each stage holds every micro-batch's
 activations: 8 micro-batches plan at 83.3 GB a device, 4 at 74.1 GB (XLA:CPU's count,
-which overstates a GPU's). `python -m jaxzero.plan --config configs/llama405b_3d.py`.
+which overstates a GPU's). Without the pipeline (fsdp 128) the same batch plans at 15.8
+GB: XLA:CPU replicates the merged batch's embedding output (see docs/stages-and-meshes.md,
+"Pipeline stages"). `python -m jaxzero.plan --config configs/llama405b_3d.py`.
 """
 
 import dataclasses
