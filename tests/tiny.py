@@ -1,5 +1,6 @@
-"""A tiny model's config, its initial state and batches drawn on the host, and a
-checkpoint's weights read back, for tests that train it."""
+"""A tiny model's config, its initial state and batches drawn on the host, its step
+compiled ahead of time and run, and a checkpoint's weights read back, for tests that
+train it."""
 
 import dataclasses
 
@@ -9,7 +10,11 @@ import numpy as np
 from jaxzero import config
 from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import checkpointer
+from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, is_param_spec, param_specs
+from jaxzero.planning import planner
+from jaxzero.sharding import mesh
+from jaxzero.sharding.zero import Layout
 
 
 def tiny_config(stage: int, nonfinite: str) -> config.Config:
@@ -59,3 +64,36 @@ def initial_state_and_batches(cfg: config.Config, steps: int, seed: int = 0):
                         (steps, t.grad_accum, t.global_batch // t.grad_accum, t.seq_len + 1),
                         dtype=np.int32)
   return state, tokens
+
+
+def make_engine(cfg: config.Config) -> engine_lib.Engine:
+  """The engine of `cfg` (validated) on the first devices its mesh needs."""
+  config.validate(cfg)
+  devices = jax.devices()[:mesh.devices_needed(cfg.mesh)]
+  replica, fsdp, tensor = mesh.resolve_shape(cfg.mesh, len(devices))
+  layout = Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, devices, tensor,
+                                                  cfg.mesh.pipeline))
+  return engine_lib.Engine(cfg, layout, trainable.llama(cfg.model))
+
+
+_COMPILED: dict = {}  # config -> (engine, its compiled step): a process compiles each once
+
+
+def compiled_step(cfg: config.Config):
+  """(engine, its train step compiled with the planner's fast options), once per config."""
+  if cfg not in _COMPILED:
+    engine = make_engine(cfg)
+    micro = mesh.micro_batch(cfg.train, engine.layout.data_parallel_size)
+    _COMPILED[cfg] = engine, planner.compile_step(engine, micro)
+  return _COMPILED[cfg]
+
+
+def run_steps(cfg: config.Config, state, tokens_SxAxBxT1: np.ndarray):
+  """(losses, final state) of len(tokens) steps from `state` (host arrays or a state)."""
+  engine, compiled = compiled_step(cfg)
+  state = jax.device_put(state, engine.shardings)
+  losses = []
+  for tokens in tokens_SxAxBxT1:
+    state, metrics = compiled(state, jax.device_put(tokens, engine.batch_sharding))
+    losses.append(float(metrics["loss"]))
+  return np.array(losses), state

@@ -17,17 +17,12 @@ import numpy as np
 import pytest
 
 from jaxzero import config
-from jaxzero import engine as engine_lib
 from jaxzero.config import ConfigError
 from jaxzero.engine import pipeline
-from jaxzero.models import trainable
-from jaxzero.planning import planner
-from jaxzero.sharding import mesh
-from jaxzero.sharding.zero import Layout
 from jaxzero.training import loop
 
 import processes
-from tiny import initial_state_and_batches
+from tiny import compiled_step, initial_state_and_batches, run_steps
 
 TINY = config.load(processes.TINY)
 MODEL = dataclasses.replace(TINY.model, attention="xla")  # 4 layers
@@ -46,33 +41,13 @@ def make_cfg(zero: dict, replica=1, fsdp=1, tensor=1, pipeline_=1, accum=4,
       precision=config.PrecisionConfig(compute="float32"))
 
 
-def compiled_step(cfg: config.Config):
-  config.validate(cfg)
-  devices = jax.devices()[:mesh.devices_needed(cfg.mesh)]
-  replica, fsdp, tensor = mesh.resolve_shape(cfg.mesh, len(devices))
-  layout = Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, devices, tensor,
-                                                  cfg.mesh.pipeline))
-  engine = engine_lib.Engine(cfg, layout, trainable.llama(cfg.model))
-  return engine, planner.compile_step(engine, mesh.micro_batch(cfg.train,
-                                                               layout.data_parallel_size))
-
-
-def run_steps(cfg: config.Config, state, tokens):
-  engine, compiled = compiled_step(cfg)
-  state = jax.device_put(state, engine.shardings)
-  losses = []
-  for batch in tokens:
-    state, metrics = compiled(state, jax.device_put(batch, engine.batch_sharding))
-    losses.append(float(metrics["loss"]))
-  return np.array(losses), jax.device_get(state.master)
-
-
 @pytest.fixture(scope="module")
 def reference():
   """The 1-device run: (initial state on the host, tokens, losses, final masters)."""
   cfg = make_cfg({"stage": 0})
   state0, tokens = initial_state_and_batches(cfg, STEPS)
-  return (state0, tokens, *run_steps(cfg, state0, tokens))
+  losses, state = run_steps(cfg, state0, tokens)
+  return state0, tokens, losses, jax.device_get(state.master)
 
 
 @pytest.mark.parametrize("zero, shape", [
@@ -89,8 +64,9 @@ def test_every_loss_and_the_final_weights_equal_one_device(zero, shape, referenc
   replica, fsdp, tensor, stages = shape
   zero = dict(zero)
   optimizer = zero.pop("optimizer", "device")
-  got, master = run_steps(make_cfg(zero, replica, fsdp, tensor, stages, optimizer=optimizer),
-                          state0, tokens)
+  got, state = run_steps(make_cfg(zero, replica, fsdp, tensor, stages, optimizer=optimizer),
+                         state0, tokens)
+  master = jax.device_get(state.master)
   assert len(got) == STEPS and got[-1] != got[0]
   np.testing.assert_allclose(got, want, rtol=1e-5)
   # Within 2e-4 absolute: Adam moves a weight by up to lr = 3e-3 a step and divides by the

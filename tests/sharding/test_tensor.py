@@ -21,19 +21,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero import config
-from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import checkpointer
 from jaxzero.config import ConfigError
 from jaxzero.interop import hf_export, hf_load
-from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, count_params, is_param_spec, param_specs
 from jaxzero.models.loss import cross_entropy
 from jaxzero.planning import collectives, planner, state_bytes
 from jaxzero.sharding import mesh
-from jaxzero.sharding.zero import Layout
 
 import processes
-from tiny import initial_state_and_batches
+from tiny import compiled_step, initial_state_and_batches, make_engine, run_steps
 
 DATA = ("replica", "fsdp")
 MODEL = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128,
@@ -51,35 +48,6 @@ def make_cfg(zero: dict, shape: tuple[int, int, int], model=MODEL, compute="floa
       train=dataclasses.replace(c.train, **{"global_batch": 16, "grad_accum": 2, "seq_len": 32,
                                             "lr": 3e-3, "warmup_steps": 1, **train}),
       precision=config.PrecisionConfig(compute=compute))
-
-
-def make_engine(cfg: config.Config) -> engine_lib.Engine:
-  config.validate(cfg)
-  devices = jax.devices()[:mesh.devices_needed(cfg.mesh)]
-  replica, fsdp, tensor = mesh.resolve_shape(cfg.mesh, len(devices))
-  return engine_lib.Engine(cfg, Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, devices, tensor)), trainable.llama(cfg.model))
-
-
-_COMPILED: dict = {}  # config -> (engine, its compiled step): the module compiles each once
-
-
-def compiled_step(cfg: config.Config):
-  if cfg not in _COMPILED:
-    engine = make_engine(cfg)
-    micro = mesh.micro_batch(cfg.train, engine.layout.data_parallel_size)
-    _COMPILED[cfg] = engine, planner.compile_step(engine, micro)
-  return _COMPILED[cfg]
-
-
-def run_steps(cfg: config.Config, state, tokens_SxAxBxT1: np.ndarray):
-  """(losses, final state) of len(tokens) steps from `state` (host arrays or a state)."""
-  engine, compiled = compiled_step(cfg)
-  state = jax.device_put(state, engine.shardings)
-  losses = []
-  for tokens in tokens_SxAxBxT1:
-    state, metrics = compiled(state, jax.device_put(tokens, engine.batch_sharding))
-    losses.append(float(metrics["loss"]))
-  return np.array(losses), state
 
 
 @pytest.fixture(scope="module")
