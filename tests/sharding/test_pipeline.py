@@ -52,14 +52,17 @@ def reference():
   return state0, tokens, losses, jax.device_get(state.master)
 
 
+SLOW = pytest.mark.slow  # the 8-device compositions: the fast lane keeps pipeline 2 and 4
+
+
 @pytest.mark.parametrize("zero, shape", [
-    ({"stage": 0}, (1, 1, 1, 2)),
-    ({"stage": 0}, (1, 1, 1, 4)),
-    ({"stage": 1}, (1, 2, 2, 2)),
-    ({"stage": 3, "optimizer": "pinned_host"}, (1, 2, 2, 2)),
-    ({"strategy": "HYBRID_SHARD"}, (2, 2, 1, 2)),
-], ids=["pp2", "pp4", "pp2_f2_t2_zero1", "pp2_f2_t2_zero3_optimizer_on_host",
-        "hybrid_r2_f2_pp2"])
+    pytest.param({"stage": 0}, (1, 1, 1, 2), id="pp2"),
+    pytest.param({"stage": 0}, (1, 1, 1, 4), id="pp4"),
+    pytest.param({"stage": 1}, (1, 2, 2, 2), id="pp2_f2_t2_zero1", marks=SLOW),
+    pytest.param({"stage": 3, "optimizer": "pinned_host"}, (1, 2, 2, 2),
+                 id="pp2_f2_t2_zero3_optimizer_on_host", marks=SLOW),
+    pytest.param({"strategy": "HYBRID_SHARD"}, (2, 2, 1, 2), id="hybrid_r2_f2_pp2", marks=SLOW),
+])
 def test_every_loss_and_the_final_weights_equal_one_device(zero, shape, reference):
   state0, tokens, want, want_master = reference
   replica, fsdp, tensor, stages = shape
