@@ -140,10 +140,13 @@ def test_two_processes_train_like_one_with_tensor_parallelism(tmp_path, referenc
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_processes_train_like_one_with_a_stage_each(tmp_path, reference, launch_env):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_processes_train_like_one_with_a_stage_each(tmp_path, reference, launch_env,
+                                                        schedule):
   # pipeline=2 x fsdp=4: the pipeline axis is outside fsdp, so each process holds one
   # stage and only activations cross between the processes (issue 28).
-  launch(launch_env, tmp_path, "--steps", "3", sets=["mesh.fsdp=4", "mesh.pipeline=2"])
+  launch(launch_env, tmp_path, "--steps", "3",
+         sets=["mesh.fsdp=4", "mesh.pipeline=2", f"pipeline.schedule={schedule}"])
   np.testing.assert_allclose(logged_losses(tmp_path), reference[:3], rtol=1e-5)
 
 

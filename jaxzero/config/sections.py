@@ -72,8 +72,10 @@ class MeshConfig:
 class PipelineConfig:
   # How the micro-batches flow through the stages (mesh.pipeline > 1). "gpipe": every
   # micro-batch forward, then every one backward (the backward is the forward's
-  # gradient); each stage holds the inputs of all its micro-batches.
-  schedule: Literal["gpipe"] = "gpipe"
+  # gradient); each stage holds the inputs of all its micro-batches. "1f1b": each
+  # micro-batch starts back as soon as it leaves the last stage; a stage holds at most
+  # 2 x mesh.pipeline - 1 stage inputs, at a larger bubble (jaxzero.engine.pipeline).
+  schedule: Literal["gpipe", "1f1b"] = "gpipe"
 
 
 @dataclasses.dataclass(frozen=True)

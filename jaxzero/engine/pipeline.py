@@ -1,6 +1,6 @@
-"""Pipeline parallelism over the layer stack: a ``Hooks.scan`` that runs the stacked
-layers as `stages` groups of consecutive layers, with the micro-batches flowing through
-them (GPipe's schedule).
+"""Pipeline parallelism over the layer stack: the stacked layers run as `stages` groups
+of consecutive layers, with the micro-batches flowing through them. Two schedules:
+GPipe (:func:`gpipe_scan`, a ``Hooks.scan``) and 1F1B (:func:`one_f_one_b`).
 
 The stages are a leading axis that a ``vmap`` with ``spmd_axis_name`` places one per
 device of the ``pipeline`` mesh axis: each device holds its own layers (the stack's
@@ -12,6 +12,18 @@ stages a pass is M + S - 1 ticks, S - 1 of them partly idle (the bubble,
 (S - 1) / (M + S - 1) of the time). The backward pass is the forward's gradient, so it
 keeps every micro-batch's stage inputs (GPipe's memory; remat applies inside each
 layer as elsewhere).
+
+1F1B cannot be autodiff's: each micro-batch's loss gradient must start back through the
+stages before later micro-batches go forward. :func:`one_f_one_b` cuts the model at its
+layer scan (jaxzero.engine.cut) and drives both directions in one loop of M + 2S - 2
+ticks. Each tick every stage runs one forward (micro-batch t - s) and one backward
+(micro-batch t - 2S + 2 + s, its forward recomputed from the stage input it kept: full
+remat at stage boundaries), the loss and head gradient of the micro-batch leaving the last
+stage between the two. The stages run in lockstep (one SPMD program), so a gradient
+reaches stage s one tick after stage s + 1: stage s keeps 2(S - 1 - s) + 1 stage inputs,
+at most 2S - 1 whatever M is, where GPipe keeps all M; the price is a bubble of
+(2S - 2) / (M + 2S - 2). Per-device schedules (each stage its own program) reach S in
+flight and GPipe's bubble, but need shard_map's manual partitioning of the stage bodies.
 
 Invariants: the result equals ``jax.lax.scan(layer, carry, stacked)[0]`` on the whole
 batch (each row goes through every layer in order); the stack's length divides by
@@ -26,8 +38,21 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxzero.sharding.mesh import PIPELINE
+from jaxzero.engine import cut
+from jaxzero.sharding.mesh import AXES, PIPELINE
+
+
+def stage_constraint(mesh, unsplit: int = 0) -> Callable[[Any], Any]:
+  """Places a tree of [stages, (`unsplit` dims,) rows, ...] buffers: a stage per device
+  of ``pipeline``, the rows over the data axes."""
+  def constrain(tree):
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(
+        mesh, P(PIPELINE, *[None] * unsplit, AXES,
+                *[P.UNCONSTRAINED] * (x.ndim - 2 - unsplit)))), tree)
+  return constrain
 
 
 def gpipe_scan(stages: int, micro: int,
@@ -76,13 +101,126 @@ def gpipe_scan(stages: int, micro: int,
   return scan
 
 
+def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_dtype, params,
+                batch_Ax, *scale):
+  """1F1B over `stages` stages of ``params[layers_key]``, the micro-batches being
+  `batch_Ax`'s leading axis: (the sum of the micro-batches' gradients in `grad_dtype`,
+  their mean loss). `loss(params, batch, scan)` is the model's loss (jaxzero.engine.cut);
+  `scale`, where given, multiplies each micro-batch's loss before its gradient."""
+  n_micro = jax.tree.leaves(batch_Ax)[0].shape[0]
+  layers = params[layers_key]
+  outer = {k: v for k, v in params.items() if k != layers_key}
+  n_layers = jax.tree.leaves(layers)[0].shape[0]
+  if n_layers % stages or n_micro < stages:
+    raise ValueError(f"{n_layers} layers and {n_micro} micro-batches do not fill {stages} "
+                     "stages")
+  micro = lambda a: jax.tree.map(lambda x: x[a], batch_Ax)
+  with_layers = lambda outer: {**outer, layers_key: layers}
+  cuts = [cut.before_layers(loss, params, micro(a)) for a in range(n_micro)]
+  layer, is_float = cuts[0].layer, [cut.is_float(c) for c in cuts[0].consts]
+  # Each micro-batch's stack input and the values its layers close over, [A, ...]; the
+  # integer ones (e.g. positions) take no gradient.
+  stacked = lambda values: jax.tree.map(lambda *xs: jnp.stack(xs), *values)
+  int_consts = stacked([[c for c, f in zip(x.consts, is_float) if not f] for x in cuts])
+
+  def embed(outer):
+    cuts = [cut.before_layers(loss, with_layers(outer), micro(a)) for a in range(n_micro)]
+    return (stacked([x.carry for x in cuts]),
+            stacked([[c for c, f in zip(x.consts, is_float) if f] for x in cuts]))
+
+  (inputs, float_consts), embed_vjp = jax.vjp(embed, outer)
+  per_stage = jax.tree.map(lambda w: w.reshape(stages, n_layers // stages, *w.shape[1:]),
+                           layers)
+
+  def stage_forward(weights, x, floats, ints):
+    floats, ints = iter(floats), iter(ints)
+    consts = [next(floats) if f else next(ints) for f in is_float]
+    return jax.lax.scan(lambda c, w: (layer(c, w, *consts)[0], None), x, weights)[0]
+
+  def stage_backward(weights, x, floats, ints, ct):
+    _, vjp = jax.vjp(lambda w, x, f: stage_forward(w, x, f, ints), weights, x, floats)
+    return vjp(ct)
+
+  forward = jax.vmap(stage_forward, spmd_axis_name=PIPELINE)
+  backward = jax.vmap(stage_backward, spmd_axis_name=PIPELINE)
+
+  def head(outer, carry, batch):
+    value = cut.after_layers(loss, with_layers(outer), batch, carry)
+    return value * scale[0] if scale else value, value
+
+  head_grad = jax.value_and_grad(head, argnums=(0, 1), has_aux=True)
+  per_device, stashed = stage_constraint(mesh), stage_constraint(mesh, unsplit=1)
+  # Stage 0 keeps 2S - 2 inputs between ticks; the one read back this tick is read before
+  # the tick's own is written.
+  slots = 2 * stages - 2
+  stage = jnp.arange(stages)
+  take = lambda tree, idx: jax.tree.map(lambda x: x[idx], tree)
+
+  def tick(loop, t):
+    fwd, bwd, stash, layer_sum, outer_sum, ct_inputs, ct_floats, loss_sum = loop
+    i, j = t - stage, t - (2 * stages - 2) + stage  # each stage's forward and backward
+    f_ok, b_ok = (i >= 0) & (i < n_micro), (j >= 0) & (j < n_micro)
+    i, j = jnp.clip(i, 0, n_micro - 1), jnp.clip(j, 0, n_micro - 1)
+    x = per_device(jax.tree.map(lambda s, inp: s.at[0].set(inp[i[0]]), fwd, inputs))
+    saved = jax.tree.map(lambda st, x: jax.vmap(lambda s, k: s[k])(st, j % slots).at[-1].set(
+        x[-1]), stash, x)
+    stash = stashed(jax.tree.map(lambda st, x: jax.vmap(lambda s, v, k: s.at[k].set(v))(
+        st, x, i % slots), stash, x))
+    y = per_device(forward(per_stage, x, take(float_consts, i), take(int_consts, i)))
+    # The micro-batch leaving the last stage: its loss, and the gradient it sends back.
+    (_, value), (g_outer, ct_last) = head_grad(outer, take(y, -1), micro(i[-1]))
+    done = f_ok[-1]
+    loss_sum = loss_sum + jnp.where(done, value, 0)
+    outer_sum = jax.tree.map(lambda a, g: a + jnp.where(done, g, 0).astype(grad_dtype),
+                             outer_sum, g_outer)
+    ct = per_device(jax.tree.map(lambda b, c: b.at[-1].set(c), bwd, ct_last))
+    g_w, g_x, g_floats = backward(per_stage, saved, take(float_consts, j),
+                                  take(int_consts, j), ct)
+    valid = lambda g: jnp.where(b_ok.reshape(-1, *[1] * (g.ndim - 1)), g, 0)
+    layer_sum = jax.tree.map(lambda a, g: a + valid(g).astype(grad_dtype), layer_sum, g_w)
+    ct_inputs = jax.tree.map(lambda c, g: c.at[j[0]].add(jnp.where(b_ok[0], g[0], 0)),
+                             ct_inputs, g_x)
+    ct_floats = jax.tree.map(lambda c, g: c.at[j].add(valid(g)), ct_floats, g_floats)
+    fwd, bwd = jax.tree.map(_shift, y), jax.tree.map(_shift_back, g_x)
+    return (fwd, bwd, stash, layer_sum, outer_sum, ct_inputs, ct_floats, loss_sum), None
+
+  zeros = lambda tree, lead, dtype=None: jax.tree.map(
+      lambda x: jnp.zeros((*lead, *x.shape[1:]), dtype or x.dtype), tree)
+  loop = (per_device(zeros(inputs, (stages,))), per_device(zeros(inputs, (stages,))),
+          stashed(zeros(inputs, (stages, slots))),
+          jax.tree.map(lambda w: jnp.zeros(w.shape, grad_dtype), per_stage),
+          jax.tree.map(lambda w: jnp.zeros(w.shape, grad_dtype), outer),
+          jax.tree.map(jnp.zeros_like, inputs), jax.tree.map(jnp.zeros_like, float_consts),
+          jnp.zeros((), jnp.float32))
+  loop, _ = jax.lax.scan(tick, loop, jnp.arange(n_micro + 2 * stages - 2))
+  _, _, _, layer_sum, outer_sum, ct_inputs, ct_floats, loss_sum = loop
+  (embed_grads,) = embed_vjp((ct_inputs, ct_floats))
+  grads = jax.tree.map(lambda a, g: a + g.astype(grad_dtype), outer_sum, embed_grads)
+  grads[layers_key] = jax.tree.map(lambda g: g.reshape(n_layers, *g.shape[2:]), layer_sum)
+  return grads, loss_sum / n_micro
+
+
 def _shift(y):
   """Stage s's output as stage s + 1's input: one collective-permute between neighbours
   (stage 0's row, which it replaces with the next micro-batch, is zeros)."""
   return jnp.concatenate([jnp.zeros_like(y[:1]), y[:-1]])
 
 
-def bubble_fraction(stages: int, micro: int, virtual: int = 1) -> float:
-  """The idle share of a pipelined pass: (S - 1) / (V M + S - 1) with V virtual stages
-  per device (V = 1: GPipe and 1F1B)."""
-  return (stages - 1) / (virtual * micro + stages - 1)
+def _shift_back(g):
+  """Stage s's input gradient as stage s - 1's output gradient (the last stage's row,
+  which the head's gradient replaces, is zeros)."""
+  return jnp.concatenate([g[1:], jnp.zeros_like(g[:1])])
+
+
+def bubble_fraction(stages: int, micro: int, schedule: str = "gpipe") -> float:
+  """The idle share of a pipelined step: (S - 1) / (M + S - 1) for GPipe; (2S - 2) /
+  (M + 2S - 2) for this module's lockstep 1F1B, whose backward reaches stage 0 S - 1
+  ticks after GPipe's would."""
+  lag = 2 * (stages - 1) if schedule == "1f1b" else stages - 1
+  return lag / (micro + lag)
+
+
+def inputs_held(stages: int, micro: int, schedule: str = "gpipe") -> int:
+  """Micro-batches whose stage inputs a device holds at once: all M for GPipe; for 1F1B
+  stage 0's 2S - 2 stash slots and the input it runs."""
+  return micro if schedule == "gpipe" else min(micro, 2 * stages - 1)

@@ -32,7 +32,7 @@ from jaxzero.engine.optimizer import clip_by_norm, join_clip, mean_grad, split_c
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import TrainState, dtype_of
 from jaxzero.models.interface import Hooks, Model, is_spec
-from jaxzero.sharding.mesh import AXES, PIPELINE
+from jaxzero.sharding.mesh import AXES
 from jaxzero.sharding.zero import Layout, local_sharding, on_device
 
 
@@ -211,31 +211,37 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
 
 def _pipelined_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model):
   """make_grad_fn's function with the layer stack pipelined over ``mesh.pipeline`` stages
-  (jaxzero.engine.pipeline): the step's A micro-batches flow through the stages in one
-  pass of A x B rows. That pass's mean loss times A has, as its gradient, the sum of the
-  A micro-steps' gradients: the sum make_grad_fn returns."""
+  (jaxzero.engine.pipeline), the step's A micro-batches flowing through them. GPipe: one
+  pass of A x B rows, whose mean loss times A has, as its gradient, the sum of the A
+  micro-steps' gradients (the sum make_grad_fn returns); 1F1B returns that sum itself."""
   remat = remat_wrapper(cfg.remat.policy)
   grad_dtype = dtype_of(cfg.zero.grad_dtype)
   master_on_device = on_device(state_sh.master)
   params_on_device = on_device(state_sh.params)
-
-  def stage_inputs(tree):  # [stages, rows, ...]: a stage per device of `pipeline`
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(
-        layout.mesh, P(PIPELINE, AXES, *[P.UNCONSTRAINED] * (x.ndim - 2)))), tree)
+  stages = layout.pipeline_size
 
   def loss(params, rows, accum, *scale):
-    scan = pipeline.gpipe_scan(layout.pipeline_size, accum, stage_inputs)
+    scan = pipeline.gpipe_scan(stages, accum, pipeline.stage_constraint(layout.mesh))
     value = loss_fn(model, params, rows, layout, remat, scan=scan)
     return value * accum * (scale[0] if scale else 1), value
 
   grad = jax.grad(loss, has_aux=True)
 
-  def grad_fn(params, batch_Ax, *scale):
+  def model_loss(params, batch, scan):
+    return loss_fn(model, params, batch, layout, remat, scan=scan)
+
+  def summed_grads(params, batch_Ax, *scale):  # (the micro-batches' gradient sum, mean loss)
+    if cfg.pipeline.schedule == "1f1b":
+      return pipeline.one_f_one_b(model_loss, model.layers_key, stages, layout.mesh,
+                                  grad_dtype, params, batch_Ax, *scale)
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
-    params = jax.device_put(params, params_on_device)
     # Row b x A + a is micro-batch a's row b (the scan's order): each device keeps its rows.
     rows = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), batch_Ax)
-    grads, mean_loss = grad(params, rows, accum, *scale)
+    return grad(params, rows, accum, *scale)
+
+  def grad_fn(params, batch_Ax, *scale):
+    accum = jax.tree.leaves(batch_Ax)[0].shape[0]
+    grads, mean_loss = summed_grads(jax.device_put(params, params_on_device), batch_Ax, *scale)
     grad_sum = jax.lax.with_sharding_constraint(
         jax.tree.map(lambda g: g.astype(grad_dtype), grads), master_on_device)
     grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grad_sum)) / accum

@@ -6,7 +6,8 @@ here ``mesh.tensor``. Its pipeline engine takes the stage count from the model's
 unless written as a number: a number is ``mesh.pipeline``; ``"auto"`` keeps the base
 config's ``mesh.pipeline`` (``--set mesh.pipeline=S`` gives it). Stages hold equal layer
 counts here (``partition: "uniform"``, which for alike layers is also "parameters" and
-"best"); a ``type:`` partition is refused.
+"best"); a ``type:`` partition is refused. DeepSpeed's pipeline engine trains with 1F1B
+(its ``TrainSchedule``), so a ``pipeline`` block sets ``pipeline.schedule=1f1b``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def _pipeline(tr: Translation, block: dict, base: config_lib.Config) -> None:
     tr.unneeded["pipeline.partition"] = "equal layer counts are also equal parameter counts"
   tr.unneeded.update({f"pipeline.{k}": why for k, why in UNNEEDED_PIPELINE.items()
                       if k in block})
+  tr.set("pipeline.schedule", "1f1b", "pipeline")
   stages = block.get("stages", "auto")
   if stages == "auto":
     if base.mesh.pipeline == 1:

@@ -1,7 +1,7 @@
 """Any model cut at its layer scan into jitted programs, for a driver that runs them
 one layer at a time (jaxzero.offload.infinity).
 
-The cut is ``Hooks.scan`` (``Model.layers_key``): what runs before it (e.g. the
+The cut is jaxzero.engine.cut's, at ``Hooks.scan``: what runs before it (e.g. the
 embedding) is `pre`, one scan step is `layer`, what runs after it (final norm,
 head, loss) is `post`. The values the layer function closes over (e.g. RoPE
 tables) are hoisted into arguments with ``jax.closure_convert`` and passed from
@@ -21,21 +21,10 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from jaxzero.checkpoint import integrity
+from jaxzero.engine import cut
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import dtype_of
 from jaxzero.engine.step import loss_fn
-
-
-class _Cut(Exception):
-  """Raised by the capturing scan hook: the layer stack's input and its function."""
-
-  def __init__(self, carry, consts, layer):
-    super().__init__("layer scan reached")
-    self.carry, self.consts, self.layer = carry, consts, layer
-
-
-def _is_float(x) -> bool:
-  return jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def used_inputs(fn, *args) -> list[bool]:
@@ -97,20 +86,13 @@ class LayerPrograms:
       return {n: jax.lax.with_sharding_constraint(g.astype(grad_dtype), self._outer_sh[n])
               for n, g in grads.items()}
 
-    def capture(layer, carry, stacked):
-      one = jax.tree.map(lambda x: x[0], stacked)
-      converted, consts = jax.closure_convert(layer, carry, one)
-      raise _Cut(carry, consts, converted)
+    def loss(params, batch, scan):
+      return loss_fn(model, params, batch, layout, remat, scan=scan)
 
     def pre(outer, batch):
-      try:
-        loss_fn(model, params_of(outer), batch, layout, remat, scan=capture)
-      except _Cut as cut:
-        self._layer = cut.layer
-        self._const_is_float = [_is_float(c) for c in cut.consts]
-        return cut.carry, list(cut.consts)
-      raise ValueError(f"the model declares layers_key={key!r} but its loss never ran "
-                       "Hooks.scan")
+      carry, consts, self._layer = cut.before_layers(loss, params_of(outer), batch)
+      self._const_is_float = [cut.is_float(c) for c in consts]
+      return carry, consts
 
     def merge(float_consts, consts):
       floats = iter(float_consts)
@@ -131,9 +113,8 @@ class LayerPrograms:
       return jax.tree.map(lambda g: g.astype(grad_dtype), grads), ct_carry, ct_consts
 
     def post(outer, batch, carry, *scale):
-      loss = loss_fn(model, params_of(outer), batch, layout, remat,
-                     scan=lambda layer, _, stacked: carry)
-      return (loss * scale[0], loss) if scales_loss else loss
+      value = cut.after_layers(loss, params_of(outer), batch, carry)
+      return (value * scale[0], value) if scales_loss else value
 
     def pre_backward(outer, batch, ct_carry, ct_float_consts):
       def f(outer):

@@ -373,12 +373,14 @@ def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:
     notes.append("offload.params=pinned_host applies to the stage-3 rows only")
   stages = cfg.mesh.pipeline
   if stages > 1:
-    micro = cfg.train.grad_accum
+    micro, schedule = cfg.train.grad_accum, cfg.pipeline.schedule
+    formula = "(2S-2)/(M+2S-2)" if schedule == "1f1b" else "(S-1)/(M+S-1)"
     notes.append(
         f"pipeline: {stages} stages of {cfg.model.n_layers // stages} layers, schedule "
-        f"{cfg.pipeline.schedule}, {micro} micro-batches a step: bubble (S-1)/(M+S-1) = "
-        f"{pipeline.bubble_fraction(stages, micro):.1%}; each stage holds the inputs of all "
-        f"{micro} micro-batches (in 'activations'); the state columns are one device's, with "
+        f"{schedule}, {micro} micro-batches a step: bubble {formula} = "
+        f"{pipeline.bubble_fraction(stages, micro, schedule):.1%}; each stage holds the inputs "
+        f"of {pipeline.inputs_held(stages, micro, schedule)} of its {micro} micro-batches at "
+        "once (in 'activations'); the state columns are one device's, with "
         "its stage's layers only, the ZeRO formula column the whole model's over N")
   if any(not r.xla_separates_host for r in rows):
     notes.append("XLA's CPU compiler does not separate pinned_host memory: its figures count "

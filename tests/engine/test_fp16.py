@@ -1,7 +1,7 @@
 """float16 training with DeepSpeed's dynamic loss scaling, on 8 devices.
 
-The tiny preset trains 40 steps in float16 at stage 3 to within 2% of the
-float32 run's loss (stage 2, hybrid and tensor layouts equal one device over 8
+A small shape of the tiny preset trains 40 steps in float16 at stage 3 to within 2%
+of the float32 run's loss (stage 2, hybrid and tensor layouts equal one device over 8
 steps); a huge initial scale overflows, is skipped and
 settles; the scaler is checkpointed and restored exactly; the optimizer on
 the host and the NVMe tier train as in memory.
@@ -21,7 +21,8 @@ from processes import TINY
 pytestmark = pytest.mark.slow  # each test trains the tiny preset for tens of steps
 
 STEPS = 40
-# The tests past the 40-step comparison need fewer FLOPs than the preset's.
+# Fewer FLOPs than the preset's (float16 matmuls are emulated on CPU): its loss still
+# falls to 0.55 of the first in 40 steps.
 SMALL = ("model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
          "train.global_batch=16", "data.max_bytes=200000")
 
@@ -40,12 +41,12 @@ def train(cfg, workdir, steps=None):
 
 @pytest.fixture(scope="module")
 def float32_losses(tmp_path_factory):
-  history = train(tiny("precision.compute=float32"), tmp_path_factory.mktemp("fp32")).history
+  history = train(small("precision.compute=float32"), tmp_path_factory.mktemp("fp32")).history
   return [r["loss"] for r in history]
 
 
 def test_float16_trains_to_within_2_percent_of_float32(float32_losses, tmp_path):
-  history = train(tiny("precision.compute=float16"), tmp_path).history
+  history = train(small("precision.compute=float16"), tmp_path).history
   losses = [r["loss"] for r in history]
   assert len(losses) == STEPS and np.all(np.isfinite(losses))
   assert losses[-1] < 0.6 * losses[0]

@@ -214,6 +214,7 @@ def test_tensor_parallel_and_pipeline_blocks_are_the_mesh_axes():
   cfg = from_ds(ds, devices=8)
   # The data-parallel group is what is left, as in DeepSpeed: 8 / (2 x 2).
   assert (cfg.mesh.tensor, cfg.mesh.pipeline, cfg.mesh.fsdp) == (2, 2, -1)
+  assert cfg.pipeline.schedule == "1f1b"  # DeepSpeed's pipeline engine's
   assert mesh_lib.resolve_shape(cfg.mesh, 8) == (1, 2, 2)
   unneeded = deepspeed.translate(ds, base()).unneeded
   assert {"tensor_parallel.tp_overlap_comm", "pipeline.partition",
