@@ -8,12 +8,13 @@
 - fsdp 64: ZeRO-3 over the 64 devices of a stage's data-parallel group, so each device
   keeps 16 bytes x 405 B / (8 x 2 x 64) = 6.3 GB of model state.
 
-Micro-batch 1 x 8192 tokens per data-parallel device, 4 micro-batches a step (2M tokens;
-a bubble of 1/5), full remat, bf16. With GPipe each stage holds every micro-batch's
-activations: 8 micro-batches plan at 83.3 GB a device, 4 at 74.1 GB (XLA:CPU's count,
-which overstates a GPU's). Without the pipeline (fsdp 128) the same batch plans at 15.8
-GB: XLA:CPU replicates the merged batch's embedding output (see docs/stages-and-meshes.md,
-"Pipeline stages"). `python -m jaxzero.plan --config configs/llama405b_3d.py`.
+Micro-batch 1 x 8192 tokens per data-parallel device, 8 micro-batches a step (4M tokens),
+full remat, bf16, and the 1F1B schedule (as DeepSpeed's pipeline engine): a stage holds
+at most 3 micro-batches' stage inputs, so it plans at 17.2 GB a device, against 15.8 GB
+without the pipeline (fsdp 128); its lockstep bubble is (2S-2)/(M+2S-2) = 1/5. GPipe
+plans at 83.3 GB here: it holds every micro-batch's activations, and XLA:CPU replicates
+its merged batch's embedding output (docs/stages-and-meshes.md, "Pipeline stages").
+`python -m jaxzero.plan --config configs/llama405b_3d.py`.
 """
 
 import dataclasses
@@ -32,7 +33,8 @@ def get_config() -> config.Config:
       model=LLAMA31_405B,
       zero=config.ZeroConfig(stage=3, grad_dtype="bfloat16"),
       mesh=config.MeshConfig(replica=1, fsdp=64, tensor=8, pipeline=2),
-      train=dataclasses.replace(c.train, steps=10_000, global_batch=256, grad_accum=4,
+      pipeline=config.PipelineConfig(schedule="1f1b"),
+      train=dataclasses.replace(c.train, steps=10_000, global_batch=512, grad_accum=8,
                                 seq_len=8192, lr=8e-5, warmup_steps=2000, log_every=10),
       precision=config.PrecisionConfig(compute="bfloat16"),
       remat=config.RematConfig(policy="full"),
