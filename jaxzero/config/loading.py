@@ -121,6 +121,17 @@ def _check_pipeline(cfg) -> None:
     valid = ", ".join(str(d) for d in range(1, layers + 1) if layers % d == 0)
     raise ConfigError(f"mesh.pipeline={stages} does not divide model.n_layers={layers} into "
                       f"stages of whole layers; valid values: {valid}")
+  virtual = cfg.pipeline.virtual_stages
+  if (cfg.pipeline.schedule == "interleaved") != (virtual > 1) or virtual < 1:
+    raise ConfigError(f"pipeline.virtual_stages={virtual} with pipeline.schedule="
+                      f"{cfg.pipeline.schedule}: the interleaved schedule takes virtual_stages "
+                      ">= 2, the others 1")
+  if layers % (stages * virtual):
+    valid = ", ".join(str(v) for v in range(2, layers // stages + 1)
+                      if layers % (stages * v) == 0) or "none"
+    raise ConfigError(f"pipeline.virtual_stages={virtual} does not divide the "
+                      f"{layers // stages} layers of each of the mesh.pipeline={stages} stages "
+                      f"into chunks of whole layers; valid values: {valid}")
   if cfg.train.grad_accum < stages:
     raise ConfigError(f"train.grad_accum={cfg.train.grad_accum} gives fewer micro-batches than "
                       f"mesh.pipeline={stages} stages: use train.grad_accum >= {stages} (the "

@@ -56,38 +56,50 @@ def stage_constraint(mesh, unsplit: int = 0) -> Callable[[Any], Any]:
 
 
 def gpipe_scan(stages: int, micro: int,
-               constrain: Callable[[Any], Any] = lambda tree: tree) -> Callable:
+               constrain: Callable[[Any], Any] = lambda tree: tree, virtual: int = 1) -> Callable:
   """A ``Hooks.scan`` that pipelines the layers over `stages` stages and the batch as
   `micro` micro-batches; `constrain` places the [stages, rows, ...] buffer of stage
-  inputs (its leading axis over ``pipeline``)."""
+  inputs (its leading axis over ``pipeline``). With `virtual` V > 1 the pipeline is
+  circular (interleaved): the stack is S x V chunks, chunk r S + s on stage s, and each
+  micro-batch goes round the stages V times."""
 
   def scan(layer, carry, stacked):
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
     rows = jax.tree.leaves(carry)[0].shape[0]
-    if n_layers % stages or rows % micro:
-      raise ValueError(f"{n_layers} layers and {rows} rows do not split into {stages} stages "
-                       f"and {micro} micro-batches")
-    per_stage = jax.tree.map(lambda w: w.reshape(stages, n_layers // stages, *w.shape[1:]),
-                             stacked)
+    if n_layers % (stages * virtual) or rows % micro or (virtual > 1 and micro < stages):
+      raise ValueError(f"{n_layers} layers and {rows} rows do not split into {stages} x "
+                       f"{virtual} stages and {micro} micro-batches")
+    chunk = n_layers // (stages * virtual)
+    # [S, V, chunk, ...]: stage s's round r runs chunk r S + s. With V > 1 this is not the
+    # stored order (each device stores consecutive layers), so XLA moves the weights to
+    # their stages here, and their gradients back.
+    per_stage = jax.tree.map(
+        lambda w: w.reshape(virtual, stages, chunk, *w.shape[1:]).swapaxes(0, 1), stacked)
     # Row r is micro-batch r % micro: a device's rows of every micro-batch are its
     # own block of the batch, so splitting them needs no communication.
     inputs = jax.tree.map(
         lambda x: x.reshape(rows // micro, micro, *x.shape[1:]).swapaxes(0, 1), carry)
 
-    def one_stage(x, weights):  # a stage's layers, in order
-      return jax.lax.scan(layer, x, weights)[0]
+    def one_stage(x, weights, round_):  # a stage's chunk for this round, in order
+      return jax.lax.scan(layer, x, jax.tree.map(lambda w: w[round_], weights))[0]
 
     run_stages = jax.vmap(one_stage, spmd_axis_name=PIPELINE)
 
     def tick(buffers, t):
       state, outputs = buffers
-      # Stage 0 takes micro-batch t (past the last, the last again: its result is unused).
+      # Stage 0 takes micro-batch t % M: in the first round from the inputs (past the
+      # last, the last again: its result is unused), in later rounds from where the last
+      # stage left it, M - S + 1 ticks before.
       first = jax.tree.map(lambda x: x[jnp.minimum(t, micro - 1)], inputs)
+      if virtual > 1:
+        first = jax.tree.map(lambda f, o: jnp.where(t < micro, f, o[t % micro]), first,
+                             outputs)
       state = constrain(jax.tree.map(lambda s, f: s.at[0].set(f), state, first))
-      out = constrain(run_stages(state, per_stage))
-      # The last stage finishes micro-batch t - (S - 1); before that, what it writes to
-      # row 0 is overwritten at t = S - 1.
-      done = jnp.maximum(t - (stages - 1), 0)
+      rounds = jnp.clip((t - jnp.arange(stages)) // micro, 0, virtual - 1)
+      out = constrain(run_stages(state, per_stage, rounds))
+      # The last stage finishes pass t - (S - 1) (micro-batch (t - S + 1) % M); before
+      # that, what it writes to row 0 is overwritten at t = S - 1.
+      done = jnp.maximum(t - (stages - 1), 0) % micro
       outputs = jax.tree.map(
           lambda o, y: jax.lax.dynamic_update_index_in_dim(o, y[-1], done, 0), outputs, out)
       return (jax.tree.map(_shift, out), outputs), None
@@ -95,7 +107,8 @@ def gpipe_scan(stages: int, micro: int,
     state = constrain(jax.tree.map(
         lambda x: jnp.zeros((stages, *x.shape[1:]), x.dtype), inputs))
     outputs = jax.tree.map(jnp.zeros_like, inputs)
-    (_, outputs), _ = jax.lax.scan(tick, (state, outputs), jnp.arange(micro + stages - 1))
+    (_, outputs), _ = jax.lax.scan(tick, (state, outputs),
+                                   jnp.arange(virtual * micro + stages - 1))
     return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(rows, *y.shape[2:]), outputs)
 
   return scan
@@ -212,15 +225,18 @@ def _shift_back(g):
   return jnp.concatenate([g[1:], jnp.zeros_like(g[:1])])
 
 
-def bubble_fraction(stages: int, micro: int, schedule: str = "gpipe") -> float:
-  """The idle share of a pipelined step: (S - 1) / (M + S - 1) for GPipe; (2S - 2) /
-  (M + 2S - 2) for this module's lockstep 1F1B, whose backward reaches stage 0 S - 1
-  ticks after GPipe's would."""
-  lag = 2 * (stages - 1) if schedule == "1f1b" else stages - 1
-  return lag / (micro + lag)
+def bubble_fraction(stages: int, micro: int, schedule: str = "gpipe", virtual: int = 1) -> float:
+  """The idle share of a pipelined step: (S - 1) / (M + S - 1) for GPipe, (S - 1) /
+  (V M + S - 1) interleaved over V virtual stages; (2S - 2) / (M + 2S - 2) for this
+  module's lockstep 1F1B, whose backward reaches stage 0 S - 1 ticks after GPipe's would."""
+  if schedule == "1f1b":
+    return 2 * (stages - 1) / (micro + 2 * (stages - 1))
+  work = micro * (virtual if schedule == "interleaved" else 1)
+  return (stages - 1) / (work + stages - 1)
 
 
 def inputs_held(stages: int, micro: int, schedule: str = "gpipe") -> int:
-  """Micro-batches whose stage inputs a device holds at once: all M for GPipe; for 1F1B
+  """Micro-batches whose stage inputs a device holds at once: all M for GPipe (and
+  interleaved, V times over with 1/V of the layers each); for 1F1B
   stage 0's 2S - 2 stash slots and the input it runs."""
-  return micro if schedule == "gpipe" else min(micro, 2 * stages - 1)
+  return min(micro, 2 * stages - 1) if schedule == "1f1b" else micro

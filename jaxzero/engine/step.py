@@ -211,8 +211,8 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
 
 def _pipelined_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model):
   """make_grad_fn's function with the layer stack pipelined over ``mesh.pipeline`` stages
-  (jaxzero.engine.pipeline), the step's A micro-batches flowing through them. GPipe: one
-  pass of A x B rows, whose mean loss times A has, as its gradient, the sum of the A
+  (jaxzero.engine.pipeline), the step's A micro-batches flowing through them. GPipe and
+  interleaved: one pass of A x B rows, whose mean loss times A has, as its gradient, the sum of the A
   micro-steps' gradients (the sum make_grad_fn returns); 1F1B returns that sum itself."""
   remat = remat_wrapper(cfg.remat.policy)
   grad_dtype = dtype_of(cfg.zero.grad_dtype)
@@ -221,7 +221,8 @@ def _pipelined_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model:
   stages = layout.pipeline_size
 
   def loss(params, rows, accum, *scale):
-    scan = pipeline.gpipe_scan(stages, accum, pipeline.stage_constraint(layout.mesh))
+    scan = pipeline.gpipe_scan(stages, accum, pipeline.stage_constraint(layout.mesh),
+                               cfg.pipeline.virtual_stages)
     value = loss_fn(model, params, rows, layout, remat, scan=scan)
     return value * accum * (scale[0] if scale else 1), value
 

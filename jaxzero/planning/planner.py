@@ -355,12 +355,13 @@ def _row(engine: engine_lib.Engine, variant: Variant, stats, micro: int, hbm_byt
 def _boundary_bytes(engine: engine_lib.Engine, micro: int) -> int | None:
   """With pipeline stages: one micro-batch's activations at a stage boundary on one
   device (its rows x sequence x width, in the compute dtype, split over `tensor` by
-  sequence parallelism); else None."""
+  sequence parallelism; interleaved, V times: it goes round V times); else None."""
   layout, cfg = engine.layout, engine.cfg
   if layout.pipeline_size == 1:
     return None
   itemsize = np.dtype(dtype_of(cfg.precision.compute)).itemsize
-  return micro * cfg.train.seq_len * cfg.model.dim * itemsize // layout.tensor_size
+  return (micro * cfg.train.seq_len * cfg.model.dim * itemsize // layout.tensor_size
+          * cfg.pipeline.virtual_stages)
 
 
 def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:
@@ -373,15 +374,19 @@ def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:
     notes.append("offload.params=pinned_host applies to the stage-3 rows only")
   stages = cfg.mesh.pipeline
   if stages > 1:
-    micro, schedule = cfg.train.grad_accum, cfg.pipeline.schedule
-    formula = "(2S-2)/(M+2S-2)" if schedule == "1f1b" else "(S-1)/(M+S-1)"
+    micro, schedule, virtual = (cfg.train.grad_accum, cfg.pipeline.schedule,
+                                cfg.pipeline.virtual_stages)
+    formula = {"1f1b": "(2S-2)/(M+2S-2)", "interleaved": "(S-1)/(VM+S-1)"}.get(
+        schedule, "(S-1)/(M+S-1)")
+    if schedule == "interleaved":
+      schedule += f" over {virtual} virtual stages (each stage's weights move to it every step)"
     notes.append(
         f"pipeline: {stages} stages of {cfg.model.n_layers // stages} layers, schedule "
         f"{schedule}, {micro} micro-batches a step: bubble {formula} = "
-        f"{pipeline.bubble_fraction(stages, micro, schedule):.1%}; each stage holds the inputs "
-        f"of {pipeline.inputs_held(stages, micro, schedule)} of its {micro} micro-batches at "
-        "once (in 'activations'); the state columns are one device's, with "
-        "its stage's layers only, the ZeRO formula column the whole model's over N")
+        f"{pipeline.bubble_fraction(stages, micro, cfg.pipeline.schedule, virtual):.1%}; "
+        f"each stage holds the inputs of {pipeline.inputs_held(stages, micro, cfg.pipeline.schedule)}"
+        f" of its {micro} micro-batches at once (in 'activations'); the state columns are one "
+        "device's, with its stage's layers only, the ZeRO formula column the whole model's over N")
   if any(not r.xla_separates_host for r in rows):
     notes.append("XLA's CPU compiler does not separate pinned_host memory: its figures count "
                  "the host column and offloaded activations as device memory (a GPU compiler "

@@ -1,6 +1,7 @@
 """The pipelined layer scan (jaxzero.engine.pipeline): the plain scan's values and
 gradients, with the stages on the devices of the pipeline axis and only activations
-crossing between them (a collective-permute), for 2 and 4 stages."""
+crossing between them (a collective-permute), for 2 and 4 stages, and circular over 2
+and 4 virtual stages."""
 
 import chex
 import jax
@@ -21,12 +22,14 @@ def plain(stacked, x):
   return jax.lax.scan(layer, x, stacked)[0]
 
 
-@pytest.mark.parametrize("stages,micro", [(2, 4), (4, 4), (4, 8)])
-def test_values_and_gradients_are_the_plain_scan(stages, micro):
+@pytest.mark.parametrize("stages,micro,virtual", [(2, 4, 1), (4, 4, 1), (4, 8, 1), (2, 3, 2),
+                                                  (2, 2, 4)])
+def test_values_and_gradients_are_the_plain_scan(stages, micro, virtual):
   mesh = jax.make_mesh((stages,), (pipeline.PIPELINE,), devices=jax.devices()[:stages],
                        axis_types=(jax.sharding.AxisType.Auto,))
   by_stage = NamedSharding(mesh, P(pipeline.PIPELINE))
-  scan = pipeline.gpipe_scan(stages, micro, lambda t: jax.lax.with_sharding_constraint(t, by_stage))
+  scan = pipeline.gpipe_scan(stages, micro, lambda t: jax.lax.with_sharding_constraint(t, by_stage),
+                             virtual)
   k1, k2 = jax.random.split(jax.random.key(0))
   stacked = jax.device_put(jax.random.normal(k1, (8, 16, 16)) / 4, by_stage)
   x = jax.random.normal(k2, (micro * 2, 16))
@@ -36,13 +39,14 @@ def test_values_and_gradients_are_the_plain_scan(stages, micro):
   chex.assert_trees_all_close(piped(stacked, x), expected, rtol=1e-5, atol=1e-6)
   hlo = piped.lower(stacked, x).compile().as_text()
   assert "collective-permute" in hlo
-  # Each device holds its own stage's layers, never the stack.
-  grads = piped(stacked, x)[1][0]
-  assert grads.sharding.shard_shape(grads.shape) == (8 // stages, 16, 16)
+  if virtual == 1:  # each device holds its own stage's layers, never the stack
+    grads = piped(stacked, x)[1][0]
+    assert grads.sharding.shard_shape(grads.shape) == (8 // stages, 16, 16)
 
 
 def test_the_bubble():
   assert pipeline.bubble_fraction(4, 8) == pytest.approx(3 / 11)
   assert pipeline.bubble_fraction(4, 8, "1f1b") == pytest.approx(6 / 14)
+  assert pipeline.bubble_fraction(4, 8, "interleaved", virtual=2) == pytest.approx(3 / 19)
   assert (pipeline.inputs_held(4, 8), pipeline.inputs_held(4, 8, "1f1b")) == (8, 7)
   np.testing.assert_equal(pipeline.bubble_fraction(1, 8), 0.0)

@@ -1,5 +1,6 @@
 """The `pipeline` mesh axis (issue 28): the layer stack in stages, the step's
-micro-batches flowing through them (GPipe), composed with ZeRO, `tensor` and HYBRID;
+micro-batches flowing through them (GPipe, 1F1B and interleaved), composed with ZeRO,
+`tensor` and HYBRID;
 every step's loss and the final weights equal one device's; only activations cross
 the stages; what cannot apply is one line.
 
@@ -32,11 +33,12 @@ STEPS = 10
 
 
 def make_cfg(zero: dict, replica=1, fsdp=1, tensor=1, pipeline_=1, accum=4,
-             optimizer="device", schedule="gpipe") -> config.Config:
+             optimizer="device", schedule="gpipe", model=MODEL) -> config.Config:
   c = config.base()
+  virtual = 2 if schedule == "interleaved" else 1
   return dataclasses.replace(
-      c, model=MODEL, zero=config.ZeroConfig(grad_dtype="float32", **zero),
-      pipeline=config.PipelineConfig(schedule=schedule),
+      c, model=model, zero=config.ZeroConfig(grad_dtype="float32", **zero),
+      pipeline=config.PipelineConfig(schedule=schedule, virtual_stages=virtual),
       offload=config.OffloadConfig(optimizer=optimizer),
       mesh=config.MeshConfig(replica=replica, fsdp=fsdp, tensor=tensor, pipeline=pipeline_),
       train=dataclasses.replace(c.train, global_batch=16, grad_accum=accum, seq_len=32,
@@ -62,6 +64,9 @@ SLOW = pytest.mark.slow  # the 8-device compositions: the fast lane keeps pipeli
     pytest.param({"stage": 0, "schedule": "1f1b"}, (1, 1, 1, 2), id="pp2_1f1b"),
     pytest.param({"stage": 0, "schedule": "1f1b"}, (1, 1, 1, 4), id="pp4_1f1b", marks=SLOW),
     pytest.param({"stage": 3, "schedule": "1f1b"}, (1, 2, 2, 2), id="pp2_f2_t2_zero3_1f1b",
+                 marks=SLOW),
+    pytest.param({"stage": 0, "schedule": "interleaved"}, (1, 1, 1, 2), id="pp2_v2"),
+    pytest.param({"stage": 3, "schedule": "interleaved"}, (1, 2, 2, 2), id="pp2_v2_f2_t2_zero3",
                  marks=SLOW),
     pytest.param({"stage": 1}, (1, 2, 2, 2), id="pp2_f2_t2_zero1", marks=SLOW),
     pytest.param({"stage": 3, "optimizer": "pinned_host"}, (1, 2, 2, 2),
@@ -104,6 +109,17 @@ def test_each_stage_holds_its_layers_and_only_activations_cross():
   assert pipeline.bubble_fraction(4, 4) == pytest.approx(3 / 7)
 
 
+@SLOW
+def test_interleaved_over_4_stages_equals_one_device():
+  """8 layers on 4 stages, 2 virtual stages of one layer each."""
+  model = dataclasses.replace(MODEL, n_layers=8)
+  state0, tokens = initial_state_and_batches(make_cfg({"stage": 0}, model=model), STEPS)
+  want, _ = run_steps(make_cfg({"stage": 0}, model=model), state0, tokens)
+  got, _ = run_steps(make_cfg({"stage": 0}, pipeline_=4, schedule="interleaved", model=model),
+                     state0, tokens)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_1f1b_holds_fewer_activations_than_gpipe():
   """8 micro-batches on 4 stages, from the compiled steps' temporaries: GPipe keeps every
   micro-batch's layer inputs for its backward; 1F1B at most 2S - 1 = 7 stage inputs, and
@@ -120,6 +136,11 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
                           "layers; valid values: 1, 2, 4"),
     (["mesh.pipeline=4", "train.grad_accum=2"], "train.grad_accum=2 gives fewer micro-batches "
                                                 "than mesh.pipeline=4 stages"),
+    (["mesh.pipeline=2", "pipeline.schedule=interleaved", "pipeline.virtual_stages=4"],
+     "pipeline.virtual_stages=4 does not divide the 2 layers of each of the mesh.pipeline=2 "
+     "stages into chunks of whole layers; valid values: 2"),
+    (["mesh.pipeline=2", "pipeline.virtual_stages=2"], "pipeline.virtual_stages=2 with "
+                                                       "pipeline.schedule=gpipe"),
     (["mesh.pipeline=2", "offload.params=pinned_host"], "mesh.pipeline=2 with "
                                                         "offload.params=pinned_host is not "
                                                         "supported"),
