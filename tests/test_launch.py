@@ -132,21 +132,15 @@ def test_two_processes_train_like_one_under_hybrid_shard(tmp_path, reference, la
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_processes_train_like_one_with_tensor_parallelism(tmp_path, reference, launch_env):
-  # fsdp=4 x tensor=2: each tensor group inside one process (issue 16).
-  launch(launch_env, tmp_path, "--steps", "3", sets=["mesh.fsdp=4", "mesh.tensor=2"])
-  np.testing.assert_allclose(logged_losses(tmp_path), reference[:3], rtol=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule, sets", [
+    ("gpipe", ["mesh.fsdp=2", "mesh.tensor=2"]), ("1f1b", ["mesh.fsdp=4"])])
 def test_two_processes_train_like_one_with_a_stage_each(tmp_path, reference, launch_env,
-                                                        schedule):
-  # pipeline=2 x fsdp=4: the pipeline axis is outside fsdp, so each process holds one
-  # stage and only activations cross between the processes (issue 28).
+                                                        schedule, sets):
+  # pipeline=2 outside the other axes: each process holds one stage and only activations
+  # cross between the processes (issue 28); with tensor=2, each tensor group inside one
+  # process (issue 16).
   launch(launch_env, tmp_path, "--steps", "3",
-         sets=["mesh.fsdp=4", "mesh.pipeline=2", f"pipeline.schedule={schedule}"])
+         sets=[*sets, "mesh.pipeline=2", f"pipeline.schedule={schedule}"])
   np.testing.assert_allclose(logged_losses(tmp_path), reference[:3], rtol=1e-5)
 
 

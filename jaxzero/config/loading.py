@@ -112,6 +112,11 @@ def _check_pipeline(cfg) -> None:
   stages, layers = cfg.mesh.pipeline, cfg.model.n_layers
   if stages < 1:
     raise ConfigError(f"mesh.pipeline={stages} must be a positive stage count (1 = off)")
+  virtual = cfg.pipeline.virtual_stages
+  if (cfg.pipeline.schedule == "interleaved") != (virtual > 1) or virtual < 1:
+    raise ConfigError(f"pipeline.virtual_stages={virtual} with pipeline.schedule="
+                      f"{cfg.pipeline.schedule}: the interleaved schedule takes virtual_stages "
+                      ">= 2, the others 1")
   if stages == 1:
     return
   if cfg.model_factory:
@@ -121,11 +126,6 @@ def _check_pipeline(cfg) -> None:
     valid = ", ".join(str(d) for d in range(1, layers + 1) if layers % d == 0)
     raise ConfigError(f"mesh.pipeline={stages} does not divide model.n_layers={layers} into "
                       f"stages of whole layers; valid values: {valid}")
-  virtual = cfg.pipeline.virtual_stages
-  if (cfg.pipeline.schedule == "interleaved") != (virtual > 1) or virtual < 1:
-    raise ConfigError(f"pipeline.virtual_stages={virtual} with pipeline.schedule="
-                      f"{cfg.pipeline.schedule}: the interleaved schedule takes virtual_stages "
-                      ">= 2, the others 1")
   if layers % (stages * virtual):
     valid = ", ".join(str(v) for v in range(2, layers // stages + 1)
                       if layers % (stages * v) == 0) or "none"

@@ -73,8 +73,8 @@ class PipelineConfig:
   # How the micro-batches flow through the stages (mesh.pipeline > 1). "gpipe": every
   # micro-batch forward, then every one backward (the backward is the forward's
   # gradient); each stage holds the inputs of all its micro-batches. "1f1b": each
-  # micro-batch starts back as soon as it leaves the last stage; a stage holds at most
-  # 2 x mesh.pipeline - 1 stage inputs, at a larger bubble. "interleaved": GPipe round
+  # micro-batch starts back as soon as it leaves the last stage; a stage keeps at most
+  # 2 x mesh.pipeline - 1 stage inputs (whatever the micro-batches), at a larger bubble. "interleaved": GPipe round
   # the stages virtual_stages times, each stage running 1/virtual_stages of its layers a
   # time, which divides the bubble by about virtual_stages (jaxzero.engine.pipeline).
   schedule: Literal["gpipe", "1f1b", "interleaved"] = "gpipe"

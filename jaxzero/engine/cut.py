@@ -4,9 +4,13 @@ and the NVMe tier's layer programs (jaxzero.offload.layer_programs).
 
 `loss(params, batch, scan) -> mean loss` is the model's loss with the engine's hooks and
 `scan` as its ``Hooks.scan``. What runs before the scan (e.g. the embedding) gives the
-stack's input; one scan step is the layer function, whose closed-over values (e.g. RoPE
-tables) are hoisted into arguments with ``jax.closure_convert``; what runs after the scan
-(final norm, head, loss) gives the loss from the stack's output.
+stack's input; one scan step is the layer function, whose closed-over floating values
+(e.g. RoPE tables) are hoisted into arguments with ``jax.closure_convert``; what runs
+after the scan (final norm, head, loss) gives the loss from the stack's output.
+
+Invariant: ``closure_convert`` leaves integer values inside the function, so a driver
+that reuses one cut's layer function for other batches needs the layer's integer
+closures (if any) not to depend on the batch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Pipeline parallelism over the layer stack: the stacked layers run as `stages` groups
-of consecutive layers, with the micro-batches flowing through them. Two schedules:
-GPipe (:func:`gpipe_scan`, a ``Hooks.scan``) and 1F1B (:func:`one_f_one_b`).
+of consecutive layers, with the micro-batches flowing through them. Three schedules:
+GPipe and interleaved (:func:`gpipe_scan`, a ``Hooks.scan``), and 1F1B
+(:func:`one_f_one_b`).
 
 The stages are a leading axis that a ``vmap`` with ``spmd_axis_name`` places one per
 device of the ``pipeline`` mesh axis: each device holds its own layers (the stack's
@@ -11,24 +12,27 @@ activations cross stages, and their gradients on the way back. For M micro-batch
 stages a pass is M + S - 1 ticks, S - 1 of them partly idle (the bubble,
 (S - 1) / (M + S - 1) of the time). The backward pass is the forward's gradient, so it
 keeps every micro-batch's stage inputs (GPipe's memory; remat applies inside each
-layer as elsewhere).
+layer as elsewhere). Interleaved is the same loop round the stages V times.
 
 1F1B cannot be autodiff's: each micro-batch's loss gradient must start back through the
 stages before later micro-batches go forward. :func:`one_f_one_b` cuts the model at its
 layer scan (jaxzero.engine.cut) and drives both directions in one loop of M + 2S - 2
 ticks. Each tick every stage runs one forward (micro-batch t - s) and one backward
 (micro-batch t - 2S + 2 + s, its forward recomputed from the stage input it kept: full
-remat at stage boundaries), the loss and head gradient of the micro-batch leaving the last
-stage between the two. The stages run in lockstep (one SPMD program), so a gradient
-reaches stage s one tick after stage s + 1: stage s keeps 2(S - 1 - s) + 1 stage inputs,
-at most 2S - 1 whatever M is, where GPipe keeps all M; the price is a bubble of
-(2S - 2) / (M + 2S - 2). Per-device schedules (each stage its own program) reach S in
-flight and GPipe's bubble, but need shard_map's manual partitioning of the stage bodies.
+remat at stage boundaries, one more stage forward per micro-batch than GPipe), the loss
+and head gradient of the micro-batch leaving the last stage between the two. The stages
+run in lockstep (one SPMD program), so a gradient reaches stage s one tick after stage
+s + 1: stage s keeps 2(S - 1 - s) + 1 stage inputs, at most 2S - 1 whatever M is, where
+GPipe keeps all M (both hold the M embedding outputs, and 1F1B their gradients, outside
+the stages); the price is a bubble of (2S - 2) / (M + 2S - 2). Per-device schedules
+(each stage its own program) reach S in flight and GPipe's bubble, but need shard_map's
+manual partitioning of the stage bodies.
 
 Invariants: the result equals ``jax.lax.scan(layer, carry, stacked)[0]`` on the whole
 batch (each row goes through every layer in order); the stack's length divides by
-`stages` and the batch by `micro`; row r of the batch belongs to micro-batch r % micro.
-Ticks in the bubble compute on stale rows whose results are never read, so no gradient
+`stages` (times V) and the batch by `micro`; row r of the batch belongs to micro-batch
+r % micro. Ticks in the bubble compute on stale rows: their results are never read (in
+1F1B they are masked out of every sum and never written to the stash), so no gradient
 flows from them.
 """
 
@@ -129,14 +133,14 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_dtype, 
                      "stages")
   micro = lambda a: jax.tree.map(lambda x: x[a], batch_Ax)
   with_layers = lambda outer: {**outer, layers_key: layers}
-  cuts = [cut.before_layers(loss, params, micro(a)) for a in range(n_micro)]
-  layer, is_float = cuts[0].layer, [cut.is_float(c) for c in cuts[0].consts]
-  # Each micro-batch's stack input and the values its layers close over, [A, ...]; the
-  # integer ones (e.g. positions) take no gradient.
+  # The layer function, with the values it closes over hoisted (cut.before_layers: the
+  # floating ones, which may differ by micro-batch; integer ones stay micro-batch 0's).
+  first = cut.before_layers(loss, params, micro(0))
+  layer, is_float = first.layer, [cut.is_float(c) for c in first.consts]
+  int_consts = [c for c, f in zip(first.consts, is_float) if not f]
   stacked = lambda values: jax.tree.map(lambda *xs: jnp.stack(xs), *values)
-  int_consts = stacked([[c for c, f in zip(x.consts, is_float) if not f] for x in cuts])
 
-  def embed(outer):
+  def embed(outer):  # each micro-batch's stack input and floating values, [A, ...]
     cuts = [cut.before_layers(loss, with_layers(outer), micro(a)) for a in range(n_micro)]
     return (stacked([x.carry for x in cuts]),
             stacked([[c for c, f in zip(x.consts, is_float) if f] for x in cuts]))
@@ -145,14 +149,13 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_dtype, 
   per_stage = jax.tree.map(lambda w: w.reshape(stages, n_layers // stages, *w.shape[1:]),
                            layers)
 
-  def stage_forward(weights, x, floats, ints):
-    floats, ints = iter(floats), iter(ints)
+  def stage_forward(weights, x, floats):
+    floats, ints = iter(floats), iter(int_consts)
     consts = [next(floats) if f else next(ints) for f in is_float]
     return jax.lax.scan(lambda c, w: (layer(c, w, *consts)[0], None), x, weights)[0]
 
-  def stage_backward(weights, x, floats, ints, ct):
-    _, vjp = jax.vjp(lambda w, x, f: stage_forward(w, x, f, ints), weights, x, floats)
-    return vjp(ct)
+  def stage_backward(weights, x, floats, ct):
+    return jax.vjp(stage_forward, weights, x, floats)[1](ct)
 
   forward = jax.vmap(stage_forward, spmd_axis_name=PIPELINE)
   backward = jax.vmap(stage_backward, spmd_axis_name=PIPELINE)
@@ -177,9 +180,11 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_dtype, 
     x = per_device(jax.tree.map(lambda s, inp: s.at[0].set(inp[i[0]]), fwd, inputs))
     saved = jax.tree.map(lambda st, x: jax.vmap(lambda s, k: s[k])(st, j % slots).at[-1].set(
         x[-1]), stash, x)
-    stash = stashed(jax.tree.map(lambda st, x: jax.vmap(lambda s, v, k: s.at[k].set(v))(
-        st, x, i % slots), stash, x))
-    y = per_device(forward(per_stage, x, take(float_consts, i), take(int_consts, i)))
+    # Past its last micro-batch a stage computes on stale rows: nothing of it is kept.
+    stash = stashed(jax.tree.map(lambda st, x: jax.vmap(
+        lambda s, v, k, ok: s.at[k].set(jnp.where(ok, v, s[k])))(st, x, i % slots, f_ok),
+        stash, x))
+    y = per_device(forward(per_stage, x, take(float_consts, i)))
     # The micro-batch leaving the last stage: its loss, and the gradient it sends back.
     (_, value), (g_outer, ct_last) = head_grad(outer, take(y, -1), micro(i[-1]))
     done = f_ok[-1]
@@ -187,8 +192,7 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_dtype, 
     outer_sum = jax.tree.map(lambda a, g: a + jnp.where(done, g, 0).astype(grad_dtype),
                              outer_sum, g_outer)
     ct = per_device(jax.tree.map(lambda b, c: b.at[-1].set(c), bwd, ct_last))
-    g_w, g_x, g_floats = backward(per_stage, saved, take(float_consts, j),
-                                  take(int_consts, j), ct)
+    g_w, g_x, g_floats = backward(per_stage, saved, take(float_consts, j), ct)
     valid = lambda g: jnp.where(b_ok.reshape(-1, *[1] * (g.ndim - 1)), g, 0)
     layer_sum = jax.tree.map(lambda a, g: a + valid(g).astype(grad_dtype), layer_sum, g_w)
     ct_inputs = jax.tree.map(lambda c, g: c.at[j[0]].add(jnp.where(b_ok[0], g[0], 0)),

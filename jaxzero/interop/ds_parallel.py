@@ -71,6 +71,7 @@ def _pipeline(tr: Translation, block: dict, base: config_lib.Config) -> None:
   tr.unneeded.update({f"pipeline.{k}": why for k, why in UNNEEDED_PIPELINE.items()
                       if k in block})
   tr.set("pipeline.schedule", "1f1b", "pipeline")
+  tr.set("pipeline.virtual_stages", 1, "pipeline")
   stages = block.get("stages", "auto")
   if stages == "auto":
     if base.mesh.pipeline == 1:

@@ -107,7 +107,8 @@ def test_offloaded_optimizer_trains_as_in_memory(offload, tmp_path):
 # float16 gradients are the whole batch's wherever the partitioned program reduces them.
 LAYOUTS = {"stage2": ["zero.stage=2"], "stage3": [],
            "hybrid_2x4": ["zero.strategy=HYBRID_SHARD", "mesh.replica=2", "mesh.fsdp=4"],
-           "tensor2": ["mesh.fsdp=4", "mesh.tensor=2"]}
+           "tensor2": ["mesh.fsdp=4", "mesh.tensor=2"],
+           "pipeline2_1f1b": ["mesh.fsdp=4", "mesh.pipeline=2", "pipeline.schedule=1f1b"]}
 # A window of 2 from 2^14: the scale grows, and overflows, within 8 steps.
 MOVING = ("precision.compute=float16", "precision.initial_scale_power=14",
           "precision.loss_scale_window=2")

@@ -240,10 +240,10 @@ def one_process(tmp_path_factory):
   return losses
 
 
-# Each tier at two stages (the in-process tests cover every stage and tier on one process).
+# Each tier once (the in-process tests cover every stage and tier on one process, and
+# tests/offload/test_nvme.py two processes at stage 2 on the NVMe tier).
 @pytest.mark.parametrize("stage,offload", [
     (3, ["offload.optimizer=pinned_host", "offload.params=pinned_host"]),
-    (2, ["offload.optimizer=pinned_host"]), (3, ["offload.optimizer=nvme"]),
     (1, ["offload.optimizer=nvme"])],
     ids=lambda x: f"stage{x}" if isinstance(x, int) else "+".join(
         s.replace("offload.", "").replace("=", ":") for s in x))

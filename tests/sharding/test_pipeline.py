@@ -141,6 +141,8 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
      "stages into chunks of whole layers; valid values: 2"),
     (["mesh.pipeline=2", "pipeline.virtual_stages=2"], "pipeline.virtual_stages=2 with "
                                                        "pipeline.schedule=gpipe"),
+    (["pipeline.schedule=interleaved", "pipeline.virtual_stages=0"],
+     "pipeline.virtual_stages=0 with pipeline.schedule=interleaved"),
     (["mesh.pipeline=2", "offload.params=pinned_host"], "mesh.pipeline=2 with "
                                                         "offload.params=pinned_host is not "
                                                         "supported"),
