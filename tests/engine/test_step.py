@@ -41,7 +41,8 @@ def single_device_losses(tmp_path_factory):
 
 @pytest.mark.parametrize("zero", [
     {"stage": 0}, {"stage": 1}, {"stage": 2}, {"stage": 3},
-    {"strategy": "HYBRID_SHARD"}, {"strategy": "HYBRID_SHARD_ZERO2"},
+    {"strategy": "HYBRID_SHARD"},
+    pytest.param({"strategy": "HYBRID_SHARD_ZERO2"}, marks=pytest.mark.slow),
 ], ids=["stage0", "stage1", "stage2", "stage3", "hybrid_shard_2x4", "hybrid_shard_zero2_2x4"])
 def test_stage_matches_single_device(zero, single_device_losses, tmp_path):
   got = losses(tiny_config(**zero), tmp_path)

@@ -94,6 +94,7 @@ def test_every_loss_and_the_final_weights_are_the_in_memory_run(reference, infin
   assert index["derived"] == "float32"
 
 
+@pytest.mark.slow  # slowed writes: the fast lane keeps the 8-device exactness run
 def test_one_device_without_accumulation(reference, nvme_dir, tmp_path, monkeypatch):
   # (With the weights in pinned_host and the optimizer on NVMe, the whole-program step's
   # equality is tests/offload/test_host_offload.py's.)

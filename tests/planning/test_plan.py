@@ -122,6 +122,7 @@ def test_offload_moves_state_to_the_host():
       assert any("does not separate pinned_host" in note for note in plan.notes)
 
 
+@pytest.mark.slow
 def test_nvme_puts_the_optimizer_state_on_disk_and_out_of_the_device():
   # The plan needs no offload.nvme_dir (nothing is written), so the config needs none.
   cfg = config.load(str(CONFIGS / "tiny_zero3.py"), ["offload.optimizer=nvme"])
