@@ -85,8 +85,15 @@ def gpipe_scan(stages: int, micro: int,
         lambda x: x.reshape(rows // micro, micro, *x.shape[1:]).swapaxes(0, 1), carry)
 
     def one_stage(x, weights, round_):  # a stage's chunk for this round, in order
+      if virtual == 1:  # the weights are the same every tick: autodiff keeps no copy
+        return jax.lax.scan(layer, x, jax.tree.map(lambda w: w[0], weights))[0]
       return jax.lax.scan(layer, x, jax.tree.map(lambda w: w[round_], weights))[0]
 
+    if virtual > 1:
+      # Each tick picks each stage's chunk anew; autodiff would keep every tick's picked
+      # weights. Recomputing the stage from its input in the backward keeps only that
+      # input (remat at chunk boundaries; one more chunk forward a tick).
+      one_stage = jax.checkpoint(one_stage)
     run_stages = jax.vmap(one_stage, spmd_axis_name=PIPELINE)
 
     def tick(buffers, t):
@@ -164,7 +171,13 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_dtype, 
     value = cut.after_layers(loss, with_layers(outer), batch, carry)
     return value * scale[0] if scale else value, value
 
-  head_grad = jax.value_and_grad(head, argnums=(0, 1), has_aux=True)
+  # Every stage runs the head on its own output (only the last stage's counts): the
+  # last stage's output then never leaves it, and the head's weight gradients cross
+  # `pipeline` once a step, summed, instead of an activation every tick.
+  heads = jax.vmap(jax.value_and_grad(head, argnums=(0, 1), has_aux=True),
+                   in_axes=(None, 0, 0), spmd_axis_name=PIPELINE)
+  by_stage = lambda tree: jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, P(PIPELINE, *[P.UNCONSTRAINED] * (x.ndim - 1)))), tree)
   per_device, stashed = stage_constraint(mesh), stage_constraint(mesh, unsplit=1)
   # Stage 0 keeps 2S - 2 inputs between ticks; the one read back this tick is read before
   # the tick's own is written.
@@ -186,14 +199,17 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_dtype, 
         stash, x))
     y = per_device(forward(per_stage, x, take(float_consts, i)))
     # The micro-batch leaving the last stage: its loss, and the gradient it sends back.
-    (_, value), (g_outer, ct_last) = head_grad(outer, take(y, -1), micro(i[-1]))
-    done = f_ok[-1]
-    loss_sum = loss_sum + jnp.where(done, value, 0)
-    outer_sum = jax.tree.map(lambda a, g: a + jnp.where(done, g, 0).astype(grad_dtype),
-                             outer_sum, g_outer)
-    ct = per_device(jax.tree.map(lambda b, c: b.at[-1].set(c), bwd, ct_last))
+    (_, values), (g_outer, ct_head) = heads(outer, y, take(batch_Ax, i))
+    done = (stage == stages - 1) & f_ok
+    at_stage = lambda ok, g: ok.reshape(-1, *[1] * (g.ndim - 1))
+    loss_sum = loss_sum + jnp.sum(jnp.where(done, values, 0))
+    outer_sum = by_stage(jax.tree.map(
+        lambda a, g: a + jnp.where(at_stage(done, g), g, 0).astype(grad_dtype), outer_sum,
+        g_outer))
+    ct = per_device(jax.tree.map(lambda b, c: jnp.where(at_stage(stage == stages - 1, c), c, b),
+                                 bwd, ct_head))
     g_w, g_x, g_floats = backward(per_stage, saved, take(float_consts, j), ct)
-    valid = lambda g: jnp.where(b_ok.reshape(-1, *[1] * (g.ndim - 1)), g, 0)
+    valid = lambda g: jnp.where(at_stage(b_ok, g), g, 0)
     layer_sum = jax.tree.map(lambda a, g: a + valid(g).astype(grad_dtype), layer_sum, g_w)
     ct_inputs = jax.tree.map(lambda c, g: c.at[j[0]].add(jnp.where(b_ok[0], g[0], 0)),
                              ct_inputs, g_x)
@@ -206,13 +222,13 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_dtype, 
   loop = (per_device(zeros(inputs, (stages,))), per_device(zeros(inputs, (stages,))),
           stashed(zeros(inputs, (stages, slots))),
           jax.tree.map(lambda w: jnp.zeros(w.shape, grad_dtype), per_stage),
-          jax.tree.map(lambda w: jnp.zeros(w.shape, grad_dtype), outer),
+          by_stage(jax.tree.map(lambda w: jnp.zeros((stages, *w.shape), grad_dtype), outer)),
           jax.tree.map(jnp.zeros_like, inputs), jax.tree.map(jnp.zeros_like, float_consts),
           jnp.zeros((), jnp.float32))
   loop, _ = jax.lax.scan(tick, loop, jnp.arange(n_micro + 2 * stages - 2))
   _, _, _, layer_sum, outer_sum, ct_inputs, ct_floats, loss_sum = loop
   (embed_grads,) = embed_vjp((ct_inputs, ct_floats))
-  grads = jax.tree.map(lambda a, g: a + g.astype(grad_dtype), outer_sum, embed_grads)
+  grads = jax.tree.map(lambda a, g: a.sum(0) + g.astype(grad_dtype), outer_sum, embed_grads)
   grads[layers_key] = jax.tree.map(lambda g: g.reshape(n_layers, *g.shape[2:]), layer_sum)
   return grads, loss_sum / n_micro
 
@@ -241,6 +257,6 @@ def bubble_fraction(stages: int, micro: int, schedule: str = "gpipe", virtual: i
 
 def inputs_held(stages: int, micro: int, schedule: str = "gpipe") -> int:
   """Micro-batches whose stage inputs a device holds at once: all M for GPipe (and
-  interleaved, V times over with 1/V of the layers each); for 1F1B
+  interleaved, whose backward recomputes each tick's chunk from its input); for 1F1B
   stage 0's 2S - 2 stash slots and the input it runs."""
   return min(micro, 2 * stages - 1) if schedule == "1f1b" else micro
