@@ -31,7 +31,9 @@ TINY = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ml
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("stage", [2, 3])
+# Stage 3 only (CI time): jaxzero's stage 2 equals its stage 3 and one device
+# (tests/engine/test_step.py); `--ds-set zero_optimization.stage=2` runs the comparison there.
+@pytest.mark.parametrize("stage", [3])
 def test_deepspeed_fsdp2_and_jaxzero_losses_agree(tmp_path, stage):
   for name in ("torch", "transformers", "deepspeed"):
     pytest.importorskip(name, reason=f"{name} is not installed (pip install 'jaxzero[compare]')")

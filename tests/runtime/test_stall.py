@@ -1,4 +1,4 @@
-"""A process that is alive but stuck is named, not waited on: with 2 and 3 processes,
+"""A process that is alive but stuck is named, not waited on: with 3 processes,
 one is stopped (SIGSTOP) mid-compile, mid-step and mid-save; process 0 reports
 which process is where within distributed.stall_s + 5 s, and after SIGCONT the run
 goes on to the losses of an uninterrupted run."""
@@ -103,7 +103,9 @@ def run_with_stops(n, tmp_path, env):
   return waits, [r["loss"] for r in records], stderr0.lines
 
 
-@pytest.mark.parametrize("n", [2, 3])
+# 3 processes (2 ran too, until CI time asked for one): the stopped one is named among
+# several, and the others' phases are grouped.
+@pytest.mark.parametrize("n", [3])
 def test_a_stopped_process_is_named_in_every_phase_and_the_run_goes_on(n, tmp_path,
                                                                         tmp_path_factory):
   env = cli_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
