@@ -245,6 +245,11 @@ def _shift_back(g):
   return jnp.concatenate([g[1:], jnp.zeros_like(g[:1])])
 
 
+# Each schedule's bubble, as the plan prints it (bubble_fraction computes it).
+BUBBLE_FORMULAS = {"gpipe": "(S-1)/(M+S-1)", "1f1b": "(2S-2)/(M+2S-2)",
+                   "interleaved": "(S-1)/(VM+S-1)"}
+
+
 def bubble_fraction(stages: int, micro: int, schedule: str = "gpipe", virtual: int = 1) -> float:
   """The idle share of a pipelined step: (S - 1) / (M + S - 1) for GPipe, (S - 1) /
   (V M + S - 1) interleaved over V virtual stages; (2S - 2) / (M + 2S - 2) for this

@@ -212,8 +212,9 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
 def _pipelined_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model):
   """make_grad_fn's function with the layer stack pipelined over ``mesh.pipeline`` stages
   (jaxzero.engine.pipeline), the step's A micro-batches flowing through them. GPipe and
-  interleaved: one pass of A x B rows, whose mean loss times A has, as its gradient, the sum of the A
-  micro-steps' gradients (the sum make_grad_fn returns); 1F1B returns that sum itself."""
+  interleaved: one pass of A x B rows, whose mean loss times A has, as its gradient, the
+  sum of the A micro-steps' gradients (the sum make_grad_fn returns); 1F1B returns that
+  sum itself."""
   remat = remat_wrapper(cfg.remat.policy)
   grad_dtype = dtype_of(cfg.zero.grad_dtype)
   master_on_device = on_device(state_sh.master)

@@ -376,16 +376,15 @@ def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:
   if stages > 1:
     micro, schedule, virtual = (cfg.train.grad_accum, cfg.pipeline.schedule,
                                 cfg.pipeline.virtual_stages)
-    formula = {"1f1b": "(2S-2)/(M+2S-2)", "interleaved": "(S-1)/(VM+S-1)"}.get(
-        schedule, "(S-1)/(M+S-1)")
+    named = schedule
     if schedule == "interleaved":
-      schedule += f" over {virtual} virtual stages (each stage's weights move to it every step)"
+      named += f" over {virtual} virtual stages (each stage's weights move to it every step)"
     notes.append(
         f"pipeline: {stages} stages of {cfg.model.n_layers // stages} layers, schedule "
-        f"{schedule}, {micro} micro-batches a step: bubble {formula} = "
-        f"{pipeline.bubble_fraction(stages, micro, cfg.pipeline.schedule, virtual):.1%}; "
-        f"each stage holds the inputs of {pipeline.inputs_held(stages, micro, cfg.pipeline.schedule)}"
-        f" of its {micro} micro-batches at once (in 'activations'); the state columns are one "
+        f"{named}, {micro} micro-batches a step: bubble {pipeline.BUBBLE_FORMULAS[schedule]} = "
+        f"{pipeline.bubble_fraction(stages, micro, schedule, virtual):.1%}; each stage holds "
+        f"the inputs of {pipeline.inputs_held(stages, micro, schedule)} of its {micro} "
+        "micro-batches at once (in 'activations'); the state columns are one "
         "device's, with its stage's layers only, the ZeRO formula column the whole model's over N")
   if any(not r.xla_separates_host for r in rows):
     notes.append("XLA's CPU compiler does not separate pinned_host memory: its figures count "
