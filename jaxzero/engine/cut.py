@@ -55,5 +55,16 @@ def after_layers(loss: Callable, params, batch, carry) -> jax.Array:
   return loss(params, batch, lambda layer, _, stacked: carry)
 
 
-def is_float(x) -> bool:
+def _is_float(x) -> bool:
   return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def floats_of(consts: list) -> list:
+  """The floating values of a cut's `consts`, in order: those a gradient reaches."""
+  return [c for c in consts if _is_float(c)]
+
+
+def with_floats(consts: list, floats: list) -> list:
+  """`consts` with its floating values replaced by `floats`, in order."""
+  replacements = iter(floats)
+  return [next(replacements) if _is_float(c) else c for c in consts]

@@ -1,39 +1,19 @@
-"""Pipeline parallelism over the layer stack: the stacked layers run as `stages` groups
-of consecutive layers, with the micro-batches flowing through them. Three schedules:
-GPipe and interleaved (:func:`gpipe_scan`, a ``Hooks.scan``), and 1F1B
-(:func:`one_f_one_b`).
+"""Pipeline parallelism over the layer stack: `stages` groups of consecutive layers, one
+per device of the ``pipeline`` axis, the step's micro-batches flowing through them.
 
 The stages are a leading axis that a ``vmap`` with ``spmd_axis_name`` places one per
-device of the ``pipeline`` mesh axis: each device holds its own layers (the stack's
-``layers`` dimension is split over ``pipeline``) and runs them on the micro-batch in
-front of it. After each tick the stage outputs shift one stage on (a shift of the stage
-axis, which XLA partitions into a collective-permute between neighbours): only
-activations cross stages, and their gradients on the way back. For M micro-batches and S
-stages a pass is M + S - 1 ticks, S - 1 of them partly idle (the bubble,
-(S - 1) / (M + S - 1) of the time). The backward pass is the forward's gradient, so it
-keeps every micro-batch's stage inputs (GPipe's memory; remat applies inside each
-layer as elsewhere). Interleaved is the same loop round the stages V times.
+device; after each tick the stage outputs shift one stage on, which XLA partitions into
+a collective-permute between neighbours, so only activations (and their gradients)
+cross stages. :func:`gpipe_scan` is a ``Hooks.scan`` whose backward is autodiff's:
+GPipe, and interleaved (circular) over V virtual stages. :func:`one_f_one_b` cuts the
+model at its layer scan (jaxzero.engine.cut) and runs forward and backward in one
+lockstep loop: a stage keeps at most 2S - 1 stage inputs whatever M is, at a bubble of
+(2S - 2) / (M + 2S - 2) (docs/stages-and-meshes.md, "Pipeline stages", compares them).
 
-1F1B cannot be autodiff's: each micro-batch's loss gradient must start back through the
-stages before later micro-batches go forward. :func:`one_f_one_b` cuts the model at its
-layer scan (jaxzero.engine.cut) and drives both directions in one loop of M + 2S - 2
-ticks. Each tick every stage runs one forward (micro-batch t - s) and one backward
-(micro-batch t - 2S + 2 + s, its forward recomputed from the stage input it kept: full
-remat at stage boundaries, one more stage forward per micro-batch than GPipe), the loss
-and head gradient of the micro-batch leaving the last stage between the two. The stages
-run in lockstep (one SPMD program), so a gradient reaches stage s one tick after stage
-s + 1: stage s keeps 2(S - 1 - s) + 1 stage inputs, at most 2S - 1 whatever M is, where
-GPipe keeps all M (both hold the M embedding outputs, and 1F1B their gradients, outside
-the stages); the price is a bubble of (2S - 2) / (M + 2S - 2). Per-device schedules
-(each stage its own program) reach S in flight and GPipe's bubble, but need shard_map's
-manual partitioning of the stage bodies.
-
-Invariants: the result equals ``jax.lax.scan(layer, carry, stacked)[0]`` on the whole
-batch (each row goes through every layer in order); the stack's length divides by
-`stages` (times V) and the batch by `micro`; row r of the batch belongs to micro-batch
-r % micro. Ticks in the bubble compute on stale rows: their results are never read (in
-1F1B they are masked out of every sum and never written to the stash), so no gradient
-flows from them.
+Invariants: each row goes through every layer in order, so losses and gradients are
+the unpipelined model's; the stack's length divides by `stages` (times V); row r of a
+merged batch is micro-batch r % M. Ticks in the bubble compute on stale rows that are
+never read, masked out of every sum and never stashed, so no gradient flows from them.
 """
 
 from __future__ import annotations
@@ -143,23 +123,19 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_dtype, 
   # The layer function, with the values it closes over hoisted (cut.before_layers: the
   # floating ones, which may differ by micro-batch; integer ones stay micro-batch 0's).
   first = cut.before_layers(loss, params, micro(0))
-  layer, is_float = first.layer, [cut.is_float(c) for c in first.consts]
-  int_consts = [c for c, f in zip(first.consts, is_float) if not f]
   stacked = lambda values: jax.tree.map(lambda *xs: jnp.stack(xs), *values)
 
   def embed(outer):  # each micro-batch's stack input and floating values, [A, ...]
     cuts = [cut.before_layers(loss, with_layers(outer), micro(a)) for a in range(n_micro)]
-    return (stacked([x.carry for x in cuts]),
-            stacked([[c for c, f in zip(x.consts, is_float) if f] for x in cuts]))
+    return stacked([x.carry for x in cuts]), stacked([cut.floats_of(x.consts) for x in cuts])
 
   (inputs, float_consts), embed_vjp = jax.vjp(embed, outer)
   per_stage = jax.tree.map(lambda w: w.reshape(stages, n_layers // stages, *w.shape[1:]),
                            layers)
 
   def stage_forward(weights, x, floats):
-    floats, ints = iter(floats), iter(int_consts)
-    consts = [next(floats) if f else next(ints) for f in is_float]
-    return jax.lax.scan(lambda c, w: (layer(c, w, *consts)[0], None), x, weights)[0]
+    consts = cut.with_floats(first.consts, floats)
+    return jax.lax.scan(lambda c, w: (first.layer(c, w, *consts)[0], None), x, weights)[0]
 
   def stage_backward(weights, x, floats, ct):
     return jax.vjp(stage_forward, weights, x, floats)[1](ct)

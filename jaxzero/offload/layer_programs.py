@@ -91,15 +91,7 @@ class LayerPrograms:
 
     def pre(outer, batch):
       carry, consts, self._layer = cut.before_layers(loss, params_of(outer), batch)
-      self._const_is_float = [cut.is_float(c) for c in consts]
       return carry, consts
-
-    def merge(float_consts, consts):
-      floats = iter(float_consts)
-      return [next(floats) if f else c for f, c in zip(self._const_is_float, consts)]
-
-    def floats(consts):
-      return [c for f, c in zip(self._const_is_float, consts) if f]
 
     def run_layer(weights, carry, consts):
       one = jax.tree.map(lambda w: w[0], weights)
@@ -107,8 +99,8 @@ class LayerPrograms:
 
     def layer_backward(weights, carry, consts, ct_carry):
       def f(weights, carry, float_consts):
-        return run_layer(weights, carry, merge(float_consts, consts))
-      _, vjp = jax.vjp(f, weights, carry, floats(consts))
+        return run_layer(weights, carry, cut.with_floats(consts, float_consts))
+      _, vjp = jax.vjp(f, weights, carry, cut.floats_of(consts))
       grads, ct_carry, ct_consts = vjp(ct_carry)
       return jax.tree.map(lambda g: g.astype(grad_dtype), grads), ct_carry, ct_consts
 
@@ -119,7 +111,7 @@ class LayerPrograms:
     def pre_backward(outer, batch, ct_carry, ct_float_consts):
       def f(outer):
         carry, consts = pre(outer, batch)
-        return carry, floats(consts)
+        return carry, cut.floats_of(consts)
       _, vjp = jax.vjp(f, outer)
       return reduced(vjp((ct_carry, ct_float_consts))[0])
 
@@ -153,8 +145,9 @@ class LayerPrograms:
   def outer_sharding(self, name: str):
     return self._outer_sh[name]
 
-  def float_consts(self, consts: list) -> list:
-    return [c for f, c in zip(self._const_is_float, consts) if f]
+  @staticmethod
+  def float_consts(consts: list) -> list:
+    return cut.floats_of(consts)
 
   @staticmethod
   def add(a: Any, b: Any) -> Any:

@@ -99,7 +99,7 @@ def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
   carry, consts = _outputs(pre)
   forward = _compile(p.layer_forward, weights, carry, consts)
   post = _compile(p.post_grad, post_in, batch, carry)
-  ct_consts = [c for c, f in zip(consts, p._const_is_float) if f]
+  ct_consts = p.float_consts(consts)
   backward = _compile(p.layer_backward, weights, carry, consts, carry)
   pre_back = _compile(p.pre_backward, pre_in, batch, carry, ct_consts)
 
