@@ -215,6 +215,13 @@ class Layout:
 
   # -- the model's hooks: activations (`shard`), weights where used (`gather`) --
 
+  def context_mesh(self):
+    """The mesh the hooks' constraints name: the layout's, or inside a ``shard_map``
+    over some of its axes (1F1B's, over ``pipeline``) the traced one, where those axes
+    are Manual and a constraint may name only the others."""
+    traced = jax.sharding.get_abstract_mesh()
+    return traced if traced.manual_axes else self.mesh
+
   def batch_sharding(self, leading_dims: int = 0) -> NamedSharding:
     """Sharding of a batch [..., B, ...] of any rank (with `leading_dims` unsplit
     axes before the rows), e.g. tokens [A, B, T+1]: rows over the data axes."""
@@ -231,7 +238,7 @@ class Layout:
     split = megatron[0] if megatron else "seq"
     if t > 1 and split in logical_axes and x.shape[logical_axes.index(split)] % t == 0:
       axes[logical_axes.index(split)] = TENSOR
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*axes)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.context_mesh(), P(*axes)))
 
   def gather_for_compute(self, w: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
     """The model's `gather` hook: a weight in the compute layout (replicated over
@@ -240,13 +247,14 @@ class Layout:
     if self.params_memory == "pinned_host":
       # Offloaded weights (stage 3): each layer's shard comes to the device here,
       # inside the layer scan, one layer at a time (a no-op for those already there).
-      w = jax.device_put(w, NamedSharding(self.mesh, self.spec(w.shape, logical_axes, "params"),
+      w = jax.device_put(w, NamedSharding(self.context_mesh(),
+                                          self.spec(w.shape, logical_axes, "params"),
                                           memory_kind="device"))
-    compute = NamedSharding(self.mesh, self.spec(w.shape, logical_axes, "compute"))
+    compute = NamedSharding(self.context_mesh(), self.spec(w.shape, logical_axes, "compute"))
     if set(AXES) <= set(self.vmapped_axes):  # a per-device gradient stays whole, unreduced
       return w if self.tensor_size == 1 else jax.lax.with_sharding_constraint(w, compute)
     reduced = self.spec(w.shape, logical_axes, self.reduce_role)
-    return gather_for_compute(w, compute, NamedSharding(self.mesh, reduced),
+    return gather_for_compute(w, compute, NamedSharding(self.context_mesh(), reduced),
                               jax.numpy.dtype(self.reduce_dtype))
 
 

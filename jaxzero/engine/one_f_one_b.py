@@ -1,0 +1,214 @@
+"""1F1B pipelining: each stage runs its own schedule of forwards and backwards, so that
+a stage keeps the inputs of at most S micro-batches (S - s on stage s) whatever M is.
+
+Tick t is one slot on every stage: stage s runs the forward of micro-batch (t - s) / 2
+or the backward of (t - 2S + 1 + s) / 2, whichever is whole and in range (they differ
+in parity, so never both), then neighbours s, s + 1 with s = t mod 2 swap what they
+made, an activation forward and a gradient back: each is the other's next input. A
+step is 2 (M + S - 1) slots, each stage busy in 2M: the bubble is GPipe's,
+(S - 1) / (M + S - 1), in slots. A slot lasts as long as the slowest stage's work in it.
+
+Each stage doing different work in the same tick is a ``shard_map`` over ``pipeline``
+(the other axes stay XLA's): a ``vmap`` over stages runs the same work on every stage,
+and the only 1F1B it can express keeps 2S - 1 inputs. Only the layer stack runs inside
+it: the embedding and the head run outside, on every stage (only the first's, and the
+last's, count), because XLA:CPU's partitioner aborts on gathers whose operands are split
+over the data axes inside a ``shard_map`` (the lookup, the label's logit).
+
+Invariants: the losses and gradients are the unpipelined model's (every row goes
+through every layer in order, once forward and once back); a backward recomputes its
+stage from the input it kept; slots outside a stage's schedule compute nothing kept.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxzero.engine import cut
+from jaxzero.sharding.mesh import AXES, PIPELINE
+
+
+def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, grad_dtype,
+                params, batch_Ax, *scale):
+  """1F1B over `stages` stages of ``params[layers_key]``, the micro-batches being
+  `batch_Ax`'s leading axis: (the sum of the micro-batches' gradients in `grad_dtype`,
+  the layers' laid out by `grad_specs`, and their mean loss). `loss(params, batch, scan)`
+  is the model's loss (jaxzero.engine.cut); `scale`, where given, multiplies each
+  micro-batch's loss before its gradient."""
+  n_micro = jax.tree.leaves(batch_Ax)[0].shape[0]
+  layers = params[layers_key]
+  outer = {k: v for k, v in params.items() if k != layers_key}
+  n_layers = jax.tree.leaves(layers)[0].shape[0]
+  if n_layers % stages or n_micro < stages:
+    raise ValueError(f"{n_layers} layers and {n_micro} micro-batches do not fill {stages} "
+                     "stages")
+  micro = lambda a: jax.tree.map(lambda x: x[a], batch_Ax)
+  with_layers = lambda outer: {**outer, layers_key: layers}
+  stacked = lambda values: jax.tree.map(lambda *xs: jnp.stack(xs), *values)
+  embed = lambda outer, a: cut.before_layers(loss, with_layers(outer), micro(a)).carry
+
+  def all_floats(outer):  # the layers' floating values for every micro-batch, [M, ...]
+    return stacked([cut.floats_of(cut.before_layers(loss, with_layers(outer), micro(a)).consts)
+                    for a in range(n_micro)])
+
+  # Small next to the activations (e.g. RoPE tables); their gradient is taken once.
+  float_consts, floats_vjp = jax.vjp(all_floats, outer)
+
+  def head(outer, carry, batch):
+    value = cut.after_layers(loss, with_layers(outer), batch, carry)
+    return value * scale[0] if scale else value, value
+
+  # Outside the shard_map, a vmap over stages with `spmd_axis_name` runs on each stage
+  # its own row: the head on every stage's output (the last stage's counts), and the
+  # embedding's gradient from every stage's input gradient (stage 0's counts). So no
+  # activation crosses `pipeline` for them, and their weights' gradients cross once.
+  heads = jax.vmap(jax.value_and_grad(head, argnums=(0, 1), has_aux=True),
+                   in_axes=(None, 0, None), spmd_axis_name=PIPELINE)
+  embed_grads = jax.vmap(lambda outer, a, g: jax.vjp(lambda o: embed(o, a), outer)[1](g)[0],
+                         in_axes=(None, None, 0), spmd_axis_name=PIPELINE)
+  embeds = jax.vmap(embed, in_axes=(None, 0), spmd_axis_name=PIPELINE)
+  by_stage = _constraint(mesh, lambda x: P(PIPELINE, *[P.UNCONSTRAINED] * (x.ndim - 1)))
+  rows = _constraint(mesh, lambda x: P(PIPELINE, AXES, *[P.UNCONSTRAINED] * (x.ndim - 2)))
+  stage = jnp.arange(stages)
+  zeros = lambda tree, lead, dtype=None: jax.tree.map(
+      lambda x: jnp.zeros((*lead, *x.shape), dtype or x.dtype), tree)
+  carry = jax.eval_shape(lambda: embed(outer, 0))
+  on_stage = lambda ok, x: ok.reshape(-1, *[1] * (x.ndim - 1))
+  is_spec = lambda x: isinstance(x, P)
+  layer_specs = jax.tree.map(lambda _: P(PIPELINE), layers)
+  within = jax.tree.map(_within_stage, grad_specs[layers_key], is_leaf=is_spec)
+  # One per parity of t: the pairs that swap after the tick are (s, s + 1), s = t mod 2.
+  stage_ticks = [jax.shard_map(
+      _stage_tick(loss, layers_key, stages, n_micro, grad_dtype, within, parity), mesh=mesh,
+      in_specs=(layer_specs, P(PIPELINE), P(PIPELINE), layer_specs, P(PIPELINE), P(PIPELINE),
+                P(PIPELINE), P(), P(), P()),
+      out_specs=(P(PIPELINE), P(PIPELINE), P(PIPELINE), layer_specs, P(PIPELINE)),
+      axis_names={PIPELINE}, check_vma=False) for parity in (0, 1)]
+
+  def tick(loop, t, parity):
+    inbox, stash, layer_sum, outer_sum, ct_floats, loss_sum = loop
+    forward_of, backward_of = t - stage, t - (2 * stages - 1) + stage
+    scheduled = lambda k: (k % 2 == 0) & (k >= 0) & (k < 2 * n_micro)
+    f_ok, b_ok = scheduled(forward_of), scheduled(backward_of)
+    i, j = (jnp.clip(k // 2, 0, n_micro - 1) for k in (forward_of, backward_of))
+    # Stage 0's input, at the even ticks where it runs forwards (made on every stage,
+    # which a lookup costs less than sending it).
+    first_input = rows(embeds(outer, i) if parity == 0 else zeros(carry, (stages,)))
+    sent, received, stash, layer_sum, g_floats = stage_ticks[parity](
+        layers, inbox, stash, layer_sum, first_input, _take(float_consts, i),
+        _take(float_consts, j), t, outer, micro(0))
+    ct_floats = jax.tree.map(
+        lambda c, g: c.at[j].add(jnp.where(on_stage(b_ok, g), g, 0)), ct_floats, g_floats)
+    if (stages - 1) % 2 == parity:  # the last stage ran a forward, or was idle
+      done = (stage == stages - 1) & f_ok
+      (_, values), (g_outer, ct_head) = heads(outer, sent, micro(i[-1]))
+      loss_sum = loss_sum + jnp.sum(jnp.where(done, values, 0))
+      outer_sum = by_stage(jax.tree.map(
+          lambda a, g: a + jnp.where(on_stage(done, g), g, 0).astype(grad_dtype), outer_sum,
+          g_outer))
+      received = rows(jax.tree.map(lambda c, r: jnp.where(on_stage(done, c), c, r),
+                                   ct_head, received))
+    if parity == 1:  # stage 0 ran a backward, or was idle
+      g_in = jax.tree.map(lambda g: jnp.where(on_stage((stage == 0) & b_ok, g), g, 0), sent)
+      outer_sum = by_stage(jax.tree.map(lambda a, g: a + g.astype(grad_dtype), outer_sum,
+                                        embed_grads(outer, j[0], g_in)))
+    return (received, stash, layer_sum, outer_sum, ct_floats, loss_sum)
+
+  def two_ticks(loop, t):
+    return tick(tick(loop, t, 0), t + 1, 1), None
+
+  loop = (rows(zeros(carry, (stages,))), zeros(carry, (stages, stages)),
+          jax.tree.map(lambda w: jnp.zeros(w.shape, grad_dtype), layers),
+          by_stage(zeros(outer, (stages,), grad_dtype)), jax.tree.map(jnp.zeros_like, float_consts),
+          jnp.zeros((), jnp.float32))
+  loop, _ = jax.lax.scan(two_ticks, loop, 2 * jnp.arange(n_micro + stages - 1))
+  _, _, layer_sum, outer_sum, ct_floats, loss_sum = loop
+  (float_grads,) = floats_vjp(ct_floats)
+  grads = jax.tree.map(lambda a, g: a.sum(0) + g.astype(grad_dtype), outer_sum, float_grads)
+  grads[layers_key] = layer_sum
+  return grads, loss_sum / n_micro
+
+
+def _stage_tick(loss: Callable, layers_key: str, stages: int, n_micro: int, grad_dtype,
+                layer_specs, parity: int):
+  """One tick of parity `parity` on one stage, inside the shard_map: its slot's work on
+  its own layers, then the swap with its neighbour. Returns (what it made, what it
+  received, its stash, its layers' gradient sum, its layers' floating values' gradient)."""
+
+  def body(layers, inbox, stash, layer_sum, first_input, floats_f, floats_b, t, outer, batch):
+    stage = jax.lax.axis_index(PIPELINE)
+    # The layer function, traced here so that its hooks' constraints name the traced mesh
+    # (what runs before the layers is traced too, and dropped: nothing uses it). Its
+    # floating values are replaced by each micro-batch's; integer ones stay `batch`'s.
+    first = cut.before_layers(loss, {**outer, layers_key: layers}, batch)
+
+    def run(layers, x, floats):
+      consts = cut.with_floats(first.consts, floats)
+      return jax.lax.scan(lambda h, w: (first.layer(h, w, *consts)[0], None), x, layers)[0]
+
+    inbox, stash, first_input, floats_f, floats_b = (
+        jax.tree.map(lambda x: x[0], v) for v in (inbox, stash, first_input, floats_f, floats_b))
+    forward_of, backward_of = t - stage, t - (2 * stages - 1 - stage)
+    scheduled = lambda k: (k % 2 == 0) & (k >= 0) & (k < 2 * n_micro)
+    kind = jnp.where(scheduled(forward_of), 1, jnp.where(scheduled(backward_of), 2, 0))
+    # The branches must agree on their results' layouts: rows over the data axes, the
+    # gradient sum in its reduce layout.
+    rows = lambda tree, lead=0: jax.tree.map(lambda x: _constrain(
+        x, P(*[None] * lead, AXES, *[P.UNCONSTRAINED] * (x.ndim - 1 - lead))), tree)
+    laid_out = lambda sums: jax.tree.map(lambda sp, x: _constrain(x, sp), layer_specs, sums,
+                                         is_leaf=lambda x: isinstance(x, P))
+    no_floats = jax.tree.map(jnp.zeros_like, floats_b)
+
+    def idle():
+      return rows(jax.tree.map(jnp.zeros_like, inbox)), rows(stash, 1), laid_out(layer_sum), \
+          no_floats
+
+    def forward():
+      x = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), first_input, inbox)
+      slot = (forward_of // 2) % stages
+      kept = jax.tree.map(lambda st, v: st.at[slot].set(v), stash, x)
+      return rows(run(layers, x, floats_f)), rows(kept, 1), laid_out(layer_sum), no_floats
+
+    def backward():
+      x = jax.tree.map(lambda st: st[(backward_of // 2) % stages], stash)
+      g_layers, g_x, g_floats = jax.vjp(run, layers, x, floats_b)[1](inbox)
+      summed = jax.tree.map(lambda a, g: a + g.astype(grad_dtype), layer_sum, g_layers)
+      return rows(g_x), rows(stash, 1), laid_out(summed), g_floats
+
+    sent, stash, layer_sum, g_floats = jax.lax.switch(kind, (idle, forward, backward))
+    pairs = [(s + d, s + 1 - d) for s in range(parity, stages - 1, 2) for d in (0, 1)]
+    received = (jax.tree.map(lambda v: jax.lax.ppermute(v, PIPELINE, pairs), sent) if pairs
+                else jax.tree.map(jnp.zeros_like, sent))  # 2 stages, odd ticks: no pair
+    lead = lambda tree: jax.tree.map(lambda x: x[None], tree)
+    return lead(sent), lead(received), lead(stash), layer_sum, lead(g_floats)
+
+  return body
+
+
+def _take(tree, idx):
+  return jax.tree.map(lambda x: x[idx], tree)
+
+
+def _constraint(mesh, spec_of: Callable) -> Callable:
+  return lambda tree: jax.tree.map(
+      lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(x))), tree)
+
+
+def _within_stage(spec: P) -> P:
+  """`spec` as a ``shard_map`` over ``pipeline`` sees it (no dimension over it)."""
+  def drop(entry):
+    if isinstance(entry, tuple):
+      return tuple(a for a in entry if a != PIPELINE) or None
+    return None if entry == PIPELINE else entry
+  return P(*map(drop, spec))
+
+
+def _constrain(x, spec: P):
+  """Inside a ``shard_map``, a constraint names the traced mesh (``pipeline`` Manual)."""
+  return jax.lax.with_sharding_constraint(
+      x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
