@@ -65,6 +65,8 @@ SLOW = pytest.mark.slow  # the 8-device compositions: the fast lane keeps pipeli
     pytest.param({"stage": 0, "schedule": "1f1b"}, (1, 1, 1, 4), id="pp4_1f1b", marks=SLOW),
     pytest.param({"stage": 3, "schedule": "1f1b"}, (1, 2, 2, 2), id="pp2_f2_t2_zero3_1f1b",
                  marks=SLOW),
+    pytest.param({"stage": 1, "schedule": "1f1b"}, (1, 2, 2, 2), id="pp2_f2_t2_zero1_1f1b",
+                 marks=SLOW),
     pytest.param({"stage": 0, "schedule": "interleaved"}, (1, 1, 1, 2), id="pp2_v2"),
     pytest.param({"stage": 3, "schedule": "interleaved"}, (1, 2, 2, 2), id="pp2_v2_f2_t2_zero3",
                  marks=SLOW),
@@ -244,4 +246,4 @@ def test_the_405b_3d_preset_plans_within_80_gb_a_device():
   # are not split over pipeline: a little more).
   assert 16 * 405.85e9 / 1024 <= state <= 16 * 405.85e9 / 1024 * 1.05
   assert total <= 80e9 and fits
-  assert total < 25e9  # 1F1B: 16.5 GB measured (GPipe: 83.3 GB)
+  assert total < 25e9  # 1F1B: 16.9 GB measured (GPipe: 83.3 GB)
