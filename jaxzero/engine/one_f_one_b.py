@@ -1,12 +1,14 @@
 """1F1B pipelining: each stage runs its own schedule of forwards and backwards, so that
-a stage keeps the inputs of at most S micro-batches (S - s on stage s) whatever M is.
+a stage keeps the inputs of at most S micro-batches whatever M is (stage s holds S - s
+of them live, in S slots that every stage allocates).
 
 Tick t is one slot on every stage: stage s runs the forward of micro-batch (t - s) / 2
 or the backward of (t - 2S + 1 + s) / 2, whichever is whole and in range (they differ
 in parity, so never both), then neighbours s, s + 1 with s = t mod 2 swap what they
 made, an activation forward and a gradient back: each is the other's next input. A
 step is 2 (M + S - 1) slots, each stage busy in 2M: the bubble is GPipe's,
-(S - 1) / (M + S - 1), in slots. A slot lasts as long as the slowest stage's work in it.
+(S - 1) / (M + S - 1), of the slots. A slot lasts as long as the slowest stage's work
+in it: a backward, which recomputes its stage from the input it kept.
 
 Each stage doing different work in the same tick is a ``shard_map`` over ``pipeline``
 (the other axes stay XLA's): a ``vmap`` over stages runs the same work on every stage,
@@ -16,8 +18,8 @@ last's, count), because XLA:CPU's partitioner aborts on gathers whose operands a
 over the data axes inside a ``shard_map`` (the lookup, the label's logit).
 
 Invariants: the losses and gradients are the unpipelined model's (every row goes
-through every layer in order, once forward and once back); a backward recomputes its
-stage from the input it kept; slots outside a stage's schedule compute nothing kept.
+through every layer in order, once forward and once back); slots outside a stage's
+schedule compute nothing that is kept.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.engine import cut
+from jaxzero.engine import cut, pipeline
 from jaxzero.sharding.mesh import AXES, PIPELINE
 
 
@@ -47,7 +49,7 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
   if n_layers % stages or n_micro < stages:
     raise ValueError(f"{n_layers} layers and {n_micro} micro-batches do not fill {stages} "
                      "stages")
-  micro = lambda a: jax.tree.map(lambda x: x[a], batch_Ax)
+  micro = lambda a: _take(batch_Ax, a)
   with_layers = lambda outer: {**outer, layers_key: layers}
   stacked = lambda values: jax.tree.map(lambda *xs: jnp.stack(xs), *values)
   embed = lambda outer, a: cut.before_layers(loss, with_layers(outer), micro(a)).carry
@@ -56,7 +58,8 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
     return stacked([cut.floats_of(cut.before_layers(loss, with_layers(outer), micro(a)).consts)
                     for a in range(n_micro)])
 
-  # Small next to the activations (e.g. RoPE tables); their gradient is taken once.
+  # Held through the step, M times what the layers close over (for Llama, the RoPE
+  # tables); their gradient is taken once, at the end.
   float_consts, floats_vjp = jax.vjp(all_floats, outer)
 
   def head(outer, carry, batch):
@@ -72,36 +75,39 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
   embed_grads = jax.vmap(lambda outer, a, g: jax.vjp(lambda o: embed(o, a), outer)[1](g)[0],
                          in_axes=(None, None, 0), spmd_axis_name=PIPELINE)
   embeds = jax.vmap(embed, in_axes=(None, 0), spmd_axis_name=PIPELINE)
-  by_stage = _constraint(mesh, lambda x: P(PIPELINE, *[P.UNCONSTRAINED] * (x.ndim - 1)))
-  rows = _constraint(mesh, lambda x: P(PIPELINE, AXES, *[P.UNCONSTRAINED] * (x.ndim - 2)))
+  per_stage, stash_layout = pipeline.stage_constraint(mesh), pipeline.stage_constraint(mesh, 1)
+  by_stage = lambda tree: jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, P(PIPELINE, *[P.UNCONSTRAINED] * (x.ndim - 1)))), tree)
   stage = jnp.arange(stages)
+  on_stage = lambda ok, x: ok.reshape(-1, *[1] * (x.ndim - 1))
   zeros = lambda tree, lead, dtype=None: jax.tree.map(
       lambda x: jnp.zeros((*lead, *x.shape), dtype or x.dtype), tree)
-  carry = jax.eval_shape(lambda: embed(outer, 0))
-  on_stage = lambda ok, x: ok.reshape(-1, *[1] * (x.ndim - 1))
-  is_spec = lambda x: isinstance(x, P)
-  layer_specs = jax.tree.map(lambda _: P(PIPELINE), layers)
-  within = jax.tree.map(_within_stage, grad_specs[layers_key], is_leaf=is_spec)
+  carry_shape = jax.eval_shape(lambda: embed(outer, 0))
+  split_layers = jax.tree.map(lambda _: P(PIPELINE), layers)
+  reduce_specs = jax.tree.map(_within_stage, grad_specs[layers_key],
+                              is_leaf=lambda x: isinstance(x, P))
   # One per parity of t: the pairs that swap after the tick are (s, s + 1), s = t mod 2.
   stage_ticks = [jax.shard_map(
-      _stage_tick(loss, layers_key, stages, n_micro, grad_dtype, within, parity), mesh=mesh,
-      in_specs=(layer_specs, P(PIPELINE), P(PIPELINE), layer_specs, P(PIPELINE), P(PIPELINE),
-                P(PIPELINE), P(), P(), P()),
-      out_specs=(P(PIPELINE), P(PIPELINE), P(PIPELINE), layer_specs, P(PIPELINE)),
+      _stage_tick(loss, layers_key, stages, grad_dtype, reduce_specs, parity), mesh=mesh,
+      in_specs=(split_layers, *[P(PIPELINE)] * 2, split_layers, *[P(PIPELINE)] * 5, P(), P()),
+      out_specs=(P(PIPELINE), P(PIPELINE), P(PIPELINE), split_layers, P(PIPELINE)),
       axis_names={PIPELINE}, check_vma=False) for parity in (0, 1)]
 
   def tick(loop, t, parity):
     inbox, stash, layer_sum, outer_sum, ct_floats, loss_sum = loop
-    forward_of, backward_of = t - stage, t - (2 * stages - 1) + stage
+    # Twice the micro-batch of each stage's forward, and of its backward: it runs the one
+    # that is even and in range.
+    twice_f, twice_b = t - stage, t - (2 * stages - 1) + stage
     scheduled = lambda k: (k % 2 == 0) & (k >= 0) & (k < 2 * n_micro)
-    f_ok, b_ok = scheduled(forward_of), scheduled(backward_of)
-    i, j = (jnp.clip(k // 2, 0, n_micro - 1) for k in (forward_of, backward_of))
-    # Stage 0's input, at the even ticks where it runs forwards (made on every stage,
-    # which a lookup costs less than sending it).
-    first_input = rows(embeds(outer, i) if parity == 0 else zeros(carry, (stages,)))
+    f_ok, b_ok = scheduled(twice_f), scheduled(twice_b)
+    i, j = (jnp.clip(k // 2, 0, n_micro - 1) for k in (twice_f, twice_b))
+    kind = jnp.where(f_ok, 1, jnp.where(b_ok, 2, 0))  # idle, forward, backward
+    # Stage 0's input, at the even ticks where it runs forwards (made on every stage:
+    # a lookup costs less than sending it).
+    first_input = per_stage(embeds(outer, i) if parity == 0 else zeros(carry_shape, (stages,)))
     sent, received, stash, layer_sum, g_floats = stage_ticks[parity](
-        layers, inbox, stash, layer_sum, first_input, _take(float_consts, i),
-        _take(float_consts, j), t, outer, micro(0))
+        layers, inbox, stash, layer_sum, kind, jnp.where(f_ok, i, j) % stages, first_input,
+        _take(float_consts, i), _take(float_consts, j), outer, micro(0))
     ct_floats = jax.tree.map(
         lambda c, g: c.at[j].add(jnp.where(on_stage(b_ok, g), g, 0)), ct_floats, g_floats)
     if (stages - 1) % 2 == parity:  # the last stage ran a forward, or was idle
@@ -111,9 +117,9 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
       outer_sum = by_stage(jax.tree.map(
           lambda a, g: a + jnp.where(on_stage(done, g), g, 0).astype(grad_dtype), outer_sum,
           g_outer))
-      received = rows(jax.tree.map(lambda c, r: jnp.where(on_stage(done, c), c, r),
-                                   ct_head, received))
-    if parity == 1:  # stage 0 ran a backward, or was idle
+      received = per_stage(jax.tree.map(lambda c, r: jnp.where(on_stage(done, c), c, r),
+                                        ct_head, received))
+    if parity == 1:  # stage 0 ran a backward (its ticks are odd), or was idle
       g_in = jax.tree.map(lambda g: jnp.where(on_stage((stage == 0) & b_ok, g), g, 0), sent)
       outer_sum = by_stage(jax.tree.map(lambda a, g: a + g.astype(grad_dtype), outer_sum,
                                         embed_grads(outer, j[0], g_in)))
@@ -122,7 +128,8 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
   def two_ticks(loop, t):
     return tick(tick(loop, t, 0), t + 1, 1), None
 
-  loop = (rows(zeros(carry, (stages,))), zeros(carry, (stages, stages)),
+  loop = (per_stage(zeros(carry_shape, (stages,))),
+          stash_layout(zeros(carry_shape, (stages, stages))),
           jax.tree.map(lambda w: jnp.zeros(w.shape, grad_dtype), layers),
           by_stage(zeros(outer, (stages,), grad_dtype)), jax.tree.map(jnp.zeros_like, float_consts),
           jnp.zeros((), jnp.float32))
@@ -134,51 +141,50 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
   return grads, loss_sum / n_micro
 
 
-def _stage_tick(loss: Callable, layers_key: str, stages: int, n_micro: int, grad_dtype,
-                layer_specs, parity: int):
+def _stage_tick(loss: Callable, layers_key: str, stages: int, grad_dtype, reduce_specs,
+                parity: int):
   """One tick of parity `parity` on one stage, inside the shard_map: its slot's work on
-  its own layers, then the swap with its neighbour. Returns (what it made, what it
-  received, its stash, its layers' gradient sum, its layers' floating values' gradient)."""
+  its own layers (`kind`: 0 idle, 1 forward, 2 backward; `slot`: its stash slot), then
+  the swap with its neighbour. Returns (what it made, what it received, its stash, its
+  layers' gradient sum, its layers' floating values' gradient)."""
 
-  def body(layers, inbox, stash, layer_sum, first_input, floats_f, floats_b, t, outer, batch):
+  def body(layers, inbox, stash, layer_sum, kind, slot, first_input, floats_f, floats_b,
+           outer, batch):
     stage = jax.lax.axis_index(PIPELINE)
     # The layer function, traced here so that its hooks' constraints name the traced mesh
     # (what runs before the layers is traced too, and dropped: nothing uses it). Its
     # floating values are replaced by each micro-batch's; integer ones stay `batch`'s.
-    first = cut.before_layers(loss, {**outer, layers_key: layers}, batch)
+    layer_cut = cut.before_layers(loss, {**outer, layers_key: layers}, batch)
 
     def run(layers, x, floats):
-      consts = cut.with_floats(first.consts, floats)
-      return jax.lax.scan(lambda h, w: (first.layer(h, w, *consts)[0], None), x, layers)[0]
+      consts = cut.with_floats(layer_cut.consts, floats)
+      return jax.lax.scan(lambda h, w: (layer_cut.layer(h, w, *consts)[0], None), x, layers)[0]
 
-    inbox, stash, first_input, floats_f, floats_b = (
-        jax.tree.map(lambda x: x[0], v) for v in (inbox, stash, first_input, floats_f, floats_b))
-    forward_of, backward_of = t - stage, t - (2 * stages - 1 - stage)
-    scheduled = lambda k: (k % 2 == 0) & (k >= 0) & (k < 2 * n_micro)
-    kind = jnp.where(scheduled(forward_of), 1, jnp.where(scheduled(backward_of), 2, 0))
+    inbox, stash, kind, slot, first_input, floats_f, floats_b = (
+        jax.tree.map(lambda x: x[0], v)
+        for v in (inbox, stash, kind, slot, first_input, floats_f, floats_b))
     # The branches must agree on their results' layouts: rows over the data axes, the
     # gradient sum in its reduce layout.
-    rows = lambda tree, lead=0: jax.tree.map(lambda x: _constrain(
+    by_rows = lambda tree, lead=0: jax.tree.map(lambda x: _constrain_traced(
         x, P(*[None] * lead, AXES, *[P.UNCONSTRAINED] * (x.ndim - 1 - lead))), tree)
-    laid_out = lambda sums: jax.tree.map(lambda sp, x: _constrain(x, sp), layer_specs, sums,
-                                         is_leaf=lambda x: isinstance(x, P))
+    reduced = lambda sums: jax.tree.map(lambda sp, x: _constrain_traced(x, sp), reduce_specs,
+                                        sums, is_leaf=lambda x: isinstance(x, P))
     no_floats = jax.tree.map(jnp.zeros_like, floats_b)
 
     def idle():
-      return rows(jax.tree.map(jnp.zeros_like, inbox)), rows(stash, 1), laid_out(layer_sum), \
-          no_floats
+      return (by_rows(jax.tree.map(jnp.zeros_like, inbox)), by_rows(stash, 1),
+              reduced(layer_sum), no_floats)
 
     def forward():
       x = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), first_input, inbox)
-      slot = (forward_of // 2) % stages
       kept = jax.tree.map(lambda st, v: st.at[slot].set(v), stash, x)
-      return rows(run(layers, x, floats_f)), rows(kept, 1), laid_out(layer_sum), no_floats
+      return by_rows(run(layers, x, floats_f)), by_rows(kept, 1), reduced(layer_sum), no_floats
 
     def backward():
-      x = jax.tree.map(lambda st: st[(backward_of // 2) % stages], stash)
+      x = jax.tree.map(lambda st: st[slot], stash)
       g_layers, g_x, g_floats = jax.vjp(run, layers, x, floats_b)[1](inbox)
       summed = jax.tree.map(lambda a, g: a + g.astype(grad_dtype), layer_sum, g_layers)
-      return rows(g_x), rows(stash, 1), laid_out(summed), g_floats
+      return by_rows(g_x), by_rows(stash, 1), reduced(summed), g_floats
 
     sent, stash, layer_sum, g_floats = jax.lax.switch(kind, (idle, forward, backward))
     pairs = [(s + d, s + 1 - d) for s in range(parity, stages - 1, 2) for d in (0, 1)]
@@ -194,11 +200,6 @@ def _take(tree, idx):
   return jax.tree.map(lambda x: x[idx], tree)
 
 
-def _constraint(mesh, spec_of: Callable) -> Callable:
-  return lambda tree: jax.tree.map(
-      lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_of(x))), tree)
-
-
 def _within_stage(spec: P) -> P:
   """`spec` as a ``shard_map`` over ``pipeline`` sees it (no dimension over it)."""
   def drop(entry):
@@ -208,7 +209,7 @@ def _within_stage(spec: P) -> P:
   return P(*map(drop, spec))
 
 
-def _constrain(x, spec: P):
+def _constrain_traced(x, spec: P):
   """Inside a ``shard_map``, a constraint names the traced mesh (``pipeline`` Manual)."""
   return jax.lax.with_sharding_constraint(
       x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))

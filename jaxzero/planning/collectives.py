@@ -400,9 +400,9 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
   alone = [r for r in rows if r.axes == ("pipeline",)]
   formula = None if activation_bytes is None else 2 * grad_accum * activation_bytes
   if formula is not None:
-    notes.append("across `pipeline`: every tick's shift, the S - 1 ticks of the bubble too, "
-                 "and (the embedding and head running on every stage) the last stage's outputs "
-                 "to all stages and the input gradients back")
+    notes.append("across `pipeline`: each tick's sends, the bubble's too; with GPipe and "
+                 "interleaved also the last stage's outputs to all stages and the input "
+                 "gradients back (the embedding and head run on every stage)")
   return CommReport(
       rows, found, total, total / (n_params * unit_bytes_per_param),
       {a: sum(r.counted_bytes for r in rows if a in r.axes) for a in getattr(mesh, "axis_names", ())},

@@ -382,7 +382,9 @@ def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:
     notes.append(
         f"pipeline: {stages} stages of {cfg.model.n_layers // stages} layers, schedule "
         f"{named}, {micro} micro-batches a step: bubble {pipeline.BUBBLE_FORMULAS[schedule]} = "
-        f"{pipeline.bubble_fraction(stages, micro, schedule, virtual):.1%}; each stage holds "
+        f"{pipeline.bubble_fraction(stages, micro, schedule, virtual):.1%}"
+        f"{' of its slots (a slot lasts a backward)' if schedule == '1f1b' else ''}; each "
+        "stage holds "
         f"the inputs of {pipeline.inputs_held(stages, micro, schedule)} of its {micro} "
         "micro-batches at once (in 'activations'); the state columns are one "
         "device's, with its stage's layers only, the ZeRO formula column the whole model's over N")
