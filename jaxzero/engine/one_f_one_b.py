@@ -8,7 +8,9 @@ in parity, so never both), then neighbours s, s + 1 with s = t mod 2 swap what t
 made, an activation forward and a gradient back: each is the other's next input. A
 step is 2 (M + S - 1) slots, each stage busy in 2M: the bubble is GPipe's,
 (S - 1) / (M + S - 1), of the slots. A slot lasts as long as the slowest stage's work
-in it: a backward, which recomputes its stage from the input it kept.
+in it, so the slots are evened out: in the forward's slot before each backward, a stage
+runs its layers again from the input it kept, keeping the residuals for the backward
+(two forwards' work against a backward's two).
 
 Each stage doing different work in the same tick is a ``shard_map`` over ``pipeline``
 (the other axes stay XLA's): a ``vmap`` over stages runs the same work on every stage,
@@ -89,12 +91,18 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
   # One per parity of t: the pairs that swap after the tick are (s, s + 1), s = t mod 2.
   stage_ticks = [jax.shard_map(
       _stage_tick(loss, layers_key, stages, grad_dtype, reduce_specs, parity), mesh=mesh,
-      in_specs=(split_layers, *[P(PIPELINE)] * 2, split_layers, *[P(PIPELINE)] * 5, P(), P()),
-      out_specs=(P(PIPELINE), P(PIPELINE), P(PIPELINE), split_layers, P(PIPELINE)),
+      in_specs=(split_layers, *[P(PIPELINE)] * 3, split_layers, *[P(PIPELINE)] * 4, P(), P()),
+      out_specs=(*[P(PIPELINE)] * 4, split_layers, P(PIPELINE)),
       axis_names={PIPELINE}, check_vma=False) for parity in (0, 1)]
+  # What a stage keeps from a forward for its backward (the layers aside), one micro-batch's.
+  residual_shapes = jax.eval_shape(jax.shard_map(
+      _stage_residuals(loss, layers_key), mesh=mesh,
+      in_specs=(split_layers, P(PIPELINE), P(PIPELINE), P(), P()), out_specs=P(PIPELINE),
+      axis_names={PIPELINE}, check_vma=False),
+      layers, zeros(carry_shape, (stages,)), _take(float_consts, stage), outer, micro(0))
 
   def tick(loop, t, parity):
-    inbox, stash, layer_sum, outer_sum, ct_floats, loss_sum = loop
+    inbox, stash, residuals, layer_sum, outer_sum, ct_floats, loss_sum = loop
     # Twice the micro-batch of each stage's forward, and of its backward: it runs the one
     # that is even and in range.
     twice_f, twice_b = t - stage, t - (2 * stages - 1) + stage
@@ -102,12 +110,18 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
     f_ok, b_ok = scheduled(twice_f), scheduled(twice_b)
     i, j = (jnp.clip(k // 2, 0, n_micro - 1) for k in (twice_f, twice_b))
     kind = jnp.where(f_ok, 1, jnp.where(b_ok, 2, 0))  # idle, forward, backward
+    # A stage whose backward comes next tick runs its stage forward again now, keeping the
+    # residuals: that work sits in a forward's slot, which waits for a backward anyway.
+    prepares = scheduled(twice_b + 1)
+    j_next = jnp.clip((twice_b + 1) // 2, 0, n_micro - 1)
+    schedule = {"kind": kind, "slot": i % stages, "prepares": prepares,
+                "prepared_slot": j_next % stages}
     # Stage 0's input, at the even ticks where it runs forwards (made on every stage:
     # a lookup costs less than sending it).
     first_input = per_stage(embeds(outer, i) if parity == 0 else zeros(carry_shape, (stages,)))
-    sent, received, stash, layer_sum, g_floats = stage_ticks[parity](
-        layers, inbox, stash, layer_sum, kind, jnp.where(f_ok, i, j) % stages, first_input,
-        _take(float_consts, i), _take(float_consts, j), outer, micro(0))
+    sent, received, stash, residuals, layer_sum, g_floats = stage_ticks[parity](
+        layers, inbox, stash, residuals, layer_sum, schedule, first_input,
+        _take(float_consts, i), _take(float_consts, j_next), outer, micro(0))
     ct_floats = jax.tree.map(
         lambda c, g: c.at[j].add(jnp.where(on_stage(b_ok, g), g, 0)), ct_floats, g_floats)
     if (stages - 1) % 2 == parity:  # the last stage ran a forward, or was idle
@@ -123,53 +137,86 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
       g_in = jax.tree.map(lambda g: jnp.where(on_stage((stage == 0) & b_ok, g), g, 0), sent)
       outer_sum = by_stage(jax.tree.map(lambda a, g: a + g.astype(grad_dtype), outer_sum,
                                         embed_grads(outer, j[0], g_in)))
-    return (received, stash, layer_sum, outer_sum, ct_floats, loss_sum)
+    return (received, stash, residuals, layer_sum, outer_sum, ct_floats, loss_sum)
 
   def two_ticks(loop, t):
     return tick(tick(loop, t, 0), t + 1, 1), None
 
   loop = (per_stage(zeros(carry_shape, (stages,))),
-          stash_layout(zeros(carry_shape, (stages, stages))),
+          stash_layout(zeros(carry_shape, (stages, stages))), zeros(residual_shapes, ()),
           jax.tree.map(lambda w: jnp.zeros(w.shape, grad_dtype), layers),
           by_stage(zeros(outer, (stages,), grad_dtype)), jax.tree.map(jnp.zeros_like, float_consts),
           jnp.zeros((), jnp.float32))
   loop, _ = jax.lax.scan(two_ticks, loop, 2 * jnp.arange(n_micro + stages - 1))
-  _, _, layer_sum, outer_sum, ct_floats, loss_sum = loop
+  _, _, _, layer_sum, outer_sum, ct_floats, loss_sum = loop
   (float_grads,) = floats_vjp(ct_floats)
   grads = jax.tree.map(lambda a, g: a.sum(0) + g.astype(grad_dtype), outer_sum, float_grads)
   grads[layers_key] = layer_sum
   return grads, loss_sum / n_micro
 
 
+def _stage_vjp(loss: Callable, layers_key: str, layers, outer, batch):
+  """Inside the shard_map: (run, residuals_of, restore). ``run(layers, x, floats)`` is the
+  stage's layers on input x (the layer function traced here, so that its hooks'
+  constraints name the traced mesh; what runs before the layers is traced too, and
+  dropped: nothing uses it). ``residuals_of(x, floats)`` runs it keeping what its
+  backward needs, less the layers themselves; ``restore(residuals)`` is that backward."""
+  layer_cut = cut.before_layers(loss, {**outer, layers_key: layers}, batch)
+
+  def run(layers, x, floats):  # floats: this micro-batch's (integer values stay `batch`'s)
+    consts = cut.with_floats(layer_cut.consts, floats)
+    return jax.lax.scan(lambda h, w: (layer_cut.layer(h, w, *consts)[0], None), x, layers)[0]
+
+  weights = jax.tree.leaves(layers)
+  structure = {}
+
+  def residuals_of(x, floats):
+    leaves, structure["tree"] = jax.tree.flatten(jax.vjp(run, layers, x, floats)[1])
+    # The layers are residuals too (a matmul's input gradient needs its weight): they are
+    # the same arrays every micro-batch, so they are left out and put back.
+    structure["weight"] = [next((k for k, w in enumerate(weights) if leaf is w), None)
+                           for leaf in leaves]
+    return [leaf for leaf, k in zip(leaves, structure["weight"]) if k is None]
+
+  def restore(residuals):
+    kept = iter(residuals)
+    return jax.tree.unflatten(structure["tree"], [next(kept) if k is None else weights[k]
+                                                  for k in structure["weight"]])
+
+  return run, residuals_of, restore
+
+
+def _stage_residuals(loss: Callable, layers_key: str):
+  """The residuals' shapes, for a stage's layers (inside the shard_map)."""
+  def body(layers, x, floats, outer, batch):
+    _, residuals_of, _ = _stage_vjp(loss, layers_key, layers, outer, batch)
+    return [r[None] for r in residuals_of(x[0], jax.tree.map(lambda f: f[0], floats))]
+  return body
+
+
 def _stage_tick(loss: Callable, layers_key: str, stages: int, grad_dtype, reduce_specs,
                 parity: int):
   """One tick of parity `parity` on one stage, inside the shard_map: its slot's work on
-  its own layers (`kind`: 0 idle, 1 forward, 2 backward; `slot`: its stash slot), then
-  the swap with its neighbour. Returns (what it made, what it received, its stash, its
+  its own layers (`schedule`: its kind, 0 idle, 1 forward, 2 backward; its stash slot;
+  whether to prepare next tick's backward, from which slot), then the swap with its
+  neighbour. Returns (what it made, what it received, its stash, its residuals, its
   layers' gradient sum, its layers' floating values' gradient)."""
 
-  def body(layers, inbox, stash, layer_sum, kind, slot, first_input, floats_f, floats_b,
-           outer, batch):
+  def body(layers, inbox, stash, residuals, layer_sum, schedule, first_input, floats_f,
+           floats_next, outer, batch):
     stage = jax.lax.axis_index(PIPELINE)
-    # The layer function, traced here so that its hooks' constraints name the traced mesh
-    # (what runs before the layers is traced too, and dropped: nothing uses it). Its
-    # floating values are replaced by each micro-batch's; integer ones stay `batch`'s.
-    layer_cut = cut.before_layers(loss, {**outer, layers_key: layers}, batch)
-
-    def run(layers, x, floats):
-      consts = cut.with_floats(layer_cut.consts, floats)
-      return jax.lax.scan(lambda h, w: (layer_cut.layer(h, w, *consts)[0], None), x, layers)[0]
-
-    inbox, stash, kind, slot, first_input, floats_f, floats_b = (
+    run, residuals_of, restore = _stage_vjp(loss, layers_key, layers, outer, batch)
+    inbox, stash, residuals, schedule, first_input, floats_f, floats_next = (
         jax.tree.map(lambda x: x[0], v)
-        for v in (inbox, stash, kind, slot, first_input, floats_f, floats_b))
+        for v in (inbox, stash, residuals, schedule, first_input, floats_f, floats_next))
     # The branches must agree on their results' layouts: rows over the data axes, the
     # gradient sum in its reduce layout.
     by_rows = lambda tree, lead=0: jax.tree.map(lambda x: _constrain_traced(
         x, P(*[None] * lead, AXES, *[P.UNCONSTRAINED] * (x.ndim - 1 - lead))), tree)
     reduced = lambda sums: jax.tree.map(lambda sp, x: _constrain_traced(x, sp), reduce_specs,
                                         sums, is_leaf=lambda x: isinstance(x, P))
-    no_floats = jax.tree.map(jnp.zeros_like, floats_b)
+    no_floats = jax.tree.map(jnp.zeros_like, floats_f)
+    jax.eval_shape(residuals_of, jax.tree.map(lambda st: st[0], stash), floats_f)  # structure
 
     def idle():
       return (by_rows(jax.tree.map(jnp.zeros_like, inbox)), by_rows(stash, 1),
@@ -177,21 +224,25 @@ def _stage_tick(loss: Callable, layers_key: str, stages: int, grad_dtype, reduce
 
     def forward():
       x = jax.tree.map(lambda f, r: jnp.where(stage == 0, f, r), first_input, inbox)
-      kept = jax.tree.map(lambda st, v: st.at[slot].set(v), stash, x)
+      kept = jax.tree.map(lambda st, v: st.at[schedule["slot"]].set(v), stash, x)
       return by_rows(run(layers, x, floats_f)), by_rows(kept, 1), reduced(layer_sum), no_floats
 
     def backward():
-      x = jax.tree.map(lambda st: st[slot], stash)
-      g_layers, g_x, g_floats = jax.vjp(run, layers, x, floats_b)[1](inbox)
+      g_layers, g_x, g_floats = restore(residuals)(inbox)
       summed = jax.tree.map(lambda a, g: a + g.astype(grad_dtype), layer_sum, g_layers)
       return by_rows(g_x), by_rows(stash, 1), reduced(summed), g_floats
 
-    sent, stash, layer_sum, g_floats = jax.lax.switch(kind, (idle, forward, backward))
+    sent, stash, layer_sum, g_floats = jax.lax.switch(schedule["kind"], (idle, forward, backward))
+    residuals = jax.lax.cond(
+        schedule["prepares"],
+        lambda: residuals_of(jax.tree.map(lambda st: st[schedule["prepared_slot"]], stash),
+                             floats_next),
+        lambda: residuals)
     pairs = [(s + d, s + 1 - d) for s in range(parity, stages - 1, 2) for d in (0, 1)]
     received = (jax.tree.map(lambda v: jax.lax.ppermute(v, PIPELINE, pairs), sent) if pairs
                 else jax.tree.map(jnp.zeros_like, sent))  # 2 stages, odd ticks: no pair
     lead = lambda tree: jax.tree.map(lambda x: x[None], tree)
-    return lead(sent), lead(received), lead(stash), layer_sum, lead(g_floats)
+    return lead(sent), lead(received), lead(stash), lead(residuals), layer_sum, lead(g_floats)
 
   return body
 
