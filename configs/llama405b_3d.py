@@ -13,7 +13,8 @@ full remat, bf16, and the 1F1B schedule (as DeepSpeed's pipeline engine): a stag
 at most 2 micro-batches' stage inputs (and one's residuals between slots), so it plans
 at 21.1 GB a device, against 15.8 GB without the pipeline (fsdp 128); its bubble is
 (S-1)/(M+S-1) = 1/9 of its slots. GPipe plans at 83.3 GB here: it holds every
-micro-batch's activations, and XLA:CPU replicates its merged batch's embedding output (docs/stages-and-meshes.md, "Pipeline stages").
+micro-batch's activations, and XLA:CPU replicates its merged batch's embedding output
+(docs/stages-and-meshes.md, "Pipeline stages").
 `python -m jaxzero.plan --config configs/llama405b_3d.py`.
 """
 
