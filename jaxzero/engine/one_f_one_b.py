@@ -103,17 +103,13 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
 
   def tick(loop, t, parity):
     inbox, stash, residuals, layer_sum, outer_sum, ct_floats, loss_sum = loop
-    # Twice the micro-batch of each stage's forward, and of its backward: it runs the one
-    # that is even and in range.
-    twice_f, twice_b = t - stage, t - (2 * stages - 1) + stage
-    scheduled = lambda k: (k % 2 == 0) & (k >= 0) & (k < 2 * n_micro)
-    f_ok, b_ok = scheduled(twice_f), scheduled(twice_b)
-    i, j = (jnp.clip(k // 2, 0, n_micro - 1) for k in (twice_f, twice_b))
+    f_ok, i, b_ok, j = slot_work(t, stage, stages, n_micro)
+    i, j = jnp.clip(i, 0, n_micro - 1), jnp.clip(j, 0, n_micro - 1)
     kind = jnp.where(f_ok, 1, jnp.where(b_ok, 2, 0))  # idle, forward, backward
     # A stage whose backward comes next tick runs its stage forward again now, keeping the
     # residuals: that work sits in a forward's slot, which waits for a backward anyway.
-    prepares = scheduled(twice_b + 1)
-    j_next = jnp.clip((twice_b + 1) // 2, 0, n_micro - 1)
+    _, _, prepares, j_next = slot_work(t + 1, stage, stages, n_micro)
+    j_next = jnp.clip(j_next, 0, n_micro - 1)
     schedule = {"kind": kind, "slot": i % stages, "prepares": prepares,
                 "prepared_slot": j_next % stages}
     # Stage 0's input, at the even ticks where it runs forwards (made on every stage:
@@ -153,6 +149,15 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
   grads = jax.tree.map(lambda a, g: a.sum(0) + g.astype(grad_dtype), outer_sum, float_grads)
   grads[layers_key] = layer_sum
   return grads, loss_sum / n_micro
+
+
+def slot_work(t, stage, stages: int, n_micro: int):
+  """What `stage` runs in slot t, as (runs a forward, of which micro-batch, runs a
+  backward, of which micro-batch): the forward of (t - s) / 2 and the backward of
+  (t - 2S + 1 + s) / 2, each where it is whole and one of the M. Ints or arrays."""
+  twice_f, twice_b = t - stage, t - (2 * stages - 1) + stage
+  scheduled = lambda k: (k % 2 == 0) & (k >= 0) & (k < 2 * n_micro)
+  return scheduled(twice_f), twice_f // 2, scheduled(twice_b), twice_b // 2
 
 
 def _stage_vjp(loss: Callable, layers_key: str, layers, outer, batch):
@@ -216,7 +221,9 @@ def _stage_tick(loss: Callable, layers_key: str, stages: int, grad_dtype, reduce
     reduced = lambda sums: jax.tree.map(lambda sp, x: _constrain_traced(x, sp), reduce_specs,
                                         sums, is_leaf=lambda x: isinstance(x, P))
     no_floats = jax.tree.map(jnp.zeros_like, floats_f)
-    jax.eval_shape(residuals_of, jax.tree.map(lambda st: st[0], stash), floats_f)  # structure
+    # Traces the residuals' structure, which `restore` needs: the backward's branch is
+    # traced before the cond that makes them.
+    jax.eval_shape(residuals_of, jax.tree.map(lambda st: st[0], stash), floats_f)
 
     def idle():
       return (by_rows(jax.tree.map(jnp.zeros_like, inbox)), by_rows(stash, 1),

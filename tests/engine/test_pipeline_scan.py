@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.engine import pipeline
+from jaxzero.engine import one_f_one_b, pipeline
 
 
 def layer(x, w):
@@ -50,3 +50,32 @@ def test_the_bubble():
   assert pipeline.bubble_fraction(4, 8, "interleaved", virtual=2) == pytest.approx(3 / 19)
   assert (pipeline.inputs_held(4, 8), pipeline.inputs_held(4, 8, "1f1b")) == (8, 4)
   np.testing.assert_equal(pipeline.bubble_fraction(1, 8), 0.0)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 5])
+def test_1f1b_slots(stages):
+  """Each stage runs every micro-batch's forward and backward once, one a slot; its input
+  comes from the slot before (the previous stage's forward, the next stage's backward,
+  the last stage's own forward); at most S - s micro-batches are live on stage s; a step
+  is 2 (M + S - 1) slots."""
+  for micro in range(stages, stages + 4):
+    slots = 2 * (micro + stages - 1)
+    forward, backward = {}, {}
+    for t in range(slots + 2):
+      for s in range(stages):
+        f_ok, i, b_ok, j = one_f_one_b.slot_work(t, s, stages, micro)
+        assert not (f_ok and b_ok)
+        assert t < slots or not (f_ok or b_ok)
+        if f_ok:
+          forward[s, i] = t
+        if b_ok:
+          backward[s, j] = t
+    every = {(s, m) for s in range(stages) for m in range(micro)}
+    assert set(forward) == set(backward) == every
+    for s, m in every:
+      if s:
+        assert forward[s, m] == forward[s - 1, m] + 1
+      after = forward[s, m] if s == stages - 1 else backward[s + 1, m]
+      assert backward[s, m] == after + 1
+      live = sum(forward[s, k] <= forward[s, m] < backward[s, k] for k in range(micro))
+      assert live <= stages - s

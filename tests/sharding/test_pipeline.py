@@ -74,6 +74,8 @@ SLOW = pytest.mark.slow  # the 8-device compositions: the fast lane keeps pipeli
     pytest.param({"stage": 3, "optimizer": "pinned_host"}, (1, 2, 2, 2),
                  id="pp2_f2_t2_zero3_optimizer_on_host", marks=SLOW),
     pytest.param({"strategy": "HYBRID_SHARD"}, (2, 2, 1, 2), id="hybrid_r2_f2_pp2", marks=SLOW),
+    pytest.param({"strategy": "HYBRID_SHARD", "schedule": "1f1b"}, (2, 2, 1, 2),
+                 id="hybrid_r2_f2_pp2_1f1b", marks=SLOW),
 ])
 def test_every_loss_and_the_final_weights_equal_one_device(zero, shape, reference):
   state0, tokens, want, want_master = reference
