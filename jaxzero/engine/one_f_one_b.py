@@ -37,11 +37,11 @@ from jaxzero.engine import cut, pipeline
 from jaxzero.sharding.mesh import AXES, PIPELINE
 
 
-def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, grad_dtype,
+def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, layer_specs, grad_dtype,
                 params, batch_Ax, *scale):
   """1F1B over `stages` stages of ``params[layers_key]``, the micro-batches being
   `batch_Ax`'s leading axis: (the sum of the micro-batches' gradients in `grad_dtype`,
-  the layers' laid out by `grad_specs`, and their mean loss). `loss(params, batch, scan)`
+  the layers' laid out by `layer_specs`, and their mean loss). `loss(params, batch, scan)`
   is the model's loss (jaxzero.engine.cut); `scale`, where given, multiplies each
   micro-batch's loss before its gradient."""
   n_micro = jax.tree.leaves(batch_Ax)[0].shape[0]
@@ -86,8 +86,7 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, grad_specs, 
       lambda x: jnp.zeros((*lead, *x.shape), dtype or x.dtype), tree)
   carry_shape = jax.eval_shape(lambda: embed(outer, 0))
   split_layers = jax.tree.map(lambda _: P(PIPELINE), layers)
-  reduce_specs = jax.tree.map(_within_stage, grad_specs[layers_key],
-                              is_leaf=lambda x: isinstance(x, P))
+  reduce_specs = jax.tree.map(_within_stage, layer_specs, is_leaf=lambda x: isinstance(x, P))
   # One per parity of t: the pairs that swap after the tick are (s, s + 1), s = t mod 2.
   stage_ticks = [jax.shard_map(
       _stage_tick(loss, layers_key, stages, grad_dtype, reduce_specs, parity), mesh=mesh,

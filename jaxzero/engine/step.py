@@ -220,8 +220,6 @@ def _pipelined_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model:
   master_on_device = on_device(state_sh.master)
   params_on_device = on_device(state_sh.params)
   stages = layout.pipeline_size
-  reduced_specs = jax.tree.map(lambda sh: sh.spec,
-                               layout.tree_shardings(model.specs, layout.reduce_role))
 
   def loss(params, rows, accum, *scale):
     scan = pipeline.gpipe_scan(stages, accum, pipeline.stage_constraint(layout.mesh),
@@ -235,9 +233,11 @@ def _pipelined_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model:
     return loss_fn(model, params, batch, layout, remat, scan=scan)
 
   def summed_grads(params, batch_Ax, *scale):  # (the micro-batches' gradient sum, mean loss)
-    if cfg.pipeline.schedule == "1f1b":
+    if cfg.pipeline.schedule == "1f1b":  # each stage's layer gradients summed reduced
+      layer_reduce_specs = jax.tree.map(lambda sh: sh.spec, layout.tree_shardings(
+          model.specs[model.layers_key], layout.reduce_role))
       return one_f_one_b.one_f_one_b(model_loss, model.layers_key, stages, layout.mesh,
-                                  reduced_specs, grad_dtype, params, batch_Ax, *scale)
+                                     layer_reduce_specs, grad_dtype, params, batch_Ax, *scale)
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     # Row b x A + a is micro-batch a's row b (the scan's order): each device keeps its rows.
     rows = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), batch_Ax)
