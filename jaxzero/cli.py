@@ -12,7 +12,7 @@ from typing import Any
 from jaxzero import config as config_lib
 from jaxzero.errors import UserError
 from jaxzero.runtime import distributed, peerwatch
-from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.parallel import mesh as mesh_lib
 
 
 class Parser(argparse.ArgumentParser):

@@ -76,7 +76,7 @@ def child_env(rank: int, nproc: int, devices: int, coordinator: str, base=os.env
       distributed.ENV_NUM_PROCESSES: str(nproc),
       distributed.ENV_PROCESS_ID: str(rank),
       # JAX's jax_num_cpu_devices option, the one way jaxzero makes virtual
-      # devices (jaxzero.sharding.mesh); a mesh that names its size re-divides them.
+      # devices (jaxzero.parallel.mesh); a mesh that names its size re-divides them.
       "JAX_NUM_CPU_DEVICES": str(devices),
       "JAX_PLATFORMS": "cpu",  # a rehearsal: N processes must not share the same GPUs
       "PYTHONUNBUFFERED": "1",  # lines arrive as they are written, not at exit

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     reader = accelerate if args.file.endswith((".yaml", ".yml")) else deepspeed
     tr = reader.read(args.file, base)
     if tr.batch is not None:  # "auto" batch sizes, for the devices jaxzero.train would use
-      from jaxzero.sharding import mesh  # pylint: disable=import-outside-toplevel
+      from jaxzero.parallel import mesh  # pylint: disable=import-outside-toplevel
       applied = tr.apply(base)
       resolved, how = deepspeed.resolve_batch(applied, tr, mesh.devices_for(applied.mesh))
       for key in ("train.global_batch", "train.grad_accum"):

@@ -83,7 +83,7 @@ def _main(argv) -> int:
   def body():
     loaded = cli.load_config(args)  # before JAX starts: creates virtual CPU devices
     if args.print_config:
-      from jaxzero.sharding import mesh  # pylint: disable=import-outside-toplevel
+      from jaxzero.parallel import mesh  # pylint: disable=import-outside-toplevel
       print(loaded.describe(mesh.devices_for(loaded.cfg.mesh)))
       return
     distributed.initialize(loaded.cfg, prog=parser.prog)  # joins the other processes, if any

@@ -50,9 +50,9 @@ def bench_jaxzero(cfg, steps: int, warmup: int) -> dict:
   from jaxzero.training import loop  # pylint: disable=import-outside-toplevel
 
   run = loop.build(cfg)
-  holder = {"state": run.engine.init()}
+  holder = {"state": run.program.init()}
   batch = run.batch(0)
-  compiled = run.engine.train_step.lower(holder["state"], batch).compile()
+  compiled = run.program.train_step.lower(holder["state"], batch).compile()
 
   def one_step():
     holder["state"], metrics = compiled(holder["state"], batch)

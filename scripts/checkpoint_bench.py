@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxzero import config as config_lib  # pylint: disable=wrong-import-position
-from jaxzero.sharding import mesh as mesh_lib  # pylint: disable=wrong-import-position
+from jaxzero.parallel import mesh as mesh_lib  # pylint: disable=wrong-import-position
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
   from jaxzero.training import loop
 
   run = loop.build(cfg, progress=False)
-  state = jax.block_until_ready(run.engine.init())
+  state = jax.block_until_ready(run.program.init())
   t0 = time.perf_counter()
   integrity.record(state)
   compile_s = time.perf_counter() - t0
@@ -57,7 +57,7 @@ def main() -> None:
         t0 = time.perf_counter()
         checkpoints.save(i, state, wait=True)
         save_s.append(time.perf_counter() - t0)
-      restored = checkpoints.restore(args.saves, run.engine.abstract_state())
+      restored = checkpoints.restore(args.saves, run.program.abstract_state())
       for _ in range(args.saves):
         t0 = time.perf_counter()
         integrity.mismatches(restored, {})

@@ -182,7 +182,7 @@ def save_batches(cfg, n_data_parallel: int, steps: int, path: pathlib.Path,
 
   from jaxzero.data import batches as batches_lib  # pylint: disable=import-outside-toplevel
   from jaxzero.data import tokens as tokens_lib  # pylint: disable=import-outside-toplevel
-  from jaxzero.sharding import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from jaxzero.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from jaxzero.training import evaluation  # pylint: disable=import-outside-toplevel
 
   micro = mesh_lib.micro_batch(cfg.train, n_data_parallel)

@@ -8,7 +8,7 @@ The defaults are Llama-3.2-3B's shape (tied embeddings, as it has). Its state, 1
 parameter (fp32 master, Adam's two moments and the gradient sum; the compute copy is never
 stored), lives in DIR; stage 3, bf16 compute and gradients (summed in fp32 on disk), AdamW
 at lr 1e-5. Its random weights are
-drawn chunk by chunk (normal(0, init_std) with numpy: Engine.init would draw each stacked
+drawn chunk by chunk (normal(0, init_std) with numpy: TrainProgram.init would draw each stacked
 weight whole). Every step trains on the same batch, 1 x --seq tokens of the Python standard
 library, so that the losses show the optimizer at work, not one batch against another.
 Prints progress, then one JSON line:
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     parser.error(f"--steps must be >= 2 and --seq-gb at least {BLOCK / 1e9:.3f} (one block)")
   # SIGTERM (a scheduler's, or kill) exits through the clean-up below, as an error does.
   signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-  from jaxzero.sharding import mesh  # pylint: disable=import-outside-toplevel
+  from jaxzero.parallel import mesh  # pylint: disable=import-outside-toplevel
   mesh.use_virtual_cpu_devices(1)
   from jaxzero import cli  # pylint: disable=import-outside-toplevel
   return cli.run_main("infinity_bench.py", lambda: bench(args))
@@ -92,7 +92,7 @@ def bench(args) -> int:
   import jax  # pylint: disable=import-outside-toplevel
 
   from jaxzero import config, errors  # pylint: disable=import-outside-toplevel
-  from jaxzero.offload import checks as offload_checks  # pylint: disable=import-outside-toplevel
+  from jaxzero.offload import targets as offload_targets  # pylint: disable=import-outside-toplevel
   from jaxzero.offload import nvme_store  # pylint: disable=import-outside-toplevel
   from jaxzero.training import loop  # pylint: disable=import-outside-toplevel
 
@@ -107,13 +107,13 @@ def bench(args) -> int:
           "offload.optimizer=nvme", "offload.params=nvme", f"offload.nvme_dir={nvme_dir}"]
   cfg = config.load(str(ROOT / "configs" / "tiny_zero3.py"), sets)
   devices = jax.devices()[:1]
-  offload_checks.check_offload(cfg, devices)
+  offload_targets.check_offload(cfg, devices)
   seq_size = int(args.seq_gb * 1e9) // BLOCK * BLOCK
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxzero-infinity-bench-", dir=nvme_dir))
   run = None
   try:
     run = loop.build(cfg, devices, workdir, progress=False)
-    tier = run.nvme
+    tier = run.runner
     store = nvme_store.bytes_needed(tier.leaves) + nvme_store.bytes_needed(tier.grad_leaves)
     needed, free = store + seq_size, shutil.disk_usage(nvme_dir).free
     if free < needed:
@@ -125,9 +125,9 @@ def bench(args) -> int:
   finally:
     try:
       if run is not None:
-        run.nvme.close()  # waits for the writes in flight, deletes the store's files
+        run.runner.close()  # waits for the writes in flight, deletes the store's files
     finally:  # also when the store failed part way, or a write did
-      for directory in ([run.nvme.directory.parent] if run is not None else []) + [workdir]:
+      for directory in ([run.runner.directory.parent] if run is not None else []) + [workdir]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -135,8 +135,8 @@ def measure(args, nvme_dir: pathlib.Path, run, seq_size: int) -> int:
   """Measures the disk, initialises, trains, times I/O and compute alone; prints."""
   from jaxzero.planning import memory_check  # pylint: disable=import-outside-toplevel
 
-  tier = run.nvme
-  phi = run.engine.n_params
+  tier = run.runner
+  phi = run.program.n_params
   print(f"model: {phi / 1e9:.3f} B parameters; state 16 bytes x {phi:,} = {16 * phi / 1e9:.1f} GB "
         f"in {nvme_dir}; {memory_check.host_memory_bytes() / 1e9:.1f} GB of RAM", flush=True)
   seq_write, seq_read = sequential_gbps(nvme_dir, seq_size)
@@ -191,7 +191,7 @@ def measure(args, nvme_dir: pathlib.Path, run, seq_size: int) -> int:
 
 def random_boxes(cfg):
   """Draws the Llama's weights box by box with numpy: normal(0, init_std), norm
-  weights ones. (Engine.init draws each stacked weight whole, with three times its
+  weights ones. (TrainProgram.init draws each stacked weight whole, with three times its
   size in random bits: 8.5 GB for this shape's largest.)"""
   import numpy as np  # pylint: disable=import-outside-toplevel
 
@@ -222,7 +222,7 @@ def io_alone(tier) -> float:
   and the optimizer's chunks written back as read."""
   import numpy as np  # pylint: disable=import-outside-toplevel
 
-  from jaxzero.offload import nvme_store, nvme_tier  # pylint: disable=import-outside-toplevel
+  from jaxzero.offload import nvme_chunks, nvme_store  # pylint: disable=import-outside-toplevel
 
   store, grads = tier.store, tier.grad_store
   layers = tier.layer_leaves(tier.leaves)
@@ -241,7 +241,7 @@ def io_alone(tier) -> float:
 
   def read(unit):
     leaf, g, starts = unit
-    return nvme_tier.All([store.read(leaf, r, starts) for r in leaf.regions]
+    return nvme_chunks.All([store.read(leaf, r, starts) for r in leaf.regions]
                 + [grads.read(g, r, starts) for r in g.regions])
 
   grads.writes.wait()

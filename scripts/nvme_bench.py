@@ -103,7 +103,7 @@ def main(argv=None) -> int:
   if not args.keep_hoisting:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_disable_hlo_passes=while-loop-invariant-code-motion")
-  from jaxzero.sharding import mesh  # pylint: disable=import-outside-toplevel
+  from jaxzero.parallel import mesh  # pylint: disable=import-outside-toplevel
   mesh.use_virtual_cpu_devices(1)
   from jaxzero import cli  # pylint: disable=import-outside-toplevel
   return cli.run_main("nvme_bench.py", lambda: bench(args))
@@ -116,7 +116,7 @@ def bench(args) -> int:
 
   from jaxzero import config, errors
   from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
-  from jaxzero.offload import checks as offload_checks
+  from jaxzero.offload import targets as offload_targets
   from jaxzero.offload import nvme_store
   from jaxzero.training import loop
 
@@ -130,7 +130,7 @@ def bench(args) -> int:
           "offload.optimizer=nvme", f"offload.nvme_dir={nvme_dir}"]
   cfg = config.load(str(ROOT / "configs" / "tiny_zero3.py"), sets)
   devices = jax.devices()[:1]
-  offload_checks.check_offload(cfg, devices)
+  offload_targets.check_offload(cfg, devices)
 
   seq_size = int(args.seq_gb * 1e9) // BLOCK * BLOCK
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxzero-nvme-bench-", dir=nvme_dir))
@@ -139,7 +139,7 @@ def bench(args) -> int:
     run = loop.build(cfg, devices, workdir, progress=False)
     # At most on disk at once: the checkpoint (a copy of the store and the bf16
     # weights) beside the store, or beside the file that measures the disk.
-    store = nvme_store.bytes_needed(run.nvme.leaves)
+    store = nvme_store.bytes_needed(run.runner.leaves)
     saved = store + 2 * count_params(cfg.model)
     needed, free = saved + max(store, seq_size), shutil.disk_usage(nvme_dir).free
     if free < needed:
@@ -152,9 +152,9 @@ def bench(args) -> int:
   finally:
     try:
       if run is not None:
-        run.nvme.close()  # waits for the writes in flight, deletes the store's files
+        run.runner.close()  # waits for the writes in flight, deletes the store's files
     finally:  # also when the store failed part way, or a write did
-      for directory in ([run.nvme.directory.parent] if run is not None else []) + [workdir]:
+      for directory in ([run.runner.directory.parent] if run is not None else []) + [workdir]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -170,7 +170,7 @@ def measure(args, nvme_dir: pathlib.Path, cfg, run, workdir: pathlib.Path, seq_s
   seq_before = sequential_gbps(nvme_dir, seq_size)
   print(f"disk, sequential (O_DIRECT, 16 MiB blocks, {seq_size / 1e9:.1f} GB): "
         f"write {seq_before[0]:.2f} GB/s, read {seq_before[1]:.2f} GB/s", flush=True)
-  tier = run.nvme
+  tier = run.runner
   phi = count_params(cfg.model)
   print(f"model: {phi / 1e9:.3f} B parameters (dim {args.dim}, {args.layers} layers, mlp "
         f"{args.mlp}); optimizer state 12 bytes x {phi:,} = {12 * phi / 1e9:.2f} GB on disk; "
@@ -189,7 +189,7 @@ def measure(args, nvme_dir: pathlib.Path, cfg, run, workdir: pathlib.Path, seq_s
   compiled = tier.compile(state, run.batch(0))
   phases["compile"] = peak_rss()
   # The gradient step alone (no update: the state is unchanged), for its own peak.
-  jax.block_until_ready(run.engine.grad_step(state.params, run.batch(0)))
+  jax.block_until_ready(run.program.grad_step(state.params, run.batch(0), None))
   phases["gradients alone"] = peak_rss()
   steps = []
   for step in range(args.steps):

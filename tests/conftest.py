@@ -9,7 +9,7 @@ import tempfile
 
 import jax
 
-from jaxzero.sharding import mesh
+from jaxzero.parallel import mesh
 
 from processes import FAST_XLA_FLAGS
 

@@ -3,7 +3,9 @@
 * Layers: a module imports only from its own layer and the layers below it
   (LAYERS, bottom first); every subpackage has a place in that order.
 * Public APIs only: no ``jax._src`` or ``orbax.checkpoint._src`` anywhere.
-* One job per module: none grows past ~450 lines.
+* One job per module: none grows past ~450 lines; no function of the engine past 60.
+* One function chooses the runner (jaxzero.runners.choose); the training loop and
+  jaxzero.Engine call it and never branch on offload themselves.
 * One top-level package, and ``import jaxzero`` starts no JAX.
 * A checkpoint written by an earlier jaxzero (tests/fixtures/checkpoint_v0_1,
   saved by the first release's ``jaxzero.train``) still resumes, and the next
@@ -28,18 +30,20 @@ PACKAGE = ROOT / "jaxzero"
 SOURCES = sorted(p for folder in ("jaxzero", "scripts", "tests", "configs")
                  for p in (ROOT / folder).rglob("*.py"))
 MAX_MODULE_LINES = 450  # "about 450": room for a docstring, not for a second job
+MAX_ENGINE_FUNCTION_LINES = 60  # the step is composed of short parts, not branched
 
 # Bottom first. A module may import from its own layer and any layer below it.
 # A subpackage is named by its folder; a top-level module by its file name.
 LAYERS = (
     ("utils", "errors", "models"),  # no jaxzero imports but these
     ("config",),
-    ("sharding",),  # the mesh, the ZeRO layouts
+    ("parallel",),  # the mesh, the ZeRO layouts, the pipeline schedules, the model cut
     ("runtime",),  # jax.distributed, the peer watch, XLA flags
     ("data",),
-    ("engine",),  # the train state, the optimizer, the jitted step
+    ("engine",),  # the train state, the optimizer, the composed jitted step
     ("checkpoint",),
-    ("offload",),  # the NVMe tier, plugged into checkpoints as a side item
+    ("offload",),  # the NVMe store, its checkpoint side item, the per-layer programs
+    ("runners",),  # one protocol: in memory, NVMe, ZeRO-Infinity; chosen in one place
     ("planning",),
     ("interop",),
     ("api",),  # jaxzero.Engine: any model, as a library
@@ -105,18 +109,44 @@ def test_the_layer_check_sees_an_upward_import():
   # What a regression would look like: the engine reaching into the training loop.
   assert upward_imports("engine", "def f():\n  from jaxzero.training import loop\n") == [
       "training"]
-  assert upward_imports("sharding", "import jaxzero.planning.planner\n") == ["planning"]
+  assert upward_imports("parallel", "import jaxzero.planning.planner\n") == ["planning"]
   assert upward_imports("offload", "from jaxzero import train\n") == ["train"]
-  assert upward_imports("training", "from jaxzero.offload import nvme_tier\n") == []
+  assert upward_imports("training", "from jaxzero.runners import nvme\n") == []
 
 
 def test_the_engine_and_sharding_layers_know_no_particular_model():
   # Any model enters through jaxzero.models.interface; the Llama is one client.
-  offenders = {str(p.relative_to(ROOT)) for folder in ("engine", "sharding")
+  offenders = {str(p.relative_to(ROOT)) for folder in ("engine", "parallel")
                for p in (PACKAGE / folder).rglob("*.py")
                if re.search(r"jaxzero\.models\.(llama|trainable|attention|loss)|"
                             r"from jaxzero\.models import (llama|trainable)", p.read_text())}
   assert not offenders, offenders
+
+
+def test_one_place_chooses_the_runner():
+  # jaxzero.runners.choose.make_runner reads the offload section; the loop and the
+  # library's Engine call it, and neither names a runner or branches on offload.
+  chooser = PACKAGE / "runners" / "choose.py"
+  constructs = re.compile(r"\b(InMemoryRunner|NvmeRunner|InfinityRunner)\(")
+  outside = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
+             if p != chooser and p.parent.name != "runners" and constructs.search(p.read_text())}
+  assert not outside, outside
+  for client in (PACKAGE / "training" / "loop.py", PACKAGE / "api" / "engine.py"):
+    source = client.read_text()
+    assert "make_runner(" in source, client
+    branches = r"jaxzero\.offload|runners import (nvme|infinity)|offload\.(optimizer|params)"
+    assert not re.search(branches, source), client
+
+
+def test_no_function_in_the_engine_is_long():
+  long = {}
+  for path in (PACKAGE / "engine").rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        length = node.end_lineno - node.lineno + 1
+        if length > MAX_ENGINE_FUNCTION_LINES:
+          long[f"{path.relative_to(ROOT)}:{node.name}"] = length
+  assert not long, long
 
 
 def test_no_private_jax_or_orbax_api():

@@ -7,7 +7,7 @@ import pytest
 
 from jaxzero import config
 from jaxzero.config import ConfigError
-from jaxzero.sharding import mesh
+from jaxzero.parallel import mesh
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 

@@ -12,9 +12,10 @@ from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import checkpointer
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, is_param_spec, param_specs
+from jaxzero.parallel import mesh
+from jaxzero.parallel.zero import Layout
 from jaxzero.planning import planner
-from jaxzero.sharding import mesh
-from jaxzero.sharding.zero import Layout
+from jaxzero.runners.base import InMemoryRunner
 
 
 def tiny_config(stage: int, nonfinite: str) -> config.Config:
@@ -66,14 +67,14 @@ def initial_state_and_batches(cfg: config.Config, steps: int, seed: int = 0):
   return state, tokens
 
 
-def make_engine(cfg: config.Config) -> engine_lib.Engine:
+def make_engine(cfg: config.Config) -> engine_lib.TrainProgram:
   """The engine of `cfg` (validated) on the first devices its mesh needs."""
   config.validate(cfg)
   devices = jax.devices()[:mesh.devices_needed(cfg.mesh)]
   replica, fsdp, tensor = mesh.resolve_shape(cfg.mesh, len(devices))
   layout = Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, devices, tensor,
                                                   cfg.mesh.pipeline))
-  return engine_lib.Engine(cfg, layout, trainable.llama(cfg.model))
+  return engine_lib.TrainProgram(cfg, layout, trainable.llama(cfg.model))
 
 
 _COMPILED: dict = {}  # config -> (engine, its compiled step): a process compiles each once
@@ -84,7 +85,7 @@ def compiled_step(cfg: config.Config):
   if cfg not in _COMPILED:
     engine = make_engine(cfg)
     micro = mesh.micro_batch(cfg.train, engine.layout.data_parallel_size)
-    _COMPILED[cfg] = engine, planner.compile_step(engine, micro)
+    _COMPILED[cfg] = engine, planner.compile_step(InMemoryRunner(engine), micro)
   return _COMPILED[cfg]
 
 

@@ -5,7 +5,7 @@ module or a function making one, a Linen module with its init inputs, or an
 The loss is the user's ``loss_fn(model, batch)``, called with the model bound to
 the current parameters (an NNX module, or a callable applying the Linen module or
 ``apply_fn``). Names the model gives its dimensions become ZeRO's placement through
-jaxzero.sharding.rules. NNX state that is not a Param (e.g. RNG counters) is kept as
+jaxzero.parallel.rules. NNX state that is not a Param (e.g. RNG counters) is kept as
 it was created and never trained.
 """
 
@@ -21,7 +21,7 @@ from flax import nnx
 from jaxzero.engine import remat
 from jaxzero.errors import ConfigError
 from jaxzero.models.interface import Hooks, Model
-from jaxzero.sharding import rules as rules_lib
+from jaxzero.parallel import rules as rules_lib
 
 
 def build(model: Any, loss_fn: Callable, *, shard_size: int, init_args: tuple = (),

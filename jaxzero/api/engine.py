@@ -1,17 +1,18 @@
 """ZeRO for any JAX model: ``jaxzero.Engine(model, optimizer=..., loss_fn=..., zero=...)``.
 
-The library face of the engine the trainer uses (jaxzero.engine.Engine over a
-jaxzero.models.interface.Model): the state is born sharded, the user's optax
-optimizer runs on fp32 master weights in the stage's layout, gradients are
-accumulated over `grad_accum` micro-batches and clipped by their global norm,
-and checkpoints restore onto any mesh and stage.
+The library face of what the trainer runs: the user's model as a
+jaxzero.models.interface.Model, its jaxzero.engine.TrainProgram, and the runner the
+config's ``offload`` section chooses (jaxzero.runners.choose, as for jaxzero.train).
+The state is born sharded, the user's optax optimizer runs on fp32 master weights in
+the stage's layout, gradients are accumulated over `grad_accum` micro-batches and
+clipped by their global norm, and checkpoints restore onto any mesh and stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import jax
 import optax
@@ -23,44 +24,26 @@ from jaxzero import engine as engine_lib
 from jaxzero.api import adapters
 from jaxzero.checkpoint import checkpointer
 from jaxzero.errors import ConfigError
-from jaxzero.offload import nvme_checkpoint, nvme_tier
-from jaxzero.planning import planner, state_bytes
-from jaxzero.sharding import mesh as mesh_lib
-from jaxzero.sharding import rules as rules_lib
-from jaxzero.sharding.zero import Layout
+from jaxzero.parallel import mesh as mesh_lib
+from jaxzero.parallel.zero import Layout
+from jaxzero.planning import planner, zero_formula
+from jaxzero.runners import base as runners_base
+from jaxzero.runners.choose import make_runner
 
 
-@dataclasses.dataclass(frozen=True)
-class Zero:
-  """A ZeRO stage (0 = DDP, 1 = optimizer state sharded, 2 = + gradients, 3 = + weights);
-  `hybrid` shards over the mesh's ``fsdp`` axis only (HYBRID_SHARD)."""
-  stage: Literal[0, 1, 2, 3] = 3
-  hybrid: bool = False
-  grad_dtype: str = "float32"
-  reduce_dtype: str = ""
+# The config's own sections, as jaxzero.Zero, jaxzero.Remat and jaxzero.Offload.
+Zero = config_lib.ZeroConfig
+Remat = config_lib.RematConfig
+Offload = config_lib.OffloadConfig
 
 
-@dataclasses.dataclass(frozen=True)
-class Remat:
-  """Activation checkpointing: a policy (jaxzero.engine.remat), applied to every call
-  of `block`, an NNX module class (FSDP's transformer_layer_cls)."""
-  policy: str = "full"
-  block: type | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Offload:
-  """Where the optimizer state lives: ``device``, ``pinned_host`` (ZeRO-Offload) or
-  ``nvme`` (files in `nvme_dir`)."""
-  optimizer: Literal["device", "pinned_host", "nvme"] = "pinned_host"
-  nvme_dir: str = ""
-
-
-def mesh(fsdp: int = -1, replica: int = 1, tensor: int = 1, devices=None):
-  """A (replica, fsdp, tensor) device mesh; -1 takes the devices the others leave."""
+def mesh(fsdp: int = -1, replica: int = 1, tensor: int = 1, pipeline: int = 1, devices=None):
+  """A (replica, [pipeline,] fsdp, tensor) device mesh; -1 takes the devices the others
+  leave."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = mesh_lib.resolve_shape(config_lib.MeshConfig(replica, fsdp, tensor), len(devices))
-  return mesh_lib.make_mesh(*shape[:2], devices, shape[2])
+  shape = mesh_lib.resolve_shape(config_lib.MeshConfig(replica, fsdp, tensor, pipeline),
+                                 len(devices))
+  return mesh_lib.make_mesh(*shape[:2], devices, shape[2], pipeline)
 
 
 class Engine:
@@ -71,11 +54,15 @@ class Engine:
       nothing), a Linen module (with `init_args`), or an (init_fn, apply_fn) pair.
     optimizer: an optax optimizer; it runs on the fp32 master weights.
     loss_fn: (model, batch) -> scalar mean loss, `model` bound to the parameters.
-    zero, mesh, precision, remat, offload: where the state lives and how.
+    zero, mesh, precision, remat, offload: where the state lives and how; `zero`,
+      `remat` and `offload` are the config's sections (jaxzero.config), `remat` and
+      `offload` also given by name ("full"; "pinned_host" for the optimizer).
     grad_accum: micro-batches a batch is split into; clip_norm: global-norm
       clipping (0 = off).
-    rules: the model's dimension names -> jaxzero's (jaxzero.sharding.rules);
-      min_shard_size: parameters with fewer elements stay whole.
+    rules: the model's dimension names -> jaxzero's (jaxzero.parallel.rules);
+      min_shard_size: parameters with fewer elements stay whole (default
+      ``zero.min_shard_size``).
+    workdir: names the NVMe store's directory (offload to nvme), as a run's does.
   """
 
   def __init__(self, model: Any, *, optimizer: optax.GradientTransformation,
@@ -83,42 +70,45 @@ class Engine:
                precision: str = "float32", remat: str | Remat = "none",
                offload: str | Offload | None = None, grad_accum: int = 1,
                clip_norm: float = 0.0, rules: dict | None = None,
-               min_shard_size: int = rules_lib.DEFAULT_MIN_SIZE, init_args: tuple = (),
-               seed: int = 0):
+               min_shard_size: int | None = None, init_args: tuple = (), seed: int = 0,
+               workdir: str | pathlib.Path | None = None):
     mesh = mesh if mesh is not None else globals()["mesh"]()
     remat = remat if isinstance(remat, Remat) else Remat(remat)
-    offload = Offload(offload) if isinstance(offload, str) else offload or Offload("device")
+    offload = Offload(offload) if isinstance(offload, str) else offload or Offload()
+    if remat.block is not None and not isinstance(remat.block, type):
+      raise ConfigError(f"Remat(block={remat.block!r}) must be a Flax NNX module class")
     base = config_lib.base()
     # Under a block, the block's policy wraps the block; the engine's own hook is unused.
     cfg = dataclasses.replace(
-        base, seed=seed,
-        zero=config_lib.ZeroConfig(stage=zero.stage, hybrid=zero.hybrid,
-                                   grad_dtype=zero.grad_dtype, reduce_dtype=zero.reduce_dtype),
+        base, seed=seed, zero=zero, offload=offload,
+        mesh=config_lib.MeshConfig(*(mesh.shape.get(a, 1) for a in
+                                     ("replica", "fsdp", "tensor", "pipeline"))),
         precision=config_lib.PrecisionConfig(compute=precision),
-        remat=config_lib.RematConfig("none" if remat.block else remat.policy),
-        offload=config_lib.OffloadConfig(optimizer=offload.optimizer, nvme_dir=offload.nvme_dir),
+        remat=Remat("none") if remat.block else remat,
         train=dataclasses.replace(base.train, grad_accum=grad_accum, clip_norm=clip_norm))
     config_lib.check_literals(cfg)
     self.cfg, self.mesh = cfg, mesh
     self.layout = Layout.from_config(cfg, mesh)
-    self.model = adapters.build(model, loss_fn, shard_size=self.layout.shard_size,
-                                init_args=init_args, rules=rules, min_size=min_shard_size,
-                                remat_block=remat.block, remat_policy=remat.policy)
-    self.core = engine_lib.Engine(cfg, self.layout, self.model, optimizer=optimizer)
-    self.tier = None
-    if offload.optimizer == "nvme":
-      if not offload.nvme_dir:
-        raise ConfigError("Offload('nvme') needs nvme_dir, a directory on local disk")
-      self.tier = nvme_tier.Tier(self.core, nvme_tier.store_directory(offload.nvme_dir, None))
+    self.model = adapters.build(
+        model, loss_fn, shard_size=self.layout.shard_size, init_args=init_args, rules=rules,
+        min_size=zero.min_shard_size if min_shard_size is None else min_shard_size,
+        remat_block=remat.block, remat_policy=remat.policy)
+    program = engine_lib.TrainProgram(cfg, self.layout, self.model, optimizer=optimizer)
+    self.runner = make_runner(program, workdir)  # as jaxzero.train chooses it
+
+  @property
+  def program(self) -> engine_lib.TrainProgram:
+    """The in-memory program every runner trains with (jaxzero.engine.TrainProgram)."""
+    return self.runner.program
 
   @property
   def shardings(self):
     """Where each leaf of the train state lives (a TrainState of NamedShardings)."""
-    return self.core.shardings
+    return self.program.shardings
 
   def init(self, rng: jax.Array | None = None):
     """Step 0, drawn straight into its shards (`rng`: a jax.random key)."""
-    return self.tier.init() if self.tier else self.core.init(key=rng)
+    return self.runner.init(key=rng)
 
   def _micro_batches(self, batch: Any) -> Any:
     """`batch` (leading axis: rows) as [grad_accum, rows / grad_accum, ...], placed."""
@@ -135,13 +125,12 @@ class Engine:
 
   def step(self, state, batch) -> tuple[Any, dict]:
     """One optimizer step on `batch` (any pytree whose leading axis is the batch)."""
-    batch = self._micro_batches(batch)
-    return self.tier.step(state, batch) if self.tier else self.core.train_step(state, batch)
+    return self.runner.step(state, self._micro_batches(batch))
 
   def save(self, state, path: str | pathlib.Path) -> pathlib.Path:
     """Saves `state` under `path` (orbax, sharded; checksummed); returns its directory."""
     with self._checkpointer(path) as saver:
-      return saver.save(int(state.step), state, wait=True)
+      return self.runner.save(saver, int(state.step), state, wait=True)
 
   def restore(self, path: str | pathlib.Path, step: int | None = None):
     """The latest (or `step`'s) state saved under `path`, read into this engine's layout."""
@@ -149,29 +138,28 @@ class Engine:
       step = reader.latest_step() if step is None else step
       if step is None:
         raise ConfigError(f"no checkpoint under {path}")
-      return reader.restore(step, self.core.abstract_state(), into=self.tier,
-                            optional=("loss_scale",))
+      return self.runner.restore(reader, step, self.program.abstract_state())
 
   def _checkpointer(self, path) -> checkpointer.Checkpointer:
-    n_params = sum(leaf.size for leaf in jax.tree.leaves(self.core.abstract.master))
-    info = {"model": {"parameters": n_params}, "compute_dtype": self.cfg.precision.compute,
-            "seed": self.cfg.seed}
+    info = {"model": {"parameters": self.program.n_params},
+            "compute_dtype": self.cfg.precision.compute, "seed": self.cfg.seed}
     (pathlib.Path(path) / "checkpoints").mkdir(parents=True, exist_ok=True)
-    return checkpointer.Checkpointer(path, 3, info, side=nvme_checkpoint.SIDE_ITEM)
+    return runners_base.checkpointer(path, 3, info)
 
   def plan(self, batch: Any = None) -> dict[str, int]:
     """Per-device bytes: the state by role (from its shardings), the ZeRO paper's
     figure, and with an example `batch` XLA's own total for the compiled step."""
-    got = state_bytes.state_bytes(self.core)
-    n_params = sum(leaf.size for leaf in jax.tree.leaves(self.core.abstract.master))
-    theory, formula = state_bytes.theory_state_bytes(self.cfg, self.layout, n_params)
+    got = self.runner.plan()
+    n_params = self.program.n_params
+    theory, formula = zero_formula.theory_state_bytes(self.cfg, self.layout, n_params)
     plan = {"params_bytes": got["params"], "grads_bytes": got["grads"],
             "optimizer_bytes": got["optimizer"], "host_bytes": got["host"],
+            "nvme_bytes": got["nvme"],
             "state_bytes": got["params"] + got["grads"] + got["optimizer"],
             "theory_state_bytes": theory, "theory_formula": formula, "n_params": n_params}
     if batch is not None:
       shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             self._micro_batches(batch))
-      compiled = self.core.train_step.lower(self.core.abstract_state(), shapes).compile()
+      compiled = self.runner.lower(self.program.abstract_state(), shapes).compile()
       plan["total_bytes"] = planner.xla_total_bytes(compiled.memory_analysis())
     return plan

@@ -108,7 +108,7 @@ def _validate_param_tier(cfg) -> None:
 
 def _check_pipeline(cfg) -> None:
   """mesh.pipeline: stages of whole layers, at least one micro-batch per stage, on what
-  the pipelined step runs (jaxzero.engine.pipeline)."""
+  the pipelined step runs (jaxzero.parallel.pipeline)."""
   stages, layers = cfg.mesh.pipeline, cfg.model.n_layers
   if stages < 1:
     raise ConfigError(f"mesh.pipeline={stages} must be a positive stage count (1 = off)")

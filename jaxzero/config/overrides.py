@@ -40,6 +40,9 @@ def _parse_value(key: str, text: str, typ: Any) -> Any:
       return typ(text)
     except ValueError:
       raise ConfigError(f"{key}={text!r} is not a valid {typ.__name__}") from None
+  if typ is not str:
+    raise ConfigError(f"{key} holds a Python object (jaxzero.Engine sets it): it is not a "
+                      "file or command-line setting")
   return text
 
 

@@ -77,7 +77,7 @@ class PipelineConfig:
   # 2 x mesh.pipeline - 1 stage inputs (whatever the micro-batches), at a larger bubble.
   # "interleaved": GPipe round the stages virtual_stages times, each stage running
   # 1/virtual_stages of its layers a time, which divides the bubble by about
-  # virtual_stages (jaxzero.engine.pipeline).
+  # virtual_stages (jaxzero.parallel.pipeline).
   schedule: Literal["gpipe", "1f1b", "interleaved"] = "gpipe"
   virtual_stages: int = 1  # chunks of layers per stage, for "interleaved"
 
@@ -140,6 +140,10 @@ class PrecisionConfig:
 @dataclasses.dataclass(frozen=True)
 class RematConfig:
   policy: Literal["none", "full", "save_matmuls", "save_attention", "offload_matmuls"] = "none"
+  # jaxzero.Engine only (set in Python): a Flax NNX module class whose every call is
+  # checkpointed with `policy` (FSDP's transformer_layer_cls); None = the engine's own
+  # per-layer hook. Not a file or command-line setting: a class is not text.
+  block: type | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxzero.config import Config
-from jaxzero.engine.schedules import learning_rate_schedule
+from jaxzero.engine.lr_schedule import learning_rate_schedule
 
 
 def make_optimizer(cfg: Config, clip: bool = True,

@@ -19,7 +19,7 @@ import optax
 from jaxzero.config import Config
 from jaxzero.engine import loss_scale
 from jaxzero.models.interface import Model, is_spec
-from jaxzero.sharding.zero import Layout
+from jaxzero.parallel.zero import Layout
 
 
 class TrainState(NamedTuple):

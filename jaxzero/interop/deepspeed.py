@@ -16,7 +16,7 @@ from jaxzero import config as config_lib
 from jaxzero.interop import ds_parallel
 from jaxzero.interop.translation import (GATHERED_PER_LAYER, SHARDED_SAVES, Translation, number,
                                          param, read_mapping)
-from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.parallel import mesh as mesh_lib
 
 # ----------------------------------------------------------------------------
 # ds_config.json

@@ -25,7 +25,7 @@ from jaxzero import config as config_lib
 from jaxzero.errors import HFCheckpointError
 from jaxzero.interop import hf_mapping
 from jaxzero.models.llama import Llama, LlamaConfig, param_specs
-from jaxzero.sharding import zero
+from jaxzero.parallel import zero
 
 Path = tuple[str, ...]
 
@@ -80,7 +80,7 @@ def load_llama(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *
     path: the model directory: config.json and model.safetensors, or shards
       listed in model.safetensors.index.json.
     mesh: None puts the model on the default device; with a jaxzero mesh
-      (jaxzero.sharding.mesh.make_mesh) the weights are laid out as a default run
+      (jaxzero.parallel.mesh.make_mesh) the weights are laid out as a default run
       keeps its parameters at rest (ZeRO-3: sharded over all devices).
     dtype: of the weights (float32 or bfloat16).
 

@@ -1,7 +1,7 @@
 """Any model cut at its layer scan into jitted programs, for a driver that runs them
 one layer at a time (jaxzero.offload.infinity).
 
-The cut is jaxzero.engine.cut's, at ``Hooks.scan``: what runs before it (e.g. the
+The cut is jaxzero.parallel.layer_cut's, at ``Hooks.scan``: what runs before it (e.g. the
 embedding) is `pre`, one scan step is `layer`, what runs after it (final norm,
 head, loss) is `post`. The values the layer function closes over (e.g. RoPE
 tables) are hoisted into arguments with ``jax.closure_convert`` and passed from
@@ -21,10 +21,10 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 
 from jaxzero.checkpoint import integrity
-from jaxzero.engine import cut
+from jaxzero.engine.hooks import loss_with_hooks
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import dtype_of
-from jaxzero.engine.step import loss_fn
+from jaxzero.parallel import layer_cut
 
 
 def used_inputs(fn, *args) -> list[bool]:
@@ -42,7 +42,7 @@ class LayerPrograms:
   """The jitted programs of one model, config and layout.
 
   ``pre(outer, batch) -> (carry, consts)``; ``layer_forward(weights, carry, consts) ->
-  carry``; ``post_grad(outer, batch, carry, *scale) -> (loss, (outer grads, carry
+  carry``; ``post_grad(outer, batch, carry, scale=None) -> (loss, (outer grads, carry
   grad))``; ``layer_backward(weights, carry, consts, carry grad) -> (weights grads,
   carry grad, consts grads)``; ``pre_backward(outer, batch, carry grad, consts grads)
   -> outer grads``. `outer` is {leaf name: fp32 master weight} of the weights outside
@@ -51,22 +51,22 @@ class LayerPrograms:
   leading axis of 1, nested as ``params[layers_key]``.
   """
 
-  def __init__(self, engine):
-    model, layout, cfg = engine.model, engine.layout, engine.cfg
+  def __init__(self, program):
+    model, layout, cfg = program.model, program.layout, program.cfg
     if model.layers_key is None:
       raise ValueError("offload.params=nvme runs a model one layer at a time: it must declare "
                        "Model.layers_key and run those layers through Hooks.scan")
     self.key = key = model.layers_key
     compute = dtype_of(cfg.precision.compute)
     remat = remat_wrapper(cfg.remat.policy)
-    master = engine.abstract.master
+    master = program.abstract.master
     self._outer_specs = {integrity.leaf_name(path): a
                          for path, a in jax.tree_util.tree_flatten_with_path(master)[0]
                          if not integrity.leaf_name(path).startswith(key + "/")}
     self._outer_sh = {integrity.leaf_name(path): s for path, s in
-                      jax.tree_util.tree_flatten_with_path(engine.shardings.master)[0]
+                      jax.tree_util.tree_flatten_with_path(program.shardings.master)[0]
                       if not integrity.leaf_name(path).startswith(key + "/")}
-    layer_sh = engine.shardings.master[key]
+    layer_sh = program.shardings.master[key]
     scales_loss = cfg.precision.scales_loss
     cast = lambda tree: jax.tree.map(lambda w: w.astype(compute), tree)
     self._layer = None  # the layer function with its closure hoisted, set by tracing `pre`
@@ -87,10 +87,10 @@ class LayerPrograms:
               for n, g in grads.items()}
 
     def loss(params, batch, scan):
-      return loss_fn(model, params, batch, layout, remat, scan=scan)
+      return loss_with_hooks(model, params, batch, layout, remat, scan=scan)
 
     def pre(outer, batch):
-      carry, consts, self._layer = cut.before_layers(loss, params_of(outer), batch)
+      carry, consts, self._layer = layer_cut.before_layers(loss, params_of(outer), batch)
       return carry, consts
 
     def run_layer(weights, carry, consts):
@@ -99,25 +99,25 @@ class LayerPrograms:
 
     def layer_backward(weights, carry, consts, ct_carry):
       def f(weights, carry, float_consts):
-        return run_layer(weights, carry, cut.with_floats(consts, float_consts))
-      _, vjp = jax.vjp(f, weights, carry, cut.floats_of(consts))
+        return run_layer(weights, carry, layer_cut.with_floats(consts, float_consts))
+      _, vjp = jax.vjp(f, weights, carry, layer_cut.floats_of(consts))
       grads, ct_carry, ct_consts = vjp(ct_carry)
       return jax.tree.map(lambda g: g.astype(grad_dtype), grads), ct_carry, ct_consts
 
-    def post(outer, batch, carry, *scale):
-      value = cut.after_layers(loss, params_of(outer), batch, carry)
-      return (value * scale[0], value) if scales_loss else value
+    def post(outer, batch, carry, scale=None):
+      value = layer_cut.after_layers(loss, params_of(outer), batch, carry)
+      return (value * scale, value) if scales_loss else value
 
     def pre_backward(outer, batch, ct_carry, ct_float_consts):
       def f(outer):
         carry, consts = pre(outer, batch)
-        return carry, cut.floats_of(consts)
+        return carry, layer_cut.floats_of(consts)
       _, vjp = jax.vjp(f, outer)
       return reduced(vjp((ct_carry, ct_float_consts))[0])
 
-    def post_grad(outer, batch, carry, *scale):
+    def post_grad(outer, batch, carry, scale=None):
       value, (grads, ct_carry) = jax.value_and_grad(post, argnums=(0, 2), has_aux=scales_loss)(
-          outer, batch, carry, *scale)
+          outer, batch, carry, scale)
       return value, (reduced(grads), ct_carry)
 
     self._pre = pre
@@ -147,7 +147,7 @@ class LayerPrograms:
 
   @staticmethod
   def float_consts(consts: list) -> list:
-    return cut.floats_of(consts)
+    return layer_cut.floats_of(consts)
 
   @staticmethod
   def add(a: Any, b: Any) -> Any:

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero.checkpoint import integrity
 from jaxzero.errors import PathError
-from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.parallel import mesh as mesh_lib
 
 log = logging.getLogger(__name__)
 

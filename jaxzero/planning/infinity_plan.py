@@ -17,7 +17,6 @@ matmuls in f32, so its temporaries overstate a GPU's).
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 
 import jax
 import numpy as np
@@ -77,10 +76,10 @@ def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
          tier=None) -> InfinityPlan:
   """The plan of `cfg` on `n_devices` devices: the default backend's where it is a GPU
   with that many, else virtual CPU devices (or of a built `tier`:
-  jaxzero.offload.infinity.Infinity, whose programs are then the ones compiled)."""
+  jaxzero.runners.infinity.InfinityRunner, whose programs are then the ones compiled)."""
   if tier is None:
     tier = _tier(cfg, n_devices)
-  engine, p = tier.engine, tier.programs
+  engine, p = tier.program, tier.programs
   cfg, layout = engine.cfg, engine.layout
   n = layout.mesh.size
   micro = cfg.train.global_batch // cfg.train.grad_accum
@@ -159,11 +158,11 @@ def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
 
 
 def _tier(cfg, n_devices: int):
-  from jaxzero.engine import Engine  # pylint: disable=import-outside-toplevel
+  from jaxzero.engine import TrainProgram  # pylint: disable=import-outside-toplevel
   from jaxzero.models import trainable  # pylint: disable=import-outside-toplevel
-  from jaxzero.offload.infinity import Infinity  # pylint: disable=import-outside-toplevel
-  from jaxzero.sharding import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  from jaxzero.sharding.zero import Layout  # pylint: disable=import-outside-toplevel
+  from jaxzero.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from jaxzero.parallel.zero import Layout  # pylint: disable=import-outside-toplevel
+  from jaxzero.runners.choose import make_runner  # pylint: disable=import-outside-toplevel
 
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, n_devices)
   # On a GPU with the devices asked for, the programs are XLA:GPU's: the ones that run.
@@ -173,9 +172,9 @@ def _tier(cfg, n_devices: int):
   else:
     cfg, devices = planner.for_cpu(cfg), planner.cpu_devices(n_devices)
   mesh = mesh_lib.make_mesh(replica, fsdp, devices, tensor)
-  engine = Engine(cfg, Layout.from_config(cfg, mesh), trainable.llama(cfg.model))
-  # Planned only: nothing is opened or written under this directory.
-  return Infinity(engine, pathlib.Path(cfg.offload.nvme_dir or ".") / "planned")
+  program = TrainProgram(cfg, Layout.from_config(cfg, mesh), trainable.llama(cfg.model))
+  # Planned only: nothing is opened or written under the store's directory.
+  return make_runner(program, check=False)
 
 
 def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
@@ -213,7 +212,7 @@ def _outputs(compiled):
 
 def _update_program(tier, leaf):
   """The update of one chunk of `leaf`, compiled from shapes."""
-  replicated = tier.engine.layout.replicated()
+  replicated = tier.program.layout.replicated()
   grad = nvme_store.Leaf(leaf.name, leaf.shape, ("grad",), leaf.sharding, leaf.chunk)
   args = (_abstract((1, *leaf.chunk), np.float32, grad.chunk_sharding),
           _abstract((len(leaf.kinds), *leaf.chunk), np.float32, leaf.chunk_sharding),

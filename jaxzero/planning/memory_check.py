@@ -1,7 +1,7 @@
 """Before anything is allocated: whether the run fits in memory.
 
 :func:`check` is the start-up memory check: model state per device from the
-shardings (``state_bytes.state_bytes``, exact) plus an analytic estimate of the
+shardings (the runner's ``plan()``, exact) plus an analytic estimate of the
 step's activations, against the device's memory (``memory_stats()``'s
 ``bytes_limit``) or, on a CPU, the host's RAM shared by its CPU devices. It runs
 in well under a second, before the state is created, and a run that cannot
@@ -18,7 +18,7 @@ import socket
 import zlib
 
 from jaxzero.errors import ConfigError
-from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.utils.formatting import format_bytes
 
 log = logging.getLogger(__name__)
@@ -132,17 +132,17 @@ def host_memory_bytes() -> int:
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def budget(engine, devices) -> Budget:
-  """The per-device accounting of `engine`'s run on `devices` (nothing is allocated)."""
-  from jaxzero.planning import state_bytes  # pylint: disable=import-outside-toplevel
-  layout = engine.layout
-  state = state_bytes.state_bytes(engine)
-  micro = mesh_lib.micro_batch(engine.cfg.train, layout.data_parallel_size)
+def budget(runner, devices) -> Budget:
+  """The per-device accounting of `runner`'s run (jaxzero.runners) on `devices`
+  (nothing is allocated)."""
+  layout = runner.program.layout
+  state = runner.plan()
+  micro = mesh_lib.micro_batch(runner.program.cfg.train, layout.data_parallel_size)
   available, where = available_bytes(devices)
   # A user's model (model_factory) has no estimate: its state is counted, its activations not.
-  cfg, disk = engine.cfg, state["nvme"]
+  cfg, disk = runner.program.cfg, state["nvme"]
   if cfg.offload.params == "nvme":
-    # ZeRO-Infinity (jaxzero.offload.infinity): the whole state is in files, the device
+    # ZeRO-Infinity (jaxzero.runners.infinity): the whole state is in files, the device
     # runs one layer at a time with a checkpoint per layer (full remat) and holds that
     # layer's weights and the next one's (the estimate's "gathered" term).
     disk = state["params"] + state["grads"] + state["optimizer"]
@@ -158,15 +158,15 @@ def budget(engine, devices) -> Budget:
 # The check
 
 
-def check(engine, devices, force: bool = False) -> Budget:
+def check(runner, devices, force: bool = False) -> Budget:
   """The run's Budget; raises DoesNotFitError (one line) when it cannot fit, unless `force`."""
-  b = budget(engine, devices)
+  b = budget(runner, devices)
   if b.fits:
     return b
   on_disk = f", less {format_bytes(b.disk)} on disk" if b.disk else ""
   message = (f"this run needs about {format_bytes(b.needed)} per device (model state "
              f"{format_bytes(b.state)}{on_disk} + activations ~{format_bytes(b.activations)}) "
-             f"on {b.devices} devices, but {b.where}; {suggest(engine, b)}; --force starts it "
+             f"on {b.devices} devices, but {b.where}; {suggest(runner.program, b)}; --force starts it "
              "anyway")
   if force:
     log.warning("--force: %s", message)
@@ -174,12 +174,12 @@ def check(engine, devices, force: bool = False) -> Budget:
   raise DoesNotFitError(message)
 
 
-def suggest(engine, b: Budget) -> str:
+def suggest(program, b: Budget) -> str:
   """What would fit, from the analytic accounting: another stage or remat policy,
   offload, a smaller micro-batch, or more devices."""
-  from jaxzero.sharding.zero import SHARDED_ROLES  # pylint: disable=import-outside-toplevel
-  cfg, layout = engine.cfg, engine.layout
-  phi = engine.n_params
+  from jaxzero.parallel.zero import SHARDED_ROLES  # pylint: disable=import-outside-toplevel
+  cfg, layout = program.cfg, program.layout
+  phi = program.n_params
   c = 4 if cfg.precision.compute == "float32" else 2
   g = 4 if cfg.zero.grad_dtype == "float32" else 2
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)

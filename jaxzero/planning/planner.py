@@ -5,7 +5,7 @@ very train step that training runs, ahead of time on N virtual CPU devices, from
 ``ShapeDtypeStruct``s that carry only shapes and shardings: no weight is ever allocated. Model
 state is counted from the shardings and is exact; XLA's figures are those of its CPU compiler,
 so ``activation_bytes`` is an estimate of a GPU's. With the NVMe tier the planner compiles
-``Engine.grad_step``, whose figures leave the streamed update out.
+``TrainProgram.grad_step``, whose figures leave the streamed update out.
 """
 
 from __future__ import annotations
@@ -21,16 +21,18 @@ import numpy as np
 from jaxzero import config as config_lib
 from jaxzero import engine as engine_lib
 from jaxzero.config import Config
-from jaxzero.engine import pipeline
 from jaxzero.engine.remat import POLICY_NAMES
 from jaxzero.engine.state import dtype_of
 from jaxzero.errors import ConfigError
 from jaxzero.models import trainable
 from jaxzero.models.llama import count_params
+from jaxzero.parallel import mesh as mesh_lib
+from jaxzero.parallel import pipeline
+from jaxzero.parallel.zero import Layout
 from jaxzero.planning import collectives as comm_lib
-from jaxzero.planning import state_bytes as state_lib
-from jaxzero.sharding import mesh as mesh_lib
-from jaxzero.sharding.zero import Layout
+from jaxzero.planning import zero_formula
+from jaxzero.runners.base import Runner
+from jaxzero.runners.choose import make_runner
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +103,8 @@ class Row:
   # are grads_bytes, in the state): activations, gathered weights, workspace.
   activation_bytes: int
   host_bytes: int  # state leaves placed in pinned_host
-  nvme_bytes: int  # state leaves in the NVMe tier's files (state_bytes.nvme_bytes)
-  transfer_bytes: int  # host <-> device bytes per step, both ways (state_bytes.transfer_bytes)
+  nvme_bytes: int  # state leaves in the NVMe tier's files (the runner's plan)
+  transfer_bytes: int  # host <-> device bytes per step, both ways (the runner's plan)
   total_bytes: int  # XLA's figure for what the device holds during the step
   theory_state_bytes: int  # the ZeRO formula for params + grads + optimizer
   theory_formula: str
@@ -205,14 +207,11 @@ def cpu_devices(n: int) -> list:
 # XLA's figures from the compiled step
 
 
-def compile_step(engine: engine_lib.Engine, micro_batch: int, options=FAST_COMPILE_OPTIONS):
-  """The real train step, compiled ahead of time from shapes: nothing is allocated.
-  With the NVMe tier, the step without its update (which runs outside it)."""
-  batch = engine.abstract_batch(micro_batch)
-  if engine.cfg.offload.optimizer == "nvme":
-    lowered = engine.grad_step.lower(engine.abstract_state().params, batch)
-  else:
-    lowered = engine.train_step.lower(engine.abstract_state(), batch)
+def compile_step(runner: Runner, micro_batch: int, options=FAST_COMPILE_OPTIONS):
+  """The runner's device program, compiled ahead of time from shapes: nothing is
+  allocated. With the NVMe runner, the step without its update (which runs outside it)."""
+  program = runner.program
+  lowered = runner.lower(program.abstract_state(), program.abstract_batch(micro_batch))
   try:
     return lowered.compile(compiler_options=options)
   except jax.errors.JaxRuntimeError as e:
@@ -293,9 +292,9 @@ def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant]
   rows, compiles = [], 0
   for variant in variants(cfg, sweep, replica) if isinstance(sweep, str) else sweep:
     variant_cfg = variant.apply(cfg)
-    engine = engine_lib.Engine(variant_cfg, Layout.from_config(variant_cfg, mesh),
-                               trainable.llama(variant_cfg.model))
-    row, n = _plan_variant(engine, variant, hbm_bytes, search, comm)
+    program = engine_lib.TrainProgram(variant_cfg, Layout.from_config(variant_cfg, mesh),
+                                      trainable.llama(variant_cfg.model))
+    row, n = _plan_variant(make_runner(program, check=False), variant, hbm_bytes, search, comm)
     rows.append(row)
     compiles += n
   notes += _notes(cfg, sweep, rows)
@@ -303,33 +302,34 @@ def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant]
               time.perf_counter() - t0)
 
 
-def _plan_variant(engine: engine_lib.Engine, variant: Variant, hbm_bytes: int,
+def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
                   search: bool, comm: bool) -> tuple[Row, int]:
   """The row of one variant, and how many compiles it took."""
-  micro = mesh_lib.micro_batch(engine.cfg.train, engine.layout.data_parallel_size)
-  compiled = compile_step(engine, micro, MEMORY_COMPILE_OPTIONS)
-  row = _row(engine, variant, compiled.memory_analysis(), micro, hbm_bytes)
+  program = runner.program
+  micro = mesh_lib.micro_batch(program.cfg.train, program.layout.data_parallel_size)
+  compiled = compile_step(runner, micro, MEMORY_COMPILE_OPTIONS)
+  row = _row(runner, variant, compiled.memory_analysis(), micro, hbm_bytes)
   compiles = 1
   if comm:
     compiles += 1
     row.comm_report = comm_lib.report(
-        compile_step(engine, micro), engine.layout.mesh, count_params(engine.cfg.model),
-        stage=engine.layout.stage, grad_accum=engine.cfg.train.grad_accum,
-        tensor=engine.layout.tensor_size, activation_bytes=_boundary_bytes(engine, micro))
+        compile_step(runner, micro), program.layout.mesh, count_params(program.cfg.model),
+        stage=program.layout.stage, grad_accum=program.cfg.train.grad_accum,
+        tensor=program.layout.tensor_size, activation_bytes=_boundary_bytes(program, micro))
   if search:
     def total_at(micro_batch: int) -> int:
       nonlocal compiles
       compiles += 1
       return xla_total_bytes(
-          compile_step(engine, micro_batch, MEMORY_COMPILE_OPTIONS).memory_analysis())
+          compile_step(runner, micro_batch, MEMORY_COMPILE_OPTIONS).memory_analysis())
     row.max_micro_batch = largest_micro_batch(total_at, hbm_bytes, micro, row.total_bytes)
   return row, compiles
 
 
-def _row(engine: engine_lib.Engine, variant: Variant, stats, micro: int, hbm_bytes: int) -> Row:
-  cfg, layout = engine.cfg, engine.layout
-  state = state_lib.state_bytes(engine)
-  theory, formula = state_lib.theory_state_bytes(cfg, layout)
+def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int) -> Row:
+  cfg, layout = runner.program.cfg, runner.program.layout
+  state = runner.plan()
+  theory, formula = zero_formula.theory_state_bytes(cfg, layout)
   total = xla_total_bytes(stats)
   return Row(
       strategy=variant.strategy, stage=variant.stage, hybrid=variant.hybrid,
@@ -352,11 +352,11 @@ def _row(engine: engine_lib.Engine, variant: Variant, stats, micro: int, hbm_byt
           state["host"] or variant.remat in OFFLOADING_POLICIES))
 
 
-def _boundary_bytes(engine: engine_lib.Engine, micro: int) -> int | None:
+def _boundary_bytes(program: engine_lib.TrainProgram, micro: int) -> int | None:
   """With pipeline stages: one micro-batch's activations at a stage boundary on one
   device (its rows x sequence x width, in the compute dtype, split over `tensor` by
   sequence parallelism; interleaved, V times: it goes round V times); else None."""
-  layout, cfg = engine.layout, engine.cfg
+  layout, cfg = program.layout, program.cfg
   if layout.pipeline_size == 1:
     return None
   itemsize = np.dtype(dtype_of(cfg.precision.compute)).itemsize

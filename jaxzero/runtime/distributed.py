@@ -19,7 +19,7 @@ import threading
 from jaxzero.config import Config, DistributedConfig
 from jaxzero.errors import ConfigError
 from jaxzero.runtime import peerwatch, xla_flags
-from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.parallel import mesh as mesh_lib
 
 log = logging.getLogger(__name__)
 

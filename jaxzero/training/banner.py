@@ -9,7 +9,7 @@ import jax
 
 from jaxzero import config as config_lib
 from jaxzero.planning.memory_check import Budget
-from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.utils.files import write_json_atomic
 from jaxzero.utils.formatting import format_bytes as _b
 from jaxzero.utils.formatting import format_count
@@ -37,7 +37,7 @@ def _loss_scaling(p) -> str:
 def figures(run, budget: Budget) -> dict:
   """The banner's figures as numbers (for a tracker's run config)."""
   cfg, layout = run.cfg, run.layout
-  return {"run/parameters": run.engine.n_params, "run/devices": len(run.devices),
+  return {"run/parameters": run.program.n_params, "run/devices": len(run.devices),
           "run/processes": jax.process_count(), "run/mesh": dict(layout.mesh.shape),
           "run/micro_batch": mesh_lib.micro_batch(cfg.train, layout.data_parallel_size),
           "run/tokens_per_step": cfg.train.global_batch * cfg.train.seq_len,
@@ -62,9 +62,9 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
                       (("optimizer", cfg.offload.optimizer), ("params", cfg.offload.params))
                       if kind != "device") or "none"
   available = (f" of {_b(budget.available)}" if budget.available is not None else "")
-  model = (f"{cfg.model_factory}, {format_count(run.engine.n_params)} parameters"
+  model = (f"{cfg.model_factory}, {format_count(run.program.n_params)} parameters"
            if cfg.model_factory else
-           f"{m.family.capitalize()}, {format_count(run.engine.n_params)} parameters (dim "
+           f"{m.family.capitalize()}, {format_count(run.program.n_params)} parameters (dim "
            f"{m.dim}, {m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} kv, mlp "
            f"{m.mlp_dim}, vocab {m.vocab_size})")
   lines = [

@@ -23,10 +23,10 @@ import numpy as np
 from jaxzero import engine as engine_lib
 from jaxzero.data import batches as batches_lib
 from jaxzero.data import tokens as tokens_lib
-from jaxzero.engine import step as step_lib
+from jaxzero.engine import hooks as hooks_lib
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.errors import DataError
-from jaxzero.sharding.zero import on_device
+from jaxzero.parallel.zero import on_device
 
 
 def split(tokens: np.ndarray, data) -> tuple[np.ndarray, np.ndarray | None]:
@@ -78,12 +78,12 @@ def make_eval_batches(cfg, tokens: np.ndarray) -> EvalBatches:
   return EvalBatches(tokens, cfg.eval.batches, rows, cfg.train.seq_len, what)
 
 
-def make_eval_step(engine: engine_lib.Engine):
+def make_eval_step(program: engine_lib.TrainProgram):
   """The jitted evaluation: (compute params, tokens [N, B, T+1]) -> mean loss (fp32 scalar)."""
-  layout = engine.layout
-  loss = functools.partial(step_lib.loss_fn, engine.model, layout=layout,
+  layout = program.layout
+  loss = functools.partial(hooks_lib.loss_with_hooks, program.model, layout=layout,
                            remat=remat_wrapper("full"))
-  params_on_device = on_device(engine.shardings.params)
+  params_on_device = on_device(program.shardings.params)
 
   def eval_loss(params, tokens_NxBxT1):
     params = jax.device_put(params, params_on_device)
@@ -91,7 +91,7 @@ def make_eval_step(engine: engine_lib.Engine):
                             jnp.zeros((), jnp.float32), tokens_NxBxT1)
     return total / tokens_NxBxT1.shape[0]
 
-  return jax.jit(eval_loss, in_shardings=(engine.shardings.params, engine.batch_sharding),
+  return jax.jit(eval_loss, in_shardings=(program.shardings.params, program.batch_sharding),
                  out_shardings=layout.replicated())
 
 
@@ -100,9 +100,10 @@ class Evaluator:
   once, ahead of the first evaluation (with the train step, so that processes
   that compile at different speeds meet before either runs)."""
 
-  def __init__(self, engine: engine_lib.Engine, batches: EvalBatches, state: engine_lib.TrainState):
-    self._tokens = batches_lib.global_batch(batches, engine.batch_sharding, 0)
-    self._compiled = make_eval_step(engine).lower(state.params, self._tokens).compile()
+  def __init__(self, program: engine_lib.TrainProgram, batches: EvalBatches,
+               state: engine_lib.TrainState):
+    self._tokens = batches_lib.global_batch(batches, program.batch_sharding, 0)
+    self._compiled = make_eval_step(program).lower(state.params, self._tokens).compile()
 
   def __call__(self, state: engine_lib.TrainState) -> dict[str, float]:
     loss = float(jax.device_get(self._compiled(state.params, self._tokens)))

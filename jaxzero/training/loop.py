@@ -1,8 +1,9 @@
 """The training loop: resume or initialise, run steps, log, save.
 
-:func:`build` takes the config through the mesh and the ZeRO layout to an
-Engine once, and the loop drives it. Restarting with the same workdir
-continues from the latest complete checkpoint, on any mesh and stage.
+:func:`build` takes the config through the mesh and the ZeRO layout to a
+TrainProgram and the runner the config chooses (jaxzero.runners), once; the loop
+drives the runner, whatever it is. Restarting with the same workdir continues from
+the latest complete checkpoint, on any mesh and stage.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from jaxzero.data import tokens as tokens_lib
 from jaxzero.engine import loss_scale
 from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
 from jaxzero.interop import hf_load
-from jaxzero.offload import checks as offload_checks
-from jaxzero.offload import infinity, nvme_checkpoint, nvme_store
-from jaxzero.offload import nvme_tier as nvme_lib
 from jaxzero.planning import memory_check
 from jaxzero.planning.flops import model_flops_per_token
 from jaxzero.runtime import peerwatch
-from jaxzero.sharding import mesh as mesh_lib
-from jaxzero.sharding.zero import Layout
+from jaxzero.parallel import mesh as mesh_lib
+from jaxzero.parallel.zero import Layout
+from jaxzero.runners import base as runners_base
+from jaxzero.runners.base import Runner
+from jaxzero.runners.choose import make_runner
 from jaxzero.training import banner, evaluation, first_step, profiling, tracking, user_model
 from jaxzero.training import workdir as workdir_lib
 from jaxzero.training.metrics import MetricsLogger, PendingMetrics, drop_metrics_after
@@ -47,10 +48,13 @@ class Run:
   """Everything a training run builds from its config, before any step."""
   cfg: Config
   layout: Layout
-  engine: engine_lib.Engine
+  runner: Runner  # how the state is trained and kept (jaxzero.runners)
   batches: batches_lib.Batches
   eval_batches: evaluation.EvalBatches | None = None  # the held-out split, if any
-  nvme: nvme_lib.Tier | None = None  # offload.optimizer=nvme: the state on disk
+
+  @property
+  def program(self) -> engine_lib.TrainProgram:
+    return self.runner.program
 
   @property
   def devices(self) -> list:
@@ -58,21 +62,23 @@ class Run:
 
   def batch(self, step: int) -> jax.Array:
     """The batch of `step` as one global array; each process supplies only its rows."""
-    return batches_lib.global_batch(self.batches, self.engine.batch_sharding, step)
+    return batches_lib.global_batch(self.batches, self.program.batch_sharding, step)
 
 
 def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
           progress: bool = True) -> Run:
-  """Mesh, layout, engine (optimizer, shardings, jitted step) and data for `cfg`.
+  """Mesh, layout, program (optimizer, shardings, jitted step), its runner and the data
+  for `cfg`. The runner's targets are checked before the data is read.
 
-  `workdir` holds the token cache of file data sources (unless data.cache_dir).
+  `workdir` holds the token cache of file data sources (unless data.cache_dir), and
+  names the NVMe store's directory.
   """
   devices = list(jax.devices() if devices is None else devices)
-  if cfg.offload.optimizer == "nvme":  # a run checked this first; a caller of build may not
-    offload_checks.check_offload(cfg, devices)
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, len(devices))
   layout = Layout.from_config(cfg, mesh_lib.make_mesh(replica, fsdp, devices, tensor,
                                                       cfg.mesh.pipeline))
+  program = engine_lib.TrainProgram(cfg, layout, user_model.model_for(cfg, layout.shard_size))
+  runner = make_runner(program, workdir)
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
   progress = progress and jax.process_index() == 0
   source = tokens_lib.open_tokens(cfg.data, workdir, model_vocab_size=cfg.model.vocab_size,
@@ -84,12 +90,7 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
   batches = batches_lib.Batches(tokens, cfg.train.seq_len, cfg.train.grad_accum,
                                 micro * layout.data_parallel_size, cfg.seed, order=source.order)
   eval_batches = None if held_out is None else evaluation.make_eval_batches(cfg, held_out)
-  engine = engine_lib.Engine(cfg, layout, user_model.model_for(cfg, layout.shard_size))
-  tier = None
-  if cfg.offload.optimizer == "nvme":
-    kind = infinity.Infinity if cfg.offload.params == "nvme" else nvme_lib.Tier
-    tier = kind(engine, nvme_lib.store_directory(cfg.offload.nvme_dir, workdir))
-  return Run(cfg, layout, engine, batches, eval_batches, tier)
+  return Run(cfg, layout, runner, batches, eval_batches)
 
 
 @dataclasses.dataclass
@@ -126,7 +127,6 @@ def run_training(cfg: Config, workdir: str | pathlib.Path, steps: int | None = N
   # Before anything is built: a bad path or a second run costs one line, not a compile.
   workdir_lib.check_paths(cfg, workdir)
   tracking.check(cfg.log)
-  offload_checks.check_offload(cfg, list(jax.devices() if devices is None else devices))
   with workdir_lib.hold(workdir):
     return _run_locked(cfg, workdir, steps, devices, progress, require_checkpoint, resume_step,
                        force)
@@ -137,10 +137,9 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
                 force: bool = False) -> Outcome:
   """run_training's body, with the workdir checked and locked."""
   total = steps if steps is not None else cfg.train.steps
-  checkpoints = checkpoint_lib.Checkpointer(
+  checkpoints = runners_base.checkpointer(
       workdir, cfg.checkpoint.keep,
-      checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed, cfg.model_factory),
-      side=nvme_checkpoint.SIDE_ITEM)  # any run may resume an NVMe run's checkpoint
+      checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed, cfg.model_factory))
   stop = StopSignals()
   run = None
   try:
@@ -153,11 +152,7 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
       # checkpoint the run resumes from it and the HF weights are not read.
       hf_load.check_matches(cfg.model, cfg.init.hf_checkpoint)
     run = build(cfg, devices, workdir, progress)
-    budget = memory_check.check(run.engine, run.devices, force)  # before any state exists
-    if run.nvme:
-      directory = run.nvme.directory
-      offload_checks.check_nvme_room(cfg, run.nvme.bytes_needed(), run.nvme.holds,
-                                nvme_store.directory_bytes(directory) if directory.exists() else 0)
+    budget = memory_check.check(run.runner, run.devices, force)  # before any state exists
     if jax.process_index() == 0:
       print(banner.text(run, budget, workdir, total), flush=True)
     memory = first_step.FirstStep(budget, run.devices)  # before the state exists
@@ -172,7 +167,7 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
     drop_metrics_after(workdir / "metrics.jsonl", start)
     history = []
     if start < total:
-      evaluator = (evaluation.Evaluator(run.engine, run.eval_batches, state)
+      evaluator = (evaluation.Evaluator(run.program, run.eval_batches, state)
                    if run.eval_batches is not None and cfg.eval.every else None)
       compiled = _compile(run, state, start)
       tracker = tracking.start(cfg, workdir, banner.figures(run, budget))
@@ -181,12 +176,12 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
                                       stop, progress, evaluator, tracker, memory)
     step = int(state.step)
     peerwatch.phase(f"save {step}")
-    saved = checkpoints.save(step, state, wait=True)
+    saved = run.runner.save(checkpoints, step, state, wait=True)
     peerwatch.phase("done")
   finally:
     checkpoints.close()  # waits for saves still in flight
-    if run is not None and run.nvme:
-      run.nvme.close()  # its files: the last checkpoint holds the state
+    if run is not None:
+      run.runner.close()  # what it keeps outside memory: the last checkpoint holds the state
   return Outcome(history, start, step, saved, stop.received, finished=start >= total)
 
 
@@ -230,9 +225,9 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
   path = run.cfg.init.hf_checkpoint
   if path:
     log.info("starting from the Hugging Face weights in %s", path)
-    return (run.nvme or run.engine).init(master=hf_load.load_params(path, run.cfg.model,
-                                                                  run.engine.shardings.master))
-  return (run.nvme or run.engine).init()
+    return run.runner.init(master=hf_load.load_params(path, run.cfg.model,
+                                                      run.program.shardings.master))
+  return run.runner.init()
 
 
 def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,
@@ -240,26 +235,26 @@ def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,
   # A checkpoint saved in another precision: its compute copy is read as saved
   # (so that its checksums verify) and cast; the loss scaler is optional both
   # ways, new for a float16 run that resumes another precision's checkpoint.
-  target = run.engine.abstract_state()
+  target = run.program.abstract_state()
   saved_compute = checkpoints.info(step).get("compute_dtype", run.cfg.precision.compute)
   recast = saved_compute != run.cfg.precision.compute
   if recast:
     saved_dtype = engine_lib.dtype_of(saved_compute)
     target = target._replace(params=jax.tree.map(lambda a: a.update(dtype=saved_dtype),
                                                  target.params))
-  state = checkpoints.restore(step, target, into=run.nvme, optional=("loss_scale",))  # verified
+  state = run.runner.restore(checkpoints, step, target)  # verified
   if recast:
     log.info("checkpoint %d was saved with precision.compute=%s: its compute copy is cast to %s",
              step, saved_compute, run.cfg.precision.compute)
     compute = engine_lib.dtype_of(run.cfg.precision.compute)
     state = state._replace(params=jax.jit(
         lambda params: jax.tree.map(lambda w: w.astype(compute), params),
-        out_shardings=run.engine.shardings.params, donate_argnums=0)(state.params))
+        out_shardings=run.program.shardings.params, donate_argnums=0)(state.params))
   if run.cfg.precision.scales_loss and not jax.tree.leaves(state.loss_scale):
     log.info("checkpoint %d has no loss scaler (not saved by a float16 run): it starts afresh",
              step)
     state = state._replace(loss_scale=jax.device_put(loss_scale.init(run.cfg.precision),
-                                                     run.engine.shardings.loss_scale))
+                                                     run.program.shardings.loss_scale))
   log.info("resumed from step %d (%s)", step, checkpoints.step_dir(step))
   return state
 
@@ -275,10 +270,7 @@ def _set_aside_later(checkpoints: checkpoint_lib.Checkpointer, start: int) -> No
 def _compile(run: Run, state, start: int):
   peerwatch.phase("compile")
   t0 = time.perf_counter()
-  if run.nvme:
-    compiled = run.nvme.compile(state, run.batch(start))
-  else:
-    compiled = run.engine.train_step.lower(state, run.batch(start)).compile()
+  compiled = run.runner.compile(state, run.batch(start))
   log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
   # Hosts compile at different speeds; gloo (CPU) allows only 30 s between the
   # first and the last process reaching the first collective. The barrier goes
@@ -303,7 +295,7 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
                          tracker=tracker)
   profiler = profiling.StepProfiler(cfg.profile.window, workdir)
   metrics = PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len,
-                           model_flops_per_token(cfg, run.engine.n_params),
+                           model_flops_per_token(cfg, run.program.n_params),
                            run.devices)
   guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_nonfinite, checkpoints)
   done = start
@@ -332,7 +324,7 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
         break
       if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < total:
         peerwatch.phase(f"save {done}")
-        checkpoints.save(done, state)  # asynchronous: training goes on while it is written
+        run.runner.save(checkpoints, done, state)  # asynchronous: training goes on meanwhile
     guard.check(metrics.log(done))
   finally:
     profiler.close()

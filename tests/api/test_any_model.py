@@ -179,7 +179,7 @@ def test_stage3_state_is_16_phi_over_n_and_placed_leaf_by_leaf(name):
   # fp32 compute here: 4 + 4 + 12 = 20 bytes a parameter, all of it over N = 8.
   phi = plan["n_params"]
   assert abs(plan["state_bytes"] - 20 * phi / 8) <= 0.03 * 20 * phi / 8, plan
-  for leaf, sharding in zip(jax.tree.leaves(e.core.abstract.master),
+  for leaf, sharding in zip(jax.tree.leaves(e.program.abstract.master),
                             jax.tree.leaves(e.shardings.master)):
     spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
     split = [i for i, axes in enumerate(spec) if axes is not None]
@@ -223,7 +223,7 @@ def test_remat_of_the_models_own_block_class_changes_no_loss():
     remat.append(float(metrics["loss"]))
   np.testing.assert_allclose(remat, plain, rtol=1e-6)
   batch = e._micro_batches(gpt2_batches()[0])  # pylint: disable=protected-access
-  jaxpr = str(e.core.train_step.trace(e.core.abstract_state(), batch).jaxpr)
+  jaxpr = str(e.program.train_step.trace(e.program.abstract_state(), batch).jaxpr)
   assert jaxpr.count("remat2[") == 2  # one per Block call: the blocks are recomputed
 
 
@@ -240,4 +240,4 @@ def test_the_optimizer_state_of_any_pytree_offloads(offload, tmp_path):
   if offload == "pinned_host":
     assert {s.memory_kind for s in jax.tree.leaves(e.shardings.opt_state)} >= {"pinned_host"}
   else:
-    assert e.tier.store is not None and list(tmp_path.rglob("*"))  # the state is in files
+    assert e.runner.store is not None and list(tmp_path.rglob("*"))  # the state is in files

@@ -128,7 +128,7 @@ def test_a_restored_state_must_be_finite(copy_of):
   run = loop.build(cfg, jax.devices()[:DEVICES])
   info = checkpointer.run_info(cfg.model, cfg.precision.compute, cfg.seed)
   with checkpointer.Checkpointer(copy_of, 10, info) as checkpoints:
-    state = checkpoints.restore(6, run.engine.abstract_state())
+    state = checkpoints.restore(6, run.program.abstract_state())
     poisoned = state._replace(step=state.step + 1, master=dict(
         state.master, final_norm=state.master["final_norm"].at[0].set(jnp.nan)))
     checkpoints.save(7, poisoned, wait=True)  # its checksums match: only finiteness fails

@@ -21,7 +21,7 @@ from jaxzero.config import DataConfig
 from jaxzero.data import batches as batches_lib
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import DataError
-from jaxzero.sharding.mesh import AXES, make_mesh
+from jaxzero.parallel.mesh import AXES, make_mesh
 
 DOCS_TXT = ["the quick brown fox\njumps over the lazy dog\n", "a dog and a fox\n"]
 DOCS_JSONL = ["the dog sleeps", "", "a quick fox runs over the dog"]

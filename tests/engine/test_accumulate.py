@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from jaxzero import config
-from jaxzero.engine.engine import Engine
+from jaxzero.engine.program import TrainProgram
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig
 from jaxzero.planning import planner
 from jaxzero.planning.planner import Variant
-from jaxzero.sharding import mesh as mesh_lib
-from jaxzero.sharding.zero import Layout
+from jaxzero.parallel import mesh as mesh_lib
+from jaxzero.parallel.zero import Layout
 
 # 32 layers and a small vocabulary: the stacked layers are 99.6% of the gradient, and
 # one layer's gradient, the backward pass's working set, 3%.
@@ -60,13 +60,13 @@ def grad_sums(cfg: config.Config, model, n_devices: int = 8):
   devices = jax.devices()[:n_devices]
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, n_devices)
   layout = Layout.from_config(cfg, mesh_lib.make_mesh(replica, fsdp, devices, tensor))
-  engine = Engine(cfg, layout, model)
+  engine = TrainProgram(cfg, layout, model)
   state = engine.init()
   t = cfg.train
   tokens = jax.random.randint(jax.random.key(1), (t.grad_accum, t.global_batch // t.grad_accum,
                                                   t.seq_len + 1), 0, cfg.model.vocab_size)
-  grad_sum, loss, norm = engine.grad_step(state.params, jax.device_put(tokens,
-                                                                        engine.batch_sharding))
+  grad_sum, loss, norm = engine.grad_step(
+      state.params, jax.device_put(tokens, engine.batch_sharding), None)
   return jax.device_get(grad_sum), float(loss), float(norm)
 
 

@@ -64,10 +64,10 @@ def test_offloaded_state_lives_in_pinned_host_after_init_and_after_a_step(defaul
   cfg = config.load(TINY, [f"{k}={v}" for k, v in SMALL.items()]
                     + ["offload.optimizer=pinned_host", "offload.params=pinned_host"])
   run = loop.build(cfg)
-  state = run.engine.init()
+  state = run.program.init()
   check_offloaded(state)
   batch = run.batch(0)
-  compiled = run.engine.train_step.lower(state, batch).compile(
+  compiled = run.program.train_step.lower(state, batch).compile(
       compiler_options=planner.FAST_COMPILE_OPTIONS)
   state, metrics = compiled(state, batch)
   check_offloaded(state)

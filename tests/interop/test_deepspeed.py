@@ -25,7 +25,7 @@ from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError
 from jaxzero.interop import deepspeed
 from jaxzero.interop.translation import apply_file
-from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.training import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

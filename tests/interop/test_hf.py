@@ -18,13 +18,13 @@ from safetensors.numpy import save_file
 
 from jaxzero import config
 from jaxzero import engine as engine_lib
-from jaxzero.engine import step as step_lib
+from jaxzero.engine import hooks as hooks_lib
 from jaxzero.errors import HFCheckpointError
 from jaxzero.interop import hf_load, hf_mapping
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, param_specs
-from jaxzero.sharding.mesh import make_mesh
-from jaxzero.sharding.zero import Layout
+from jaxzero.parallel.mesh import make_mesh
+from jaxzero.parallel.zero import Layout
 
 from hf_reference import hf_state_dict, params_from_hf, random_hf_llama, random_hf_model
 
@@ -197,7 +197,7 @@ def test_training_starts_from_the_checkpoint(tmp_path):
   cfg = config.apply_overrides(base, [f"init.hf_checkpoint={tmp_path}"])
   assert cfg.init.hf_checkpoint == str(tmp_path)
   layout = Layout.from_config(cfg, make_mesh(1, 8))
-  engine = engine_lib.Engine(cfg, layout, trainable.llama(cfg.model))
+  engine = engine_lib.TrainProgram(cfg, layout, trainable.llama(cfg.model))
   # As the trainer does: the fp32 master weights straight into their shards.
   master = hf_load.load_params(cfg.init.hf_checkpoint, cfg.model, engine.shardings.master)
   state = engine.init(master=master)
@@ -208,7 +208,7 @@ def test_training_starts_from_the_checkpoint(tmp_path):
   assert not any(np.asarray(x).any() for x in jax.tree.leaves(state.opt_state))  # fresh Adam
   # The train step's loss on the sharded state is transformers' loss.
   batch = tokens_BxT(97, (8, 17))
-  loss = jax.jit(lambda p, t: step_lib.loss_fn(engine.model, p, t, layout, None))(state.params,
+  loss = jax.jit(lambda p, t: hooks_lib.loss_with_hooks(engine.model, p, t, layout, None))(state.params,
                                                                                  batch)
   with torch.no_grad():
     logits = model(torch.from_numpy(batch[:, :-1]).long()).logits

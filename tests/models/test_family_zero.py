@@ -8,8 +8,8 @@ import numpy as np
 
 from jaxzero import config
 from jaxzero.models.llama import LlamaConfig, param_specs
-from jaxzero.sharding.mesh import make_mesh
-from jaxzero.sharding.zero import Layout
+from jaxzero.parallel.mesh import make_mesh
+from jaxzero.parallel.zero import Layout
 from jaxzero.training import loop
 
 QWEN2 = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128,

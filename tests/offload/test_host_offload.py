@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 
 from jaxzero import config
-from jaxzero.engine import Engine
+from jaxzero.engine import TrainProgram
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig
-from jaxzero.offload import nvme_store, nvme_tier
+from jaxzero.offload import nvme_store
+from jaxzero.parallel import mesh as mesh_lib
+from jaxzero.parallel.zero import Layout
 from jaxzero.planning import planner
-from jaxzero.sharding import mesh as mesh_lib
-from jaxzero.sharding.zero import Layout
+from jaxzero.runners import nvme
 from jaxzero.training import loop
 
 from processes import FAST_XLA_FLAGS
@@ -49,9 +50,9 @@ def tiny(stage: int, optimizer="device", params="device", compute="float32",
       offload=config.OffloadConfig(optimizer=optimizer, params=params, nvme_dir=nvme_dir))
 
 
-def engine(cfg: config.Config) -> Engine:
+def engine(cfg: config.Config) -> TrainProgram:
   mesh = mesh_lib.make_mesh(1, 8, jax.devices()[:8])
-  return Engine(cfg, Layout.from_config(cfg, mesh), trainable.llama(cfg.model))
+  return TrainProgram(cfg, Layout.from_config(cfg, mesh), trainable.llama(cfg.model))
 
 
 def losses(cfg: config.Config) -> np.ndarray:
@@ -59,7 +60,7 @@ def losses(cfg: config.Config) -> np.ndarray:
   tokens = jax.random.randint(jax.random.key(0), (STEPS, 2, 16, 33), 0, 256, jnp.int32)
   tier = None
   if cfg.offload.optimizer == "nvme":  # the state in files; the update streamed outside the step
-    tier = nvme_tier.Tier(e, nvme_tier.store_directory(cfg.offload.nvme_dir, cfg.offload.nvme_dir))
+    tier = nvme.NvmeRunner(e, nvme.store_directory(cfg.offload.nvme_dir, cfg.offload.nvme_dir))
     state = tier.init()
     step = tier.compile(state, jax.device_put(tokens[0], e.batch_sharding))
   else:

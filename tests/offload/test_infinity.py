@@ -21,8 +21,9 @@ import pytest
 from jaxzero import config
 from jaxzero.checkpoint import checkpointer
 from jaxzero.errors import DamagedCheckpointError, PathError
-from jaxzero.offload import checks as offload_checks
-from jaxzero.offload import infinity, nvme_checkpoint, nvme_store
+from jaxzero.offload import nvme_checkpoint, nvme_store
+from jaxzero.offload import targets as offload_targets
+from jaxzero.runners import infinity
 from jaxzero.training import loop
 
 from processes import ROOT, TINY, at_step, cli_env, logged, losses, wait_for
@@ -200,14 +201,14 @@ def test_no_room_counts_the_gradients_and_changes_nothing(infinity_run, nvme_dir
   workdir = at_step(infinity_run, 5, tmp_path / "w")
   before = sorted(p.name for p in workdir.rglob("*"))
   usage = shutil.disk_usage(nvme_dir)
-  monkeypatch.setattr(offload_checks.shutil, "disk_usage", lambda _: usage._replace(free=1000))
+  monkeypatch.setattr(offload_targets.shutil, "disk_usage", lambda _: usage._replace(free=1000))
   built = []
   build = loop.build
   monkeypatch.setattr(loop, "build", lambda *a, **kw: built.append(build(*a, **kw)) or built[-1])
   with pytest.raises(PathError) as error:
     train(workdir, ["train.grad_accum=2", *infinity_sets(nvme_dir)])
   tier = built[0].nvme
-  assert isinstance(tier, infinity.Infinity)
+  assert isinstance(tier, infinity.InfinityRunner)
   phi = sum(leaf.size for leaf in jax.tree.leaves(built[0].engine.abstract.master))
   needed = tier.bytes_needed()
   assert 16 * phi <= needed < 1.5 * 16 * phi  # master, 2 moments, gradient: 16 bytes each

@@ -11,7 +11,7 @@ import pytest
 from jaxzero import config
 from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError
-from jaxzero.offload import infinity
+from jaxzero.runners import infinity
 from jaxzero.planning import infinity_plan, planner
 from jaxzero.training import loop
 
@@ -30,7 +30,7 @@ def test_the_programs_hold_one_layer_and_gradients_leave_reduced(nvme_dir, tmp_p
   # and its gradient leaves as shards (reduce-scattered), never whole.
   cfg = config.load(TINY, [*SETS, "train.grad_accum=2", *infinity_sets(nvme_dir)])
   run = loop.build(cfg, jax.devices()[:8], tmp_path, progress=False)
-  tier = run.nvme
+  tier = run.runner
   try:
     state = tier.init()
     weights_in = tier.read_weights(tier.layer_leaves(tier.leaves), 0).result()
@@ -91,10 +91,10 @@ def test_a_missing_nvme_dir_is_one_line_exit_2(tmp_path, capsys):
 def test_a_model_without_a_layer_scan_is_refused(nvme_dir):
   cfg = config.load(TINY, [*SETS, *infinity_sets(nvme_dir)])
   run = loop.build(cfg, jax.devices()[:8], None, progress=False)
-  model = run.engine.model
+  model = run.program.model
   object.__setattr__(model, "layers_key", None)
   with pytest.raises(ValueError, match="must declare Model.layers_key"):
-    infinity.Infinity(run.engine, nvme_dir / "x")
+    infinity.InfinityRunner(run.program, nvme_dir / "x")
   with pytest.raises(ConfigError):  # (a config error elsewhere stays one)
     config.load(TINY, ["offload.params=disk"])
 
@@ -105,7 +105,7 @@ def test_a_model_without_a_layer_scan_is_refused(nvme_dir):
 def test_the_plan_is_the_compiled_programs_and_the_files_on_disk(nvme_dir, tmp_path):
   cfg = config.load(TINY, [*SETS, "train.grad_accum=2", *infinity_sets(nvme_dir)])
   run = loop.build(cfg, jax.devices()[:8], tmp_path, progress=False)
-  tier = run.nvme
+  tier = run.runner
   try:
     tier.init()
     found = infinity_plan.plan(cfg, 8, tier=tier)

@@ -25,8 +25,8 @@ from jaxzero import train as train_cli
 from jaxzero.checkpoint import checkpointer
 from jaxzero.errors import ConfigError, PathError
 from jaxzero.models.llama import count_params
-from jaxzero.offload import checks as offload_checks
 from jaxzero.offload import nvme_checkpoint, nvme_store
+from jaxzero.offload import targets as offload_targets
 from jaxzero.training import loop
 
 from processes import ROOT, TINY, cli_env, logged, losses, wait_for
@@ -197,8 +197,8 @@ def test_a_nonfinite_step_changes_nothing_in_memory_or_on_disk(tmp_path):
   # The update is skipped, here as in memory (train.nonfinite decides what follows).
   cfg = config.load(TINY, [*SETS, *nvme_sets(tmp_path)])
   run = loop.build(cfg, jax.devices()[:8], tmp_path / "w")
-  state = run.nvme.init()
-  on_disk = snapshot(run.nvme.directory)
+  state = run.runner.init()
+  on_disk = snapshot(run.runner.directory)
   in_memory = [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state))]
   grads = jax.tree.map(jnp.ones_like, state.params)
 
@@ -206,14 +206,14 @@ def test_a_nonfinite_step_changes_nothing_in_memory_or_on_disk(tmp_path):
     del params, batch
     return grads, jnp.float32(jnp.nan), jnp.float32(1.0)
 
-  new, metrics = run.nvme.step(state, run.batch(0), nonfinite)
-  run.nvme.store.writes.wait()
+  new, metrics = run.runner.step(state, run.batch(0), nonfinite)
+  run.runner.store.writes.wait()
   assert int(metrics["nonfinite"]) == 1 and int(new.step) == 1
-  assert snapshot(run.nvme.directory) == on_disk
+  assert snapshot(run.runner.directory) == on_disk
   for old, kept in zip(in_memory, jax.tree.leaves((new.params, new.opt_state)), strict=True):
     np.testing.assert_array_equal(np.asarray(kept), old)
-  run.nvme.close()
-  assert not run.nvme.directory.exists()
+  run.runner.close()
+  assert not run.runner.directory.exists()
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -252,13 +252,13 @@ def test_an_nvme_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
   file.write_text("")
   cfg = config.load(TINY, ["offload.optimizer=nvme", f"offload.nvme_dir={file}"])
   with pytest.raises(PathError, match="is not a directory"):
-    offload_checks.check_offload(cfg, devices)
+    offload_targets.check_offload(cfg, devices)
   read_only = tmp_path / "ro"
   read_only.mkdir(mode=0o555)
   cfg = config.load(TINY, ["offload.optimizer=nvme", f"offload.nvme_dir={read_only}"])
   if os.geteuid() != 0:  # root writes anywhere
     with pytest.raises(PathError, match="cannot be written"):
-      offload_checks.check_offload(cfg, devices)
+      offload_targets.check_offload(cfg, devices)
 
 
 def test_no_room_for_the_state_names_the_bytes_and_changes_nothing(nvme_run, nvme_dir,
@@ -266,7 +266,7 @@ def test_no_room_for_the_state_names_the_bytes_and_changes_nothing(nvme_run, nvm
   workdir = at_step(nvme_run, 2, tmp_path / "w")
   before = snapshot(workdir)
   usage = shutil.disk_usage(nvme_dir)
-  monkeypatch.setattr(offload_checks.shutil, "disk_usage",
+  monkeypatch.setattr(offload_targets.shutil, "disk_usage",
                       lambda _: usage._replace(free=1000))
   built = []  # the run's pieces, as loop.build made them
   build = loop.build
@@ -302,7 +302,7 @@ def test_an_offload_kind_the_backend_lacks_is_refused(role):
   cfg = config.load(TINY, [f"offload.{role}=pinned_host"])
   with pytest.raises(ConfigError, match=f"offload.{role}=pinned_host: the cpu backend has no "
                                         r"pinned_host memory \(its memory kinds: device\)"):
-    offload_checks.check_offload(cfg, [_DeviceWithoutPinnedHost()])
+    offload_targets.check_offload(cfg, [_DeviceWithoutPinnedHost()])
 
 
 # ----------------------------------------------------------------------------- the store
@@ -330,19 +330,19 @@ def test_a_chunk_is_cut_from_and_written_into_its_bf16_stack_without_widening_th
   cfg = config.load(TINY, [*SETS, *nvme_sets(tmp_path), "precision.compute=bfloat16",
                            "zero.grad_dtype=bfloat16"])
   run = loop.build(cfg, jax.devices()[:8], tmp_path / "w")
-  state = run.nvme.init()
-  i, leaf = next((i, leaf) for i, leaf in enumerate(run.nvme.leaves)
+  state = run.runner.init()
+  i, leaf = next((i, leaf) for i, leaf in enumerate(run.runner.leaves)
                  if leaf.name == "layers/w_up_LxDxF")
   weight = jax.tree.leaves(state.params)[i]
   assert leaf.cut == (0,) and weight.dtype == jnp.bfloat16
   chunk = jax.ShapeDtypeStruct((len(leaf.kinds), *leaf.chunk), jnp.float32,
                                sharding=leaf.chunk_sharding)
   try:
-    hlo = run.nvme._unit(leaf).lower(  # pylint: disable=protected-access
+    hlo = run.runner._unit(leaf).lower(  # pylint: disable=protected-access
         weight, weight, chunk, (0,), jax.tree.leaves(state.opt_state),
         jnp.float32(1), jnp.float32(1)).compile().as_text()
   finally:
-    run.nvme.close()
+    run.runner.close()
   stack = ",".join(map(str, weight.sharding.shard_shape(weight.shape)))
   assert f"bf16[{stack}]" in hlo and f"f32[{stack}]" not in hlo
 

@@ -8,7 +8,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.planning import collectives
-from jaxzero.sharding.mesh import make_mesh
+from jaxzero.parallel.mesh import make_mesh
 
 
 def _module(*computations: str, entry: str) -> str:

@@ -20,11 +20,13 @@ import pytest
 
 from jaxzero import config
 from jaxzero import engine as engine_lib
+from jaxzero.engine import hooks
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, count_params
+from jaxzero.parallel import mesh
+from jaxzero.parallel.zero import Layout
 from jaxzero.planning import collectives, planner
-from jaxzero.sharding import mesh, zero
-from jaxzero.sharding.zero import Layout
+from jaxzero.runners.base import InMemoryRunner
 
 MODEL = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=512,
                     tie_embeddings=True)
@@ -40,7 +42,8 @@ def compiled_report(zero: dict, accum: int, replica: int = 1, fsdp: int = 8,
       precision=config.PrecisionConfig(compute=dtype),
       remat=config.RematConfig(policy="full"))
   layout = Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, jax.devices()[:8], tensor))
-  compiled = planner.compile_step(engine_lib.Engine(cfg, layout, trainable.llama(cfg.model)), micro_batch=tensor)
+  program = engine_lib.TrainProgram(cfg, layout, trainable.llama(cfg.model))
+  compiled = planner.compile_step(InMemoryRunner(program), micro_batch=tensor)
   return collectives.report(compiled, layout.mesh, count_params(MODEL), stage=layout.stage,
                      grad_accum=accum, tensor=tensor)
 
@@ -88,7 +91,7 @@ def test_gradients_are_reduced_in_reduce_dtype():
   w = jax.numpy.ones((16, 8), jax.numpy.float32)
   compute = jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec())
   reduced = jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec(("replica", "fsdp")))
-  loss = lambda w: (zero.gather_for_compute(w, compute, reduced, jax.numpy.bfloat16) ** 2).sum()
+  loss = lambda w: (hooks.gather_for_compute(w, compute, reduced, jax.numpy.bfloat16) ** 2).sum()
   eqns = [e for e in jax.make_jaxpr(jax.grad(loss))(w).eqns
           if e.primitive.name in ("convert_element_type", "sharding_constraint")]
   names = [(e.primitive.name, str(e.outvars[0].aval.dtype)) for e in eqns]

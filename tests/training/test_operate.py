@@ -25,7 +25,7 @@ from jaxzero import train as train_cli
 from jaxzero.errors import UserError
 from jaxzero.models import trainable
 from jaxzero.planning import memory_check, planner
-from jaxzero.sharding import mesh as mesh_lib
+from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.training import evaluation, loop
 
 from processes import ROOT, TINY
@@ -113,20 +113,23 @@ def test_plan_and_train_resolve_minus_one_alike(monkeypatch):
 def test_the_check_names_what_fits_and_force_goes_on():
   from jaxzero import engine as engine_lib
   from jaxzero.models.llama import count_params
-  from jaxzero.sharding.zero import Layout
+  from jaxzero.parallel.zero import Layout
+  from jaxzero.runners.base import InMemoryRunner
   cfg = config.load(str(ROOT / "configs/llama8b_zero3.py"), ["zero.stage=1"])
-  engine = engine_lib.Engine(cfg, Layout.from_config(cfg, mesh_lib.make_mesh(1, 8, jax.devices()[:8])), trainable.llama(cfg.model))
-  budget = memory_check.budget(engine, jax.devices()[:8])
+  mesh = mesh_lib.make_mesh(1, 8, jax.devices()[:8])
+  program = engine_lib.TrainProgram(cfg, Layout.from_config(cfg, mesh), trainable.llama(cfg.model))
+  runner = InMemoryRunner(program)
+  budget = memory_check.budget(runner, jax.devices()[:8])
   phi = count_params(cfg.model)
   assert budget.params == 2 * phi and budget.grads == 2 * phi  # bf16, replicated at stage 1
   assert budget.optimizer == pytest.approx(12 * phi / 8, rel=1e-6)  # 12Φ/N
   with pytest.raises(memory_check.DoesNotFitError):
-    memory_check.check(engine, jax.devices()[:8])
-  assert not memory_check.check(engine, jax.devices()[:8], force=True).fits
+    memory_check.check(runner, jax.devices()[:8])
+  assert not memory_check.check(runner, jax.devices()[:8], force=True).fits
   # On 40 GB devices ZeRO-3 (16Φ/8 = 16 GB + activations) fits where stage 1 (~45 GB) does not.
   gpu = dataclasses.replace(budget, available=40 * 10**9, platform="gpu")
   assert not gpu.fits
-  assert memory_check.suggest(engine, gpu).startswith("what would fit: zero.stage=3 (~")
+  assert memory_check.suggest(program, gpu).startswith("what would fit: zero.stage=3 (~")
 
 
 @pytest.mark.slow

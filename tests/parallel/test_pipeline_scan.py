@@ -1,4 +1,4 @@
-"""The pipelined layer scan (jaxzero.engine.pipeline): the plain scan's values and
+"""The pipelined layer scan (jaxzero.parallel.pipeline): the plain scan's values and
 gradients, with the stages on the devices of the pipeline axis and only activations
 crossing between them (a collective-permute), for 2 and 4 stages, and circular over 2
 and 4 virtual stages."""
@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.engine import one_f_one_b, pipeline
+from jaxzero.parallel import one_f_one_b, pipeline
 
 
 def layer(x, w):

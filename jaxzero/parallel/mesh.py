@@ -6,7 +6,7 @@ arithmetic over them, and virtual CPU devices for laptops.
 ZeRO shards the state over them. ``tensor`` is innermost (it stays inside a
 host, on NVLink): Megatron-style tensor and sequence parallelism (zero.py).
 ``pipeline`` (present only when larger than 1) splits the layer stack into stages
-(jaxzero.engine.pipeline); it lies outside ``fsdp``, so that stages span hosts and
+(jaxzero.parallel.pipeline); it lies outside ``fsdp``, so that stages span hosts and
 only activations cross the slower links.
 
 Importing this module does not start JAX, so the command-line tools can ask

@@ -1,5 +1,5 @@
 """Sharding rules for any parameters pytree: each leaf's dimensions in jaxzero's
-logical names, which the ZeRO layouts (jaxzero.sharding.zero) place.
+logical names, which the ZeRO layouts (jaxzero.parallel.zero) place.
 
 Where a model names its dimensions (Flax NNX ``with_partitioning``, Linen
 ``with_logical_partitioning``), `rules` maps its names onto jaxzero's (``embed``,
@@ -23,7 +23,7 @@ import jax
 from jaxzero.config.sections import ZeroConfig
 from jaxzero.errors import ConfigError
 from jaxzero.models.interface import Leaf
-from jaxzero.sharding.zero import FSDP_DIM_PREFERENCE, KNOWN_LOGICAL_AXES
+from jaxzero.parallel.zero import FSDP_DIM_PREFERENCE, KNOWN_LOGICAL_AXES
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ Hybrid (HYBRID_SHARD, HYBRID_SHARD_ZERO2) shards over ``fsdp`` only and replicat
 ``replica``; the batch is always split over both. The ``tensor`` axis adds Megatron's splits
 (``TENSOR_DIMS``) on top of every stage, and ``pipeline`` splits the stacked ``layers``
 dimension into pipeline stages in every role. Inside a layer the weights use the *compute* layout
-and their gradients leave in the *reduce* layout (:func:`gather_for_compute`).
+and their gradients leave in the *reduce* layout (the engine's hooks apply both:
+jaxzero.engine.hooks).
 :meth:`Layout.from_config` reads the ``zero`` and ``offload`` sections, and is the only way
 the rest of jaxzero builds a Layout.
 """
@@ -23,7 +24,6 @@ the rest of jaxzero builds a Layout.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 from typing import Any
@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.errors import ConfigError
-from jaxzero.sharding.mesh import AXES, PIPELINE, TENSOR, divisors
+from jaxzero.parallel.mesh import AXES, PIPELINE, TENSOR, divisors
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ SHARDED_ROLES: dict[int, frozenset[str]] = {
 # whose `embed` dimension does not divide the axis. `layers` is never split:
 # the scan slices it, one layer per step.
 FSDP_DIM_PREFERENCE = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim")
-# "none": a dimension never split (jaxzero.sharding.rules names it for any model).
+# "none": a dimension never split (jaxzero.parallel.rules names it for any model).
 KNOWN_LOGICAL_AXES = frozenset(FSDP_DIM_PREFERENCE) | {"layers", "none"}
 # Megatron's tensor-parallel dimensions, best first: a weight or activation is
 # split over `tensor` along the first it has. Only `kv_heads` may fall back
@@ -66,10 +66,6 @@ class Layout:
   hybrid: bool = False
   params_memory: str = "device"
   optimizer_memory: str = "device"
-  # Data-parallel mesh axes that a vmap in jaxzero.engine.step already splits the batch
-  # over (its spmd_axis_name): activations are not split over them again, and
-  # gradients are not reduced over them inside the vmap.
-  vmapped_axes: tuple[str, ...] = ()
   # The dtype gradients are reduced in across devices (FSDP's reduce_dtype).
   reduce_dtype: str = "float32"
 
@@ -116,29 +112,6 @@ class Layout:
   @property
   def data_parallel_size(self) -> int:
     return math.prod(self.mesh.shape[a] for a in AXES)
-
-  @property
-  def local_axes(self) -> tuple[str, ...]:
-    """The data axes over which jaxzero.engine.step keeps gradients apart and reduces them
-    once per step: every data axis for stages 0-1 (see `reduces_once`); under
-    hybrid sharding `replica`, so that gradients are reduce-scattered within
-    `fsdp` and only their shards cross `replica`."""
-    if self.reduces_once:
-      return AXES
-    if self.hybrid and self.mesh.shape["replica"] > 1:
-      return ("replica",)
-    return ()
-
-  @property
-  def reduces_once(self) -> bool:
-    """Whether gradients stay unreduced per device until the last micro-step.
-
-    Stages 0-1 keep replicated gradients, so accumulating them reduced would
-    all-reduce every micro-step; like DeepSpeed they accumulate locally and
-    reduce once. Stages 2-3 reduce-scatter every micro-step into sharded
-    buffers, which is what saves their memory.
-    """
-    return not self.is_sharded("grads") and self.data_parallel_size > 1
 
   def is_sharded(self, role: str) -> bool:
     return role in SHARDED_ROLES[self.stage]
@@ -213,87 +186,28 @@ class Layout:
   def replicated(self, role: str = "grads") -> NamedSharding:
     return self.sharding(P(), role)
 
-  # -- the model's hooks: activations (`shard`), weights where used (`gather`) --
-
-  def context_mesh(self):
-    """The mesh the hooks' constraints name: the layout's, or inside a ``shard_map``
-    over some of its axes (1F1B's, over ``pipeline``) the traced one, where those axes
-    are Manual and a constraint may name only the others."""
-    traced = jax.sharding.get_abstract_mesh()
-    return traced if traced.manual_axes else self.mesh
-
   def batch_sharding(self, leading_dims: int = 0) -> NamedSharding:
     """Sharding of a batch [..., B, ...] of any rank (with `leading_dims` unsplit
     axes before the rows), e.g. tokens [A, B, T+1]: rows over the data axes."""
     return NamedSharding(self.mesh, P(*([None] * leading_dims), AXES))
 
-  def shard_activation(self, x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
-    """The model's `shard` hook: batch over the data axes; over `tensor`, the
-    activation's Megatron dimension if it has one (e.g. q by heads, logits by
+  def activation_spec(self, shape: tuple[int, ...], logical_axes: tuple[str, ...],
+                      batch_axes: tuple[str, ...] = AXES) -> P:
+    """Where an activation lives: its batch over `batch_axes` (the data axes); over
+    `tensor`, its Megatron dimension if it has one (e.g. q by heads, logits by
     vocabulary), else its sequence (the residual stream: sequence parallelism)."""
-    batch_axes = tuple(a for a in AXES if a not in self.vmapped_axes)
     axes = [(batch_axes or None) if a == "batch" else None for a in logical_axes]
     t = self.tensor_size
     megatron = [a for a in TENSOR_DIMS if a in logical_axes]
     split = megatron[0] if megatron else "seq"
-    if t > 1 and split in logical_axes and x.shape[logical_axes.index(split)] % t == 0:
+    if t > 1 and split in logical_axes and shape[logical_axes.index(split)] % t == 0:
       axes[logical_axes.index(split)] = TENSOR
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.context_mesh(), P(*axes)))
-
-  def gather_for_compute(self, w: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
-    """The model's `gather` hook: a weight in the compute layout (replicated over
-    the data axes, split over `tensor`) where it is used; its gradient leaves in
-    the reduce layout."""
-    if self.params_memory == "pinned_host":
-      # Offloaded weights (stage 3): each layer's shard comes to the device here,
-      # inside the layer scan, one layer at a time (a no-op for those already there).
-      w = jax.device_put(w, NamedSharding(self.context_mesh(),
-                                          self.spec(w.shape, logical_axes, "params"),
-                                          memory_kind="device"))
-    compute = NamedSharding(self.context_mesh(), self.spec(w.shape, logical_axes, "compute"))
-    if set(AXES) <= set(self.vmapped_axes):  # a per-device gradient stays whole, unreduced
-      return w if self.tensor_size == 1 else jax.lax.with_sharding_constraint(w, compute)
-    reduced = self.spec(w.shape, logical_axes, self.reduce_role)
-    return gather_for_compute(w, compute, NamedSharding(self.context_mesh(), reduced),
-                              jax.numpy.dtype(self.reduce_dtype))
-
-
-# A custom_vjp because the partitioned HLO shows XLA cannot get there alone: the
-# transpose of a sharding constraint constrains the cotangent to the same
-# (replicated) layout, so each gradient was all-reduced whole and only then
-# sliced to its shard (all-reduce -> transpose -> copy -> dynamic-slice, which
-# XLA:GPU does not turn into a reduce-scatter). Constraining the cotangent to
-# the reduce layout where it is produced lets the partitioner emit the
-# reduce-scatter (on CPU: an all-reduce feeding only a dynamic-slice).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gather_for_compute(w: jax.Array, compute: NamedSharding, reduced: NamedSharding,
-                       reduce_dtype) -> jax.Array:
-  """`w` in the `compute` layout; its gradient reduced into `reduced`, in `reduce_dtype`."""
-  return jax.lax.with_sharding_constraint(w, compute)
-
-
-def _gather_fwd(w, compute, reduced, reduce_dtype):
-  return gather_for_compute(w, compute, reduced, reduce_dtype), None
-
-
-def _gather_bwd(compute, reduced, reduce_dtype, _, g):
-  del compute
-  g_reduced = jax.lax.with_sharding_constraint(g.astype(reduce_dtype), reduced)
-  return (g_reduced.astype(g.dtype),)
-
-
-gather_for_compute.defvjp(_gather_fwd, _gather_bwd)
+    return P(*axes)
 
 
 def on_device(shardings: Any) -> Any:
   """The same placements in device memory: where offloaded state is used."""
   return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
-
-
-def local_sharding(layout: Layout, spec: P) -> NamedSharding:
-  """Sharding of a stack [local groups, ...] of values laid out by `spec` within
-  each group: one row per group of `layout.local_axes` (see jaxzero.engine.step)."""
-  return NamedSharding(layout.mesh, P(layout.local_axes, *spec))
 
 
 def _has_logical_axes(x: Any) -> bool:

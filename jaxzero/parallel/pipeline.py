@@ -6,7 +6,7 @@ device; after each tick the stage outputs shift one stage on, which XLA partitio
 a collective-permute between neighbours, so only activations (and their gradients)
 cross stages. :func:`gpipe_scan` is a ``Hooks.scan`` whose backward is autodiff's:
 GPipe, and interleaved (circular) over V virtual stages. 1F1B, where each stage runs its
-own schedule, is jaxzero.engine.one_f_one_b; this module keeps every schedule's bubble
+own schedule, is jaxzero.parallel.one_f_one_b; this module keeps every schedule's bubble
 formula (docs/stages-and-meshes.md, "Pipeline stages", compares them).
 
 Invariants: each row goes through every layer in order, so losses and gradients are
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.sharding.mesh import AXES, PIPELINE
+from jaxzero.parallel.mesh import AXES, PIPELINE
 
 
 def stage_constraint(mesh, unsplit: int = 0) -> Callable[[Any], Any]:
@@ -116,7 +116,7 @@ BUBBLE_FORMULAS = {"gpipe": "(S-1)/(M+S-1)", "1f1b": "(S-1)/(M+S-1)",
 
 def bubble_fraction(stages: int, micro: int, schedule: str = "gpipe", virtual: int = 1) -> float:
   """The idle share of a pipelined step: (S - 1) / (M + S - 1) for GPipe and 1F1B (in
-  slots: jaxzero.engine.one_f_one_b), (S - 1) / (V M + S - 1) interleaved over V virtual
+  slots: jaxzero.parallel.one_f_one_b), (S - 1) / (V M + S - 1) interleaved over V virtual
   stages."""
   work = micro * (virtual if schedule == "interleaved" else 1)
   return (stages - 1) / (work + stages - 1)

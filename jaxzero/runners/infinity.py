@@ -1,5 +1,5 @@
-"""ZeRO-Infinity's parameter tier (``offload.params=nvme``): a model bigger than the
-machine, trained one layer at a time.
+"""The ZeRO-Infinity runner (``offload.params=nvme``): a model bigger than the machine,
+trained one layer at a time.
 
 With ``offload.optimizer=nvme`` the store on local disk already holds each weight's fp32
 master and optimizer moments (jaxzero.offload.nvme_tier). Here nothing else is kept whole
@@ -37,22 +37,23 @@ from jax.experimental import multihost_utils
 
 from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import integrity
-from jaxzero.offload import nvme_store, nvme_tier
+from jaxzero.offload import nvme_chunks, nvme_store
 from jaxzero.offload.layer_programs import LayerPrograms
+from jaxzero.runners import nvme as nvme_runner
 
 GRADS = "grads"  # the store subdirectory of the gradient sums
 
 
-class Infinity(nvme_tier.Tier):
+class InfinityRunner(nvme_runner.NvmeRunner):
   """The NVMe tier with the parameters and gradients off the device too.
 
   The state's ``params`` are None at every leaf; :attr:`names` lists them among the
   leaves the tier keeps (a checkpoint derives them from the masters).
   """
 
-  def __init__(self, engine: engine_lib.Engine, directory: pathlib.Path):
-    super().__init__(engine, directory)
-    self.programs = LayerPrograms(engine)
+  def __init__(self, program: engine_lib.TrainProgram, directory: pathlib.Path):
+    super().__init__(program, directory)
+    self.programs = LayerPrograms(program)
     self.key = self.programs.key
     self.names |= {f"params/{leaf.name}" for leaf in self.leaves}
     # The gradient sums: one fp32 copy per weight, chunked as the optimizer's state.
@@ -79,7 +80,7 @@ class Infinity(nvme_tier.Tier):
     """{weight name: array} of one layer's weights, nested as ``params[layers_key]``."""
     return jax.tree_util.tree_map_with_path(
         lambda path, _: arrays[integrity.leaf_name((self.key, *path))],
-        self.engine.abstract.master[self.key])
+        self.program.abstract.master[self.key])
 
   def named(self, tree: Any) -> dict[str, Any]:
     """`nest`'s inverse."""
@@ -106,10 +107,10 @@ class Infinity(nvme_tier.Tier):
 
   def _compute_copy(self, store) -> Any:
     """No compute copy is kept: None at every leaf (see the module's docstring)."""
-    return jax.tree.map(lambda _: None, self.engine.abstract.params)
+    return jax.tree.map(lambda _: None, self.program.abstract.params)
 
-  def state(self, restored) -> nvme_tier.NvmeState:
-    return nvme_tier.NvmeState(*restored._replace(params=self._compute_copy(None)), self.store)
+  def state(self, restored) -> nvme_runner.NvmeState:
+    return nvme_runner.NvmeState(*restored._replace(params=self._compute_copy(None)), self.store)
 
   def _io_bytes(self) -> dict[str, int]:
     """This process's bytes read and written per step, at the config's grad_accum."""
@@ -125,11 +126,15 @@ class Infinity(nvme_tier.Tier):
 
   # -- the step ------------------------------------------------------------------------
 
-  def compile(self, state: nvme_tier.NvmeState, batch: jax.Array):
+  def lower(self, state_shapes, batch_shapes):
+    raise TypeError("ZeRO-Infinity runs one program per layer: jaxzero.planning.infinity_plan "
+                    "compiles them one by one")
+
+  def compile(self, state: nvme_runner.NvmeState, batch: jax.Array):
     """The step (its programs compile on first use, one per kind of program)."""
     return self.step
 
-  def _gradients(self, state, batch_Ax: jax.Array, scale: tuple, grad_step=None):
+  def _gradients(self, state, batch_Ax: jax.Array, scale, grad_step=None):
     """The step's gradients, summed into the gradient store: (None, loss, norm)."""
     del grad_step
     p, accum = self.programs, jax.tree.leaves(batch_Ax)[0].shape[0]
@@ -152,8 +157,8 @@ class Infinity(nvme_tier.Tier):
         # would put every layer's weights on the device before the first had run.
         jax.block_until_ready(checkpoints[-1])
       value, (post_grads, ct_carry) = p.post_grad(self._on_device(outer, post_names), batch,
-                                                  carry, *scale)
-      loss_sum += value[1] if scale else value
+                                                  carry, scale)
+      loss_sum += value if scale is None else value[1]
       ct_consts = [0.0 * c for c in p.float_consts(consts)]
       self.grad_store.writes.wait()  # the last micro-step's sums, before they are added to
       pending = None
@@ -174,8 +179,8 @@ class Infinity(nvme_tier.Tier):
     if jax.process_count() > 1:
       squares = float(np.sum(multihost_utils.process_allgather(np.float64(squares))))
     grad_norm = np.float32(np.sqrt(squares) / accum)
-    if scale:
-      grad_norm = grad_norm / np.float32(scale[0])
+    if scale is not None:
+      grad_norm = grad_norm / np.float32(scale)
     return None, np.float32(loss_sum / accum), grad_norm
 
   @staticmethod
@@ -235,10 +240,10 @@ class Infinity(nvme_tier.Tier):
 
     def read(unit):
       leaf, g, starts = unit
-      return nvme_tier.All([store.read(leaf, region, starts) for region in leaf.regions]
+      return nvme_chunks.All([store.read(leaf, region, starts) for region in leaf.regions]
                             + [grad_store.read(g, region, starts) for region in g.regions])
 
-    replicated = self.engine.layout.replicated()
+    replicated = self.program.layout.replicated()
     norm = jax.device_put(np.float32(grad_norm), replicated)
     scale = jax.device_put(np.float32(1.0 if scale is None else scale), replicated)
     for (leaf, g, starts), chunks in nvme_store.prefetched(units, read):
@@ -260,11 +265,11 @@ class Infinity(nvme_tier.Tier):
     if name not in self._units:
       inner, cfg = self._inner, self.cfg
       scalar_sh = jax.tree.leaves(self._scalar_sh)
-      replicated = self.engine.layout.replicated()
+      replicated = self.program.layout.replicated()
       grad_sh = nvme_store.Leaf(leaf.name, leaf.shape, ("grad",), leaf.sharding,
                                 leaf.chunk).chunk_sharding
       self._units[name] = jax.jit(
-          lambda g, chunk, scalars, norm, scale: nvme_tier.update_chunk(
+          lambda g, chunk, scalars, norm, scale: nvme_chunks.update_chunk(
               cfg, inner, leaf.name, g[0], chunk, scalars, norm, scale),
           in_shardings=(grad_sh, leaf.chunk_sharding, scalar_sh, replicated, replicated),
           out_shardings=(leaf.chunk_sharding, scalar_sh))
@@ -287,10 +292,10 @@ def _assemble(leaves, layer: int | None, reads, dtype) -> dict[str, tuple]:
 
 
 class _Weights:
-  """Weights being read (Infinity.read_weights): `host()` waits for them, `result()`
+  """Weights being read (InfinityRunner.read_weights): `host()` waits for them, `result()`
   also puts them on the devices (on the caller's thread, which orders the transfers)."""
 
-  def __init__(self, tier: Infinity, layer: int | None, assembled):
+  def __init__(self, tier: InfinityRunner, layer: int | None, assembled):
     self._tier, self._layer, self._assembled = tier, layer, assembled
 
   def host(self) -> dict[str, tuple]:

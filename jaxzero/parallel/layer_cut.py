@@ -1,5 +1,5 @@
 """A model's loss cut at its layer scan (``Hooks.scan``, ``Model.layers_key``), for the
-drivers that schedule the layers themselves: the 1F1B pipeline (jaxzero.engine.pipeline)
+drivers that schedule the layers themselves: the 1F1B pipeline (jaxzero.parallel.pipeline)
 and the NVMe tier's layer programs (jaxzero.offload.layer_programs).
 
 `loss(params, batch, scan) -> mean loss` is the model's loss with the engine's hooks and

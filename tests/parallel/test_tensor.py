@@ -26,8 +26,10 @@ from jaxzero.config import ConfigError
 from jaxzero.interop import hf_export, hf_load
 from jaxzero.models.llama import LlamaConfig, count_params, is_param_spec, param_specs
 from jaxzero.models.loss import cross_entropy
-from jaxzero.planning import collectives, planner, state_bytes
-from jaxzero.sharding import mesh
+from jaxzero.engine.hooks import LayoutHooks
+from jaxzero.parallel import mesh
+from jaxzero.planning import collectives, planner, zero_formula
+from jaxzero.runners.base import InMemoryRunner
 
 import processes
 from tiny import compiled_step, initial_state_and_batches, make_engine, run_steps
@@ -140,7 +142,7 @@ def test_every_leaf_is_split_by_the_stage_and_tensor(stage, hybrid, shape):
   # Per device: the ZeRO formula divided by the tensor size, except that the few
   # weights `tensor` leaves whole (norm gains; KV projections when it does not
   # divide the KV heads) are whole in the roles the stage does not shard.
-  got = state_bytes.state_bytes(engine)
+  got = engine.state_bytes()
   whole = sum(int(np.prod(s.shape)) for n, s in _flat_specs(specs).items()
               if not split_by_tensor(n, tensor))
   phi = count_params(MODEL)
@@ -163,8 +165,8 @@ def test_llama70b_state_is_the_zero_figure_over_tensor():
   cfg = config.load(str(planner_config("llama70b_zero3_offload")),
                     ["mesh.fsdp=4", "mesh.tensor=2", "offload.optimizer=device"])
   engine = make_engine(cfg)
-  got = state_bytes.state_bytes(engine)
-  theory, formula = state_bytes.theory_state_bytes(cfg, engine.layout)
+  got = engine.state_bytes()
+  theory, formula = zero_formula.theory_state_bytes(cfg, engine.layout)
   phi = count_params(cfg.model)
   assert formula == "(16Φ/N)/T"
   assert theory == round(16 * phi / 8)
@@ -197,7 +199,7 @@ def test_tensor_collectives_move_activations_never_weights_or_logits():
                  grad_accum=1, seq_len=T)
   cfg = dataclasses.replace(cfg, remat=config.RematConfig(policy="full"))
   engine = make_engine(cfg)
-  compiled = planner.compile_step(engine, micro_batch=B)
+  compiled = planner.compile_step(InMemoryRunner(engine), micro_batch=B)
   over_tensor = [c for c in collectives.collectives(compiled.as_text())
                  if "tensor" in collectives.mesh_axes(c.replica_groups, engine.layout.mesh)]
   weights = [s.shape[1:] if s.logical_axes[0] == "layers" else s.shape
@@ -233,7 +235,7 @@ def test_vocabulary_parallel_loss_never_gathers_logits():
   def compile_grad(shard, *a):
     return jax.jit(jax.value_and_grad(lambda *b: loss(*b, shard), argnums=(0, 1))).lower(
         *a).compile(planner.FAST_COMPILE_OPTIONS)
-  compiled = compile_grad(layout.shard_activation, *args)
+  compiled = compile_grad(LayoutHooks(layout).shard, *args)
   (got, got_grads) = compiled(*args)
   (want, want_grads) = compile_grad(None, x, head, labels)(x, head, labels)
   np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -250,7 +252,7 @@ def test_vocabulary_parallel_loss_never_gathers_logits():
 
 PLAN_70B_BY_TENSOR = """
 import json, sys
-from jaxzero.sharding import mesh
+from jaxzero.parallel import mesh
 mesh.use_virtual_cpu_devices(64)
 from jaxzero import config
 from jaxzero.planning import planner
@@ -355,7 +357,7 @@ def test_a_weight_whose_megatron_dimension_does_not_divide_is_refused():
 
 
 def test_kv_heads_that_tensor_does_not_divide_are_replicated_and_logged(caplog):
-  with caplog.at_level("INFO", logger="jaxzero.sharding.zero"):
+  with caplog.at_level("INFO", logger="jaxzero.parallel.zero"):
     layout = make_engine(make_cfg({"stage": 3}, (1, 2, 4))).layout
   assert "replicating the 2 KV heads across each tensor group of 4" in caplog.text
   assert layout.spec((2, 64, 2, 16), ("layers", "embed", "kv_heads", "head_dim"), "compute") == P()

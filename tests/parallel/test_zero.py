@@ -12,9 +12,8 @@ from jaxzero import config
 from jaxzero import engine as engine_lib
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, count_params, param_specs
-from jaxzero.planning import state_bytes
-from jaxzero.sharding.mesh import make_mesh
-from jaxzero.sharding.zero import Layout
+from jaxzero.parallel.mesh import make_mesh
+from jaxzero.parallel.zero import Layout
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 ALL = ("replica", "fsdp")
@@ -35,7 +34,7 @@ def _layout(stage, hybrid=False, replica=1, fsdp=8, optimizer="device", params="
 
 def _state_bytes(cfg, layout):
   """Per-device bytes of compute params, grads (in grad dtype), and master + Adam."""
-  got = state_bytes.state_bytes(engine_lib.Engine(cfg, layout, trainable.llama(cfg.model)))
+  got = engine_lib.TrainProgram(cfg, layout, trainable.llama(cfg.model)).state_bytes()
   return {role: got[role] for role in ("params", "grads", "optimizer")}
 
 
@@ -56,7 +55,7 @@ def test_every_param_and_optimizer_leaf_is_placed_by_the_stage_table(stage, hybr
   layout = _layout(stage, hybrid, replica=2 if hybrid else 1, fsdp=4 if hybrid else 8)
   shard_axes = ("fsdp",) if hybrid else ALL
   expected = _expected_specs(stage, shard_axes)
-  sh = engine_lib.Engine(cfg, layout, trainable.llama(cfg.model)).shardings
+  sh = engine_lib.TrainProgram(cfg, layout, trainable.llama(cfg.model)).shardings
   specs = param_specs(cfg.model)
   is_spec = lambda x: hasattr(x, "logical_axes")
   flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
@@ -74,7 +73,7 @@ def test_every_param_and_optimizer_leaf_is_placed_by_the_stage_table(stage, hybr
 
 def test_initialised_state_really_lives_in_its_shards():
   cfg = _cfg(compute="float32")
-  state = engine_lib.Engine(cfg, _layout(3), trainable.llama(cfg.model)).init()
+  state = engine_lib.TrainProgram(cfg, _layout(3), trainable.llama(cfg.model)).init()
   wq = state.params["layers"]["wq_LxDxHxE"]
   assert wq.sharding.spec == P(None, ALL, None, None)
   chex.assert_shape([s.data for s in wq.addressable_shards], (2, 8, 4, 16))
@@ -108,7 +107,7 @@ def test_hybrid_shards_over_fsdp_only():
 def test_a_leaf_that_does_not_divide_picks_another_dimension_or_replicates():
   # dim 36 and vocab 257 divide no 8-way axis; mlp 64 does.
   odd = LlamaConfig(vocab_size=257, dim=36, n_layers=1, n_heads=4, n_kv_heads=2, mlp_dim=64)
-  sh = engine_lib.Engine(_cfg(odd), _layout(3), trainable.llama(_cfg(odd).model)).shardings
+  sh = engine_lib.TrainProgram(_cfg(odd), _layout(3), trainable.llama(_cfg(odd).model)).shardings
   assert sh.params["layers"]["w_up_LxDxF"].spec == P(None, None, ALL)
   assert sh.params["embed_VxD"].spec == P()
   assert sh.params["final_norm"].spec == P()

@@ -5,7 +5,7 @@ every step's loss and the final weights equal one device's; only activations cro
 the stages; what cannot apply is one line.
 
 Steps are compiled with the planner's fast options and start from the 1-device run's
-initial state, placed into each layout's shards (as tests/sharding/test_tensor.py).
+initial state, placed into each layout's shards (as tests/parallel/test_tensor.py).
 """
 
 import dataclasses
@@ -20,7 +20,7 @@ import pytest
 
 from jaxzero import config
 from jaxzero.config import ConfigError
-from jaxzero.engine import pipeline
+from jaxzero.parallel import pipeline
 from jaxzero.planning import planner
 from jaxzero.training import loop
 
@@ -229,7 +229,7 @@ def test_the_405b_3d_preset_plans_within_80_gb_a_device():
   # In a process of its own, which JAX starts with 1024 virtual devices; the stage-3 row
   # of `jaxzero.plan --config configs/llama405b_3d.py`.
   program = ("import json, sys\n"
-             "from jaxzero.sharding import mesh\n"
+             "from jaxzero.parallel import mesh\n"
              "mesh.use_virtual_cpu_devices(1024)\n"
              "from jaxzero import config\n"
              "from jaxzero.planning import planner\n"

@@ -1,8 +1,9 @@
-"""The Engine: everything one config on one layout derives, built once per run.
+"""The training program: everything one config on one layout derives, built once per run.
 
-The optimizer, the state's shardings and shapes, the initialiser (the state
-is created directly into its shards: no device ever holds a full model) and
-the jitted step (jaxzero.engine.step).
+The optimizer, the state's shardings and shapes, the initialiser (the state is created
+directly into its shards: no device ever holds a full model) and the jitted step
+(jaxzero.engine.step). Every runner (jaxzero.runners) trains with one; the in-memory
+runner runs its step as it is.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ import optax
 
 from jaxzero.config import Config
 from jaxzero.engine import loss_scale
+from jaxzero.engine import state_bytes as state_bytes_lib
+from jaxzero.engine.lr_schedule import learning_rate_schedule
 from jaxzero.engine.optimizer import make_optimizer
-from jaxzero.engine.schedules import learning_rate_schedule
 from jaxzero.engine.state import TrainState, dtype_of, state_shardings
 from jaxzero.engine.step import make_grad_fn, make_train_step
 from jaxzero.models.interface import Model
-from jaxzero.sharding.zero import Layout, on_device
+from jaxzero.parallel.zero import Layout, on_device
 
 
-class Engine:
+class TrainProgram:
   """The train step's pieces for one model, config and layout, built once.
 
   Attributes:
@@ -53,16 +55,20 @@ class Engine:
 
   @functools.cached_property
   def grad_step(self):
-    """Jitted (params, tokens [A, B, T+1]) -> (gradient sum, loss, norm): the
+    """Jitted (params, tokens [A, B, T+1], scale) -> (gradient sum, loss, norm): the
     step without its update, for an optimizer that runs outside it (see
     jaxzero.engine.step.make_grad_fn; divide the sum by A with
-    jaxzero.engine.optimizer.mean_grad)."""
+    jaxzero.engine.optimizer.mean_grad). `scale`: float16's loss scale, else None."""
     grads_sh = on_device(self.shardings.master)
     replicated = self.layout.replicated()
-    scale = (replicated,) if self.cfg.precision.scales_loss else ()  # float16: the loss scale
     return jax.jit(make_grad_fn(self.cfg, self.layout, self.shardings, self.model),
-                   in_shardings=(self.shardings.params, self.batch_sharding, *scale),
+                   in_shardings=(self.shardings.params, self.batch_sharding, replicated),
                    out_shardings=(grads_sh, replicated, replicated))
+
+  def state_bytes(self) -> dict[str, int]:
+    """Per-device bytes of the state by role, in pinned_host, and moved between host and
+    device per step (jaxzero.engine.state_bytes)."""
+    return state_bytes_lib.state_bytes(self)
 
   @property
   def n_params(self) -> int:

@@ -33,16 +33,16 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.engine import cut, pipeline
-from jaxzero.sharding.mesh import AXES, PIPELINE
+from jaxzero.parallel import layer_cut, pipeline
+from jaxzero.parallel.mesh import AXES, PIPELINE
 
 
 def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, layer_specs, grad_dtype,
-                params, batch_Ax, *scale):
+                params, batch_Ax, scale=None):
   """1F1B over `stages` stages of ``params[layers_key]``, the micro-batches being
   `batch_Ax`'s leading axis: (the sum of the micro-batches' gradients in `grad_dtype`,
   the layers' laid out by `layer_specs`, and their mean loss). `loss(params, batch, scan)`
-  is the model's loss (jaxzero.engine.cut); `scale`, where given, multiplies each
+  is the model's loss (jaxzero.parallel.layer_cut); `scale`, where not None, multiplies each
   micro-batch's loss before its gradient."""
   n_micro = jax.tree.leaves(batch_Ax)[0].shape[0]
   layers = params[layers_key]
@@ -54,19 +54,20 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, layer_specs,
   micro = lambda a: _take(batch_Ax, a)
   with_layers = lambda outer: {**outer, layers_key: layers}
   stacked = lambda values: jax.tree.map(lambda *xs: jnp.stack(xs), *values)
-  embed = lambda outer, a: cut.before_layers(loss, with_layers(outer), micro(a)).carry
+  embed = lambda outer, a: layer_cut.before_layers(loss, with_layers(outer), micro(a)).carry
 
   def all_floats(outer):  # the layers' floating values for every micro-batch, [M, ...]
-    return stacked([cut.floats_of(cut.before_layers(loss, with_layers(outer), micro(a)).consts)
-                    for a in range(n_micro)])
+    return stacked([layer_cut.floats_of(
+        layer_cut.before_layers(loss, with_layers(outer), micro(a)).consts)
+        for a in range(n_micro)])
 
   # Held through the step, M times what the layers close over (for Llama, the RoPE
   # tables); their gradient is taken once, at the end.
   float_consts, floats_vjp = jax.vjp(all_floats, outer)
 
   def head(outer, carry, batch):
-    value = cut.after_layers(loss, with_layers(outer), batch, carry)
-    return value * scale[0] if scale else value, value
+    value = layer_cut.after_layers(loss, with_layers(outer), batch, carry)
+    return (value if scale is None else value * scale), value
 
   # Outside the shard_map, a vmap over stages with `spmd_axis_name` runs on each stage
   # its own row: the head on every stage's output (the last stage's counts), and the
@@ -165,11 +166,11 @@ def _stage_vjp(loss: Callable, layers_key: str, layers, outer, batch):
   constraints name the traced mesh; what runs before the layers is traced too, and
   dropped: nothing uses it). ``residuals_of(x, floats)`` runs it keeping what its
   backward needs, less the layers themselves; ``restore(residuals)`` is that backward."""
-  layer_cut = cut.before_layers(loss, {**outer, layers_key: layers}, batch)
+  stage_cut = layer_cut.before_layers(loss, {**outer, layers_key: layers}, batch)
 
   def run(layers, x, floats):  # floats: this micro-batch's (integer values stay `batch`'s)
-    consts = cut.with_floats(layer_cut.consts, floats)
-    return jax.lax.scan(lambda h, w: (layer_cut.layer(h, w, *consts)[0], None), x, layers)[0]
+    consts = layer_cut.with_floats(stage_cut.consts, floats)
+    return jax.lax.scan(lambda h, w: (stage_cut.layer(h, w, *consts)[0], None), x, layers)[0]
 
   weights = jax.tree.leaves(layers)
   structure = {}

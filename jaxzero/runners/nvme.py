@@ -1,9 +1,9 @@
-"""ZeRO-Infinity's NVMe tier (``offload.optimizer=nvme``): the optimizer's state
-on local disk, streamed through memory one chunk at a time.
+"""The NVMe runner, ZeRO-Infinity's NVMe tier (``offload.optimizer=nvme``): the
+optimizer's state on local disk, streamed through memory one chunk at a time.
 
 Memory holds the compute copy of the weights, one step's gradients and a few chunks; the fp32
 master weights and the optimizer's per-weight leaves live in jaxzero.offload.nvme_store. A step
-is ``Engine.grad_step``, then, unless the loss or the norm is not finite, the in-memory path's
+is ``TrainProgram.grad_step``, then, unless the loss or the norm is not finite, the in-memory path's
 optax math chunk by chunk (read ahead and written behind asynchronously), writing the new
 compute-dtype weights in place. A run never reads its store after a restart: it is rebuilt
 from the last checkpoint, so a run with the tier resumes in memory and the other way round.
@@ -25,8 +25,9 @@ import optax
 from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import integrity
 from jaxzero.engine import TrainState, loss_scale
-from jaxzero.offload import nvme_checkpoint, nvme_store
-from jaxzero.sharding.zero import on_device
+from jaxzero.offload import nvme_checkpoint, nvme_chunks, nvme_store, targets
+from jaxzero.parallel.zero import bytes_per_device, on_device
+from jaxzero.runners import base
 
 log = logging.getLogger(__name__)
 
@@ -54,54 +55,28 @@ def store_directory(nvme_dir: str, workdir) -> pathlib.Path:
           / f"process_{jax.process_index()}")
 
 
-class _Weight:
-  """Marks the leaf of an optimizer state that mirrors weight `name`."""
-
-  def __init__(self, name: str):
-    self.name = name
-
-
-def weight_copies(tx: optax.GradientTransformation, opt_state: Any,
-                  master: Any) -> dict[str, tuple[str, ...]]:
-  """{weight: the TrainState leaves of its copies}: "master/<weight>", then each
-  per-weight leaf of the optimizer state in its order (e.g. Adam's mu, nu)."""
-  weights = jax.tree_util.tree_map_with_path(
-      lambda p, _: _Weight(integrity.leaf_name(p)), master)
-  marked = optax.tree_map_params(tx, lambda _, w: w, opt_state, weights,
-                                 transform_non_params=lambda v: jax.tree.map(lambda _: None, v))
-  copies = {w.name: [f"master/{w.name}"] for w in jax.tree.leaves(weights)}
-  for path, w in jax.tree_util.tree_flatten_with_path(
-      marked, is_leaf=lambda x: isinstance(x, _Weight))[0]:
-    copies[w.name].append(f"opt_state/{integrity.leaf_name(path)}")
-  return {name: tuple(kinds) for name, kinds in copies.items()}
+def nvme_bytes(program: engine_lib.TrainProgram) -> int:
+  """Per-device bytes in the NVMe store's files: the fp32 master weights and the
+  optimizer's per-weight leaves (a process stores a replicated shard once)."""
+  abstract, sh = program.abstract, program.shardings
+  per_weight = lambda tree: optax.tree_map_params(program.tx, lambda x: x, tree,
+                                                  transform_non_params=lambda _: None)
+  return (bytes_per_device(abstract.master, sh.master)
+          + bytes_per_device(per_weight(abstract.opt_state), per_weight(sh.opt_state)))
 
 
-def _weight_flags(tx: optax.GradientTransformation, state: Any) -> list[bool]:
-  """For each leaf of `state`: whether it mirrors a weight (else a scalar, e.g. a count)."""
-  return jax.tree.leaves(optax.tree_map_params(
-      tx, lambda _: True, state, transform_non_params=lambda v: jax.tree.map(lambda _: False, v)))
-
-
-def _nest(name: str, value: Any) -> dict:
-  """{"layers": {"w_up_LxDxF": value}} for "layers/w_up_LxDxF": the optimizer's
-  decay mask goes by these names."""
-  for key in reversed(name.split("/")):
-    value = {key: value}
-  return value
-
-
-class Tier:
+class NvmeRunner:
   """The NVMe tier of one run: its store, initialisation and streamed update.
 
   Built from the run's Engine (nothing is allocated, nothing is written); the
   store is made by :meth:`init` or by a restore (jaxzero.checkpoint.checkpointer).
   """
 
-  def __init__(self, engine: engine_lib.Engine, directory: pathlib.Path):
-    self.engine, self.cfg, self.directory = engine, engine.cfg, directory
-    sh, abstract = engine.shardings, engine.abstract
-    self._inner = engine.inner
-    copies = weight_copies(engine.tx, abstract.opt_state, abstract.master)
+  def __init__(self, program: engine_lib.TrainProgram, directory: pathlib.Path):
+    self.program, self.cfg, self.directory = program, program.cfg, directory
+    sh, abstract = program.shardings, program.abstract
+    self._inner = program.inner
+    copies = nvme_chunks.weight_copies(program.tx, abstract.opt_state, abstract.master)
     flat, self._master_def = jax.tree_util.tree_flatten_with_path(abstract.master)
     master_sh = jax.tree.leaves(on_device(sh.master))
     self.leaves = [
@@ -111,18 +86,18 @@ class Tier:
         for (path, a), s in zip(flat, master_sh)]
     self.names = {kind for leaf in self.leaves for kind in leaf.kinds}
     # The optimizer state with None at its per-weight leaves: what memory keeps.
-    keep = lambda tree: optax.tree_map_params(engine.tx, lambda _: None, tree,
+    keep = lambda tree: optax.tree_map_params(program.tx, lambda _: None, tree,
                                               transform_non_params=lambda v: v)
     self._scalar_sh = keep(sh.opt_state)
     self._scalar_def = jax.tree.structure(keep(abstract.opt_state))
     self._scalar_abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(
         jax.tree.leaves(keep(abstract.opt_state)), jax.tree.leaves(self._scalar_sh))]
     self._units: dict[str, Any] = {}
-    replicated = engine.layout.replicated()
-    self._lr = jax.jit(engine_lib.learning_rate_schedule(engine.cfg), out_shardings=replicated)
+    replicated = program.layout.replicated()
+    self._lr = jax.jit(engine_lib.learning_rate_schedule(program.cfg), out_shardings=replicated)
     self._next_step = jax.jit(lambda s: s + 1, out_shardings=sh.step)
     self._after_step = jax.jit(
-        lambda scaler, loss, norm: loss_scale.after_step(scaler, loss, norm, engine.cfg.precision),
+        lambda scaler, loss, norm: loss_scale.after_step(scaler, loss, norm, program.cfg.precision),
         out_shardings=(sh.loss_scale, replicated))
     self.store: nvme_store.Store | None = None
     # The last step's: seconds computing gradients and updating (the update's
@@ -137,6 +112,33 @@ class Tier:
   def bytes_needed(self) -> int:
     """Bytes this process's store takes on disk."""
     return nvme_store.bytes_needed(self.leaves)
+
+  # -- the runner protocol (jaxzero.runners.base.Runner) -------------------------------
+
+  def check(self) -> None:
+    cfg = self.cfg
+    targets.check_offload(cfg, list(self.program.layout.mesh.devices.flat))
+    replaced = (nvme_store.directory_bytes(self.directory) if self.directory.exists() else 0)
+    targets.check_nvme_room(cfg, self.bytes_needed(), self.holds, replaced)
+
+  def lower(self, state_shapes, batch_shapes):
+    """The gradient step (the update streams outside it)."""
+    scale = None if state_shapes.loss_scale is None else state_shapes.loss_scale.scale
+    return self.program.grad_step.lower(state_shapes.params, batch_shapes, scale)
+
+  def save(self, checkpoints, step: int, state, wait: bool = False) -> pathlib.Path:
+    return checkpoints.save(step, state, wait=wait)  # the store's files: the nvme item
+
+  def restore(self, checkpoints, step: int, target) -> NvmeState:
+    return checkpoints.restore(step, target, into=self, optional=base.OPTIONAL_LEAVES)
+
+  def plan(self) -> dict[str, int]:
+    """The program's bytes, the store's per device (a process stores a replicated
+    shard once), read from disk and written back each step."""
+    planned = self.program.state_bytes()
+    planned["nvme"] = nvme_bytes(self.program)
+    planned["transfer"] += 2 * planned["nvme"]
+    return planned
 
   def open_store(self) -> nvme_store.Store:
     """An empty store (a killed run's is deleted first)."""
@@ -170,13 +172,14 @@ class Tier:
 
   # -- step 0 --------------------------------------------------------------------------
 
-  def init(self, master: Any = None, boxes=None) -> NvmeState:
-    """Step 0 as Engine.init makes it (same random weights from cfg.seed, or
-    `master` placed by ``shardings.master``), its weights' copies written to disk.
+  def init(self, master: Any = None, key: jax.Array | None = None, boxes=None) -> NvmeState:
+    """Step 0 as TrainProgram.init makes it (same random weights from `key`, default
+    cfg.seed's, or `master` placed by ``shardings.master``), its weights' copies written
+    to disk.
 
     `boxes(name, box) -> float32 array`, where given, draws the master weights a chunk
-    at a time instead (Engine.init draws each weight whole: 4x its size in memory)."""
-    sh = self.engine.shardings
+    at a time instead (TrainProgram.init draws each weight whole: 4x its size in memory)."""
+    sh = self.program.shardings
     store = self.open_store()
     master_sh = jax.tree.leaves(on_device(sh.master))
     random = master is None
@@ -195,7 +198,7 @@ class Tier:
       batches = [[i] for i in range(len(self.leaves))]
     for batch in batches:
       if random:  # drawn a batch of weights at a time
-        weights = dict(zip(batch, self._random_weights(batch, [master_sh[i] for i in batch])))
+        weights = dict(zip(batch, self._random_weights(batch, [master_sh[i] for i in batch], key)))
       for i in batch:  # each fp32 weight dropped once written
         self._write_first(store, self.leaves[i], weights[i])
         weights[i] = None
@@ -204,15 +207,15 @@ class Tier:
     params = self._compute_copy(store)
     # The optimizer's scalars do not depend on the weights' shapes: initialised
     # over one-element stand-ins.
-    stand_ins = jax.tree.map(lambda _: jnp.zeros((1,), jnp.float32), self.engine.abstract.master)
-    full = jax.jit(self.engine.tx.init)(stand_ins)
-    scalars = [x for x, is_weight in zip(jax.tree.leaves(full),
-                                         _weight_flags(self.engine.tx, full)) if not is_weight]
+    stand_ins = jax.tree.map(lambda _: jnp.zeros((1,), jnp.float32), self.program.abstract.master)
+    full = jax.jit(self.program.tx.init)(stand_ins)
+    flags = nvme_chunks.weight_flags(self.program.tx, full)
+    scalars = [x for x, is_weight in zip(jax.tree.leaves(full), flags) if not is_weight]
     opt_state = jax.device_put(self._scalar_def.unflatten(scalars), self._scalar_sh)
     step = jax.device_put(jnp.zeros((), jnp.int32), sh.step)
     scaler = jax.device_put(loss_scale.init(self.cfg.precision), sh.loss_scale)
     store.writes.wait()
-    return NvmeState(step, params, jax.tree.map(lambda _: None, self.engine.abstract.master),
+    return NvmeState(step, params, jax.tree.map(lambda _: None, self.program.abstract.master),
                      opt_state, scaler, store)
 
   def _init_batches(self) -> list[list[int]]:
@@ -229,13 +232,14 @@ class Tier:
       size += self.leaves[i].local_bytes
     return batches
 
-  def _random_weights(self, batch: list[int], shardings: list) -> list[jax.Array]:
-    """Weights `batch` of Engine.init's random master weights (the same values:
+  def _random_weights(self, batch: list[int], shardings: list, key=None) -> list[jax.Array]:
+    """Weights `batch` of TrainProgram.init's random master weights (the same values:
     the model is built whole and XLA computes only what is returned)."""
     cfg = self.cfg
 
     def draw():
-      weights = jax.tree.leaves(self.engine.model.init(jax.random.key(cfg.seed)))
+      weights = jax.tree.leaves(self.program.model.init(
+          jax.random.key(cfg.seed) if key is None else key))
       return [weights[i] for i in batch]
 
     return jax.jit(draw, out_shardings=shardings)()
@@ -256,7 +260,7 @@ class Tier:
     store.writes.wait()
     compute = engine_lib.dtype_of(self.cfg.precision.compute)
     params = []
-    for leaf, params_sh in zip(self.leaves, jax.tree.leaves(self.engine.shardings.params)):
+    for leaf, params_sh in zip(self.leaves, jax.tree.leaves(self.program.shardings.params)):
       arrays = []
       for region in leaf.regions:
         weight = np.empty([b - a for a, b in region.box], compute)
@@ -273,9 +277,9 @@ class Tier:
   def _first_copies(self, leaf: nvme_store.Leaf, w: np.ndarray) -> np.ndarray:
     """A chunk [K, ...] of step 0: a box of the master weight, and the optimizer's
     initial per-weight leaves for it (Adam's zeros)."""
-    state = self._inner.init(_nest(leaf.name, w))
-    copies = [x for x, is_weight in zip(jax.tree.leaves(state), _weight_flags(self._inner, state))
-              if is_weight]
+    state = self._inner.init(nvme_chunks.nest(leaf.name, w))
+    flags = nvme_chunks.weight_flags(self._inner, state)
+    copies = [x for x, is_weight in zip(jax.tree.leaves(state), flags) if is_weight]
     return np.stack([w, *map(np.asarray, copies)]).astype(np.float32)
 
   @staticmethod
@@ -289,15 +293,15 @@ class Tier:
   def compile(self, state: NvmeState, batch: jax.Array):
     """The step as the training loop runs it: (state, tokens [A, B, T+1]) -> (state,
     metrics), with the gradient step compiled now (the updates on first use)."""
-    scale = () if state.loss_scale is None else (state.loss_scale.scale,)
-    grad_step = self.engine.grad_step.lower(state.params, batch, *scale).compile()
+    scale = None if state.loss_scale is None else state.loss_scale.scale
+    grad_step = self.program.grad_step.lower(state.params, batch, scale).compile()
     return lambda state, batch: self.step(state, batch, grad_step)
 
   def step(self, state: NvmeState, batch: jax.Array, grad_step=None):
     """One optimizer step; `state` is consumed (its compute copy is updated in place)."""
     start = time.perf_counter()
     scaler = state.loss_scale
-    scale = () if scaler is None else (scaler.scale,)  # float16: the loss scale
+    scale = None if scaler is None else scaler.scale  # float16: the loss scale
     grads, loss, grad_norm = self._gradients(state, batch, scale, grad_step)
     finite = bool(np.isfinite(float(loss)) and np.isfinite(float(grad_norm)))
     self.stats = {"grad_s": time.perf_counter() - start, "update_s": 0.0}
@@ -310,19 +314,19 @@ class Tier:
     params, opt_state = state.params, state.opt_state
     if finite:  # a non-finite step never reaches the state (jaxzero.engine.step), here nor on disk
       start = time.perf_counter()
-      params, opt_state = self._update(state, grads, grad_norm, *scale)
+      params, opt_state = self._update(state, grads, grad_norm, scale)
       self.stats["update_s"] = time.perf_counter() - start  # its last writes may be in flight
     del grads
     return NvmeState(self._next_step(state.step), params, state.master, opt_state, scaler,
                      state.store), metrics
 
-  def _gradients(self, state: NvmeState, batch: jax.Array, scale: tuple, grad_step=None):
+  def _gradients(self, state: NvmeState, batch: jax.Array, scale, grad_step=None):
     """(gradient sum, loss, gradient norm) of a step, from the whole-program gradient step."""
-    return (grad_step or self.engine.grad_step)(state.params, batch, *scale)
+    return (grad_step or self.program.grad_step)(state.params, batch, scale)
 
   def _update(self, state: NvmeState, grads: Any, grad_norm: jax.Array, scale=None):
     """The streamed optimizer update: (new compute copy, new optimizer scalars)."""
-    store, sh = state.store, self.engine.shardings
+    store, sh = state.store, self.program.shardings
     store.writes.wait()  # the last step's writes, before their chunks are read again
     params = jax.tree.leaves(jax.device_put(state.params, on_device(sh.params)))
     grads = jax.tree.leaves(grads)
@@ -333,7 +337,7 @@ class Tier:
 
     def read(unit):
       leaf, starts = unit
-      return All([store.read(leaf, region, starts) for region in leaf.regions])
+      return nvme_chunks.All([store.read(leaf, region, starts) for region in leaf.regions])
 
     for (leaf, starts), chunks in nvme_store.prefetched(units, read):
       i = index[leaf.name]
@@ -362,21 +366,22 @@ class Tier:
     (compute weight, new chunk, new scalars) for one chunk of `leaf`."""
     if leaf.name in self._units:
       return self._units[leaf.name]
-    sh, inner = self.engine.shardings, self._inner
+    sh, inner = self.program.shardings, self._inner
     compute = engine_lib.dtype_of(self.cfg.precision.compute)
     i = [l.name for l in self.leaves].index(leaf.name)
     params_sh = jax.tree.leaves(on_device(sh.params))[i]
-    replicated = self.engine.layout.replicated()
+    replicated = self.program.layout.replicated()
     scalar_sh = jax.tree.leaves(self._scalar_sh)
 
     def unit(weight, grad_sum, chunk, starts, scalars, grad_norm, scale):
-      new_chunk, new_scalars = update_chunk(self.cfg, inner, leaf.name,
-                                            _box_of(leaf, grad_sum, starts), chunk, scalars,
-                                            grad_norm, scale)
+      new_chunk, new_scalars = nvme_chunks.update_chunk(
+          self.cfg, inner, leaf.name, nvme_chunks.box_of(leaf, grad_sum, starts), chunk, scalars,
+          grad_norm, scale)
       new_weight = new_chunk[0].astype(compute)
       if leaf.cut:  # in place (the weight is donated)
-        new_weight = _as(weight.dtype, jax.lax.dynamic_update_slice(
-            _bits(weight), _bits(new_weight), _corner(leaf, starts)))
+        bits = nvme_chunks.bits
+        new_weight = nvme_chunks.as_dtype(weight.dtype, jax.lax.dynamic_update_slice(
+            bits(weight), bits(new_weight), nvme_chunks.corner(leaf, starts)))
       return new_weight, new_chunk, new_scalars
 
     fn = jax.jit(unit, donate_argnums=0 if leaf.cut else (),
@@ -386,64 +391,3 @@ class Tier:
                  out_shardings=(params_sh, leaf.chunk_sharding, scalar_sh))
     self._units[leaf.name] = fn
     return fn
-
-
-def update_chunk(cfg, inner: optax.GradientTransformation, name: str, grad_sum: jax.Array,
-                 chunk: jax.Array, scalars: list, grad_norm: jax.Array, scale: jax.Array):
-  """The in-memory step's update of one chunk [K, ...] of weight `name` (its master
-  weight, then the optimizer's per-weight leaves), from the gradient sum over the
-  step's micro-steps of the same box: (new chunk, the optimizer's new scalars)."""
-  g = engine_lib.mean_grad(grad_sum, cfg.train.grad_accum)
-  if cfg.precision.scales_loss:  # unscaled before clipping, as in memory
-    g = g / scale
-  if cfg.train.clip_norm > 0:
-    g = engine_lib.clip_by_norm(g, grad_norm, cfg.train.clip_norm)
-  master = _nest(name, chunk[0])
-  template = inner.init(master)  # its zeros are replaced (and never computed)
-  flags = _weight_flags(inner, template)
-  copies, counts = iter(list(chunk[1:])), iter(scalars)
-  state = jax.tree.unflatten(jax.tree.structure(template),
-                             [next(copies) if f else next(counts) for f in flags])
-  updates, state = inner.update(_nest(name, g), state, master)
-  new_master = jax.tree.leaves(optax.apply_updates(master, updates))[0]
-  leaves = jax.tree.leaves(state)
-  new_copies = [x for x, f in zip(leaves, flags) if f]
-  new_scalars = [x for x, f in zip(leaves, flags) if not f]
-  return jnp.stack([new_master, *new_copies]), new_scalars
-
-
-def _corner(leaf: nvme_store.Leaf, starts) -> list:
-  """A chunk's first index: `starts` (traced) along the cut dimensions, 0 elsewhere
-  (static, so that a split dimension is never sliced)."""
-  where = dict(zip(leaf.cut, starts))
-  return [where.get(d, 0) for d in range(len(leaf.shape))]
-
-
-def _box_of(leaf: nvme_store.Leaf, x: jax.Array, starts) -> jax.Array:
-  """The chunk of `x` (a whole weight) that starts at `starts`."""
-  if not leaf.cut:
-    return x
-  return _as(x.dtype, jax.lax.dynamic_slice(_bits(x), _corner(leaf, starts), leaf.chunk))
-
-
-# A chunk is written into, and sliced out of, a whole (stacked) weight as raw
-# bits: XLA:CPU moves bfloat16 data as float32, so updating one chunk of a bf16
-# weight converted all of it, there and back, for every chunk (a whole stacked
-# weight per chunk: most of the update's time). Slicing fused the conversion
-# away, but goes through bits too, so no f32 copy of a stack is ever compiled.
-# The bitcasts cost nothing, here or on a GPU.
-_bits = integrity.bits
-
-
-def _as(dtype, bits: jax.Array) -> jax.Array:
-  return jax.lax.bitcast_convert_type(bits, dtype)
-
-
-class All:
-  """The results of several futures, as one (the stores' reads of one unit)."""
-
-  def __init__(self, futures):
-    self._futures = futures
-
-  def result(self):
-    return [f.result() for f in self._futures]

@@ -1,0 +1,95 @@
+"""The model's hooks (jaxzero.models.interface.Hooks) for one layout.
+
+`shard` constrains an activation to the layout's placement; `gather` brings a weight
+to its compute layout where it is used, and sends its gradient back in the reduce
+layout. Constraints name the mesh being traced: the layout's, or inside a
+``shard_map`` over some of its axes (1F1B's, over ``pipeline``) the traced one, where
+those axes are Manual. Under a vmap over groups of data axes (jaxzero.engine.groups),
+`vmapped_axes` are already split by the vmap: activations are not split over them
+again, and gradients are not reduced over them inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+from jax.sharding import NamedSharding
+
+from jaxzero.models.interface import Hooks, Model
+from jaxzero.parallel.mesh import AXES
+from jaxzero.parallel.zero import Layout
+
+
+def traced_mesh(layout: Layout):
+  """The mesh a constraint names now: the layout's, or the traced one inside a
+  ``shard_map`` (whose Manual axes a constraint may not name)."""
+  traced = jax.sharding.get_abstract_mesh()
+  return traced if traced.manual_axes else layout.mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutHooks:
+  """`shard` and `gather` for `layout`, with `vmapped_axes` split by an enclosing vmap."""
+  layout: Layout
+  vmapped_axes: tuple[str, ...] = ()
+
+  def hooks(self, remat: Callable, scan: Callable | None = None) -> Hooks:
+    hooks = Hooks(shard=self.shard, gather=self.gather, remat=remat)
+    return hooks if scan is None else dataclasses.replace(hooks, scan=scan)
+
+  def shard(self, x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
+    """An activation in its place: batch over the data axes the vmap leaves."""
+    batch_axes = tuple(a for a in AXES if a not in self.vmapped_axes)
+    spec = self.layout.activation_spec(x.shape, logical_axes, batch_axes)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(traced_mesh(self.layout), spec))
+
+  def gather(self, w: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
+    """A weight in the compute layout (replicated over the data axes, split over
+    `tensor`) where it is used; its gradient leaves in the reduce layout."""
+    layout, mesh = self.layout, traced_mesh(self.layout)
+    if layout.params_memory == "pinned_host":
+      # Offloaded weights (stage 3): each layer's shard comes to the device here,
+      # inside the layer scan, one layer at a time (a no-op for those already there).
+      w = jax.device_put(w, NamedSharding(mesh, layout.spec(w.shape, logical_axes, "params"),
+                                          memory_kind="device"))
+    compute = NamedSharding(mesh, layout.spec(w.shape, logical_axes, "compute"))
+    if set(AXES) <= set(self.vmapped_axes):  # a per-device gradient stays whole, unreduced
+      return w if layout.tensor_size == 1 else jax.lax.with_sharding_constraint(w, compute)
+    reduced = layout.spec(w.shape, logical_axes, layout.reduce_role)
+    return gather_for_compute(w, compute, NamedSharding(mesh, reduced),
+                              jax.numpy.dtype(layout.reduce_dtype))
+
+
+# A custom_vjp because the partitioned HLO shows XLA cannot get there alone: the
+# transpose of a sharding constraint constrains the cotangent to the same
+# (replicated) layout, so each gradient was all-reduced whole and only then
+# sliced to its shard (all-reduce -> transpose -> copy -> dynamic-slice, which
+# XLA:GPU does not turn into a reduce-scatter). Constraining the cotangent to
+# the reduce layout where it is produced lets the partitioner emit the
+# reduce-scatter (on CPU: an all-reduce feeding only a dynamic-slice).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather_for_compute(w: jax.Array, compute: NamedSharding, reduced: NamedSharding,
+                       reduce_dtype) -> jax.Array:
+  """`w` in the `compute` layout; its gradient reduced into `reduced`, in `reduce_dtype`."""
+  return jax.lax.with_sharding_constraint(w, compute)
+
+
+def _gather_fwd(w, compute, reduced, reduce_dtype):
+  return gather_for_compute(w, compute, reduced, reduce_dtype), None
+
+
+def _gather_bwd(compute, reduced, reduce_dtype, _, g):
+  del compute
+  g_reduced = jax.lax.with_sharding_constraint(g.astype(reduce_dtype), reduced)
+  return (g_reduced.astype(g.dtype),)
+
+
+gather_for_compute.defvjp(_gather_fwd, _gather_bwd)
+
+
+def loss_with_hooks(model: Model, params, batch, layout: Layout, remat, scan=None) -> jax.Array:
+  """The model's mean loss over `batch` with `layout`'s hooks (and `scan`, where given)."""
+  return model.loss(params, batch, LayoutHooks(layout).hooks(remat, scan))

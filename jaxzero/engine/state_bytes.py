@@ -1,0 +1,72 @@
+"""Per-device bytes of a program's train state, counted from its shardings (exact).
+
+What each role (params, grads, optimizer) costs a device, what of it sits in
+pinned_host, and what moves between host and device memory per step. Nothing is
+compiled or allocated. The runners add what they keep elsewhere (jaxzero.runners);
+the planner and the start-up memory check read these beside XLA's own figures.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxzero.engine.groups import reduces_once
+from jaxzero.engine.state import dtype_of
+from jaxzero.parallel.zero import bytes_per_device
+
+
+def state_bytes(program) -> dict[str, int]:
+  """Per-device bytes of each role, of the leaves placed in pinned_host, and moved
+  between host and device memory per step (jaxzero.engine.TrainProgram's state)."""
+  cfg, layout, abstract, sh = program.cfg, program.layout, program.abstract, program.shardings
+  grad_dtype = dtype_of(cfg.zero.grad_dtype)
+  abstract_grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, grad_dtype),
+                                abstract.master)
+  host = sum(_bytes_in_memory(getattr(abstract, name), getattr(sh, name), "pinned_host")
+             for name in ("params", "master", "opt_state"))
+  return {
+      "transfer": transfer_bytes(program),
+      "params": bytes_per_device(abstract.params, sh.params),
+      "grads": bytes_per_device(abstract_grads,
+                                layout.tree_shardings(program.model.specs, "grads")),
+      "optimizer": (bytes_per_device(abstract.master, sh.master)
+                    + bytes_per_device(abstract.opt_state, sh.opt_state)),
+      "host": host,
+  }
+
+
+def transfer_bytes(program) -> int:
+  """Bytes one device moves between host and device memory in a step, both ways.
+
+  Optimizer in pinned_host (ZeRO-Offload): the gradient shards go down in the
+  dtype they were reduced in, and the new compute-dtype shards come up (a
+  host-resident compute copy at stage 3 stays on the host). Weights in
+  pinned_host: streamed to the device layer by layer (jaxzero.engine.hooks);
+  when the update runs on the device, the new copy goes back.
+  """
+  cfg, layout, abstract, sh = program.cfg, program.layout, program.abstract, program.shardings
+  cast_shards = bytes_per_device(abstract.params, sh.master)  # compute dtype, optimizer layout
+  moved = 0
+  if layout.optimizer_memory == "pinned_host":
+    reduced = jnp.float32 if reduces_once(layout) else dtype_of(cfg.zero.grad_dtype)
+    grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, reduced), abstract.master)
+    moved += bytes_per_device(grads, sh.master)
+    moved += 0 if layout.params_memory == "pinned_host" else cast_shards
+  if layout.params_memory == "pinned_host":
+    params = bytes_per_device(abstract.params, sh.params)
+    layers = bytes_per_device(abstract.params["layers"], sh.params["layers"])
+    # The embedding, head and final norm come up once. Each micro-step, every
+    # layer's shard comes up for the forward pass and again for the backward (no
+    # remat policy keeps it), and its gradient shard goes down as the backward
+    # produces it and comes back up after.
+    moved += (params - layers) + cfg.train.grad_accum * 4 * layers
+    if layout.optimizer_memory != "pinned_host":
+      moved += params  # the updated compute copy goes back down
+  return moved
+
+
+def _bytes_in_memory(abstract, shardings, kind: str) -> int:
+  pairs = [(a, s) for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))
+           if s.memory_kind == kind]
+  return bytes_per_device([a for a, _ in pairs], [s for _, s in pairs])

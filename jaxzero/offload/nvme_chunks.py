@@ -1,0 +1,115 @@
+"""One chunk of a weight in the NVMe store: which optimizer leaves mirror a weight, and
+the in-memory step's update of one chunk [K, ...] (its master weight, then the
+optimizer's per-weight leaves). The NVMe and Infinity runners (jaxzero.runners) stream
+these; a chunk's box is cut from a whole weight as raw bits, so no float32 copy of a
+bfloat16 stack is compiled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxzero import engine as engine_lib
+from jaxzero.checkpoint import integrity
+from jaxzero.offload import nvme_store
+
+
+class _Weight:
+  """Marks the leaf of an optimizer state that mirrors weight `name`."""
+
+  def __init__(self, name: str):
+    self.name = name
+
+
+def weight_copies(tx: optax.GradientTransformation, opt_state: Any,
+                  master: Any) -> dict[str, tuple[str, ...]]:
+  """{weight: the TrainState leaves of its copies}: "master/<weight>", then each
+  per-weight leaf of the optimizer state in its order (e.g. Adam's mu, nu)."""
+  weights = jax.tree_util.tree_map_with_path(
+      lambda p, _: _Weight(integrity.leaf_name(p)), master)
+  marked = optax.tree_map_params(tx, lambda _, w: w, opt_state, weights,
+                                 transform_non_params=lambda v: jax.tree.map(lambda _: None, v))
+  copies = {w.name: [f"master/{w.name}"] for w in jax.tree.leaves(weights)}
+  for path, w in jax.tree_util.tree_flatten_with_path(
+      marked, is_leaf=lambda x: isinstance(x, _Weight))[0]:
+    copies[w.name].append(f"opt_state/{integrity.leaf_name(path)}")
+  return {name: tuple(kinds) for name, kinds in copies.items()}
+
+
+def weight_flags(tx: optax.GradientTransformation, state: Any) -> list[bool]:
+  """For each leaf of `state`: whether it mirrors a weight (else a scalar, e.g. a count)."""
+  return jax.tree.leaves(optax.tree_map_params(
+      tx, lambda _: True, state, transform_non_params=lambda v: jax.tree.map(lambda _: False, v)))
+
+
+def nest(name: str, value: Any) -> dict:
+  """{"layers": {"w_up_LxDxF": value}} for "layers/w_up_LxDxF": the optimizer's
+  decay mask goes by these names."""
+  for key in reversed(name.split("/")):
+    value = {key: value}
+  return value
+
+
+def update_chunk(cfg, inner: optax.GradientTransformation, name: str, grad_sum: jax.Array,
+                 chunk: jax.Array, scalars: list, grad_norm: jax.Array, scale: jax.Array):
+  """The in-memory step's update of one chunk [K, ...] of weight `name` (its master
+  weight, then the optimizer's per-weight leaves), from the gradient sum over the
+  step's micro-steps of the same box: (new chunk, the optimizer's new scalars)."""
+  g = engine_lib.mean_grad(grad_sum, cfg.train.grad_accum)
+  if cfg.precision.scales_loss:  # unscaled before clipping, as in memory
+    g = g / scale
+  if cfg.train.clip_norm > 0:
+    g = engine_lib.clip_by_norm(g, grad_norm, cfg.train.clip_norm)
+  master = nest(name, chunk[0])
+  template = inner.init(master)  # its zeros are replaced (and never computed)
+  flags = weight_flags(inner, template)
+  copies, counts = iter(list(chunk[1:])), iter(scalars)
+  state = jax.tree.unflatten(jax.tree.structure(template),
+                             [next(copies) if f else next(counts) for f in flags])
+  updates, state = inner.update(nest(name, g), state, master)
+  new_master = jax.tree.leaves(optax.apply_updates(master, updates))[0]
+  leaves = jax.tree.leaves(state)
+  new_copies = [x for x, f in zip(leaves, flags) if f]
+  new_scalars = [x for x, f in zip(leaves, flags) if not f]
+  return jnp.stack([new_master, *new_copies]), new_scalars
+
+
+def corner(leaf: nvme_store.Leaf, starts) -> list:
+  """A chunk's first index: `starts` (traced) along the cut dimensions, 0 elsewhere
+  (static, so that a split dimension is never sliced)."""
+  where = dict(zip(leaf.cut, starts))
+  return [where.get(d, 0) for d in range(len(leaf.shape))]
+
+
+def box_of(leaf: nvme_store.Leaf, x: jax.Array, starts) -> jax.Array:
+  """The chunk of `x` (a whole weight) that starts at `starts`."""
+  if not leaf.cut:
+    return x
+  return as_dtype(x.dtype, jax.lax.dynamic_slice(bits(x), corner(leaf, starts), leaf.chunk))
+
+
+# A chunk is written into, and sliced out of, a whole (stacked) weight as raw
+# bits: XLA:CPU moves bfloat16 data as float32, so updating one chunk of a bf16
+# weight converted all of it, there and back, for every chunk (a whole stacked
+# weight per chunk: most of the update's time). Slicing fused the conversion
+# away, but goes through bits too, so no f32 copy of a stack is ever compiled.
+# The bitcasts cost nothing, here or on a GPU.
+bits = integrity.bits
+
+
+def as_dtype(dtype, bits: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+class All:
+  """The results of several futures, as one (the stores' reads of one unit)."""
+
+  def __init__(self, futures):
+    self._futures = futures
+
+  def result(self):
+    return [f.result() for f in self._futures]

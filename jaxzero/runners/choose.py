@@ -1,0 +1,31 @@
+"""The one place a runner is chosen: from the config's ``offload`` section.
+
+``offload.optimizer=nvme`` streams the optimizer state from files (the NVMe runner),
+and with ``offload.params=nvme`` the weights and gradients too (ZeRO-Infinity); every
+other setting, ZeRO-Offload's pinned_host included, is the in-memory runner. The
+chosen runner's targets are checked before it is returned: a bad one costs one line.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from jaxzero.engine import TrainProgram
+from jaxzero.runners import infinity, nvme
+from jaxzero.runners.base import InMemoryRunner, Runner
+
+
+def make_runner(program: TrainProgram, workdir: str | pathlib.Path | None = None,
+                check: bool = True) -> Runner:
+  """The runner `program`'s config asks for; `workdir` names its NVMe store's
+  directory (one per run and process); `check=False` only plans (nothing is read or
+  written, and offload.nvme_dir may be unset)."""
+  offload = program.cfg.offload
+  if offload.optimizer != "nvme":
+    runner = InMemoryRunner(program)
+  else:
+    kind = infinity.InfinityRunner if offload.params == "nvme" else nvme.NvmeRunner
+    runner = kind(program, nvme.store_directory(offload.nvme_dir, workdir))
+  if check:
+    runner.check()
+  return runner
