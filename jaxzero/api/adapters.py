@@ -1,6 +1,7 @@
-"""A user's model as the engine trains it (jaxzero.models.interface.Model): a Flax NNX
-module or a function making one, a Linen module with its init inputs, or an
-``(init_fn, apply_fn)`` pair over a params pytree.
+"""A user's model adapted to the engine's contract (jaxzero.models.interface.Model): a Flax
+NNX module or a function making one, a Linen module with its init inputs, or an
+``(init_fn, apply_fn)`` pair over a params pytree. :func:`model_for` is the model a run
+trains: the Llama family's, or what the config's ``model_factory`` returns.
 
 The loss is the user's ``loss_fn(model, batch)``, called with the model bound to
 the current parameters (an NNX module, or a callable applying the Linen module or
@@ -12,23 +13,33 @@ it was created and never trained.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 from typing import Any, Callable
 
 import jax
 from flax import nnx
 
+from jaxzero.config import Config
 from jaxzero.engine import remat
 from jaxzero.errors import ConfigError
+from jaxzero.models import trainable
 from jaxzero.models.interface import Hooks, Model
 from jaxzero.parallel import rules as rules_lib
 
 
-def build(model: Any, loss_fn: Callable, *, shard_size: int, init_args: tuple = (),
+def build(model: Any, loss_fn: Callable | None, *, shard_size: int, init_args: tuple = (),
           rules: dict | None = None, min_size: int = rules_lib.DEFAULT_MIN_SIZE,
           remat_block: type | None = None, remat_policy: str = "full") -> Model:
-  """The Model for any of the three kinds of `model` (see the module's docstring);
+  """The Model for any of the kinds of `model` (see the module's docstring; a Model as it is);
   `remat_block`, an NNX class whose every call is checkpointed with `remat_policy`."""
+  if isinstance(model, Model):  # already the engine's contract: its loss takes the hooks
+    if loss_fn is not None:
+      raise ConfigError("a jaxzero.models.interface.Model carries its own loss: pass "
+                        "loss_fn=None")
+    return model
+  if loss_fn is None:
+    raise ConfigError(f"model {type(model).__name__} needs loss_fn=(model, batch) -> mean loss")
   remat_block = (remat_block, remat_policy) if remat_block is not None else None
   if isinstance(model, tuple) and len(model) == 2 and all(map(callable, model)):
     return _functions(*model, loss_fn, shard_size, rules, min_size, remat_block)
@@ -151,3 +162,25 @@ def _functions(init_fn, apply_fn, loss_fn, shard_size, rules, min_size, remat_bl
     return loss_fn(lambda *a, **k: apply_fn(params, *a, **k), batch)
 
   return Model(rules_lib.specs(shapes, None, rules, shard_size, min_size), init_fn, loss)
+
+
+def model_for(cfg: Config, shard_size: int) -> Model:
+  """The run's model: cfg.model_factory's, else the Llama family's of cfg.model. A
+  factory "module:function" returns ``(model, loss_fn)`` or a dict of jaxzero.Engine's
+  model arguments, adapted by :func:`build`, trained on the run's token batches."""
+  if not cfg.model_factory:
+    return trainable.llama(cfg.model)
+  module_name, _, function = cfg.model_factory.partition(":")
+  try:
+    made = getattr(importlib.import_module(module_name), function)()
+  except (ImportError, AttributeError) as e:
+    raise ConfigError(f"model_factory={cfg.model_factory!r}: {e}; put the module on PYTHONPATH "
+                      "or beside the config file") from None
+  spec = made if isinstance(made, dict) else dict(zip(("model", "loss_fn"), made))
+  if {"model", "loss_fn"} - set(spec):
+    raise ConfigError(f"model_factory={cfg.model_factory!r} must return (model, loss_fn) or a "
+                      "dict with model and loss_fn")
+  model, loss_fn = spec.pop("model"), spec.pop("loss_fn")
+  options = {"min_size": cfg.zero.min_shard_size}  # the factory's own min_shard_size wins
+  options.update({{"min_shard_size": "min_size"}.get(k, k): v for k, v in spec.items()})
+  return build(model, loss_fn, shard_size=shard_size, **options)

@@ -51,9 +51,13 @@ class Engine:
 
   Args:
     model: a Flax NNX module or a function returning one (taking `rngs`, or
-      nothing), a Linen module (with `init_args`), or an (init_fn, apply_fn) pair.
+      nothing), a Linen module (with `init_args`), an (init_fn, apply_fn) pair, or a
+      jaxzero.models.interface.Model (the engine's own contract: its loss takes the
+      engine's hooks; one that declares `layers_key` can also stream its layers from
+      NVMe, offload.params=nvme).
     optimizer: an optax optimizer; it runs on the fp32 master weights.
-    loss_fn: (model, batch) -> scalar mean loss, `model` bound to the parameters.
+    loss_fn: (model, batch) -> scalar mean loss, `model` bound to the parameters
+      (none for a Model, which carries its loss).
     zero, mesh, precision, remat, offload: where the state lives and how; `zero`,
       `remat` and `offload` are the config's sections (jaxzero.config), `remat` and
       `offload` also given by name ("full"; "pinned_host" for the optimizer).
@@ -66,7 +70,7 @@ class Engine:
   """
 
   def __init__(self, model: Any, *, optimizer: optax.GradientTransformation,
-               loss_fn: Callable, zero: Zero = Zero(), mesh=None,
+               loss_fn: Callable | None = None, zero: Zero = Zero(), mesh=None,
                precision: str = "float32", remat: str | Remat = "none",
                offload: str | Offload | None = None, grad_accum: int = 1,
                clip_norm: float = 0.0, rules: dict | None = None,
@@ -87,6 +91,7 @@ class Engine:
         remat=Remat("none") if remat.block else remat,
         train=dataclasses.replace(base.train, grad_accum=grad_accum, clip_norm=clip_norm))
     config_lib.check_literals(cfg)
+    config_lib.validate_offload(cfg)
     self.cfg, self.mesh = cfg, mesh
     self.layout = Layout.from_config(cfg, mesh)
     self.model = adapters.build(

@@ -25,7 +25,7 @@ import tensorstore as ts
 from orbax.checkpoint import multihost
 
 from jaxzero.checkpoint import integrity, read_errors
-from jaxzero.checkpoint.side_item import SavedSide, SideItem, SideTarget
+from jaxzero.checkpoint.external_leaves import SavedSide, SideItem, SideTarget
 from jaxzero.errors import CheckpointError, DamagedCheckpointError
 from jaxzero.models.llama import LlamaConfig
 

@@ -6,7 +6,7 @@ only the sections it needs. Reading a config starts no JAX backend, so the CLI c
 many virtual CPU devices to create before JAX starts.
 """
 
-from jaxzero.config.loading import load, validate
+from jaxzero.config.loading import load, validate, validate_offload
 from jaxzero.config.overrides import (MOVED_KEYS, apply_overrides, as_dotted, check_literals,
                                       override)
 from jaxzero.config.sections import (STRATEGIES, CheckpointConfig, Config, DataConfig,
@@ -20,4 +20,4 @@ __all__ = ["MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", "ConfigErro
            "DistributedConfig", "Dtype", "EvalConfig", "InitConfig", "LogConfig", "MemoryKind",
            "MeshConfig", "OffloadConfig", "PipelineConfig", "PrecisionConfig", "ProfileConfig",
            "RematConfig", "TrainConfig", "ZeroConfig", "apply_overrides", "as_dotted", "base",
-           "check_literals", "load", "override", "strategy_name", "validate"]
+           "check_literals", "load", "override", "strategy_name", "validate", "validate_offload"]

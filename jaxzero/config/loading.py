@@ -86,6 +86,11 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"model_factory={cfg.model_factory!r} must be \"module:function\""
                       + (" and cannot start from init.hf_checkpoint (a Llama-family checkpoint)"
                          if cfg.init.hf_checkpoint else ""))
+  validate_offload(cfg)
+
+
+def validate_offload(cfg: Config) -> None:
+  """The ``offload`` section against the stage and mesh (jaxzero.Engine checks it too)."""
   if cfg.offload.params != "device" and cfg.zero.resolved[0] != 3:
     raise ConfigError(f"offload.params={cfg.offload.params} needs ZeRO stage 3 (zero.stage=3 or "
                       "zero.strategy=FULL_SHARD/HYBRID_SHARD)")
@@ -94,7 +99,7 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_param_tier(cfg) -> None:
-  """offload.params=nvme: what the layer-by-layer driver (jaxzero.offload.infinity) runs."""
+  """offload.params=nvme: what the layer-by-layer driver (jaxzero.runners.infinity) runs."""
   where = "offload.params=nvme"
   if cfg.offload.optimizer != "nvme":
     raise ConfigError(f"{where} needs offload.optimizer=nvme (the master weights it reads live "

@@ -29,7 +29,7 @@ _RESHARD = "checkpoints restore on any mesh and stage"
 _PINNED = "offloaded state lives in pinned_host memory"
 _NVME_ONLY = "an NVMe-tier setting, unused without device nvme"
 _NVME_FIXED = "the NVMe tier's buffers and I/O are fixed (jaxzero.offload.nvme_store)"
-_PARAM_BUFFERS = {"buffer_count": "one layer is read ahead (jaxzero.offload.infinity)",  # nvme
+_PARAM_BUFFERS = {"buffer_count": "one layer is read ahead (jaxzero.runners.infinity)",  # nvme
                   "buffer_size": "whole layers are read, in the NVMe tier's chunks",
                   "max_in_cpu": "each layer is read from NVMe when it runs, none kept in RAM"}
 UNNEEDED_ZERO = {

@@ -1,4 +1,5 @@
-"""The built-in models as the engine trains them (jaxzero.models.interface.Model).
+"""The Llama family (jaxzero.models.llama) under the engine's contract
+(jaxzero.models.interface.Model).
 
 The Llama family's loss is next-token cross-entropy over a batch of token
 windows [B, T+1], taken over vocabulary chunks (jaxzero.models.loss) so that no

@@ -1,5 +1,5 @@
 """Any model cut at its layer scan into jitted programs, for a driver that runs them
-one layer at a time (jaxzero.offload.infinity).
+one layer at a time (jaxzero.runners.infinity).
 
 The cut is jaxzero.parallel.layer_cut's, at ``Hooks.scan``: what runs before it (e.g. the
 embedding) is `pre`, one scan step is `layer`, what runs after it (final norm,
@@ -24,6 +24,7 @@ from jaxzero.checkpoint import integrity
 from jaxzero.engine.hooks import loss_with_hooks
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import dtype_of
+from jaxzero.errors import ConfigError
 from jaxzero.parallel import layer_cut
 
 
@@ -54,8 +55,8 @@ class LayerPrograms:
   def __init__(self, program):
     model, layout, cfg = program.model, program.layout, program.cfg
     if model.layers_key is None:
-      raise ValueError("offload.params=nvme runs a model one layer at a time: it must declare "
-                       "Model.layers_key and run those layers through Hooks.scan")
+      raise ConfigError("offload.params=nvme runs a model one layer at a time: it must declare "
+                        "Model.layers_key and run those layers through Hooks.scan")
     self.key = key = model.layers_key
     compute = dtype_of(cfg.precision.compute)
     remat = remat_wrapper(cfg.remat.policy)

@@ -4,7 +4,7 @@ The item holds the store's arrays (one per weight, its K copies stacked, chunked
 each chunk is copied, with its part of the checksums, by the one process that owns its shard,
 inside orbax's atomic step directory, so a checkpoint is complete or absent. Restoring reads
 boxes of any shape, into an NVMe run's store or an in-memory run's shardings, on any mesh and
-stage. :data:`SIDE_ITEM` plugs the item into the checkpointer (jaxzero.checkpoint.side_item).
+stage. :data:`SIDE_ITEM` plugs the item into the checkpointer (jaxzero.checkpoint.external_leaves).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class ItemReader:
   def with_leaves(self, restored, target, kept=()):
     """`restored` (a TrainState read with None at this item's leaves) with those
     leaves read into the shardings of `target`'s, box by box; those in `kept` (a
-    run keeps them itself: jaxzero.checkpoint.side_item.SideTarget) stay None."""
+    run keeps them itself: jaxzero.checkpoint.external_leaves.SideTarget) stay None."""
     have = {integrity.leaf_name(p): x
             for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
 
@@ -169,7 +169,7 @@ class ItemReader:
 
 
 class _NvmeSideItem:
-  """The ``nvme`` item as the checkpointer sees it (jaxzero.checkpoint.side_item.SideItem)."""
+  """The ``nvme`` item as the checkpointer sees it (jaxzero.checkpoint.external_leaves.SideItem)."""
   name, index_file = "nvme", INDEX
 
   def handler(self) -> ocp.CheckpointHandler:
@@ -179,7 +179,7 @@ class _NvmeSideItem:
     return ItemReader(directory)
 
   def split(self, state) -> tuple[Any, ItemSave | None]:
-    store = getattr(state, "store", None)  # jaxzero.offload.nvme_tier.NvmeState
+    store = getattr(state, "store", None)  # jaxzero.runners.nvme.NvmeState
     if not isinstance(store, nvme_store.Store):
       return state, None
     # Copied during the save (the next update rewrites the store).

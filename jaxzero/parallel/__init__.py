@@ -1,1 +1,3 @@
-"""Where state lives: the named device mesh and the ZeRO stages as sharding layouts."""
+"""Every parallel axis in one place: the named device mesh, the ZeRO stages as sharding
+layouts (with Megatron's tensor splits), the rules that place any model's parameters,
+and the pipeline schedules with the model cut they and ZeRO-Infinity share."""

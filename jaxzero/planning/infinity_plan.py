@@ -1,7 +1,7 @@
 """The plan of a ZeRO-Infinity run (offload.params=nvme): device, host and NVMe bytes,
 the bytes each link moves per step, and a predicted step time.
 
-The driver (jaxzero.offload.infinity) runs one jitted program at a time: before the
+The driver (jaxzero.runners.infinity) runs one jitted program at a time: before the
 layer stack (`pre`, and its backward), one layer forward or backward, after the stack
 (`post`, with its gradient), and the update of one chunk. Each is compiled here ahead
 of time, from shapes and shardings only. A program's device bytes are XLA's own

@@ -2,7 +2,7 @@
 trained one layer at a time.
 
 With ``offload.optimizer=nvme`` the store on local disk already holds each weight's fp32
-master and optimizer moments (jaxzero.offload.nvme_tier). Here nothing else is kept whole
+master and optimizer moments (jaxzero.runners.nvme). Here nothing else is kept whole
 either. The forward pass reads each layer's master weights from the store (only the master
 copy of each chunk), and the layer's program casts them to the compute dtype; the backward
 pass reads them again. Each layer's gradient leaves the device as its backward program

@@ -153,7 +153,7 @@ class NvmeRunner:
     """A new store filled from a checkpoint being restored: from its ``nvme``
     item `saved`, else from its `state` arrays (opened by leaf name); returns
     the leaves whose checksums differ from `recorded`, and those not finite
-    (jaxzero.checkpoint.side_item.SideTarget)."""
+    (jaxzero.checkpoint.external_leaves.SideTarget)."""
     return nvme_checkpoint.fill(self.open_store(), recorded, saved, open_saved)
 
   def state(self, restored: TrainState) -> NvmeState:

@@ -17,6 +17,7 @@ import jax
 from orbax.checkpoint import multihost
 
 from jaxzero import engine as engine_lib
+from jaxzero.api import adapters
 from jaxzero.checkpoint import checkpointer as checkpoint_lib
 from jaxzero.config import Config
 from jaxzero.data import batches as batches_lib
@@ -24,15 +25,15 @@ from jaxzero.data import tokens as tokens_lib
 from jaxzero.engine import loss_scale
 from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
 from jaxzero.interop import hf_load
-from jaxzero.planning import memory_check
-from jaxzero.planning.flops import model_flops_per_token
-from jaxzero.runtime import peerwatch
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
+from jaxzero.planning import memory_check, memory_measure
+from jaxzero.planning.flops import model_flops_per_token
 from jaxzero.runners import base as runners_base
 from jaxzero.runners.base import Runner
 from jaxzero.runners.choose import make_runner
-from jaxzero.training import banner, evaluation, first_step, profiling, tracking, user_model
+from jaxzero.runtime import peerwatch
+from jaxzero.training import banner, evaluation, profiling, tracking
 from jaxzero.training import workdir as workdir_lib
 from jaxzero.training.metrics import MetricsLogger, PendingMetrics, drop_metrics_after
 from jaxzero.training.preemption import StopSignals
@@ -77,7 +78,7 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, len(devices))
   layout = Layout.from_config(cfg, mesh_lib.make_mesh(replica, fsdp, devices, tensor,
                                                       cfg.mesh.pipeline))
-  program = engine_lib.TrainProgram(cfg, layout, user_model.model_for(cfg, layout.shard_size))
+  program = engine_lib.TrainProgram(cfg, layout, adapters.model_for(cfg, layout.shard_size))
   runner = make_runner(program, workdir)
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
   progress = progress and jax.process_index() == 0
@@ -155,7 +156,7 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
     budget = memory_check.check(run.runner, run.devices, force)  # before any state exists
     if jax.process_index() == 0:
       print(banner.text(run, budget, workdir, total), flush=True)
-    memory = first_step.FirstStep(budget, run.devices)  # before the state exists
+    memory = memory_measure.FirstStepMemory(budget, run.devices)  # before the state exists
     peerwatch.phase("restore or init")
     state = _restore_or_init(run, checkpoints, resume_step)
     memory.state_created()
@@ -283,7 +284,7 @@ def _compile(run: Run, state, start: int):
 def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pathlib.Path,
                  checkpoints: checkpoint_lib.Checkpointer, stop: StopSignals, progress: bool,
                  evaluator: evaluation.Evaluator | None = None, tracker=None,
-                 memory: first_step.FirstStep | None = None):
+                 memory: memory_measure.FirstStepMemory | None = None):
   """Steps `start`..`total` (or until a stop signal); returns (state, logged metrics).
 
   Evaluates the held-out split before the first step, every eval.every steps

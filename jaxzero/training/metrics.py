@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxzero.runtime.memory import memory_in_use
 from jaxzero.training import throughput
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ class PendingMetrics:
         record["mfu"] = self._flops_per_step / step_time / self._peak_flops
       record.update(self._extra.pop(record["step"], {}))
       records.append(record)
-    memory = throughput.memory_in_use(self._local_devices)
+    memory = memory_in_use(self._local_devices)
     if memory is not None:
       records[-1][memory[0]] = memory[1]
     records[-1].update(extra)

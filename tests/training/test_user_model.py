@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from jaxzero import config
-from jaxzero.training import user_model
+from jaxzero.api import adapters
 from processes import ROOT, cli_env
 
 MODEL = '''
@@ -85,7 +85,7 @@ def test_the_persistence_threshold_decides_which_leaves_stay_whole(
   monkeypatch.syspath_prepend(str(tmp_path))
   cfg = dataclasses.replace(config.base(), model_factory=f"{name}:make",
                             zero=config.ZeroConfig(min_shard_size=threshold))
-  specs = user_model.model_for(cfg, shard_size=8).specs
+  specs = adapters.model_for(cfg, shard_size=8).specs
   axes = {jax.tree_util.keystr(path): leaf.logical_axes for path, leaf in
           jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: hasattr(x, "logical_axes"))}
   split = {path for path, names in axes.items() if set(names) != {"none"}}

@@ -16,7 +16,7 @@ import resource
 import jax
 
 from jaxzero.planning.memory_check import Budget
-from jaxzero.training import throughput
+from jaxzero.runtime.memory import memory_in_use
 from jaxzero.utils.formatting import format_bytes
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ WARN_RATIO = 1.15  # measured over predicted past which the line becomes a warni
 CPU_WARN_EXCESS_BYTES = 512 << 20
 
 
-class FirstStep:
+class FirstStepMemory:
   """Readings before the state exists, once it does, and after the first step."""
 
   def __init__(self, budget: Budget, devices):
@@ -75,12 +75,12 @@ class FirstStep:
 
 
 def _device_in_use(local) -> int | None:
-  memory = throughput.memory_in_use(local)
+  memory = memory_in_use(local)
   return memory[1] if memory and memory[0] == "device_memory_bytes" else None
 
 
 def _rss() -> int:
-  memory = throughput.memory_in_use([])
+  memory = memory_in_use([])
   return memory[1] if memory else 0
 
 

@@ -1,0 +1,102 @@
+"""One runner protocol, chosen in one place (jaxzero.runners.choose.make_runner): the
+in-memory program, ZeRO-Offload, the NVMe optimizer runner and ZeRO-Infinity train a
+user's own model through jaxzero.Engine to the same losses (fp32), and the training loop
+asks the same function for its runner."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxzero
+from jaxzero import config
+from jaxzero.models.interface import Leaf, Model
+from jaxzero.runners import base, choose, infinity, nvme
+from jaxzero.training import loop
+
+from processes import TINY
+
+VOCAB, DIM, LAYERS, STEPS = 64, 16, 2, 3
+
+
+def scanned_model() -> Model:
+  """A user's model under the engine's own contract: embedding, a stack of residual
+  tanh layers scanned through the engine's hook (so it can stream layer by layer), and
+  a head."""
+  specs = {"embed": Leaf((VOCAB, DIM), ("vocab", "embed")),
+           "layers": {"w": Leaf((LAYERS, DIM, DIM), ("layers", "embed", "mlp"))},
+           "head": Leaf((DIM, VOCAB), ("embed", "vocab"))}
+
+  def init(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {"embed": jax.random.normal(k1, (VOCAB, DIM)) * 0.5,
+            "layers": {"w": jax.random.normal(k2, (LAYERS, DIM, DIM)) * 0.3},
+            "head": jax.random.normal(k3, (DIM, VOCAB)) * 0.3}
+
+  def loss(params, tokens, hooks):
+    x = hooks.gather(params["embed"], ("vocab", "embed"))[tokens[:, :-1]]
+
+    def layer(h, weights):
+      return h + jnp.tanh(h @ hooks.gather(weights["w"], ("embed", "mlp"))), None
+
+    h = hooks.scan(layer, hooks.shard(x, ("batch", "seq", "embed")), params["layers"])
+    logits = h @ hooks.gather(params["head"], ("embed", "vocab"))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  return Model(specs=specs, init=init, loss=loss, layers_key="layers")
+
+
+OFFLOADS = {"device": dict(optimizer="device"), "zero_offload": dict(optimizer="pinned_host"),
+            "nvme": dict(optimizer="nvme"), "infinity": dict(optimizer="nvme", params="nvme")}
+RUNNERS = {"device": base.InMemoryRunner, "zero_offload": base.InMemoryRunner,
+           "nvme": nvme.NvmeRunner, "infinity": infinity.InfinityRunner}
+
+
+def train(offload: str, nvme_dir) -> tuple[list[float], type]:
+  engine = jaxzero.Engine(
+      scanned_model(), optimizer=optax.adamw(1e-2), zero=jaxzero.Zero(stage=3),
+      mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]), grad_accum=2,
+      offload=jaxzero.Offload(**OFFLOADS[offload], nvme_dir=str(nvme_dir)), workdir=nvme_dir)
+  tokens = jax.random.randint(jax.random.key(1), (STEPS, 16, 9), 0, VOCAB, jnp.int32)
+  state, losses = engine.init(jax.random.key(0)), []
+  for batch in tokens:
+    state, metrics = engine.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  engine.runner.close()
+  return losses, type(engine.runner)
+
+
+def test_every_runner_trains_a_user_model_through_the_engine_to_the_same_losses(tmp_path):
+  reference, kind = train("device", tmp_path)
+  assert kind is base.InMemoryRunner
+  assert reference[-1] < reference[0]
+  for offload in ("zero_offload", "nvme", "infinity"):
+    (tmp_path / offload).mkdir()
+    losses, kind = train(offload, tmp_path / offload)
+    assert kind is RUNNERS[offload], offload
+    np.testing.assert_allclose(losses, reference, rtol=1e-6, err_msg=offload)
+
+
+def test_a_model_without_a_layer_stack_cannot_stream_its_layers(tmp_path):
+  model = scanned_model()
+  flat = Model(specs=model.specs, init=model.init, loss=model.loss)  # no layers_key
+  with pytest.raises(config.ConfigError, match="must declare Model.layers_key"):
+    jaxzero.Engine(flat, optimizer=optax.adamw(1e-2), mesh=jaxzero.mesh(fsdp=8),
+                   offload=jaxzero.Offload("nvme", params="nvme", nvme_dir=str(tmp_path)))
+
+
+def test_the_loop_and_the_engine_ask_the_same_chooser(tmp_path, monkeypatch):
+  asked = []
+  real = choose.make_runner
+  monkeypatch.setattr(loop, "make_runner", lambda *a, **k: asked.append("loop") or real(*a, **k))
+  cfg = config.load(TINY, ["data.max_bytes=100000", "offload.optimizer=nvme",
+                           f"offload.nvme_dir={tmp_path}"])
+  run = loop.build(cfg, jax.devices()[:8], tmp_path / "run", progress=False)
+  assert asked == ["loop"] and isinstance(run.runner, nvme.NvmeRunner)
+  assert run.runner.directory.is_relative_to(tmp_path)
+  # Every runner answers the whole protocol.
+  for kind in (base.InMemoryRunner, nvme.NvmeRunner, infinity.InfinityRunner):
+    missing = [m for m in ("check", "init", "compile", "step", "lower", "save", "restore",
+                           "plan", "close") if not callable(getattr(kind, m, None))]
+    assert not missing, (kind, missing)
