@@ -112,7 +112,9 @@ def bench(args) -> int:
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxzero-infinity-bench-", dir=nvme_dir))
   run = None
   try:
-    run = loop.build(cfg, devices, workdir, progress=False)
+    # The benchmark checks the room itself: the state and the disk measurement.
+    run = loop.build(cfg, devices, workdir, progress=False,
+                     runner=loop.prepare(cfg, devices, workdir, check=False))
     tier = run.runner
     store = nvme_store.bytes_needed(tier.leaves) + nvme_store.bytes_needed(tier.grad_leaves)
     needed, free = store + seq_size, shutil.disk_usage(nvme_dir).free
@@ -281,7 +283,7 @@ def compute_alone(tier, state, batch_Ax) -> float:
       grad = [tier.grad_store.read(g, r, starts).result() for r in g.regions]
       first[leaf.name] = (tier._global_chunk(g, grad), tier._global_chunk(leaf, chunk))
   scalars = jax.tree.leaves(state.opt_state)
-  norm = scale = jax.device_put(np.float32(1.0), tier.engine.layout.replicated())
+  norm = scale = jax.device_put(np.float32(1.0), tier.program.layout.replicated())
   jax.block_until_ready(first)
   start = time.perf_counter()
   carry, consts = p.pre(pre_in, batch)

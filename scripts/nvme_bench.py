@@ -136,7 +136,9 @@ def bench(args) -> int:
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxzero-nvme-bench-", dir=nvme_dir))
   run = None
   try:
-    run = loop.build(cfg, devices, workdir, progress=False)
+    # The benchmark checks the room itself: the state and the disk measurement.
+    run = loop.build(cfg, devices, workdir, progress=False,
+                     runner=loop.prepare(cfg, devices, workdir, check=False))
     # At most on disk at once: the checkpoint (a copy of the store and the bf16
     # weights) beside the store, or beside the file that measures the disk.
     store = nvme_store.bytes_needed(run.runner.leaves)

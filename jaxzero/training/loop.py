@@ -66,20 +66,25 @@ class Run:
     return batches_lib.global_batch(self.batches, self.program.batch_sharding, step)
 
 
-def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
-          progress: bool = True) -> Run:
-  """Mesh, layout, program (optimizer, shardings, jitted step), its runner and the data
-  for `cfg`. The runner's targets are checked before the data is read.
-
-  `workdir` holds the token cache of file data sources (unless data.cache_dir), and
-  names the NVMe store's directory.
-  """
+def prepare(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
+            check: bool = True) -> Runner:
+  """Mesh, layout, program (optimizer, shardings, jitted step) and the runner `cfg`
+  chooses, its targets checked (one line for one it cannot use) unless `check` is
+  False. Reads and writes nothing; `workdir` names the NVMe store's directory."""
   devices = list(jax.devices() if devices is None else devices)
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, len(devices))
   layout = Layout.from_config(cfg, mesh_lib.make_mesh(replica, fsdp, devices, tensor,
                                                       cfg.mesh.pipeline))
   program = engine_lib.TrainProgram(cfg, layout, adapters.model_for(cfg, layout.shard_size))
-  runner = make_runner(program, workdir)
+  return make_runner(program, workdir, check=check)
+
+
+def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
+          progress: bool = True, runner: Runner | None = None) -> Run:
+  """The run of `cfg`: its runner (`runner`, else :func:`prepare`'s) and its data.
+  `workdir` holds the token cache of file data sources (unless data.cache_dir)."""
+  runner = runner or prepare(cfg, devices, workdir)
+  layout = runner.program.layout
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
   progress = progress and jax.process_index() == 0
   source = tokens_lib.open_tokens(cfg.data, workdir, model_vocab_size=cfg.model.vocab_size,
@@ -128,13 +133,14 @@ def run_training(cfg: Config, workdir: str | pathlib.Path, steps: int | None = N
   # Before anything is built: a bad path or a second run costs one line, not a compile.
   workdir_lib.check_paths(cfg, workdir)
   tracking.check(cfg.log)
+  runner = prepare(cfg, devices, workdir)  # its targets checked before anything is written
   with workdir_lib.hold(workdir):
-    return _run_locked(cfg, workdir, steps, devices, progress, require_checkpoint, resume_step,
+    return _run_locked(cfg, workdir, steps, runner, progress, require_checkpoint, resume_step,
                        force)
 
 
-def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, progress: bool,
-                require_checkpoint: bool, resume_step: int | None = None,
+def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: Runner,
+                progress: bool, require_checkpoint: bool, resume_step: int | None = None,
                 force: bool = False) -> Outcome:
   """run_training's body, with the workdir checked and locked."""
   total = steps if steps is not None else cfg.train.steps
@@ -152,7 +158,7 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, devices, 
       # A mismatched preset fails before tokenizing or compiling. With a
       # checkpoint the run resumes from it and the HF weights are not read.
       hf_load.check_matches(cfg.model, cfg.init.hf_checkpoint)
-    run = build(cfg, devices, workdir, progress)
+    run = build(cfg, workdir=workdir, progress=progress, runner=runner)
     budget = memory_check.check(run.runner, run.devices, force)  # before any state exists
     if jax.process_index() == 0:
       print(banner.text(run, budget, workdir, total), flush=True)

@@ -202,14 +202,16 @@ def test_no_room_counts_the_gradients_and_changes_nothing(infinity_run, nvme_dir
   before = sorted(p.name for p in workdir.rglob("*"))
   usage = shutil.disk_usage(nvme_dir)
   monkeypatch.setattr(offload_targets.shutil, "disk_usage", lambda _: usage._replace(free=1000))
-  built = []
-  build = loop.build
-  monkeypatch.setattr(loop, "build", lambda *a, **kw: built.append(build(*a, **kw)) or built[-1])
+  chosen = []  # the runner, as make_runner chose it (its check then refuses it)
+  make = loop.make_runner
+  monkeypatch.setattr(loop, "make_runner",
+                      lambda program, *a, **kw: chosen.append(make(program, *a, check=False))
+                      or make(program, *a, **kw))
   with pytest.raises(PathError) as error:
     train(workdir, ["train.grad_accum=2", *infinity_sets(nvme_dir)])
-  tier = built[0].nvme
+  tier = chosen[0]
   assert isinstance(tier, infinity.InfinityRunner)
-  phi = sum(leaf.size for leaf in jax.tree.leaves(built[0].engine.abstract.master))
+  phi = sum(leaf.size for leaf in jax.tree.leaves(tier.program.abstract.master))
   needed = tier.bytes_needed()
   assert 16 * phi <= needed < 1.5 * 16 * phi  # master, 2 moments, gradient: 16 bytes each
   assert (f"the NVMe tier needs {needed / 1e6:.1f} MB ({needed:,} bytes) for this process's "

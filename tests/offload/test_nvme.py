@@ -202,8 +202,8 @@ def test_a_nonfinite_step_changes_nothing_in_memory_or_on_disk(tmp_path):
   in_memory = [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state))]
   grads = jax.tree.map(jnp.ones_like, state.params)
 
-  def nonfinite(params, batch):  # the gradient step of a batch with a NaN loss
-    del params, batch
+  def nonfinite(params, batch, scale):  # the gradient step of a batch with a NaN loss
+    del params, batch, scale
     return grads, jnp.float32(jnp.nan), jnp.float32(1.0)
 
   new, metrics = run.runner.step(state, run.batch(0), nonfinite)
@@ -268,15 +268,16 @@ def test_no_room_for_the_state_names_the_bytes_and_changes_nothing(nvme_run, nvm
   usage = shutil.disk_usage(nvme_dir)
   monkeypatch.setattr(offload_targets.shutil, "disk_usage",
                       lambda _: usage._replace(free=1000))
-  built = []  # the run's pieces, as loop.build made them
-  build = loop.build
-  monkeypatch.setattr(loop, "build", lambda *args, **kw: built.append(build(*args, **kw))
-                      or built[-1])
+  chosen = []  # the runner, as make_runner chose it (its check then refuses it)
+  make = loop.make_runner
+  monkeypatch.setattr(loop, "make_runner",
+                      lambda program, *a, **kw: chosen.append(make(program, *a, check=False))
+                      or make(program, *a, **kw))
   with pytest.raises(PathError) as error:
     train(workdir, nvme_sets(nvme_dir))
   # fp32 master, m and v of all 8 shards (12 bytes a parameter), each chunk in 4 KiB blocks.
-  needed = nvme_store.bytes_needed(built[0].nvme.leaves)
-  phi = count_params(built[0].cfg.model)
+  needed = nvme_store.bytes_needed(chosen[0].leaves)
+  phi = count_params(chosen[0].program.cfg.model)
   assert 12 * phi <= needed < 1.25 * 12 * phi
   assert str(error.value).startswith(
       f"offload.nvme_dir={nvme_dir} has 0.0 MB free (1,000 bytes) but the NVMe tier needs "

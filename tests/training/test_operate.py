@@ -225,8 +225,8 @@ def stage_evals(run):
                                      "mesh.fsdp=4"])):
     cfg = small(*sets)
     built = loop.build(cfg, jax.devices()[:8])
-    abstract = built.engine.abstract_state()
-    evaluate = evaluation.Evaluator(built.engine, built.eval_batches, abstract)
+    abstract = built.program.abstract_state()
+    evaluate = evaluation.Evaluator(built.program, built.eval_batches, abstract)
     with checkpoint_lib.Checkpointer(run.workdir, 3, checkpoint_lib.run_info(
         cfg.model, cfg.precision.compute, cfg.seed)) as checkpoints:
       losses[name] = evaluate(checkpoints.restore(2, abstract))["eval_loss"]
