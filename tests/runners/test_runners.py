@@ -67,6 +67,7 @@ def train(offload: str, nvme_dir) -> tuple[list[float], type]:
   return losses, type(engine.runner)
 
 
+@pytest.mark.slow
 def test_every_runner_trains_a_user_model_through_the_engine_to_the_same_losses(tmp_path):
   reference, kind = train("device", tmp_path)
   assert kind is base.InMemoryRunner
