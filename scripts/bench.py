@@ -70,7 +70,7 @@ def bench_torch(cfg, steps: int, warmup: int) -> dict:
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
 
-  from jaxzero.interop import hf_mapping  # pylint: disable=import-outside-toplevel
+  from jaxzero.hf import mapping as hf_mapping  # pylint: disable=import-outside-toplevel
 
   on_gpu = torch.cuda.is_available()
   device = "cuda" if on_gpu else "cpu"

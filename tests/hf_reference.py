@@ -1,5 +1,5 @@
 """A random tiny Hugging Face Llama (or Mistral, Qwen2), the reference the model and loader
-tests compare to, and whole-state-dict conversions built from jaxzero.interop.hf_mapping's
+tests compare to, and whole-state-dict conversions built from jaxzero.hf.mapping's
 per-tensor ones."""
 
 import math
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from jaxzero.interop import hf_mapping
+from jaxzero.hf import mapping as hf_mapping
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=16)

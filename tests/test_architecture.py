@@ -41,7 +41,7 @@ LAYERS = (
     ("checkpoint",),
     ("offload",),  # the NVMe tier, plugged into checkpoints as a side item
     ("planning",),
-    ("interop",),
+    ("hf", "frameworks"),  # Hugging Face weights; DeepSpeed and Accelerate configs
     ("api",),  # jaxzero.Engine: any model, as a library
     ("training",),
     ("cli", "train", "plan", "launch", "export", "migrate", "__init__"),  # the commands

@@ -22,7 +22,7 @@ from jaxzero.data import batches as batches_lib
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.engine import loss_scale
 from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
-from jaxzero.interop import hf_load
+from jaxzero.hf import load as hf_load
 from jaxzero.offload import checks as offload_checks
 from jaxzero.offload import infinity, nvme_checkpoint, nvme_store
 from jaxzero.offload import nvme_tier as nvme_lib

@@ -1,11 +1,11 @@
 """Tests that jaxzero.models.llama computes Llama-3 (and Mistral, Qwen2), and that
-jaxzero.interop.hf_mapping maps it exactly.
+jaxzero.hf.mapping maps it exactly.
 
 Three independent witnesses of the forward pass:
 * a from-scratch numpy float64 reference written below (no code shared with
   jaxzero.models.llama),
 * transformers' LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM, loaded
-  through jaxzero.interop.hf_mapping,
+  through jaxzero.hf.mapping,
 * the model itself with and without rematerialisation (gradients).
 
 Weights are random everywhere (norm scales too, not ones) and of unit-ish
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxzero.interop import hf_mapping
+from jaxzero.hf import mapping as hf_mapping
 from jaxzero.models import llama
 from jaxzero.models.llama import LlamaConfig
 

@@ -365,7 +365,7 @@ def test_on_a_terminal_the_bar_shows_logged_steps(tmp_path, monkeypatch, capsys)
 
 
 def test_a_ds_config_tensorboard_block_is_accepted():
-  from jaxzero.interop import deepspeed
+  from jaxzero.frameworks import deepspeed
   ds = {"train_batch_size": 16, "tensorboard": {"enabled": True, "output_path": "logs/"}}
   assert deepspeed.translate(ds, config.base()).unneeded == {
       "tensorboard": "jaxzero always writes TensorBoard events to WORKDIR/tb/"}

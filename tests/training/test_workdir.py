@@ -18,7 +18,7 @@ import pytest
 from jaxzero import config
 from jaxzero.checkpoint import checkpointer, read_errors
 from jaxzero.checkpoint.checkpointer import CheckpointError, checkpoint_dir
-from jaxzero.interop import hf_export
+from jaxzero.hf import export as hf_export
 from jaxzero.training import loop
 from jaxzero.training.workdir import LOCK_FILE
 

@@ -3,7 +3,7 @@
 The one place that knows Hugging Face's names (``_TENSORS``). Both directions are exact
 inverses: a tensor only goes through a transpose and a reshape, never arithmetic, so a round
 trip is bit-exact in any dtype. Arrays are numpy; nothing here reads or writes files
-(jaxzero.interop.hf_load does) or uses jax. The per-tensor functions return views where no
+(jaxzero.hf.load does) or uses jax. The per-tensor functions return views where no
 transpose is needed (norms, embedding), so treat their outputs as read-only.
 """
 

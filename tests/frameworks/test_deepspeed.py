@@ -23,8 +23,8 @@ from jaxzero import engine as engine_lib
 from jaxzero import migrate
 from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError
-from jaxzero.interop import deepspeed
-from jaxzero.interop.translation import apply_file
+from jaxzero.frameworks import deepspeed
+from jaxzero.frameworks.translated_file import apply_file
 from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.training import loop
 

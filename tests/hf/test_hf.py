@@ -20,7 +20,7 @@ from jaxzero import config
 from jaxzero import engine as engine_lib
 from jaxzero.engine import step as step_lib
 from jaxzero.errors import HFCheckpointError
-from jaxzero.interop import hf_load, hf_mapping
+from jaxzero.hf import load as hf_load, mapping as hf_mapping
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, param_specs
 from jaxzero.sharding.mesh import make_mesh

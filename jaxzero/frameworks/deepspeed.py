@@ -4,7 +4,7 @@ The file applies over the base config, then ``--set`` over that. A key the file 
 the base's value (inside ``optimizer`` or ``scheduler``, DeepSpeed's default), and ``"auto"``
 takes the base's value. A key jaxzero does not know, or cannot honour, is an error naming it;
 knobs XLA makes unnecessary are accepted and reported once, in one log line.
-:class:`jaxzero.interop.translation.Translation` is what the file says in jaxzero's terms.
+:class:`jaxzero.frameworks.translated_file.Translation` is what the file says in jaxzero's terms.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import dataclasses
 import pathlib
 
 from jaxzero import config as config_lib
-from jaxzero.interop import ds_parallel
-from jaxzero.interop.translation import (GATHERED_PER_LAYER, SHARDED_SAVES, Translation, number,
-                                         param, read_mapping)
+from jaxzero.frameworks import ds_parallel
+from jaxzero.frameworks.translated_file import (GATHERED_PER_LAYER, SHARDED_SAVES, Translation,
+                                                number, param, read_mapping)
 from jaxzero.sharding import mesh as mesh_lib
 
 # ----------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 ``export_hf`` reads the checkpoint's fp32 master weights one leaf at a time (a
 stacked leaf one layer at a time) and streams them into safetensors shards, so
 the host never holds the whole model. Names and layouts come from
-jaxzero.interop.hf_mapping; the checkpoint from jaxzero.checkpoint.checkpointer.
+jaxzero.hf.mapping; the checkpoint from jaxzero.checkpoint.checkpointer.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from flax import traverse_util
 
 from jaxzero.checkpoint.checkpointer import CheckpointReader, check_fits
 from jaxzero.errors import CheckpointError
-from jaxzero.interop import hf_mapping
-from jaxzero.interop.hf_load import CONFIG_FILE, WEIGHTS_INDEX_FILE
+from jaxzero.hf import mapping as hf_mapping
+from jaxzero.hf.load import CONFIG_FILE, WEIGHTS_INDEX_FILE
 from jaxzero.models.llama import LlamaConfig, param_specs
 from jaxzero.offload import nvme_checkpoint
 

@@ -4,7 +4,7 @@
 model.safetensors, or shards listed in model.safetensors.index.json) one
 tensor, or one slice of a tensor, at a time, straight into each device's
 shard, so the host never holds the whole model. Names and layouts come from
-jaxzero.interop.hf_mapping; writing is jaxzero.interop.hf_export.
+jaxzero.hf.mapping; writing is jaxzero.hf.export.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from flax import nnx, traverse_util
 
 from jaxzero import config as config_lib
 from jaxzero.errors import HFCheckpointError
-from jaxzero.interop import hf_mapping
+from jaxzero.hf import mapping as hf_mapping
 from jaxzero.models.llama import Llama, LlamaConfig, param_specs
 from jaxzero.sharding import zero
 

@@ -11,8 +11,8 @@ import yaml
 from jaxzero import config, migrate
 from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError
-from jaxzero.interop import accelerate
-from jaxzero.interop.translation import apply_file
+from jaxzero.frameworks import accelerate
+from jaxzero.frameworks.translated_file import apply_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_zero3.py")

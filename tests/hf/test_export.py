@@ -23,8 +23,8 @@ from jaxzero import engine as engine_lib
 from jaxzero import export
 from jaxzero.checkpoint import checkpointer as checkpoint_lib
 from jaxzero.checkpoint.checkpointer import Checkpointer, CheckpointReader, checkpoint_dir
-from jaxzero.interop import hf_load, hf_mapping
-from jaxzero.interop.hf_export import export_hf
+from jaxzero.hf import load as hf_load, mapping as hf_mapping
+from jaxzero.hf.export import export_hf
 from jaxzero.models.llama import Llama, param_specs
 from jaxzero.training import loop
 
