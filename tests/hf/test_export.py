@@ -23,7 +23,8 @@ from jaxzero import engine as engine_lib
 from jaxzero import export
 from jaxzero.checkpoint import checkpointer as checkpoint_lib
 from jaxzero.checkpoint.checkpointer import Checkpointer, CheckpointReader, checkpoint_dir
-from jaxzero.hf import load as hf_load, mapping as hf_mapping
+from jaxzero.hf import load as hf_load
+from jaxzero.hf import tensors
 from jaxzero.hf.export import export_hf
 from jaxzero.models.llama import Llama, param_specs
 from jaxzero.training import loop
@@ -92,7 +93,7 @@ def test_export_loads_into_transformers_and_jaxzero_with_the_same_logits(trained
                    for i in range(1, len(files) + 1)]
   assert sorted(p.name for p in out.iterdir()) == sorted(
       ["config.json", "model.safetensors.index.json", *files])
-  assert sorted(index["weight_map"]) == sorted(hf_mapping.hf_tensor_shapes(cfg.model))
+  assert sorted(index["weight_map"]) == sorted(tensors.hf_tensor_shapes(cfg.model))
   state_dict = {}
   for name in files:
     with safe_open(out / name, "np") as f:

@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 from jaxzero import config
 from jaxzero.checkpoint import checkpointer
 from jaxzero.config import ConfigError
-from jaxzero.hf import export as hf_export, load as hf_load
+from jaxzero.hf import export as hf_export
+from jaxzero.hf import load as hf_load
 from jaxzero.models.llama import LlamaConfig, count_params, is_param_spec, param_specs
 from jaxzero.models.loss import cross_entropy
 from jaxzero.planning import collectives, planner, state_bytes
