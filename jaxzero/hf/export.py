@@ -4,7 +4,7 @@
 stacked leaf one layer at a time) and streams them into safetensors shards, so
 the host never holds the whole model. Names and layouts come from
 jaxzero.hf.tensors, config.json from jaxzero.hf.config_json; the checkpoint from
-jaxzero.checkpoint.checkpointer.
+jaxzero.checkpoint.reader.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from jaxzero.checkpoint.checkpointer import CheckpointReader, check_fits
+from jaxzero.checkpoint.directory import check_fits
+from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.errors import CheckpointError
 from jaxzero.hf import config_json, tensors
 from jaxzero.hf.load import CONFIG_FILE, WEIGHTS_INDEX_FILE

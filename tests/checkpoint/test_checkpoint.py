@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 
 from jaxzero import config, train
-from jaxzero.checkpoint.checkpointer import CheckpointError, checkpoint_dir, latest_step
+from jaxzero.checkpoint.directory import checkpoint_dir
+from jaxzero.checkpoint.reader import latest_step
+from jaxzero.errors import CheckpointError
 from jaxzero.training import loop
 
 from damage import damage_data, truncate_to
@@ -223,8 +225,8 @@ def test_after_a_damaged_restore_stderr_holds_only_its_error(stopped_at_3, tmp_p
 # into the closed event loop, before that restore's error has been raised.
 CLOSED_LOOP_BEFORE_THE_ERROR = """
 import asyncio, sys, threading
-from jaxzero.checkpoint import checkpointer
-checkpointer.CheckpointReader(sys.argv[1])
+from jaxzero.checkpoint import reader
+reader.CheckpointReader(sys.argv[1])
 loop = asyncio.new_event_loop()
 loop.close()
 class AbandonedRead:

@@ -22,7 +22,10 @@ from jaxzero import config
 from jaxzero import engine as engine_lib
 from jaxzero import export
 from jaxzero.checkpoint import checkpointer as checkpoint_lib
-from jaxzero.checkpoint.checkpointer import Checkpointer, CheckpointReader, checkpoint_dir
+from jaxzero.checkpoint import reader as reader_lib
+from jaxzero.checkpoint.checkpointer import Checkpointer
+from jaxzero.checkpoint.directory import checkpoint_dir
+from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.hf import load as hf_load
 from jaxzero.hf import tensors
 from jaxzero.hf.export import export_hf
@@ -232,11 +235,11 @@ def test_an_export_starts_a_new_run_with_the_same_weights(trained, tmp_path):
 def test_export_reads_stacked_weights_one_layer_at_a_time(trained, tmp_path, monkeypatch):
   cfg, workdir = trained
   whole_reads, layer_reads = [], []
-  read, layer_reader = CheckpointReader.read, checkpoint_lib._LayerReader.__getitem__
+  read, layer_reader = CheckpointReader.read, reader_lib._LayerReader.__getitem__
   monkeypatch.setattr(CheckpointReader, "read",
                       lambda self, step, path, shape: whole_reads.append(path)
                       or read(self, step, path, shape))
-  monkeypatch.setattr(checkpoint_lib._LayerReader, "__getitem__",
+  monkeypatch.setattr(reader_lib._LayerReader, "__getitem__",
                       lambda self, i: layer_reads.append(i) or layer_reader(self, i))
   done = export_hf(workdir, tmp_path / "hf", dtype="float32")
   # Only the unstacked leaves (embedding, final norm, head) are read whole.

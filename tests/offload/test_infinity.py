@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxzero import config
-from jaxzero.checkpoint import checkpointer
+from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.errors import DamagedCheckpointError, PathError
 from jaxzero.offload import checks as offload_checks
 from jaxzero.offload import infinity, nvme_checkpoint, nvme_store
@@ -37,7 +37,7 @@ def train(workdir, sets=(), devices=8, steps=None):
 
 def weights(workdir, step) -> dict[str, np.ndarray]:
   """Checkpoint `step`'s master weights and compute copy, by leaf name."""
-  with checkpointer.CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
+  with CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
     return {name: reader.read(step, tuple(name.split("/")), shape)
             for name, shape in reader.leaf_shapes(step).items()
             if name.startswith(("master/", "params/"))}

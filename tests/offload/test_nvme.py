@@ -22,7 +22,7 @@ import tensorstore as ts
 
 from jaxzero import config
 from jaxzero import train as train_cli
-from jaxzero.checkpoint import checkpointer
+from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.errors import ConfigError, PathError
 from jaxzero.models.llama import count_params
 from jaxzero.offload import checks as offload_checks
@@ -111,7 +111,7 @@ def in_memory(nvme_run, tmp_path_factory):
 
 def saved_weights(workdir, step) -> dict[str, np.ndarray]:
   """The fp32 master weights of checkpoint `step`, by name."""
-  with checkpointer.CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
+  with CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
     return {name: reader.read(step, tuple(name.split("/")), shape)
             for name, shape in reader.leaf_shapes(step).items() if name.startswith("master/")}
 
@@ -125,7 +125,7 @@ def test_stage3_leaves_no_files_and_saves_the_state_for_export(nvme_run, nvme_di
       "master/layers/w_up_LxDxF", "opt_state/1/0/mu/layers/w_up_LxDxF",
       "opt_state/1/0/nu/layers/w_up_LxDxF"]
   # Export's reader reads the master weights there, whole or a layer at a time.
-  with checkpointer.CheckpointReader(nvme_run[0], side=nvme_checkpoint.SIDE_ITEM) as reader:
+  with CheckpointReader(nvme_run[0], side=nvme_checkpoint.SIDE_ITEM) as reader:
     path = ("master", "layers", "w_up_LxDxF")
     whole = reader.read(4, path, (2, 64, 128))
     assert whole.shape == (2, 64, 128) and np.isfinite(whole).all()

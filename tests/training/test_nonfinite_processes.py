@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxzero.checkpoint import checkpointer
+from jaxzero.checkpoint.reader import latest_step
 
 from processes import ROOT, TINY, clean_env, cli_env, free_port
 from tiny import master_at
@@ -90,7 +90,7 @@ def test_stop_ends_both_processes_with_one_line_and_saves_nothing_poisoned(runs)
     assert len(errors) == 1, stderr
     assert errors[0].startswith(f"jaxzero.train: error: step {POISONED_STEP}: loss nan"), stderr
     assert f"the last checkpoint is step {POISONED_STEP - 1}" in errors[0]
-  assert checkpointer.latest_step(workdir) == POISONED_STEP - 1
+  assert latest_step(workdir) == POISONED_STEP - 1
   for saved in range(1, POISONED_STEP):
     assert np.isfinite(master_at(workdir, saved)).all()
 

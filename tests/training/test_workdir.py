@@ -16,8 +16,10 @@ import chex
 import pytest
 
 from jaxzero import config
-from jaxzero.checkpoint import checkpointer, read_errors
-from jaxzero.checkpoint.checkpointer import CheckpointError, checkpoint_dir
+from jaxzero.checkpoint import read_errors
+from jaxzero.checkpoint.directory import checkpoint_dir
+from jaxzero.checkpoint.reader import CheckpointReader
+from jaxzero.errors import CheckpointError
 from jaxzero.hf import export as hf_export
 from jaxzero.training import loop
 from jaxzero.training.workdir import LOCK_FILE
@@ -182,7 +184,7 @@ def losses(workdir):
 
 
 def saved_state(workdir, step):
-  with checkpointer.CheckpointReader(workdir) as reader:
+  with CheckpointReader(workdir) as reader:
     return {name: reader.read(step, tuple(name.split("/")), shape)
             for name, shape in reader.leaf_shapes(step).items()
             if name.startswith(("master/", "params/"))}  # read by name: the dict-keyed leaves
