@@ -13,7 +13,7 @@ import sys
 
 from jaxzero import cli
 from jaxzero import config as config_lib
-from jaxzero.planning import collectives as comm_lib
+from jaxzero.planning import comm_report as comm_lib
 from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.utils.formatting import bytes_unit, format_count
 

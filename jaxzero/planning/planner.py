@@ -27,7 +27,7 @@ from jaxzero.engine.state import dtype_of
 from jaxzero.errors import ConfigError
 from jaxzero.models import trainable
 from jaxzero.models.llama import count_params
-from jaxzero.planning import collectives as comm_lib
+from jaxzero.planning import comm_report as comm_lib
 from jaxzero.planning import state_bytes as state_lib
 from jaxzero.sharding import mesh as mesh_lib
 from jaxzero.sharding.zero import Layout
@@ -114,7 +114,7 @@ class Row:
   # and offloaded activations.
   xla_separates_host: bool
   # With comm=True: every collective of the compiled step, counted the ZeRO way
-  # (a jaxzero.planning.collectives.CommReport); None otherwise.
+  # (a jaxzero.planning.comm_report.CommReport); None otherwise.
   comm_report: object = dataclasses.field(default=None, repr=False, compare=False)
   tensor: int = 1  # mesh.tensor: `devices` = replica x fsdp x tensor x pipeline
   pipeline: int = 1  # mesh.pipeline: stages, each device holding its stage's layers

@@ -205,12 +205,12 @@ def test_checkpoints_move_between_pipeline_sizes(tmp_path):
 
 def test_the_plan_names_the_stages_the_bubble_and_the_sends():
   from jaxzero import plan as plan_cli  # pylint: disable=import-outside-toplevel
-  from jaxzero.planning import collectives  # pylint: disable=import-outside-toplevel
+  from jaxzero.planning import comm_report  # pylint: disable=import-outside-toplevel
   cfg = config.load(processes.TINY, ["mesh.fsdp=4", "mesh.pipeline=2"])
   plan = planner.plan(cfg, 8, 80e9, sweep=[planner.Variant(3, False, cfg.remat.policy)],
                       search=False, comm=True)  # one row: the stage-3 step, as --comm prints it
   out = "\n".join([plan_cli.format_table(plan, "plan"),
-                   collectives.format_table(plan.rows[0].comm_report)])
+                   comm_report.format_table(plan.rows[0].comm_report)])
   assert "(mesh replica 1 x fsdp 4 x pipeline 2)" in out
   assert ("pipeline: 2 stages of 2 layers, schedule gpipe, 2 micro-batches a step: bubble "
           "(S-1)/(M+S-1) = 33.3%") in out

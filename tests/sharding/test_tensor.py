@@ -27,7 +27,7 @@ from jaxzero.hf import export as hf_export
 from jaxzero.hf import load as hf_load
 from jaxzero.models.llama import LlamaConfig, count_params, is_param_spec, param_specs
 from jaxzero.models.loss import cross_entropy
-from jaxzero.planning import collectives, planner, state_bytes
+from jaxzero.planning import collectives, comm_report, planner, state_bytes
 from jaxzero.sharding import mesh
 
 import processes
@@ -200,7 +200,7 @@ def test_tensor_collectives_move_activations_never_weights_or_logits():
   engine = make_engine(cfg)
   compiled = planner.compile_step(engine, micro_batch=B)
   over_tensor = [c for c in collectives.collectives(compiled.as_text())
-                 if "tensor" in collectives.mesh_axes(c.replica_groups, engine.layout.mesh)]
+                 if "tensor" in comm_report.mesh_axes(c.replica_groups, engine.layout.mesh)]
   weights = [s.shape[1:] if s.logical_axes[0] == "layers" else s.shape
              for s in jax.tree.leaves(param_specs(HLO_MODEL), is_leaf=is_param_spec)]
   smallest_weight_shard = min(int(np.prod(w)) // 2 for w in weights if len(w) > 1)
@@ -215,7 +215,7 @@ def test_tensor_collectives_move_activations_never_weights_or_logits():
   gathers = [c for c in in_layers if c.op == "all-gather" and (B, T, D) in _arrays(c.shape)]
   scatters = [c for c in in_layers if c.op in ("reduce-scatter", "all-reduce")
               and (B, T, D) in _arrays(c.shape) and c.sliced_bytes > 0]
-  assert gathers and scatters, collectives.format_table(collectives.report(compiled, engine.layout.mesh, 1))
+  assert gathers and scatters, comm_report.format_table(comm_report.report(compiled, engine.layout.mesh, 1))
 
 
 def test_vocabulary_parallel_loss_never_gathers_logits():
@@ -242,7 +242,7 @@ def test_vocabulary_parallel_loss_never_gathers_logits():
     np.testing.assert_allclose(g, w, atol=1e-6)
   logits_per_chunk = (B // 4) * T * chunk  # rows of one data-parallel device
   for c in collectives.collectives(compiled.as_text()):
-    if "tensor" in collectives.mesh_axes(c.replica_groups, layout.mesh):
+    if "tensor" in comm_report.mesh_axes(c.replica_groups, layout.mesh):
       for dims in _arrays(c.shape):
         assert int(np.prod(dims)) < logits_per_chunk // 2, (c.op, c.shape, c.runs)
 
