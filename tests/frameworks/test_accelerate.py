@@ -3,7 +3,6 @@ FSDP2's reshard_after_forward) maps to its zero.strategy; offload, checkpointing
 and precision map; bad input is one line with exit code 2."""
 
 import logging
-import pathlib
 
 import pytest
 import yaml
@@ -14,8 +13,7 @@ from jaxzero.errors import ConfigError
 from jaxzero.frameworks import accelerate
 from jaxzero.frameworks.translated_file import apply_file
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "configs" / "tiny_zero3.py")
+from processes import TINY
 
 # What `accelerate config` writes for FSDP on one 8-GPU machine.
 ACCELERATE_FSDP = """\

@@ -7,8 +7,6 @@ import json
 import pathlib
 import re
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +31,7 @@ from jaxzero.models.llama import Llama, param_specs
 from jaxzero.training import loop
 
 from hf_reference import hf_state_dict, params_from_hf, random_hf_model
-from processes import ROOT, TINY, cli_env
+from processes import TINY, child_env, run_python
 
 # As in test_checkpoint, so that the training run reuses its compiled program.
 SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
@@ -45,12 +43,10 @@ SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.glob
 def trained(tmp_path_factory):
   """Two steps of stage 3 on 8 devices: every saved leaf is sharded."""
   workdir = tmp_path_factory.mktemp("run")
-  env = cli_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
+  env = child_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
   settings = [arg for s in SETTINGS for arg in ("--set", s)]
-  result = subprocess.run(
-      [sys.executable, "-m", "jaxzero.train", "--config", TINY, *settings, "--steps", "2",
-       "--workdir", str(workdir), "--no-progress"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+  result = run_python("-m", "jaxzero.train", "--config", TINY, *settings, "--steps", "2",
+                      "--workdir", str(workdir), "--no-progress", env=env, timeout=600)
   assert result.returncode == 0, result.stderr
   return config.load(TINY, SETTINGS), workdir
 

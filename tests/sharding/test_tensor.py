@@ -9,8 +9,6 @@ import dataclasses
 import json
 import pathlib
 import re
-import subprocess
-import sys
 import types
 
 import jax
@@ -215,7 +213,8 @@ def test_tensor_collectives_move_activations_never_weights_or_logits():
   gathers = [c for c in in_layers if c.op == "all-gather" and (B, T, D) in _arrays(c.shape)]
   scatters = [c for c in in_layers if c.op in ("reduce-scatter", "all-reduce")
               and (B, T, D) in _arrays(c.shape) and c.sliced_bytes > 0]
-  assert gathers and scatters, comm_report.format_table(comm_report.report(compiled, engine.layout.mesh, 1))
+  assert gathers and scatters, comm_report.format_table(
+      comm_report.report(compiled, engine.layout.mesh, 1))
 
 
 def test_vocabulary_parallel_loss_never_gathers_logits():
@@ -272,10 +271,9 @@ def test_tensor_8_cuts_llama70b_activations_4x_at_the_zero_state(tmp_path):
   """Llama-3-70B on 64 devices, ZeRO-3, seq 4096, full remat: with mesh.tensor=8
   (global batch 8) the planner's activations per device are at least 4x lower
   than with mesh.tensor=1 (global batch 64), and the state is 16Φ/64 in both."""
-  env = processes.cli_env(tmp_path / "cache")
-  done = subprocess.run([sys.executable, "-c", PLAN_70B_BY_TENSOR,
-                         str(planner_config("llama70b_zero3_offload"))],
-                        cwd=processes.ROOT, env=env, capture_output=True, text=True, check=False)
+  done = processes.run_python("-c", PLAN_70B_BY_TENSOR,
+                              str(planner_config("llama70b_zero3_offload")),
+                              env=processes.child_env(tmp_path / "cache"), timeout=None)
   assert done.returncode == 0, done.stderr[-3000:]
   rows = json.loads(done.stdout.strip().splitlines()[-1])
   (act_1, state_1, theory_1, grads_1), (act_8, state_8, theory_8, _) = rows["1"], rows["8"]

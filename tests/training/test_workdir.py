@@ -25,7 +25,7 @@ from jaxzero.training import loop
 from jaxzero.training.workdir import LOCK_FILE
 
 from processes import ROOT, TINY
-from processes import cli_env as cli_environment
+from processes import child_env
 from processes import wait_for
 
 # tiny_zero3, smaller; saves every step, and the schedule spans 10k steps so
@@ -37,7 +37,7 @@ SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.glob
 
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory):
-  return cli_environment(tmp_path_factory.mktemp("jax_compilation_cache"))
+  return child_env(tmp_path_factory.mktemp("jax_compilation_cache"))
 
 
 def _obey_permissions():
