@@ -1,7 +1,7 @@
 """Llama-3.1-70B (the Llama-3-70B dims) on one GPU with ZeRO-Infinity: parameters,
 gradients and optimizer state on local NVMe (offload.params=nvme, offload.optimizer=nvme).
 
-The device holds one layer at a time (the driver of jaxzero.offload.infinity), the
+The device holds one layer at a time (the driver of jaxzero.runners.infinity), the
 embedding or head while they run, and one activation checkpoint per layer; micro-batch
 1 x 4096 tokens and no gradient accumulation: every micro-step reads the weights twice and,
 after the first, reads and rewrites the gradient sums, so a larger batch is cheaper as a

@@ -34,14 +34,14 @@ class Loaded:
   DeepSpeed file leaves to the device count ("auto") are resolved."""
   cfg: config_lib.Config
   origins: dict[str, str]  # dotted key -> "base", "FILE: KEY", "--set" or "auto: ..."
-  file: Any = None  # the translated DeepSpeed or Accelerate file (interop.translation)
+  file: Any = None  # the translated DeepSpeed or Accelerate file (frameworks.translated_file)
   sets: tuple[str, ...] = ()  # the dotted keys --set gave
 
   def resolve(self, n_devices: int) -> config_lib.Config:
     """The config on `n_devices` devices (all processes'), checked."""
     if self.file is None or self.file.batch is None:
       return self.cfg
-    from jaxzero.interop import deepspeed  # pylint: disable=import-outside-toplevel
+    from jaxzero.frameworks import deepspeed  # pylint: disable=import-outside-toplevel
     cfg, how = deepspeed.resolve_batch(self.cfg, self.file, n_devices, self.sets)
     self.origins.update(how)
     config_lib.validate(cfg)
@@ -71,11 +71,11 @@ def load_config(args) -> Loaded:
   file = None
   if ds_config or accelerate_config:
     # pylint: disable-next=import-outside-toplevel
-    from jaxzero.interop import accelerate, deepspeed, translation
+    from jaxzero.frameworks import accelerate, deepspeed, translated_file
     reader = deepspeed if ds_config else accelerate
     cfg = config_lib.load(args.config)
     file = reader.read(ds_config or accelerate_config, cfg)
-    cfg = translation.apply_file(file, cfg)
+    cfg = translated_file.apply_file(file, cfg)
     origins = {key: f"{file.source}: {origin}" + (' ("auto": the base\'s)' if origin in file.autos
                                                   else "")
                for key, (_, origin) in file.settings.items()}

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
   def body():
     # pylint: disable-next=import-outside-toplevel
-    from jaxzero.interop import hf_export
+    from jaxzero.hf import export as hf_export
     from jaxzero.training import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
     workdir_lib.check_export_paths(args.workdir, args.out)  # one line, before anything is read
     done = hf_export.export_hf(args.workdir, args.out, step=args.step, dtype=args.dtype,

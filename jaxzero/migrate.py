@@ -14,7 +14,7 @@ import sys
 
 from jaxzero import cli
 from jaxzero import config as config_lib
-from jaxzero.interop.translation import Translation
+from jaxzero.frameworks.translated_file import Translation
 
 
 def render(tr: Translation, base: config_lib.Config, base_path: str | None,
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 
   def body():
     # pylint: disable-next=import-outside-toplevel
-    from jaxzero.interop import accelerate, deepspeed
+    from jaxzero.frameworks import accelerate, deepspeed
     base = config_lib.load(args.base) if args.base else config_lib.base()
     reader = accelerate if args.file.endswith((".yaml", ".yml")) else deepspeed
     tr = reader.read(args.file, base)

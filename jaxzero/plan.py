@@ -13,8 +13,8 @@ import sys
 
 from jaxzero import cli
 from jaxzero import config as config_lib
-from jaxzero.planning import collectives as comm_lib
 from jaxzero.parallel import mesh as mesh_lib
+from jaxzero.planning import comm_report as comm_lib
 from jaxzero.utils.formatting import bytes_unit, format_count
 
 DEFAULT_DEVICES = mesh_lib.DEFAULT_DEVICES  # one GPU node, for a mesh of -1

@@ -70,12 +70,12 @@ def bench_torch(cfg, steps: int, warmup: int) -> dict:
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
 
-  from jaxzero.interop import hf_mapping  # pylint: disable=import-outside-toplevel
+  from jaxzero.hf import config_json  # pylint: disable=import-outside-toplevel
 
   on_gpu = torch.cuda.is_available()
   device = "cuda" if on_gpu else "cpu"
   dtype = torch.bfloat16 if cfg.precision.compute == "bfloat16" else torch.float32
-  hf_config = transformers.LlamaConfig(**hf_mapping.hf_config_from_llama(cfg.model))
+  hf_config = transformers.LlamaConfig(**config_json.hf_config_from_llama(cfg.model))
   hf_config._attn_implementation = "sdpa"  # pylint: disable=protected-access
   model = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=dtype)
   optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, fused=on_gpu)

@@ -202,9 +202,9 @@ def save_hf_checkpoint(cfg, seed: int, path: pathlib.Path, init_bf16: bool = Fal
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
 
-  from jaxzero.interop import hf_mapping  # pylint: disable=import-outside-toplevel
+  from jaxzero.hf import config_json  # pylint: disable=import-outside-toplevel
   transformers.utils.logging.disable_progress_bar()
-  hf_config = transformers.LlamaConfig(**hf_mapping.hf_config_from_llama(cfg.model))
+  hf_config = transformers.LlamaConfig(**config_json.hf_config_from_llama(cfg.model))
   torch.manual_seed(seed)
   model = transformers.LlamaForCausalLM(hf_config).to(torch.float32)
   if init_bf16:

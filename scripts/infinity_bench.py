@@ -17,7 +17,7 @@ Prints progress, then one JSON line:
   process's peak RSS (``ru_maxrss``) over everything it did, initialisation included;
 * ``losses`` and ``step_s`` of each step (the first compiles the programs);
 * ``nvme_read_bytes_per_step`` and ``nvme_write_bytes_per_step``: what a step reads and
-  writes in DIR (the tier's own count, jaxzero.offload.infinity);
+  writes in DIR (the tier's own count, jaxzero.runners.infinity);
 * ``sequential_read_gbps`` and ``sequential_write_gbps``: the disk's own bandwidth in DIR,
   measured in this run (one O_DIRECT stream of 16 MiB blocks, as scripts/nvme_bench.py);
 * ``io_alone_s``: a measured pass of the step's reads and writes through the tier's

@@ -1,5 +1,5 @@
 """A random tiny Hugging Face Llama (or Mistral, Qwen2), the reference the model and loader
-tests compare to, and whole-state-dict conversions built from jaxzero.interop.hf_mapping's
+tests compare to, and whole-state-dict conversions built from jaxzero.hf.tensors'
 per-tensor ones."""
 
 import math
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from jaxzero.interop import hf_mapping
+from jaxzero.hf import tensors
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=16)
@@ -57,7 +57,7 @@ def params_from_hf(state_dict: dict, cfg) -> dict:
   """A jaxzero pure params dict (numpy float32) from a whole Hugging Face state dict."""
   layers_of: dict = {}
   for name, array in state_dict.items():
-    mapped = hf_mapping.hf_tensor_to_jaxzero(name, array, cfg)
+    mapped = tensors.hf_tensor_to_jaxzero(name, array, cfg)
     if mapped is not None:
       path, layer, value = mapped
       layers_of.setdefault(path, {})[layer] = value
@@ -71,5 +71,5 @@ def hf_state_dict(params: dict, cfg) -> dict:
   """The Hugging Face state dict (numpy, dtype kept) of jaxzero params; a tied
   model has no ``lm_head.weight``, as in Hugging Face's own saved checkpoints."""
   return {name: array for path, leaf in traverse_util.flatten_dict(params).items()
-          for name, array in hf_mapping.jaxzero_to_hf_tensors(path, leaf, cfg)}
+          for name, array in tensors.jaxzero_to_hf_tensors(path, leaf, cfg)}
 

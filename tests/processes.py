@@ -6,6 +6,8 @@ import os
 import pathlib
 import shutil
 import socket
+import subprocess
+import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -20,13 +22,46 @@ FAST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensi
                   "--xla_cpu_use_fusion_emitters=false")
 
 
-def cli_env(compilation_cache: pathlib.Path) -> dict:
-  """The environment for a CLI process: no XLA_FLAGS but the fast-compile ones (the
-  CLI makes its own devices) and a shared XLA compilation cache, so identical
-  programs compile once."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return {**env, "XLA_FLAGS": FAST_XLA_FLAGS, "JAX_COMPILATION_CACHE_DIR": str(compilation_cache),
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+# What would make a child join other processes (jaxzero.runtime.distributed) or size its
+# devices as this process's were sized.
+_NOT_ALONE = ("JAX_NUM_CPU_DEVICES", "JAXZERO_", "SLURM_", "OMPI_", "KUBERNETES_")
+
+
+def child_env(compilation_cache: pathlib.Path | None = None, *, alone: bool = False,
+              pythonpath: bool = False, **extra) -> dict:
+  """The environment for a process a test starts: this one's, with XLA_FLAGS holding only
+  the fast-compile flags (the child makes its own devices).
+
+  Args:
+    compilation_cache: a persistent XLA compilation cache that the children share, so
+      that identical programs compile once.
+    alone: on CPU and without anything that would make the child join others or size
+      its devices (_NOT_ALONE): `extra` and its arguments say what it joins and how many
+      devices it makes.
+    pythonpath: this checkout's jaxzero importable from any working directory.
+    **extra: variables set last.
+  """
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("XLA_FLAGS", *(_NOT_ALONE if alone else ())))}
+  env["XLA_FLAGS"] = FAST_XLA_FLAGS
+  if alone:
+    env["JAX_PLATFORMS"] = "cpu"
+  if compilation_cache is not None:
+    env["JAX_COMPILATION_CACHE_DIR"] = str(compilation_cache)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  if pythonpath:
+    env["PYTHONPATH"] = str(ROOT)
+  return {**env, **extra}
+
+
+def run_python(*args, env: dict | None = None, cwd=ROOT, timeout: float | None = 300
+               ) -> subprocess.CompletedProcess:
+  """``python ARGS`` (e.g. ``"-m", "jaxzero.train", ...``) run to its end from `cwd`, in
+  `env` (default: child_env()); stdout and stderr captured as text, the exit code left to
+  the caller."""
+  return subprocess.run([sys.executable, *args], cwd=cwd,
+                        env=child_env() if env is None else env, capture_output=True,
+                        text=True, timeout=timeout, check=False)
 
 
 def logged(workdir) -> list[dict]:
@@ -52,14 +87,6 @@ def wait_for(condition, process, timeout=300):
       process.kill()
       raise AssertionError("timed out: " + process.communicate()[1][-3000:])
     time.sleep(0.05)
-
-
-def clean_env(**extra) -> dict:
-  """This environment without anything that would make a child join or size its
-  devices; XLA_FLAGS holds only the tests' fast-compile flags."""
-  drop = ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAXZERO_", "SLURM_", "OMPI_", "KUBERNETES_")
-  env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-  return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_XLA_FLAGS, **extra}
 
 
 def free_port() -> int:

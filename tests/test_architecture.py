@@ -16,8 +16,6 @@ import ast
 import pathlib
 import re
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -25,7 +23,8 @@ import numpy as np
 from jaxzero import config
 from jaxzero.training import loop
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from processes import ROOT, run_python
+
 PACKAGE = ROOT / "jaxzero"
 SOURCES = sorted(p for folder in ("jaxzero", "scripts", "tests", "configs")
                  for p in (ROOT / folder).rglob("*.py"))
@@ -45,7 +44,7 @@ LAYERS = (
     ("offload",),  # the NVMe store, its checkpoint side item, the per-layer programs
     ("runners",),  # one protocol: in memory, NVMe, ZeRO-Infinity; chosen in one place
     ("planning",),
-    ("interop",),
+    ("hf", "frameworks"),  # Hugging Face weights; DeepSpeed and Accelerate configs
     ("api",),  # jaxzero.Engine: any model, as a library
     ("training",),
     ("cli", "train", "plan", "launch", "export", "migrate", "__init__"),  # the commands
@@ -173,8 +172,8 @@ def test_one_top_level_package_and_its_import_starts_no_jax():
                  for folder in ROOT.iterdir() if folder.is_dir() and folder.name != "jaxzero"
                  for p in folder.iterdir())
   code = "import sys, jaxzero; print('jax' in sys.modules)"
-  started = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           check=True, cwd=ROOT)
+  started = run_python("-c", code)
+  assert started.returncode == 0, started.stderr
   assert started.stdout.strip() == "False"
 
 

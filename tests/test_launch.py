@@ -18,7 +18,7 @@ import pytest
 from jaxzero import config
 from jaxzero.training import loop
 
-from processes import FAST_XLA_FLAGS, ROOT, TINY
+from processes import ROOT, TINY, child_env, run_python
 
 # tests/test_step.py's tiny model; the schedule spans 6 steps, runs stop earlier with --steps.
 SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
@@ -32,8 +32,9 @@ def set_args(sets):
   return [arg for s in sets for arg in ("--set", s)]
 
 
-def launch_cmd(workdir, *train_args, sets=()):
-  return [sys.executable, "-m", "jaxzero.launch", "--nproc", "2", "--devices-per-proc", "4",
+def launch_args(workdir, *train_args, sets=()):
+  """The Python arguments of a two-process launch of jaxzero.train on `workdir`."""
+  return ["-m", "jaxzero.launch", "--nproc", "2", "--devices-per-proc", "4",
           "--", "--config", TINY, "--workdir", str(workdir), "--no-progress",
           *set_args([*SETS, *sets]), *train_args]
 
@@ -43,16 +44,11 @@ def launch_env(tmp_path_factory) -> dict:
   """The launcher's environment: the tests' fast-compile XLA flags (results change
   only in the last bits) and one compilation cache for the module's launches, so
   launches of the same program (the same SETS) compile it once."""
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("XLA_FLAGS", "JAXZERO_", "SLURM_", "OMPI_"))}
-  return {**env, "XLA_FLAGS": FAST_XLA_FLAGS,
-          "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("launch_compilation_cache")),
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  return child_env(tmp_path_factory.mktemp("launch_compilation_cache"), alone=True)
 
 
 def launch(env, workdir, *train_args, sets=()):
-  result = subprocess.run(launch_cmd(workdir, *train_args, sets=sets), cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=400, check=False)
+  result = run_python(*launch_args(workdir, *train_args, sets=sets), env=env, timeout=400)
   assert result.returncode == 0, result.stderr[-3000:]
   return result
 
@@ -163,8 +159,8 @@ def test_a_killed_process_ends_the_launch_within_60s(tmp_path, launch_env):
     # --steps past the schedule's 6: still training when killed, with the program
     # of the launches above (in the compilation cache).
     launcher = subprocess.Popen(
-        launch_cmd(tmp_path / "w", "--steps", "1000"), cwd=ROOT, env=launch_env,
-        stdout=out_file, stderr=err_file, start_new_session=True)
+        [sys.executable, *launch_args(tmp_path / "w", "--steps", "1000")], cwd=ROOT,
+        env=launch_env, stdout=out_file, stderr=err_file, start_new_session=True)
   try:
     pids = wait_for(lambda: re.search(r"process 0 \(pid (\d+)\), process 1 \(pid (\d+)\)",
                                       err.read_text()), launcher)
@@ -196,9 +192,8 @@ def wait_for(condition, launcher, timeout_s=300):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_failing_process_ends_the_launch_with_its_error(tmp_path, launch_env):
-  result = subprocess.run(
-      launch_cmd(tmp_path, "--set", "zero.stage=5"), cwd=ROOT, env=launch_env,
-      capture_output=True, text=True, timeout=120, check=False)
+  result = run_python(*launch_args(tmp_path, "--set", "zero.stage=5"), env=launch_env,
+                      timeout=120)
   assert result.returncode == 2
   assert re.search(r"error: process \d \(pid \d+\) exited with code 2", result.stderr)
   assert "jaxzero.train: error: zero.stage='5' is not valid" in result.stderr.split("exited")[-1]
@@ -206,8 +201,7 @@ def test_a_failing_process_ends_the_launch_with_its_error(tmp_path, launch_env):
 
 @pytest.mark.slow
 def test_launch_needs_the_train_arguments_after_dashes():
-  result = subprocess.run([sys.executable, "-m", "jaxzero.launch", "--nproc", "2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, check=False)
+  result = run_python("-m", "jaxzero.launch", "--nproc", "2", timeout=60)
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
       "jaxzero.launch: error: put the jaxzero.train arguments after --, e.g. -- --config "

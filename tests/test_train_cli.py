@@ -1,28 +1,16 @@
 """`python -m jaxzero.train`: bad input is one clear line and exit code 2; a short run works."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-from processes import FAST_XLA_FLAGS
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "configs" / "tiny_zero3.py")
-
-
-def run_train(*args):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return subprocess.run([sys.executable, "-m", "jaxzero.train", *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300, check=False)
+from processes import TINY, child_env, run_python
 
 
 @pytest.mark.slow
 def test_print_config_gives_every_key_as_a_set_argument():
-  result = run_train("--config", TINY, "--set", "zero.stage=2", "--print-config")
+  result = run_python("-m", "jaxzero.train", "--config", TINY, "--set", "zero.stage=2",
+                      "--print-config")
   assert result.returncode == 0, result.stderr
   lines = [line.split("  # ")[0] for line in result.stdout.splitlines()]  # then the origin
   assert "zero.stage=2" in lines and "train.steps=80" in lines and "init.hf_checkpoint=" in lines
@@ -47,7 +35,7 @@ def test_print_config_gives_every_key_as_a_set_argument():
 ])
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path):
-  result = run_train(*args, "--workdir", str(tmp_path / "w"))
+  result = run_python("-m", "jaxzero.train", *args, "--workdir", str(tmp_path / "w"))
   assert result.returncode == 2, result.stderr
   errors = [line for line in result.stderr.splitlines() if "error" in line]
   assert len(errors) == 1 and message in errors[0], result.stderr
@@ -59,12 +47,9 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path):
 def test_short_run_writes_metrics_and_a_checkpoint_in_the_default_relative_workdir(tmp_path):
   # Run from tmp_path without --workdir: the default is runs/<config name>,
   # a relative path, which orbax only accepts once made absolute.
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"], env["XLA_FLAGS"] = str(ROOT), FAST_XLA_FLAGS
-  result = subprocess.run(
-      [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--steps", "3",
-       "--set", "train.log_every=1", "--set", "data.max_bytes=500000", "--no-progress"],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+  result = run_python("-m", "jaxzero.train", "--config", TINY, "--steps", "3",
+                      "--set", "train.log_every=1", "--set", "data.max_bytes=500000",
+                      "--no-progress", cwd=tmp_path, env=child_env(pythonpath=True))
   assert result.returncode == 0, result.stderr
   workdir = tmp_path / "runs" / "tiny_zero3"
   records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]

@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxzero import config
 from jaxzero import engine as engine_lib
-from jaxzero.checkpoint import checkpointer
+from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, is_param_spec, param_specs
 from jaxzero.parallel import mesh
@@ -32,7 +32,7 @@ def tiny_config(stage: int, nonfinite: str) -> config.Config:
 
 
 def master_at(workdir, step_no):
-  with checkpointer.CheckpointReader(workdir) as reader:
+  with CheckpointReader(workdir) as reader:
     shapes = reader.leaf_shapes(step_no)
     name = "master/layers/w_up_LxDxF"
     return reader.read(step_no, tuple(name.split("/")), shapes[name])

@@ -1,48 +1,32 @@
-"""Checkpoints of the train state: save, resume on any mesh and stage, read back.
+"""Checkpoints of the train state: save, and resume on any mesh and stage.
 
-The only module that uses orbax. A step directory ``WORKDIR/checkpoints/<step>`` holds the
-items ``state``, ``info`` and ``checksums``, and for a run that keeps leaves outside memory a
-side item (:class:`SideItem`; ``state`` then holds None at those leaves). A step directory that
-exists is complete (orbax renames it into place once every file is written). A restore reads
-each shard straight into the current mesh and stage, so no device ever holds the full model,
-and verifies the checksums, so bytes damaged on disk are never trained on. The data position
-is the step: nothing else is needed to resume.
+A restore reads each shard straight into the current mesh and stage, so no device ever holds
+the full model, and verifies the checksums, so bytes damaged on disk are never trained on.
+The data position is the step: nothing else is needed to resume. What a step directory holds
+is jaxzero.checkpoint.directory's; reading leaves to the host (export) is
+jaxzero.checkpoint.reader's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pathlib
 import shutil
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-import tensorstore as ts
 from orbax.checkpoint import multihost
 
 from jaxzero.checkpoint import integrity, read_errors
+from jaxzero.checkpoint.directory import (CHECKSUMS, STATE, CheckpointDirectory, check_fits,
+                                          damaged_dir, saved_array, tree_leaf_shapes)
 from jaxzero.checkpoint.external_leaves import SavedSide, SideItem, SideTarget
-from jaxzero.errors import CheckpointError, DamagedCheckpointError
+from jaxzero.errors import DamagedCheckpointError
 from jaxzero.models.llama import LlamaConfig
 
 log = logging.getLogger(__name__)
-
-STATE, INFO, CHECKSUMS = "state", "info", "checksums"
-Path = tuple[str, ...]
-
-
-def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
-  # Absolute: orbax refuses relative paths (e.g. the default runs/<config>).
-  return pathlib.Path(workdir).absolute() / "checkpoints"
-
-
-def damaged_dir(workdir: str | pathlib.Path) -> pathlib.Path:
-  """Where checkpoints that failed verification are moved, kept for inspection."""
-  return pathlib.Path(workdir).absolute() / "checkpoints.damaged"
 
 
 # LlamaConfig fields that choose a kernel, not the architecture: not recorded.
@@ -60,77 +44,7 @@ def run_info(model: LlamaConfig, compute_dtype: str, seed: int,
   return {"model": architecture, "compute_dtype": compute_dtype, "seed": seed}
 
 
-class _Checkpoints:
-  """Listing and metadata, shared by the training loop's Checkpointer and export's reader."""
-
-  def __init__(self, workdir, state_handler, side: SideItem | None = None, **options):
-    read_errors.quiet_abandoned_reads()
-    self.directory = checkpoint_dir(workdir)
-    self._side = side
-    handlers = {STATE: state_handler, INFO: ocp.JsonCheckpointHandler(),
-                CHECKSUMS: ocp.JsonCheckpointHandler()}
-    if side is not None:
-      handlers[side.name] = side.handler()
-    self._manager = ocp.CheckpointManager(
-        self.directory, item_names=tuple(handlers), item_handlers=handlers,
-        options=ocp.CheckpointManagerOptions(create=False, **options))
-
-  def latest_step(self) -> int | None:
-    """The newest complete checkpoint (unfinished saves are never listed)."""
-    return self._manager.latest_step()
-
-  def all_steps(self) -> list[int]:
-    """Every complete checkpoint's step, oldest first."""
-    return sorted(self._manager.all_steps())
-
-  def step_dir(self, step: int) -> pathlib.Path:
-    return self.directory / str(step)
-
-  def info(self, step: int) -> dict[str, Any]:
-    try:
-      return self._manager.restore(step, args=ocp.args.Composite(info=ocp.args.JsonRestore()))[INFO]
-    except Exception as e:  # pylint: disable=broad-except
-      raise DamagedCheckpointError(
-          read_errors.read_error(self.step_dir(step), e, f"its run record ({INFO}/)")) from e
-
-  def leaf_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
-    """{leaf name: shape} of the saved state, from its metadata (reads no arrays)."""
-    metadata = f"its state metadata ({STATE}/_METADATA)"
-    try:
-      tree = self._manager.item_metadata(step)[STATE]
-    except Exception as e:  # pylint: disable=broad-except
-      raise DamagedCheckpointError(read_errors.read_error(self.step_dir(step), e, metadata)) from e
-    if tree is None:
-      raise DamagedCheckpointError(
-          f"checkpoint {self.step_dir(step)} is damaged: {metadata} is missing")
-    item = self.side_saved(step)
-    return {**_leaf_shapes(tree), **(item.shapes() if item else {})}
-
-  def side_saved(self, step: int) -> SavedSide | None:
-    """Checkpoint `step`'s side item, if it has one (and this reader knows its kind)."""
-    if self._side is None:
-      return None
-    where = self.step_dir(step) / self._side.name
-    if not where.exists():
-      return None
-    try:
-      return self._side.open(where)
-    except Exception as e:  # pylint: disable=broad-except
-      raise DamagedCheckpointError(read_errors.read_error(
-          self.step_dir(step), e, f"its {self._side.name} index "
-          f"({self._side.name}/{self._side.index_file})")) from e
-
-  def close(self) -> None:
-    self._manager.close()
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    self.close()
-
-
-class Checkpointer(_Checkpoints):
+class Checkpointer(CheckpointDirectory):
   """The training loop's checkpoints: asynchronous saves, restores into any layout.
 
   Keeps the newest `keep` steps (checkpoint.keep). The first save removes the
@@ -204,7 +118,7 @@ class Checkpointer(_Checkpoints):
     where = self.step_dir(step)
     info = self.info(step)
     hint = _model_difference(info.get("model", {}), self._info["model"])
-    saved, wanted = self.leaf_shapes(step), _leaf_shapes(target)
+    saved, wanted = self.leaf_shapes(step), tree_leaf_shapes(target)
     in_field = lambda names, field: any(n.startswith(field + "/") for n in names)
     unsaved = [f for f in optional if in_field(wanted, f) and not in_field(saved, f)]
     unwanted = [f for f in optional if in_field(saved, f) and not in_field(wanted, f)]
@@ -236,7 +150,7 @@ class Checkpointer(_Checkpoints):
       return restored
     try:  # its leaves: from the side item, or from an in-memory run's `state`
       _raise_if_damaged(where, *into.fill(
-          recorded, item, lambda kind: _saved_array(where / STATE, kind)))
+          recorded, item, lambda kind: saved_array(where / STATE, kind)))
     except read_errors.ReadError as e:
       raise DamagedCheckpointError(read_errors.read_error(where, e.__cause__)) from e
     return into.state(restored)
@@ -302,97 +216,7 @@ class Checkpointer(_Checkpoints):
     super().close()
 
 
-def latest_step(workdir: str | pathlib.Path) -> int | None:
-  """The newest complete checkpoint in `workdir`, or None; reads and writes nothing."""
-  with CheckpointReader(workdir) as reader:
-    return reader.latest_step()
-
-
-class CheckpointReader(_Checkpoints):
-  """Reads leaves one at a time, to the host (for export). It has no way to save,
-  so it never writes or deletes anything (orbax's read_only mode would do the
-  same, with a warning on every use)."""
-
-  def __init__(self, workdir: str | pathlib.Path, side: SideItem | None = None):
-    super().__init__(workdir, ocp.PyTreeCheckpointHandler(), side, save_root_metadata=False,
-                     enable_async_checkpointing=False)
-
-  def resolve_step(self, step: int | None) -> int:
-    """`step`, or the latest; raises CheckpointError when there is none."""
-    steps = sorted(self._manager.all_steps())
-    if not steps:
-      raise CheckpointError(f"no checkpoint in {self.directory}: --workdir must be a "
-                            "jaxzero.train workdir that has saved at least once")
-    if step is None:
-      return steps[-1]
-    if step not in steps:
-      raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; "
-                            f"available steps: {', '.join(map(str, steps))}")
-    return step
-
-  def read(self, step: int, path: Path, shape: tuple[int, ...]) -> np.ndarray:
-    """One saved leaf as a host array (only that leaf is read)."""
-    saved = self._side_view(step, path)
-    if saved is not None:
-      return np.asarray(saved.read().result(), dtype=np.float32)
-    item = _nested(path, jax.ShapeDtypeStruct(shape, np.float32))
-    restore_args = _nested(path, ocp.RestoreArgs(restore_type=np.ndarray))
-    try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-          item=item, restore_args=restore_args, partial_restore=True)))[STATE]
-    except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(read_errors.read_error(self.step_dir(step), e,
-                                                   f"leaf {'/'.join(path)}")) from e
-    for key in path:
-      restored = restored[key]
-    return restored
-
-  def read_by_layer(self, step: int, path: Path, shape: tuple[int, ...]):
-    """A saved stacked leaf that reads one layer (its first index) when indexed.
-
-    orbax restores whole leaves only, and a stacked leaf holds every layer of a
-    weight (75 GB in fp32 for a 70B MLP weight); tensorstore reads a slice of
-    orbax's own files. If the files are not in the layout expected (zarr in an
-    OCDBT database, orbax's default), the whole leaf is read instead.
-    """
-    store = self._side_view(step, path)
-    try:
-      if store is None:
-        store = _saved_array(self.step_dir(step) / STATE, "/".join(path))
-    except Exception as e:  # pylint: disable=broad-except
-      log.warning("reading %s whole: its layers cannot be read one by one (%s)",
-                  "/".join(path), read_errors.reason(e))
-      return self.read(step, path, shape)
-    if tuple(store.shape) != tuple(shape):
-      raise CheckpointError(f"checkpoint {self.step_dir(step)}: leaf {'/'.join(path)} has shape "
-                            f"{tuple(store.shape)}, expected {tuple(shape)}")
-    return _LayerReader(store)
-
-  def _side_view(self, step: int, path: Path):
-    """The leaf at `path` if checkpoint `step` keeps it in its side item, else None."""
-    item = self.side_saved(step)
-    return None if item is None else item.view("/".join(path))
-
-
-class _LayerReader:
-  """A saved array whose `[i]` reads layer i only, as float32 numpy."""
-
-  def __init__(self, store):
-    self._store = store
-    self.shape = tuple(store.shape)
-
-  def __getitem__(self, layer: int) -> np.ndarray:
-    return np.asarray(self._store[layer].read().result(), dtype=np.float32)
-
-
 # ----------------------------------------------------------------------------- checks
-
-
-def _leaf_shapes(tree) -> dict[str, tuple[int, ...]]:
-  """{"master/layers/w_up_LxDxF": shape, ...}: names that match however the
-  tree is nested (a saved TrainState comes back as dicts and lists)."""
-  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {integrity.leaf_name(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 def _without(tree, names) -> Any:
@@ -410,40 +234,7 @@ def _raise_if_damaged(where: pathlib.Path, differ: list[str], nonfinite: list[st
                                    f"{bad[0]}{more} {what}")
 
 
-def _saved_array(state_dir: pathlib.Path, name: str):
-  """A leaf of orbax's saved state (zarr in an OCDBT database, orbax's default),
-  opened for reading boxes of it."""
-  # os.path.abspath: TensorStore refuses ".." in a path (a workdir such as runs/a/../b).
-  spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt",
-                                        "base": f"file://{os.path.abspath(state_dir)}",
-                                        "path": name.replace("/", ".")}}
-  return ts.open(spec, open=True, read=True).result()
-
-
-def check_fits(saved: dict, wanted: dict, where: pathlib.Path, against: str,
-               hint: str = "") -> None:
-  """Raises CheckpointError naming the first leaf that differs between two
-  {leaf name: shape} dicts: `saved` in checkpoint `where`, `wanted` by `against`."""
-  unfit = f"checkpoint {where} does not fit {against}"
-  settings_hint = hint or " (were optimizer settings changed?)"
-  for name, shape in wanted.items():
-    if name not in saved:
-      raise CheckpointError(f"{unfit}: it has no leaf {name}{settings_hint}")
-    if saved[name] != shape:
-      raise CheckpointError(f"{unfit}: leaf {name} has shape {saved[name]} in the checkpoint "
-                            f"but {shape} in {against}{hint}")
-  extra = sorted(saved.keys() - wanted.keys())
-  if extra:
-    raise CheckpointError(f"{unfit}: it has a leaf {extra[0]} that {against} lacks{settings_hint}")
-
-
 def _model_difference(saved: dict, current: dict) -> str:
   diffs = [f"model.{k}={saved.get(k)} in the checkpoint, {v} here"
            for k, v in current.items() if saved.get(k) != v]
   return f" ({'; '.join(diffs)})" if diffs else ""
-
-
-def _nested(path: Path, leaf) -> dict:
-  for key in reversed(path):
-    leaf = {key: leaf}
-  return leaf

@@ -1,10 +1,10 @@
-"""Bytes each device communicates per train step, read from the compiled program.
+"""The collectives of an optimized, SPMD-partitioned HLO module, and the bytes each sends.
 
-Lists every collective of an optimized, SPMD-partitioned HLO module and counts its bytes the
-way the ZeRO paper does: all-gather result bytes; reduce-scatter, all-to-all and
-collective-permute operand bytes; all-reduce 2 x operand bytes, or once where XLA:GPU makes it
-a reduce-scatter; each times how often it runs per call. XLA:CPU's all-reduce combining and
-bf16-to-f32 widening are undone, so the count is that of the partitioned program.
+Counts each op's bytes the way the ZeRO paper does: all-gather result bytes; reduce-scatter,
+all-to-all and collective-permute operand bytes; all-reduce 2 x operand bytes, or once where
+XLA:GPU makes it a reduce-scatter; each times how often it runs per call. XLA:CPU's all-reduce
+combining and bf16-to-f32 widening are undone, so the count is that of the partitioned
+program. The per-step report is jaxzero.planning.comm_report's.
 """
 
 from __future__ import annotations
@@ -14,12 +14,9 @@ import dataclasses
 import itertools
 import math
 import re
-from typing import Any, Iterator
+from typing import Iterator
 
-import jax
 import numpy as np
-
-from jaxzero.utils.formatting import format_bytes
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # What a value may pass through on its way to a dynamic-slice (and still make
@@ -84,7 +81,7 @@ class Collective:
     return self.bytes_per_run * self.runs
 
 
-class _Module:
+class HloModule:
   """The parts of an HLO module text that counting needs."""
 
   def __init__(self, text: str):
@@ -299,148 +296,4 @@ def replica_groups(attrs: str, n_devices: int) -> Groups:
 
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective op of an HLO module text, with its bytes and runs per call."""
-  return list(_Module(hlo_text).collectives())
-
-
-def mesh_axes(groups: Groups, mesh) -> tuple[str, ...]:
-  """The axes of `mesh` along which the devices of some group differ. Ids in HLO
-  are positions in the device assignment: for a jit over `mesh`, ``mesh.devices.flat``."""
-  spanned = set()
-  for group in groups:
-    if max(group, default=0) >= mesh.devices.size:
-      raise ValueError(f"replica group {group} names devices beyond the mesh {dict(mesh.shape)}")
-    coords = np.unravel_index(np.asarray(group, dtype=int), mesh.devices.shape)
-    spanned |= {k for k, c in enumerate(coords) if len(set(c.tolist())) > 1}
-  return tuple(name for k, name in enumerate(mesh.axis_names) if k in spanned)
-
-
-def zero_paper_units(stage: int, grad_accum: int = 1) -> int:
-  """The ZeRO paper's figure (see the module docstring); a hybrid stage has its stage's."""
-  return {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage]
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-  """`count` collectives alike in op, dtype, shape, runs and mesh axes."""
-  op: str
-  dtype: str
-  shape: str
-  runs: int
-  axes: tuple[str, ...]
-  count: int
-  bytes_per_run: int  # all `count` together
-  counted_bytes: int  # per device per step
-  sliced_bytes: int  # per run: all-reduce bytes counted once, as a reduce-scatter
-
-
-@dataclasses.dataclass
-class CommReport:
-  rows: list[Row]  # largest first
-  collectives: list[Collective]
-  total_bytes: int  # per device per step
-  units: float  # total_bytes / (Φ × unit_bytes_per_param)
-  axis_bytes: dict[str, int]  # of the collectives whose groups span each mesh axis
-  n_params: int
-  unit_bytes_per_param: int
-  paper_units: float | None  # the ZeRO paper's figure, when the stage is known
-  notes: list[str]
-  # With a pipeline axis: what crosses it alone (of which collective-permutes), and the
-  # formula's bytes (2 x micro-batches x one micro-batch's activations per boundary).
-  pipeline_bytes: int = 0
-  pipeline_permute_bytes: int = 0
-  pipeline_formula_bytes: int | None = None
-
-
-def hlo_text(compiled_or_text: Any) -> str:
-  """The optimized, partitioned HLO of a ``Compiled`` (or ``Lowered``), or the text itself."""
-  if isinstance(compiled_or_text, jax.stages.Lowered):
-    compiled_or_text = compiled_or_text.compile()
-  return compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-
-
-def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int = 2, *,
-           stage: int | None = None, grad_accum: int = 1, tensor: int = 1,
-           activation_bytes: int | None = None) -> CommReport:
-  """Every collective of a compiled step, and the bytes per device per step.
-
-  Args:
-    compiled_or_text: a ``jax.stages.Compiled`` (or ``Lowered``), or HLO text.
-    mesh: the ``jax.sharding.Mesh`` it was compiled for; None leaves axes empty.
-    n_params: Φ; unit_bytes_per_param: the bytes of one unit per parameter.
-    stage, grad_accum: when the stage is given, the ZeRO paper's figure is added.
-    tensor: `mesh.tensor`; each device then holds 1/tensor of every weight, so the
-      paper's figure (for the data axes) is divided by it.
-    activation_bytes: with a ``pipeline`` axis, one micro-batch's activations at a stage
-      boundary on one device: the pipeline sends are set beside 2 x grad_accum x them.
-  """
-  module = _Module(hlo_text(compiled_or_text))
-  found = list(module.collectives())
-  alike: dict[tuple, list[Collective]] = {}
-  for c in found:
-    axes = mesh_axes(c.replica_groups, mesh) if mesh is not None else ()
-    alike.setdefault((c.op, c.dtype, c.shape, c.runs, axes), []).append(c)
-  rows = sorted((Row(*key, count=len(cs), bytes_per_run=sum(c.bytes_per_run for c in cs),
-                     counted_bytes=sum(c.counted_bytes for c in cs),
-                     sliced_bytes=sum(c.sliced_bytes for c in cs))
-                 for key, cs in alike.items()), key=lambda r: -r.counted_bytes)
-  total = sum(r.counted_bytes for r in rows)
-  counts = (sum(c.sliced_bytes > 0 for c in found), sum(bool(c.compiled_dtype) for c in found),
-            module.unknown_trips)
-  notes = [note.format(n) for n, note in zip(counts, (
-      "{} all-reduce(s) feed dynamic-slices only (all or some elements): counted once, as the "
-      "reduce-scatter XLA:GPU makes (XLA:CPU never forms one)",
-      "{} collective(s) send values that XLA:CPU widened to f32; counted at the dtype the "
-      "partitioned program sends",
-      "{} while loop(s) with collectives inside and no known trip count: counted as running "
-      "once")) if n]
-  if tensor > 1:
-    notes.append(f"mesh.tensor={tensor}: the ZeRO paper's figure is over the data axes, for "
-                 f"the 1/{tensor} of each weight a device holds; what crosses `tensor` "
-                 f"(activations) comes on top")
-  alone = [r for r in rows if r.axes == ("pipeline",)]
-  formula = None if activation_bytes is None else 2 * grad_accum * activation_bytes
-  if formula is not None:
-    notes.append("across `pipeline`: each tick's sends, the bubble's too; with GPipe and "
-                 "interleaved also the last stage's outputs to all stages and the input "
-                 "gradients back (the embedding and head run on every stage)")
-  return CommReport(
-      rows, found, total, total / (n_params * unit_bytes_per_param),
-      {a: sum(r.counted_bytes for r in rows if a in r.axes) for a in getattr(mesh, "axis_names", ())},
-      n_params, unit_bytes_per_param,
-      None if stage is None else zero_paper_units(stage, grad_accum) / tensor, notes,
-      sum(r.counted_bytes for r in alone),
-      sum(r.counted_bytes for r in alone if r.op == "collective-permute"), formula)
-
-
-def as_json(rep: CommReport) -> dict:
-  """The report as plain JSON values (``jaxzero.plan --json``)."""
-  return dict(dataclasses.asdict(rep), collectives=[
-      dict(dataclasses.asdict(c), as_reduce_scatter=c.as_reduce_scatter,
-           bytes_per_run=c.bytes_per_run, counted_bytes=c.counted_bytes,
-           replica_groups=[list(g) for g in c.replica_groups]) for c in rep.collectives])
-
-
-def format_table(rep: CommReport) -> str:
-  """A plain aligned table: one line per distinct collective, then the totals."""
-  size = lambda n: format_bytes(n, digits=2, smallest="KB")
-  header = ["op", "dtype", "shape", "count", "runs/step", "mesh axes", "bytes/run",
-            "bytes/device/step"]
-  body = []
-  for r in rep.rows:
-    reduce_scatter = ("" if not r.sliced_bytes else " (as reduce-scatter)"
-                      if r.sliced_bytes == r.bytes_per_run else " (partly as reduce-scatter)")
-    body.append([r.op + reduce_scatter, r.dtype, r.shape, str(r.count), str(r.runs),
-                 ",".join(r.axes) or "-", size(r.bytes_per_run), size(r.counted_bytes)])
-  widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
-  fmt = lambda line: "  ".join(c.ljust(w) if i in (0, 1, 2, 5) else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(line, widths))).rstrip()
-  lines = [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body),
-           f"total {rep.total_bytes / 1e9:.3g} GB per device per step = {rep.units:.2f} × "
-           f"(Φ×{rep.unit_bytes_per_param} bytes); ZeRO paper: "
-           f"{'-' if rep.paper_units is None else f'{rep.paper_units:g}'}"]
-  lines += [f"crossing {axis}: {size(b)}" for axis, b in rep.axis_bytes.items()]
-  if rep.pipeline_formula_bytes is not None:
-    lines.append(f"across pipeline alone: {size(rep.pipeline_bytes)} (collective-permutes "
-                 f"{size(rep.pipeline_permute_bytes)}); the formula, 2 x micro-batches x "
-                 f"activations per stage boundary: {size(rep.pipeline_formula_bytes)}")
-  return "\n".join(lines + [f"note: {n}" for n in rep.notes])
+  return list(HloModule(hlo_text).collectives())

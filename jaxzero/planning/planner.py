@@ -29,7 +29,7 @@ from jaxzero.models.llama import count_params
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel import pipeline
 from jaxzero.parallel.zero import Layout
-from jaxzero.planning import collectives as comm_lib
+from jaxzero.planning import comm_report as comm_lib
 from jaxzero.planning import zero_formula
 from jaxzero.runners.base import Runner
 from jaxzero.runners.choose import make_runner
@@ -116,7 +116,7 @@ class Row:
   # and offloaded activations.
   xla_separates_host: bool
   # With comm=True: every collective of the compiled step, counted the ZeRO way
-  # (a jaxzero.planning.collectives.CommReport); None otherwise.
+  # (a jaxzero.planning.comm_report.CommReport); None otherwise.
   comm_report: object = dataclasses.field(default=None, repr=False, compare=False)
   tensor: int = 1  # mesh.tensor: `devices` = replica x fsdp x tensor x pipeline
   pipeline: int = 1  # mesh.pipeline: stages, each device holding its stage's layers

@@ -24,7 +24,7 @@ from jaxzero.data import batches as batches_lib
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.engine import loss_scale
 from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
-from jaxzero.interop import hf_load
+from jaxzero.hf import load as hf_load
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
 from jaxzero.planning import memory_check, memory_measure

@@ -1,21 +1,18 @@
 """The README's example of jaxzero.Engine runs as written, in a fresh process."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-from processes import ROOT
+from processes import ROOT, run_python
 
 
 @pytest.mark.slow  # a fresh process compiles the step
 def test_the_readme_example_runs_as_written(tmp_path):
   readme = (ROOT / "README.md").read_text()
   (code,) = re.findall(r"<!-- example: any model -->\n```python\n(.*?)```", readme, re.S)
-  result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, check=False,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+  result = run_python("-c", code, cwd=tmp_path,
+                      env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
   assert result.returncode == 0, result.stderr[-3000:]
   loss, state_bytes = result.stdout.split()
   assert float(loss) > 0 and int(state_bytes) > 0

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 
 from jaxzero import config, train
-from jaxzero.checkpoint.checkpointer import CheckpointError, checkpoint_dir, latest_step
+from jaxzero.checkpoint.directory import checkpoint_dir
+from jaxzero.checkpoint.reader import latest_step
+from jaxzero.errors import CheckpointError
 from jaxzero.training import loop
 
 from damage import damage_data, truncate_to
-from processes import ROOT, TINY
-from processes import cli_env as cli_environment
-from processes import wait_for
+from processes import ROOT, TINY, child_env, logged, losses, run_python, wait_for
 
 # tiny_zero3 (stage 3 on 8 devices), smaller; the schedule spans 10k steps.
 SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
@@ -53,7 +53,7 @@ sys.exit(train.main(sys.argv[1:]))
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory):
   """One compilation cache for the session: every 8-device run compiles once."""
-  return cli_environment(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
+  return child_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
 
 
 def start_train(env, workdir, *args, code=None, **extra_env):
@@ -70,18 +70,6 @@ def train_cli(env, workdir, *args):
   stdout, stderr = process.communicate(timeout=600)
   assert process.returncode == 0, stderr
   return stdout, stderr
-
-
-def logged(workdir):
-  """metrics.jsonl's records (a line being written is skipped)."""
-  path = pathlib.Path(workdir) / "metrics.jsonl"
-  if not path.exists():
-    return []
-  return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def losses(workdir):
-  return {r["step"]: r["loss"] for r in logged(workdir)}
 
 
 def snapshot(directory):
@@ -207,9 +195,8 @@ def test_after_a_damaged_restore_stderr_holds_only_its_error(stopped_at_3, tmp_p
     damage_data(checkpoint_dir(workdir) / "3", truncate_to(attempt / 10))
     workdirs.append(str(workdir))
   settings = [arg for s in SETTINGS for arg in ("--set", s)]
-  result = subprocess.run(
-      [sys.executable, "-c", RESTORE_TEN_TIMES, "--config", TINY, *settings, "--no-progress",
-       *workdirs], cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=600, check=False)
+  result = run_python("-c", RESTORE_TEN_TIMES, "--config", TINY, *settings, "--no-progress",
+                      *workdirs, env=cli_env, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   log_line = re.compile(r"^\d\d:\d\d:\d\d [\w.]+: ")  # jaxzero's own log lines
   others = [line for line in result.stderr.splitlines() if not log_line.match(line)]
@@ -223,8 +210,8 @@ def test_after_a_damaged_restore_stderr_holds_only_its_error(stopped_at_3, tmp_p
 # into the closed event loop, before that restore's error has been raised.
 CLOSED_LOOP_BEFORE_THE_ERROR = """
 import asyncio, sys, threading
-from jaxzero.checkpoint import checkpointer
-checkpointer.CheckpointReader(sys.argv[1])
+from jaxzero.checkpoint import reader
+reader.CheckpointReader(sys.argv[1])
 loop = asyncio.new_event_loop()
 loop.close()
 class AbandonedRead:
@@ -238,14 +225,11 @@ thread.join()
 
 @pytest.mark.slow  # runs jaxzero.train processes
 def test_abandoned_reads_are_quiet_from_the_first_read(tmp_path, cli_env):
-  result = subprocess.run([sys.executable, "-c", CLOSED_LOOP_BEFORE_THE_ERROR, str(tmp_path)],
-                          cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=120,
-                          check=False)
+  result = run_python("-c", CLOSED_LOOP_BEFORE_THE_ERROR, str(tmp_path), env=cli_env, timeout=120)
   assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
   # The same error raised by the program itself is never hidden.
   own = CLOSED_LOOP_BEFORE_THE_ERROR + "raise RuntimeError('Event loop is closed')\n"
-  result = subprocess.run([sys.executable, "-c", own, str(tmp_path)], cwd=ROOT, env=cli_env,
-                          capture_output=True, text=True, timeout=120, check=False)
+  result = run_python("-c", own, str(tmp_path), env=cli_env, timeout=120)
   assert result.returncode == 1
   assert result.stderr.splitlines()[-1] == "RuntimeError: Event loop is closed", result.stderr
 

@@ -16,6 +16,7 @@ import pytest
 
 from jaxzero import config
 from jaxzero.checkpoint import checkpointer, integrity
+from jaxzero.checkpoint.directory import checkpoint_dir, damaged_dir
 from jaxzero.errors import DamagedCheckpointError
 from jaxzero.training import loop
 
@@ -71,7 +72,7 @@ def delete(data_file):
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(damage, trained, copy_of,
                                                                        caplog):
   workdir, losses = copy_of, trained[1]
-  directory = checkpointer.checkpoint_dir(workdir)
+  directory = checkpoint_dir(workdir)
   earlier = {step: snapshot(directory / step) for step in ("2", "4")}
   damage_data(directory / "6", damage, at_least=2 if damage is garbage_at_several_offsets else 1)
   with caplog.at_level(logging.WARNING):
@@ -83,12 +84,12 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(damage, t
   assert f"checkpoint {directory / '6'} is damaged: " in caplog.text
   assert "resuming from checkpoint 4, the newest that verifies" in caplog.text
   assert {step: snapshot(directory / step) for step in ("2", "4")} == earlier
-  assert (checkpointer.damaged_dir(workdir) / "6").is_dir()  # kept, not deleted
+  assert (damaged_dir(workdir) / "6").is_dir()  # kept, not deleted
   assert (directory / "6").is_dir()  # saved anew
 
 
 def test_refuse_names_the_damage_and_changes_nothing(copy_of):
-  directory = checkpointer.checkpoint_dir(copy_of)
+  directory = checkpoint_dir(copy_of)
   damage_data(directory / "6", garbage_at_several_offsets, at_least=2)
   before = snapshot(copy_of)
   with pytest.raises(DamagedCheckpointError) as error:
@@ -111,7 +112,7 @@ def test_values_that_differ_from_their_checksum_are_caught(copy_of, monkeypatch)
     state.master["final_norm"] += 1.0  # in place of bytes changed on disk
     return saved
   workdir = copy_of
-  shutil.rmtree(checkpointer.checkpoint_dir(workdir) / "6")
+  shutil.rmtree(checkpoint_dir(workdir) / "6")
   cfg = make_config()
   monkeypatch.setattr(integrity, "record", record_then_change)
   loop.run_training(cfg, workdir, steps=6, devices=jax.devices()[:DEVICES], progress=False)
@@ -123,7 +124,7 @@ def test_values_that_differ_from_their_checksum_are_caught(copy_of, monkeypatch)
 
 
 def test_a_restored_state_must_be_finite(copy_of):
-  directory = checkpointer.checkpoint_dir(copy_of)
+  directory = checkpoint_dir(copy_of)
   cfg = make_config(on_damaged="refuse")
   run = loop.build(cfg, jax.devices()[:DEVICES])
   info = checkpointer.run_info(cfg.model, cfg.precision.compute, cfg.seed)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxzero.checkpoint import checkpointer
+from jaxzero.checkpoint.reader import latest_step
 from jaxzero.errors import NonFiniteError
 from jaxzero.models import trainable
 from jaxzero.training import loop
@@ -50,7 +50,7 @@ def test_stop_names_the_step_and_saves_nothing_poisoned(stage, poison, tmp_path)
   assert f"step {POISONED_STEP}: loss nan" in message and "\n" not in message
   # It stops at that step: nothing after it is saved, everything before is finite.
   assert f"the last checkpoint is step {POISONED_STEP - 1}" in message
-  assert checkpointer.latest_step(tmp_path) == POISONED_STEP - 1
+  assert latest_step(tmp_path) == POISONED_STEP - 1
   for saved in range(1, POISONED_STEP):
     assert np.isfinite(master_at(tmp_path, saved)).all()
 

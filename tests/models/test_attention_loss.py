@@ -29,7 +29,7 @@ from jaxzero.engine.remat import remat_wrapper
 from jaxzero.models.attention import attention
 from jaxzero.models.llama import LlamaConfig
 from jaxzero.models.loss import cross_entropy
-from jaxzero.planning import collectives
+from jaxzero.planning import comm_report
 
 from test_model import graphdef, make_cfg, random_params, random_tokens
 
@@ -202,7 +202,7 @@ def test_chunked_cross_entropy_reduces_head_gradient_once():
   loss = lambda x, h, l: cross_entropy(x, h, l, chunk=128, shard=shard)
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
   head_bytes = D * V * 4
-  sent = collectives.report(compiled, mesh, n_params=D * V).total_bytes
+  sent = comm_report.report(compiled, mesh, n_params=D * V).total_bytes
   assert head_bytes <= sent <= 2 * head_bytes + 1024
 
 

@@ -1,11 +1,11 @@
 """Tests that jaxzero.models.llama computes Llama-3 (and Mistral, Qwen2), and that
-jaxzero.interop.hf_mapping maps it exactly.
+jaxzero.hf.config_json and jaxzero.hf.tensors map it exactly.
 
 Three independent witnesses of the forward pass:
 * a from-scratch numpy float64 reference written below (no code shared with
   jaxzero.models.llama),
 * transformers' LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM, loaded
-  through jaxzero.interop.hf_mapping,
+  through jaxzero.hf.tensors,
 * the model itself with and without rematerialisation (gradients).
 
 Weights are random everywhere (norm scales too, not ones) and of unit-ish
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxzero.interop import hf_mapping
+from jaxzero.hf import config_json, tensors
 from jaxzero.models import llama
 from jaxzero.models.llama import LlamaConfig
 
@@ -223,14 +223,14 @@ def test_remat_does_not_change_gradients():
                plain, checkpointed)
 
 
-# ----------------------------------------------------------------------------- hf_mapping config
+# ----------------------------------------------------------------------------- hf config.json
 
 
 def test_config_round_trip():
   for cfg in (make_cfg(4, False, False), make_cfg(2, True, True),
               make_cfg(family="mistral", window=8), make_cfg(family="mistral"),
               make_cfg(family="qwen2", tied=True), make_cfg(family="qwen2", window=5)):
-    assert hf_mapping.llama_config_from_hf(hf_mapping.hf_config_from_llama(cfg)) == cfg
+    assert config_json.llama_config_from_hf(config_json.hf_config_from_llama(cfg)) == cfg
 
 
 def test_config_reads_both_rope_layouts():
@@ -242,10 +242,10 @@ def test_config_reads_both_rope_layouts():
                 original_max_position_embeddings=16)
   v4 = dict(common, rope_theta=10_000.0, rope_scaling=dict(llama3, rope_type="llama3"))
   v5 = dict(common, rope_parameters=dict(llama3, rope_type="llama3", rope_theta=10_000.0))
-  assert hf_mapping.llama_config_from_hf(v4) == make_cfg()
-  assert hf_mapping.llama_config_from_hf(v5) == make_cfg()
+  assert config_json.llama_config_from_hf(v4) == make_cfg()
+  assert config_json.llama_config_from_hf(v5) == make_cfg()
   plain = dict(common, rope_parameters=dict(rope_type="default", rope_theta=10_000.0))
-  assert hf_mapping.llama_config_from_hf(plain) == make_cfg(scaled=False)
+  assert config_json.llama_config_from_hf(plain) == make_cfg(scaled=False)
 
 
 @pytest.mark.parametrize("change, field", [
@@ -259,11 +259,11 @@ def test_config_reads_both_rope_layouts():
     (dict(attention_bias=True), "attention_bias"),
 ])
 def test_config_rejects(change, field):
-  hf_config = hf_mapping.hf_config_from_llama(make_cfg(scaled=False))
+  hf_config = config_json.hf_config_from_llama(make_cfg(scaled=False))
   hf_config.update(change)
   hf_config = {k: v for k, v in hf_config.items() if v is not None}
   with pytest.raises(ValueError, match=field):
-    hf_mapping.llama_config_from_hf(hf_config)
+    config_json.llama_config_from_hf(hf_config)
 
 
 @pytest.mark.parametrize("family, change, message", [
@@ -277,9 +277,9 @@ def test_config_rejects(change, field):
     ("mistral", dict(hidden_act="gelu"), "field 'hidden_act' is 'gelu'"),
 ])
 def test_family_config_rejects(family, change, message):
-  hf_config = {**hf_mapping.hf_config_from_llama(make_cfg(family=family)), **change}
+  hf_config = {**config_json.hf_config_from_llama(make_cfg(family=family)), **change}
   with pytest.raises(ValueError, match=message):
-    hf_mapping.llama_config_from_hf(hf_config)
+    config_json.llama_config_from_hf(hf_config)
 
 
 @pytest.mark.parametrize("change, window", [
@@ -290,8 +290,8 @@ def test_family_config_rejects(family, change, message):
           layer_types=["sliding_attention"] * 2, max_window_layers=28), 8),
 ])
 def test_qwen2_window_is_the_one_transformers_applies(change, window):
-  hf_config = {**hf_mapping.hf_config_from_llama(make_cfg(family="qwen2")), **change}
-  cfg = hf_mapping.llama_config_from_hf(hf_config)
+  hf_config = {**config_json.hf_config_from_llama(make_cfg(family="qwen2")), **change}
+  cfg = config_json.llama_config_from_hf(hf_config)
   assert (cfg.family, cfg.qkv_bias, cfg.sliding_window) == ("qwen2", True, window)
 
 
@@ -305,7 +305,7 @@ def test_family_fields_are_validated():
       LlamaConfig(**fields).validate()
 
 
-# ----------------------------------------------------------------------------- hf_mapping tensors
+# ----------------------------------------------------------------------------- hf tensors
 
 
 def test_tensor_names_shapes_and_errors():
@@ -313,17 +313,17 @@ def test_tensor_names_shapes_and_errors():
   state_dict = hf_state_dict(random_params(cfg), cfg)
   # A tied model has no head of its own: none is written, and one read is skipped.
   assert "lm_head.weight" not in state_dict
-  assert {k: v.shape for k, v in state_dict.items()} == hf_mapping.hf_tensor_shapes(cfg)
+  assert {k: v.shape for k, v in state_dict.items()} == tensors.hf_tensor_shapes(cfg)
   head = state_dict["model.embed_tokens.weight"]
-  assert hf_mapping.hf_tensor_to_jaxzero("lm_head.weight", head, cfg) is None
+  assert tensors.hf_tensor_to_jaxzero("lm_head.weight", head, cfg) is None
   for extra in ("model.layers.2.mlp.up_proj.weight", "model.layers.0.mlp.bias"):
     with pytest.raises(KeyError, match=extra.replace(".", r"\.")):
-      hf_mapping.hf_tensor_to_jaxzero(extra, np.zeros(3), cfg)
+      tensors.hf_tensor_to_jaxzero(extra, np.zeros(3), cfg)
   with pytest.raises(ValueError, match=r"k_proj.*\(64, 64\), expected \(32, 64\)"):
-    hf_mapping.hf_tensor_to_jaxzero("model.layers.0.self_attn.k_proj.weight",
+    tensors.hf_tensor_to_jaxzero("model.layers.0.self_attn.k_proj.weight",
                                     np.zeros((64, 64)), cfg)
   with pytest.raises(KeyError, match="lm_head_DxV"):
-    hf_mapping.jaxzero_to_hf_tensors(("lm_head_DxV",), np.zeros((64, 97)), cfg)
+    tensors.jaxzero_to_hf_tensors(("lm_head_DxV",), np.zeros((64, 97)), cfg)
 
 
 def test_per_tensor_layouts():
@@ -332,19 +332,19 @@ def test_per_tensor_layouts():
   rng = np.random.default_rng(0)
   x = rng.standard_normal(cfg.dim)
   w_q = rng.standard_normal((cfg.n_heads * cfg.head_dim, cfg.dim))
-  path, layer, wq = hf_mapping.hf_tensor_to_jaxzero("model.layers.1.self_attn.q_proj.weight",
+  path, layer, wq = tensors.hf_tensor_to_jaxzero("model.layers.1.self_attn.q_proj.weight",
                                                     w_q, cfg)
   assert (path, layer, wq.shape) == (("layers", "wq_LxDxHxE"), 1, (64, 4, 16))
   # Head h of HF's q is rows [h*E, (h+1)*E) of its projection output.
   np.testing.assert_allclose(np.einsum("d,dhe->he", x, wq).reshape(-1), w_q @ x, rtol=0,
                              atol=1e-12)
   w_o = rng.standard_normal((cfg.dim, cfg.n_heads * cfg.head_dim))
-  _, _, wo = hf_mapping.hf_tensor_to_jaxzero("model.layers.0.self_attn.o_proj.weight", w_o,
+  _, _, wo = tensors.hf_tensor_to_jaxzero("model.layers.0.self_attn.o_proj.weight", w_o,
                                              cfg)
   ctx = rng.standard_normal((cfg.n_heads, cfg.head_dim))
   np.testing.assert_allclose(np.einsum("he,hed->d", ctx, wo), w_o @ ctx.reshape(-1), rtol=0,
                              atol=1e-12)
-  path, layer, norm = hf_mapping.hf_tensor_to_jaxzero("model.norm.weight", x, cfg)
+  path, layer, norm = tensors.hf_tensor_to_jaxzero("model.norm.weight", x, cfg)
   assert (path, layer) == (("final_norm",), None) and np.array_equal(norm, x)
 
 
@@ -368,10 +368,10 @@ def test_matches_transformers(family, n_kv_heads, tied, scaled, window):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   model = random_hf_model(family, n_kv_heads, tied, scaled, window)
-  assert type(model).__name__ == hf_mapping.hf_config_from_llama(
+  assert type(model).__name__ == config_json.hf_config_from_llama(
       make_cfg(family=family))["architectures"][0]
 
-  cfg = hf_mapping.llama_config_from_hf(model.config.to_dict())  # transformers 5 layout
+  cfg = config_json.llama_config_from_hf(model.config.to_dict())  # transformers 5 layout
   assert cfg == make_cfg(n_kv_heads, tied, scaled, family, window)
   assert llama.count_params(cfg) == sum(p.numel() for p in model.parameters())
 
@@ -392,7 +392,7 @@ def test_matches_transformers(family, n_kv_heads, tied, scaled, window):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), again, params)
 
   # Export: the exported config and tensors rebuild the same transformers model.
-  hf_config = hf_mapping.hf_config_from_llama(cfg)
+  hf_config = config_json.hf_config_from_llama(cfg)
   rebuilt = transformers.AutoModelForCausalLM.from_config(
       transformers.AutoConfig.for_model(**hf_config), attn_implementation="eager").eval()
   assert type(rebuilt) is type(model)

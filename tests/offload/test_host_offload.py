@@ -8,11 +8,7 @@ which is host compute; only the new compute copy goes to the device.
 
 import dataclasses
 import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +26,7 @@ from jaxzero.planning import planner
 from jaxzero.runners import nvme
 from jaxzero.training import loop
 
-from processes import FAST_XLA_FLAGS
+from processes import TINY, child_env, run_python
 
 STEPS = 3
 
@@ -218,8 +214,6 @@ def test_cuda_step_streams_offloaded_weights_one_layer_at_a_time(optimizer):
 # 1-3, the weights in host memory at stage 3 (the only stage that offloads
 # them), alone and with the optimizer there. The NVMe tier across processes
 # resuming an in-memory checkpoint is in tests/test_nvme.py.
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "configs" / "tiny_zero3.py")
 LAUNCH_SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
                "train.global_batch=16", "train.grad_accum=2", "train.lr=3e-3",
                "train.warmup_steps=1", "train.steps=3", "train.log_every=1",
@@ -255,13 +249,11 @@ def test_two_processes_with_offload_train_like_one_without(tmp_path, one_process
     (tmp_path / "nvme").mkdir()
     offload = [*offload, f"offload.nvme_dir={tmp_path / 'nvme'}"]
   sets = LAUNCH_SETS + [f"zero.stage={stage}"]
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAXZERO_"))}
-  env["XLA_FLAGS"] = FAST_XLA_FLAGS  # as this process compiles (conftest.py)
-  result = subprocess.run(
-      [sys.executable, "-m", "jaxzero.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
-       "--config", TINY, "--workdir", str(tmp_path / "two"), "--no-progress",
-       *[a for s in sets + offload for a in ("--set", s)]],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=400, check=False)
+  # Compiled with the fast-compile flags, as this process compiles (conftest.py).
+  result = run_python("-m", "jaxzero.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+                      "--config", TINY, "--workdir", str(tmp_path / "two"), "--no-progress",
+                      *[a for s in sets + offload for a in ("--set", s)],
+                      env=child_env(alone=True), timeout=400)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
   two = [json.loads(line)["loss"] for line in lines]

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 
 from jaxzero import config
-from jaxzero.checkpoint import checkpointer
+from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.errors import DamagedCheckpointError, PathError
 from jaxzero.offload import nvme_checkpoint, nvme_store
 from jaxzero.offload import targets as offload_targets
 from jaxzero.runners import infinity
 from jaxzero.training import loop
 
-from processes import ROOT, TINY, at_step, cli_env, logged, losses, wait_for
+from processes import ROOT, TINY, at_step, child_env, logged, losses, run_python, wait_for
 from tiny import INFINITY_SETS as SETS
 from tiny import infinity_sets
 
@@ -38,7 +38,7 @@ def train(workdir, sets=(), devices=8, steps=None):
 
 def weights(workdir, step) -> dict[str, np.ndarray]:
   """Checkpoint `step`'s master weights and compute copy, by leaf name."""
-  with checkpointer.CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
+  with CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
     return {name: reader.read(step, tuple(name.split("/")), shape)
             for name, shape in reader.leaf_shapes(step).items()
             if name.startswith(("master/", "params/"))}
@@ -158,7 +158,7 @@ def test_sigkill_during_a_step_or_a_save_resumes_to_the_uninterrupted_losses(
   workdir, store = at_step(infinity_run, 5, tmp_path / "w"), tmp_path / "nvme"
   store.mkdir()
   sets = ["train.grad_accum=2", *infinity_sets(store), "checkpoint.every=1"]
-  env = cli_env(pathlib.Path(jax.config.jax_compilation_cache_dir))
+  env = child_env(pathlib.Path(jax.config.jax_compilation_cache_dir))
   killed = subprocess.Popen(
       [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--workdir", str(workdir),
        "--no-progress", *[a for s in [*SETS, *sets] for a in ("--set", s)]],
@@ -179,13 +179,11 @@ def test_sigkill_during_a_step_or_a_save_resumes_to_the_uninterrupted_losses(
 def test_two_processes_train_as_in_memory(reference, tmp_path):
   store = tmp_path / "nvme"
   store.mkdir()
-  env = cli_env(pathlib.Path(jax.config.jax_compilation_cache_dir))
   sets = [*SETS, "train.grad_accum=2", "mesh.fsdp=8", *infinity_sets(store)]
-  run = subprocess.run(
-      [sys.executable, "-m", "jaxzero.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
-       "--config", TINY, "--workdir", str(tmp_path / "w"), "--no-progress",
-       *[a for s in sets for a in ("--set", s)]],
-      cwd=ROOT, env=env, text=True, capture_output=True, timeout=500, check=False)
+  run = run_python("-m", "jaxzero.launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+                   "--config", TINY, "--workdir", str(tmp_path / "w"), "--no-progress",
+                   *[a for s in sets for a in ("--set", s)],
+                   env=child_env(pathlib.Path(jax.config.jax_compilation_cache_dir)), timeout=500)
   assert run.returncode == 0, run.stderr[-3000:]
   assert_same_run(tmp_path / "w", reference[8, 2], range(1, 11))
   expected, got = weights(reference[8, 2], 10), weights(tmp_path / "w", 10)

@@ -22,14 +22,14 @@ import tensorstore as ts
 
 from jaxzero import config
 from jaxzero import train as train_cli
-from jaxzero.checkpoint import checkpointer
+from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.errors import ConfigError, PathError
 from jaxzero.models.llama import count_params
 from jaxzero.offload import nvme_checkpoint, nvme_store
 from jaxzero.offload import targets as offload_targets
 from jaxzero.training import loop
 
-from processes import ROOT, TINY, cli_env, logged, losses, wait_for
+from processes import ROOT, TINY, at_step, child_env, logged, losses, wait_for
 
 # tiny_zero3, smaller, in float32 with two micro-steps; saved at steps 2 and 4.
 SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
@@ -66,23 +66,11 @@ def snapshot(directory) -> dict:
           for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def at_step(run, step, workdir):
-  """A copy of a run's workdir as it was when it had saved `step`."""
-  shutil.copytree(run[0], workdir)
-  for later in (p for p in (workdir / "checkpoints").iterdir() if int(p.name) > step):
-    shutil.rmtree(later)
-  metrics = workdir / "metrics.jsonl"
-  metrics.write_text("".join(f"{json.dumps(r)}\n" for r in logged(metrics.parent)
-                             if r["step"] <= step))
-  return workdir
-
-
 @pytest.fixture(scope="module")
 def env():
   """The CLI's environment, sharing this session's compilation cache (conftest.py):
   a process that runs a program this one compiled does not compile it again."""
-  return {k: v for k, v in cli_env(pathlib.Path(jax.config.jax_compilation_cache_dir)).items()
-          if not k.startswith(("JAXZERO_", "SLURM_", "OMPI_"))}
+  return child_env(pathlib.Path(jax.config.jax_compilation_cache_dir), alone=True)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +91,7 @@ def in_memory(nvme_run, tmp_path_factory):
   """(workdir, losses): steps 3-4 in memory, resumed from its checkpoint of step 2,
   at stage 2 on 4 devices (checkpoints of every kind resume on any mesh and stage);
   saved at steps 3 and 4."""
-  workdir = at_step(nvme_run, 2, tmp_path_factory.mktemp("in_memory") / "w")
+  workdir = at_step(nvme_run[0], 2, tmp_path_factory.mktemp("in_memory") / "w")
   sets = ["zero.stage=2", "mesh.fsdp=4", "checkpoint.every=1"]
   assert train(workdir, sets, devices=4).start_step == 2
   return workdir, losses(workdir)
@@ -111,7 +99,7 @@ def in_memory(nvme_run, tmp_path_factory):
 
 def saved_weights(workdir, step) -> dict[str, np.ndarray]:
   """The fp32 master weights of checkpoint `step`, by name."""
-  with checkpointer.CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
+  with CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
     return {name: reader.read(step, tuple(name.split("/")), shape)
             for name, shape in reader.leaf_shapes(step).items() if name.startswith("master/")}
 
@@ -125,7 +113,7 @@ def test_stage3_leaves_no_files_and_saves_the_state_for_export(nvme_run, nvme_di
       "master/layers/w_up_LxDxF", "opt_state/1/0/mu/layers/w_up_LxDxF",
       "opt_state/1/0/nu/layers/w_up_LxDxF"]
   # Export's reader reads the master weights there, whole or a layer at a time.
-  with checkpointer.CheckpointReader(nvme_run[0], side=nvme_checkpoint.SIDE_ITEM) as reader:
+  with CheckpointReader(nvme_run[0], side=nvme_checkpoint.SIDE_ITEM) as reader:
     path = ("master", "layers", "w_up_LxDxF")
     whole = reader.read(4, path, (2, 64, 128))
     assert whole.shape == (2, 64, 128) and np.isfinite(whole).all()
@@ -145,7 +133,7 @@ def test_two_processes_at_stage2_resume_an_in_memory_checkpoint_and_train_as_in_
   # both and the weights whole (each update all-gathers them across processes),
   # from the in-memory checkpoint of step 3 (1 process of 4 devices): step 4's
   # loss, and the weights its update saves, are those of the run in memory.
-  workdir = at_step(in_memory, 3, tmp_path / "w")
+  workdir = at_step(in_memory[0], 3, tmp_path / "w")
   run = launch(workdir, nvme_sets(nvme_dir, 2), env, nproc=2)
   _, stderr = run.communicate(timeout=400)
   assert run.returncode == 0, stderr[-3000:]
@@ -166,7 +154,7 @@ def test_sigkill_at_a_random_moment_resumes_to_the_uninterrupted_losses(env, nvm
   # A run resumed at step 2 is killed at a random moment once its step 3 is
   # logged: saving step 3 (the store's chunks copied into the checkpoint), in
   # step 4 (the update writing the store), or saving step 4.
-  workdir, store = at_step(nvme_run, 2, tmp_path / "w"), tmp_path / "nvme"
+  workdir, store = at_step(nvme_run[0], 2, tmp_path / "w"), tmp_path / "nvme"
   store.mkdir()
   sets = [*nvme_sets(store), "checkpoint.every=1"]
   killed = launch(workdir, sets, env)
@@ -263,7 +251,7 @@ def test_an_nvme_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
 
 def test_no_room_for_the_state_names_the_bytes_and_changes_nothing(nvme_run, nvme_dir,
                                                                    monkeypatch, tmp_path):
-  workdir = at_step(nvme_run, 2, tmp_path / "w")
+  workdir = at_step(nvme_run[0], 2, tmp_path / "w")
   before = snapshot(workdir)
   usage = shutil.disk_usage(nvme_dir)
   monkeypatch.setattr(offload_targets.shutil, "disk_usage",

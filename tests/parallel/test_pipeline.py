@@ -11,8 +11,6 @@ initial state, placed into each layout's shards (as tests/parallel/test_tensor.p
 import dataclasses
 import json
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -164,10 +162,10 @@ def test_an_unknown_schedule_or_a_pipeline_that_does_not_divide_the_devices_exit
   for sets, message in ((["pipeline.schedule=zigzag"], "pipeline.schedule"),
                         (["mesh.pipeline=4", "mesh.fsdp=-1", "mesh.replica=1",
                           "train.grad_accum=4"], None)):
-    args = [sys.executable, "-m", "jaxzero.train", "--config", processes.TINY, "--workdir",
-            str(tmp_path / "run"), "--steps", "1", *[a for s in sets for a in ("--set", s)]]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120,
-                          env=processes.clean_env(JAX_NUM_CPU_DEVICES="6"), check=False)
+    done = processes.run_python(
+        "-m", "jaxzero.train", "--config", processes.TINY, "--workdir", str(tmp_path / "run"),
+        "--steps", "1", *[a for s in sets for a in ("--set", s)], timeout=120,
+        env=processes.child_env(alone=True, JAX_NUM_CPU_DEVICES="6"))
     assert done.returncode == 2, done.stderr
     line = done.stderr.strip().splitlines()[-1]
     assert (message or "mesh.pipeline=4 does not divide the 6 devices") in line, line
@@ -205,12 +203,12 @@ def test_checkpoints_move_between_pipeline_sizes(tmp_path):
 
 def test_the_plan_names_the_stages_the_bubble_and_the_sends():
   from jaxzero import plan as plan_cli  # pylint: disable=import-outside-toplevel
-  from jaxzero.planning import collectives  # pylint: disable=import-outside-toplevel
+  from jaxzero.planning import comm_report  # pylint: disable=import-outside-toplevel
   cfg = config.load(processes.TINY, ["mesh.fsdp=4", "mesh.pipeline=2"])
   plan = planner.plan(cfg, 8, 80e9, sweep=[planner.Variant(3, False, cfg.remat.policy)],
                       search=False, comm=True)  # one row: the stage-3 step, as --comm prints it
   out = "\n".join([plan_cli.format_table(plan, "plan"),
-                   collectives.format_table(plan.rows[0].comm_report)])
+                   comm_report.format_table(plan.rows[0].comm_report)])
   assert "(mesh replica 1 x fsdp 4 x pipeline 2)" in out
   assert ("pipeline: 2 stages of 2 layers, schedule gpipe, 2 micro-batches a step: bubble "
           "(S-1)/(M+S-1) = 33.3%") in out
@@ -239,8 +237,8 @@ def test_the_405b_3d_preset_plans_within_80_gb_a_device():
              "print(json.dumps([row.mesh, row.tensor, row.pipeline, row.state_bytes, "
              "row.total_bytes, row.fits]))\n")
   preset = str(processes.ROOT / "configs" / "llama405b_3d.py")
-  done = subprocess.run([sys.executable, "-c", program, preset], capture_output=True, text=True,
-                        timeout=600, check=False, env=processes.clean_env())
+  done = processes.run_python("-c", program, preset, timeout=600,
+                              env=processes.child_env(alone=True))
   assert done.returncode == 0, done.stderr[-2000:]
   mesh_, tensor, stages, state, total, fits = json.loads(done.stdout.strip().splitlines()[-1])
   assert (mesh_, tensor, stages) == ([1, 64], 8, 2)

@@ -9,8 +9,6 @@ import dataclasses
 import json
 import pathlib
 import re
-import subprocess
-import sys
 import types
 
 import jax
@@ -23,12 +21,13 @@ from jax.sharding import PartitionSpec as P
 from jaxzero import config
 from jaxzero.checkpoint import checkpointer
 from jaxzero.config import ConfigError
-from jaxzero.interop import hf_export, hf_load
+from jaxzero.hf import export as hf_export
+from jaxzero.hf import load as hf_load
 from jaxzero.models.llama import LlamaConfig, count_params, is_param_spec, param_specs
 from jaxzero.models.loss import cross_entropy
 from jaxzero.engine.hooks import LayoutHooks
 from jaxzero.parallel import mesh
-from jaxzero.planning import collectives, planner, zero_formula
+from jaxzero.planning import collectives, comm_report, planner, zero_formula
 from jaxzero.runners.base import InMemoryRunner
 
 import processes
@@ -201,7 +200,7 @@ def test_tensor_collectives_move_activations_never_weights_or_logits():
   engine = make_engine(cfg)
   compiled = planner.compile_step(InMemoryRunner(engine), micro_batch=B)
   over_tensor = [c for c in collectives.collectives(compiled.as_text())
-                 if "tensor" in collectives.mesh_axes(c.replica_groups, engine.layout.mesh)]
+                 if "tensor" in comm_report.mesh_axes(c.replica_groups, engine.layout.mesh)]
   weights = [s.shape[1:] if s.logical_axes[0] == "layers" else s.shape
              for s in jax.tree.leaves(param_specs(HLO_MODEL), is_leaf=is_param_spec)]
   smallest_weight_shard = min(int(np.prod(w)) // 2 for w in weights if len(w) > 1)
@@ -216,7 +215,8 @@ def test_tensor_collectives_move_activations_never_weights_or_logits():
   gathers = [c for c in in_layers if c.op == "all-gather" and (B, T, D) in _arrays(c.shape)]
   scatters = [c for c in in_layers if c.op in ("reduce-scatter", "all-reduce")
               and (B, T, D) in _arrays(c.shape) and c.sliced_bytes > 0]
-  assert gathers and scatters, collectives.format_table(collectives.report(compiled, engine.layout.mesh, 1))
+  assert gathers and scatters, comm_report.format_table(
+      comm_report.report(compiled, engine.layout.mesh, 1))
 
 
 def test_vocabulary_parallel_loss_never_gathers_logits():
@@ -243,7 +243,7 @@ def test_vocabulary_parallel_loss_never_gathers_logits():
     np.testing.assert_allclose(g, w, atol=1e-6)
   logits_per_chunk = (B // 4) * T * chunk  # rows of one data-parallel device
   for c in collectives.collectives(compiled.as_text()):
-    if "tensor" in collectives.mesh_axes(c.replica_groups, layout.mesh):
+    if "tensor" in comm_report.mesh_axes(c.replica_groups, layout.mesh):
       for dims in _arrays(c.shape):
         assert int(np.prod(dims)) < logits_per_chunk // 2, (c.op, c.shape, c.runs)
 
@@ -273,10 +273,9 @@ def test_tensor_8_cuts_llama70b_activations_4x_at_the_zero_state(tmp_path):
   """Llama-3-70B on 64 devices, ZeRO-3, seq 4096, full remat: with mesh.tensor=8
   (global batch 8) the planner's activations per device are at least 4x lower
   than with mesh.tensor=1 (global batch 64), and the state is 16Φ/64 in both."""
-  env = processes.cli_env(tmp_path / "cache")
-  done = subprocess.run([sys.executable, "-c", PLAN_70B_BY_TENSOR,
-                         str(planner_config("llama70b_zero3_offload"))],
-                        cwd=processes.ROOT, env=env, capture_output=True, text=True, check=False)
+  done = processes.run_python("-c", PLAN_70B_BY_TENSOR,
+                              str(planner_config("llama70b_zero3_offload")),
+                              env=processes.child_env(tmp_path / "cache"), timeout=None)
   assert done.returncode == 0, done.stderr[-3000:]
   rows = json.loads(done.stdout.strip().splitlines()[-1])
   (act_1, state_1, theory_1, grads_1), (act_8, state_8, theory_8, _) = rows["1"], rows["8"]

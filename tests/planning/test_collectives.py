@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxzero.planning import collectives
 from jaxzero.parallel.mesh import make_mesh
+from jaxzero.planning import collectives, comm_report
 
 
 def _module(*computations: str, entry: str) -> str:
@@ -80,7 +80,7 @@ def test_only_loops_of_unknown_trip_count_with_collectives_inside_are_noted():
   entry = """  %p0 = f32[4]{0} parameter(0)
   %w1 = f32[4]{0} while(%p0), condition=%cond, body=%computes
   ROOT %w2 = f32[4]{0} while(%w1), condition=%cond, body=%gathers"""
-  rep = collectives.report(_module(gathers, inner, computes, cond, entry=entry), None, n_params=8)
+  rep = comm_report.report(_module(gathers, inner, computes, cond, entry=entry), None, n_params=8)
   assert [n for n in rep.notes if "trip count" in n] == [
       "1 while loop(s) with collectives inside and no known trip count: counted as running once"]
 
@@ -165,8 +165,8 @@ def test_a_value_widened_then_transposed_counts_at_its_narrow_dtype():
 
 
 def test_zero_paper_units():
-  assert [collectives.zero_paper_units(s, 4) for s in range(4)] == [2, 2, 5, 12]
-  assert [collectives.zero_paper_units(s) for s in range(4)] == [2, 2, 2, 3]
+  assert [comm_report.zero_paper_units(s, 4) for s in range(4)] == [2, 2, 5, 12]
+  assert [comm_report.zero_paper_units(s) for s in range(4)] == [2, 2, 2, 3]
 
 
 def _scan_step(mesh):
@@ -192,7 +192,7 @@ def test_compiled_scan_on_a_2x4_mesh(order):
   mesh = (make_mesh(2, 4, devices) if order == "in order" else
           Mesh(np.asarray(devices).reshape(2, 4), ("replica", "fsdp"),
                axis_types=(AxisType.Auto,) * 2))
-  rep = collectives.report(_scan_step(mesh), mesh, n_params=5 * 16 * 16, stage=3)
+  rep = comm_report.report(_scan_step(mesh), mesh, n_params=5 * 16 * 16, stage=3)
   by_op = {(r.op, r.axes): r for r in rep.rows}
   gather = by_op["all-gather", ("fsdp",)]
   assert (gather.runs, gather.dtype, gather.counted_bytes) == (5, "bf16", 5 * 16 * 16 * 2)
@@ -201,6 +201,6 @@ def test_compiled_scan_on_a_2x4_mesh(order):
   assert rep.total_bytes == sum(r.counted_bytes for r in rep.rows)
   assert rep.axis_bytes["fsdp"] >= gather.counted_bytes
   assert rep.units == pytest.approx(rep.total_bytes / (5 * 16 * 16 * 2))
-  table = collectives.format_table(rep)
+  table = comm_report.format_table(rep)
   assert "all-gather" in table and "ZeRO paper: 3" in table and "per device per step" in table
-  assert collectives.as_json(rep)["collectives"][0]["replica_groups"]
+  assert comm_report.as_json(rep)["collectives"][0]["replica_groups"]

@@ -2,10 +2,6 @@
 
 import json
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import pytest
@@ -15,7 +11,8 @@ from jaxzero import plan as plan_cli
 from jaxzero.planning import planner
 from jaxzero.planning.planner import Variant
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from processes import ROOT, run_python
+
 CONFIGS = ROOT / "configs"
 LLAMA_8B = str(CONFIGS / "llama8b_zero3.py")
 LLAMA_70B = str(CONFIGS / "llama70b_zero3_offload.py")
@@ -165,15 +162,10 @@ def test_a_preset_for_8_devices_plans_on_64_by_adjusting_grad_accum():
     planner.fit_batch_arithmetic(cfg, 128)
 
 
-def run_plan(*args):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return subprocess.run([sys.executable, "-m", "jaxzero.plan", *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300, check=False)
-
-
 @pytest.mark.slow
 def test_cli_plans_llama70b_on_64_virtual_devices():
-  result = run_plan("--config", LLAMA_70B, "--devices", "64", "--no-search", "--json")
+  result = run_python("-m", "jaxzero.plan", "--config", LLAMA_70B, "--devices", "64",
+                      "--no-search", "--json")
   assert result.returncode == 0, result.stderr
   rows = json.loads(result.stdout)
   assert [r["strategy"] for r in rows] == ["NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD"]
@@ -198,7 +190,7 @@ def test_cli_plans_llama70b_on_64_virtual_devices():
 ])
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
-  result = run_plan("--config", str(CONFIGS / "tiny_zero3.py"), *args)
+  result = run_python("-m", "jaxzero.plan", "--config", str(CONFIGS / "tiny_zero3.py"), *args)
   assert result.returncode == 2, result.stderr
   errors = [line for line in result.stderr.splitlines() if "error" in line]
   assert len(errors) == 1 and message in errors[0], result.stderr

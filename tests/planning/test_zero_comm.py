@@ -25,7 +25,7 @@ from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, count_params
 from jaxzero.parallel import mesh
 from jaxzero.parallel.zero import Layout
-from jaxzero.planning import collectives, planner
+from jaxzero.planning import comm_report, planner
 from jaxzero.runners.base import InMemoryRunner
 
 MODEL = LlamaConfig(vocab_size=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=512,
@@ -44,7 +44,7 @@ def compiled_report(zero: dict, accum: int, replica: int = 1, fsdp: int = 8,
   layout = Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, jax.devices()[:8], tensor))
   program = engine_lib.TrainProgram(cfg, layout, trainable.llama(cfg.model))
   compiled = planner.compile_step(InMemoryRunner(program), micro_batch=tensor)
-  return collectives.report(compiled, layout.mesh, count_params(MODEL), stage=layout.stage,
+  return comm_report.report(compiled, layout.mesh, count_params(MODEL), stage=layout.stage,
                      grad_accum=accum, tensor=tensor)
 
 
@@ -53,10 +53,10 @@ def compiled_report(zero: dict, accum: int, replica: int = 1, fsdp: int = 8,
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_stage_moves_the_zero_paper_bytes(stage, accum):
   rep = compiled_report({"stage": stage}, accum)
-  paper = collectives.zero_paper_units(stage, accum)
+  paper = comm_report.zero_paper_units(stage, accum)
   assert rep.paper_units == paper
   low = 0.9 if stage == 3 else 0.95  # the tied embedding: one gather for two uses
-  assert low * paper <= rep.units <= 1.05 * paper, collectives.format_table(rep)
+  assert low * paper <= rep.units <= 1.05 * paper, comm_report.format_table(rep)
 
 
 @pytest.mark.parametrize("strategy, accum", [("HYBRID_SHARD", 1), ("HYBRID_SHARD", 4),
@@ -67,17 +67,17 @@ def test_hybrid_sends_only_gradient_shards_across_replica(strategy, accum):
   of each device's gradient shard (Φ / N_fsdp in bf16), not the full gradient."""
   rep = compiled_report({"strategy": strategy}, accum, replica=2, fsdp=4)
   stage = 3 if strategy == "HYBRID_SHARD" else 2
-  paper = collectives.zero_paper_units(stage, accum)
+  paper = comm_report.zero_paper_units(stage, accum)
   inside = rep.axis_bytes["fsdp"] / (2 * rep.n_params)
-  assert 0.9 * paper <= inside <= 1.05 * paper, collectives.format_table(rep)
+  assert 0.9 * paper <= inside <= 1.05 * paper, comm_report.format_table(rep)
   shard_bytes = 2 * rep.n_params / 4
   # Besides the gradients, only the loss and the batch's token ids (bytes) cross.
   across = [c for c in rep.collectives
-            if "replica" in collectives.mesh_axes(c.replica_groups, _mesh(2, 4))
+            if "replica" in comm_report.mesh_axes(c.replica_groups, _mesh(2, 4))
             and c.operand_bytes > 0.01 * shard_bytes]
   assert [(c.op, c.runs) for c in across] == [("all-reduce", 1)] * len(across)
   sent = sum(c.operand_bytes for c in across)
-  assert shard_bytes <= sent <= 1.02 * shard_bytes, collectives.format_table(rep)
+  assert shard_bytes <= sent <= 1.02 * shard_bytes, comm_report.format_table(rep)
 
 
 def _mesh(replica, fsdp):
@@ -123,5 +123,5 @@ def test_with_tensor_parallelism_the_data_axes_move_the_paper_bytes_over_tensor(
   data = rep.axis_bytes["fsdp"] / (2 * rep.n_params)
   # (Within 10%: weights that `tensor` does not split, the norm gains and this
   # small model's tied embedding, are gathered across both axes.)
-  assert 0.9 * rep.paper_units <= data <= 1.1 * rep.paper_units, collectives.format_table(rep)
+  assert 0.9 * rep.paper_units <= data <= 1.1 * rep.paper_units, comm_report.format_table(rep)
   assert any("mesh.tensor=2" in note for note in rep.notes)

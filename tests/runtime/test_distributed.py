@@ -1,7 +1,6 @@
 """Joining a multi-process run: where the coordinates come from, GPU flags, and
 clear errors (not hangs) when the coordinator is wrong or a peer never comes."""
 
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -13,10 +12,7 @@ from jaxzero.config import ConfigError, DistributedConfig
 from jaxzero.runtime import xla_flags
 from jaxzero.runtime.distributed import EXPLICIT, Peers, resolve
 
-from processes import clean_env, free_port
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "configs" / "tiny_zero3.py")
+from processes import ROOT, TINY, child_env, free_port
 
 SLURM = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "node[001-004]", "SLURM_NTASKS": "4",
          "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}
@@ -122,7 +118,7 @@ def test_two_processes_join_share_the_mesh_devices_and_talk(tmp_path):
   procs = [subprocess.Popen(
       [sys.executable, "-c", JOIN_AND_SUM], cwd=ROOT, text=True, stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
-      env=clean_env(JAXZERO_COORDINATOR=coordinator, JAXZERO_NUM_PROCESSES="2",
+      env=child_env(alone=True, JAXZERO_COORDINATOR=coordinator, JAXZERO_NUM_PROCESSES="2",
                     JAXZERO_PROCESS_ID=str(rank), JOIN_RESULT=str(tmp_path / f"rank{rank}")))
            for rank in range(2)]
   outputs = [p.communicate(timeout=120) for p in procs]
@@ -139,7 +135,7 @@ def train_alone(tmp_path, rank: int, coordinator: str, timeout_s: int) -> subpro
        "--set", f"distributed.timeout_s={timeout_s}", "--set",
        f"distributed.coordinator_address={coordinator}"],
       cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      env=clean_env(JAXZERO_NUM_PROCESSES="2", JAXZERO_PROCESS_ID=str(rank)))
+      env=child_env(alone=True, JAXZERO_NUM_PROCESSES="2", JAXZERO_PROCESS_ID=str(rank)))
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from processes import ROOT, TINY, clean_env, cli_env, free_port
+from processes import ROOT, TINY, child_env, free_port
 
 # Each test starts processes of a multi-process run.
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -41,14 +41,15 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
-def start(rank, coordinator, workdir, env, hold_at="", marker=""):
+def start(rank, coordinator, workdir, cache, hold_at="", marker=""):
   settings = [arg for s in SETTINGS for arg in ("--set", s)]
   return subprocess.Popen(  # pylint: disable=consider-using-with
       [sys.executable, "-c", HOLD, "--config", TINY, *settings, "--workdir", str(workdir),
        "--no-progress"],
       cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-      env=clean_env(**env, JAXZERO_COORDINATOR=coordinator, JAXZERO_NUM_PROCESSES="2",
-                    JAXZERO_PROCESS_ID=str(rank), HOLD_AT=hold_at, HOLD_MARKER=str(marker)))
+      env=child_env(cache, alone=True, JAXZERO_COORDINATOR=coordinator,
+                    JAXZERO_NUM_PROCESSES="2", JAXZERO_PROCESS_ID=str(rank), HOLD_AT=hold_at,
+                    HOLD_MARKER=str(marker)))
 
 
 def wait_until(condition, procs, timeout_s=300):
@@ -71,12 +72,12 @@ def lost(tmp_path_factory):
   """{phase: (victim, survivor's return code, its stderr, seconds from the kill
   to its exit)}. One run after another: the later ones find the step compiled
   in the shared cache."""
-  env = cli_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
+  cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
   results = {}
   for phase, victim in PHASES.items():
     tmp = tmp_path_factory.mktemp(phase)
     coordinator, marker, workdir = f"127.0.0.1:{free_port()}", tmp / "held", tmp / "w"
-    procs = [start(rank, coordinator, workdir, env,
+    procs = [start(rank, coordinator, workdir, cache,
                    *((phase, marker) if rank == victim and phase != "step" else ()))
              for rank in range(2)]
     try:

@@ -18,7 +18,7 @@ import pytest
 from jaxzero import config
 from jaxzero.training import loop
 
-from processes import ROOT, TINY, clean_env, cli_env, free_port
+from processes import ROOT, TINY, child_env, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -65,7 +65,7 @@ class Lines:
     return time.monotonic() - start
 
 
-def run_with_stops(n, tmp_path, env):
+def run_with_stops(n, tmp_path, cache):
   coordinator, workdir = f"127.0.0.1:{free_port()}", tmp_path / "w"
   victim = n - 1
   phase_file = tmp_path / "phase"
@@ -73,8 +73,8 @@ def run_with_stops(n, tmp_path, env):
   procs = [subprocess.Popen(  # pylint: disable=consider-using-with
       [sys.executable, "-c", WATCHED, "--config", TINY, *args, "--workdir", str(workdir),
        "--no-progress"], cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-      env=clean_env(**env, JAXZERO_COORDINATOR=coordinator, JAXZERO_NUM_PROCESSES=str(n),
-                    JAXZERO_PROCESS_ID=str(rank),
+      env=child_env(cache, alone=True, JAXZERO_COORDINATOR=coordinator,
+                    JAXZERO_NUM_PROCESSES=str(n), JAXZERO_PROCESS_ID=str(rank),
                     PHASE_FILE=str(phase_file if rank == victim else tmp_path / f"p{rank}"),
                     LINGER_IN=",".join(STOPS) if rank == victim else ""))
       for rank in range(n)]
@@ -108,8 +108,8 @@ def run_with_stops(n, tmp_path, env):
 @pytest.mark.parametrize("n", [3])
 def test_a_stopped_process_is_named_in_every_phase_and_the_run_goes_on(n, tmp_path,
                                                                         tmp_path_factory):
-  env = cli_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
-  waits, losses, lines = run_with_stops(n, tmp_path, env)
+  cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+  waits, losses, lines = run_with_stops(n, tmp_path, cache)
   assert set(waits) == set(STOPS) and max(waits.values()) < STALL_S + 5
   stalls = [line for line in lines if "stalled for" in line]
   assert all(line.startswith("jaxzero.train: stalled for ") for line in stalls)

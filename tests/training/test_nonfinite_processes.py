@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import pytest
 
-from jaxzero.checkpoint import checkpointer
+from jaxzero.checkpoint.reader import latest_step
 
-from processes import ROOT, TINY, clean_env, cli_env, free_port
+from processes import ROOT, TINY, child_env, free_port
 from tiny import master_at
 
 # Each test starts processes of a multi-process run.
@@ -46,7 +46,7 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
-def start(workdir, mode, env, rank=None, coordinator=None):
+def start(workdir, mode, cache, rank=None, coordinator=None):
   settings = [arg for s in [*SETTINGS, f"train.nonfinite={mode}"] for arg in ("--set", s)]
   joined = {} if rank is None else dict(JAXZERO_COORDINATOR=coordinator,
                                         JAXZERO_NUM_PROCESSES="2", JAXZERO_PROCESS_ID=str(rank))
@@ -54,7 +54,7 @@ def start(workdir, mode, env, rank=None, coordinator=None):
       [sys.executable, "-c", POISON, "--config", TINY, *settings, "--workdir", str(workdir),
        "--no-progress"],
       cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      env=clean_env(**env, **joined))
+      env=child_env(cache, alone=True, **joined))
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +62,12 @@ def runs(tmp_path_factory):
   """{name: (workdir, [(returncode, stdout, stderr) per process])} for a two-process
   run with each mode and a one-process run with `skip`, one after another (the
   second two-process run finds the step compiled in the shared cache)."""
-  env = cli_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
+  cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
   results = {}
   for name, mode, ranks in (("stop", "stop", (0, 1)), ("skip", "skip", (0, 1)),
                             ("skip alone", "skip", (None,))):
     workdir, coordinator = tmp_path_factory.mktemp(mode) / "w", f"127.0.0.1:{free_port()}"
-    procs = [start(workdir, mode, env, rank, coordinator) for rank in ranks]
+    procs = [start(workdir, mode, cache, rank, coordinator) for rank in ranks]
     results[name] = workdir, [finish(p) for p in procs]
   return results
 
@@ -90,7 +90,7 @@ def test_stop_ends_both_processes_with_one_line_and_saves_nothing_poisoned(runs)
     assert len(errors) == 1, stderr
     assert errors[0].startswith(f"jaxzero.train: error: step {POISONED_STEP}: loss nan"), stderr
     assert f"the last checkpoint is step {POISONED_STEP - 1}" in errors[0]
-  assert checkpointer.latest_step(workdir) == POISONED_STEP - 1
+  assert latest_step(workdir) == POISONED_STEP - 1
   for saved in range(1, POISONED_STEP):
     assert np.isfinite(master_at(workdir, saved)).all()
 

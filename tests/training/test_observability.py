@@ -11,7 +11,7 @@ import pytest
 
 from jaxzero import config
 from jaxzero import train as train_cli
-from jaxzero.interop import accelerate, deepspeed
+from jaxzero.frameworks import accelerate, deepspeed
 from jaxzero.training import loop, tracking
 
 from processes import TINY

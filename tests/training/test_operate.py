@@ -8,7 +8,6 @@ import dataclasses
 import io
 import json
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from jaxzero.planning import memory_check, planner
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.training import evaluation, loop
 
-from processes import ROOT, TINY
+from processes import ROOT, TINY, child_env, run_python
 
 SMALL = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.seq_len=32",
          "train.global_batch=16", "train.grad_accum=2", "train.lr=3e-3", "train.warmup_steps=2",
@@ -39,10 +38,6 @@ STEPS = 4
 
 def small(*sets):
   return config.load(TINY, [*SMALL, *sets])
-
-
-def env():
-  return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
 
 
 Trained = collections.namedtuple("Trained", "workdir stdout outcome records warnings")
@@ -81,10 +76,8 @@ class WarningsKept(logging.Handler):
 @pytest.mark.slow
 def test_llama8b_on_this_cpu_is_refused_in_one_line_before_allocating(tmp_path):
   started = time.monotonic()
-  result = subprocess.run(
-      [sys.executable, "-m", "jaxzero.train", "--config", str(ROOT / "configs/llama8b_zero3.py"),
-       "--workdir", str(tmp_path / "w")], cwd=ROOT, env=env(), capture_output=True, text=True,
-      timeout=60, check=False)
+  result = run_python("-m", "jaxzero.train", "--config", str(ROOT / "configs/llama8b_zero3.py"),
+                      "--workdir", str(tmp_path / "w"), env=child_env(alone=True), timeout=60)
   assert time.monotonic() - started < 30
   assert result.returncode == 2, result.stderr
   lines = result.stderr.strip().splitlines()
@@ -207,7 +200,8 @@ def test_the_tensorboard_writer_loads_without_importing_torch(tmp_path):
           "logger.log([dict(step=1, loss=2.5, grad_norm=1.0, lr=1e-3, tokens_per_sec=9.0, "
           "step_time_s=1.0, tflops=0.1)]); logger.close(); "
           "assert 'torch' not in sys.modules, 'torch imported'; import torch")
-  subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, check=True, timeout=120)
+  result = run_python("-c", code, str(tmp_path), timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
   assert list((tmp_path / "tb").iterdir())
 
 # ----------------------------------------------------------------------------- evaluation
@@ -302,7 +296,8 @@ def test_resume_step_goes_back_to_an_earlier_checkpoint(run, tmp_path):
 def test_ctrl_c_during_start_up_is_one_quiet_line(tmp_path):
   proc = subprocess.Popen(
       [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--workdir", str(tmp_path)],
-      cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      cwd=ROOT, env=child_env(alone=True), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      text=True)
   time.sleep(3)  # importing JAX, building the run or compiling
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=60)
@@ -368,7 +363,7 @@ def test_on_a_terminal_the_bar_shows_logged_steps(tmp_path, monkeypatch, capsys)
 
 
 def test_a_ds_config_tensorboard_block_is_accepted():
-  from jaxzero.interop import deepspeed
+  from jaxzero.frameworks import deepspeed
   ds = {"train_batch_size": 16, "tensorboard": {"enabled": True, "output_path": "logs/"}}
   assert deepspeed.translate(ds, config.base()).unneeded == {
       "tensorboard": "jaxzero always writes TensorBoard events to WORKDIR/tb/"}

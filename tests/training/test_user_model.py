@@ -4,15 +4,13 @@ with the banner, metrics and memory check of any run."""
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import jax
 import pytest
 
 from jaxzero import config
 from jaxzero.api import adapters
-from processes import ROOT, cli_env
+from processes import child_env, run_python
 
 MODEL = '''
 import jax.numpy as jnp
@@ -59,11 +57,9 @@ def get_config():
 
 
 def train(tmp_path, workdir, *args):
-  env = cli_env(tmp_path / "xla_cache")
-  result = subprocess.run(
-      [sys.executable, "-m", "jaxzero.train", "--config", str(tmp_path / "my_config.py"),
-       "--workdir", str(workdir), "--no-progress", *args],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+  result = run_python("-m", "jaxzero.train", "--config", str(tmp_path / "my_config.py"),
+                      "--workdir", str(workdir), "--no-progress", *args,
+                      env=child_env(tmp_path / "xla_cache"))
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
 

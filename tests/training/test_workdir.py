@@ -16,14 +16,16 @@ import chex
 import pytest
 
 from jaxzero import config
-from jaxzero.checkpoint import checkpointer, read_errors
-from jaxzero.checkpoint.checkpointer import CheckpointError, checkpoint_dir
-from jaxzero.interop import hf_export
+from jaxzero.checkpoint import read_errors
+from jaxzero.checkpoint.directory import checkpoint_dir
+from jaxzero.checkpoint.reader import CheckpointReader
+from jaxzero.errors import CheckpointError
+from jaxzero.hf import export as hf_export
 from jaxzero.training import loop
 from jaxzero.training.workdir import LOCK_FILE
 
 from processes import ROOT, TINY
-from processes import cli_env as cli_environment
+from processes import child_env
 from processes import wait_for
 
 # tiny_zero3, smaller; saves every step, and the schedule spans 10k steps so
@@ -35,7 +37,7 @@ SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.glob
 
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory):
-  return cli_environment(tmp_path_factory.mktemp("jax_compilation_cache"))
+  return child_env(tmp_path_factory.mktemp("jax_compilation_cache"))
 
 
 def _obey_permissions():
@@ -182,7 +184,7 @@ def losses(workdir):
 
 
 def saved_state(workdir, step):
-  with checkpointer.CheckpointReader(workdir) as reader:
+  with CheckpointReader(workdir) as reader:
     return {name: reader.read(step, tuple(name.split("/")), shape)
             for name, shape in reader.leaf_shapes(step).items()
             if name.startswith(("master/", "params/"))}  # read by name: the dict-keyed leaves

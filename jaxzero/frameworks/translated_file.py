@@ -1,7 +1,8 @@
 """A DeepSpeed or Accelerate file in jaxzero's terms: the settings it makes,
 the knobs it names that XLA makes unnecessary, and one-line errors naming its keys.
 
-Shared by ``jaxzero.interop.deepspeed``, ``jaxzero.interop.accelerate`` and ``jaxzero.migrate``.
+Shared by ``jaxzero.frameworks.deepspeed``, ``jaxzero.frameworks.accelerate`` and
+``jaxzero.migrate``.
 """
 
 from __future__ import annotations

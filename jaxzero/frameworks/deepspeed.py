@@ -4,7 +4,7 @@ The file applies over the base config, then ``--set`` over that. A key the file 
 the base's value (inside ``optimizer`` or ``scheduler``, DeepSpeed's default), and ``"auto"``
 takes the base's value. A key jaxzero does not know, or cannot honour, is an error naming it;
 knobs XLA makes unnecessary are accepted and reported once, in one log line.
-:class:`jaxzero.interop.translation.Translation` is what the file says in jaxzero's terms.
+:class:`jaxzero.frameworks.translated_file.Translation` is what the file says in jaxzero's terms.
 """
 
 from __future__ import annotations
@@ -13,41 +13,15 @@ import dataclasses
 import pathlib
 
 from jaxzero import config as config_lib
-from jaxzero.interop import ds_parallel
-from jaxzero.interop.translation import (GATHERED_PER_LAYER, SHARDED_SAVES, Translation, number,
-                                         param, read_mapping)
+from jaxzero.frameworks import ds_optimizer, ds_parallel, ds_zero
+from jaxzero.frameworks.ds_zero import BUFFERS, NVME_FIXED, RESHARD
+from jaxzero.frameworks.translated_file import Translation, number, param, read_mapping
 from jaxzero.parallel import mesh as mesh_lib
 
 # ----------------------------------------------------------------------------
 # ds_config.json
 
 # Accepted and not needed: key -> what jaxzero does instead.
-_SCHEDULED = "XLA's scheduler overlaps collectives with compute"
-_BUFFERS = "XLA sizes, lays out and combines collective buffers itself"
-_LAYOUT = "the stage's layout decides the collectives (gradients reduce-scattered where produced)"
-_RESHARD = "checkpoints restore on any mesh and stage"
-_PINNED = "offloaded state lives in pinned_host memory"
-_NVME_ONLY = "an NVMe-tier setting, unused without device nvme"
-_NVME_FIXED = "the NVMe tier's buffers and I/O are fixed (jaxzero.offload.nvme_store)"
-_PARAM_BUFFERS = {"buffer_count": "one layer is read ahead (jaxzero.runners.infinity)",  # nvme
-                  "buffer_size": "whole layers are read, in the NVMe tier's chunks",
-                  "max_in_cpu": "each layer is read from NVMe when it runs, none kept in RAM"}
-UNNEEDED_ZERO = {
-    "overlap_comm": _SCHEDULED, "contiguous_gradients": _BUFFERS,
-    "reduce_bucket_size": _BUFFERS, "allgather_bucket_size": _BUFFERS,
-    "sub_group_size": _BUFFERS, "use_multi_rank_bucket_allreduce": _BUFFERS,
-    "reduce_scatter": _LAYOUT, "allgather_partitions": _LAYOUT,
-    "round_robin_gradients": _LAYOUT,
-    **dict.fromkeys(("stage3_prefetch_bucket_size", "stage3_model_persistence_threshold",
-                     "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_use_all_reduce_for_fetch_params",
-                     "mics_hierarchical_params_gather"), GATHERED_PER_LAYER),
-    "stage3_gather_16bit_weights_on_model_save": SHARDED_SAVES,
-    "stage3_gather_fp16_weights_on_model_save": SHARDED_SAVES,
-    "elastic_checkpoint": _RESHARD, "load_from_fp32_weights": _RESHARD,
-    "ignore_unused_parameters": "JAX's gradients cover every parameter",
-    "memory_efficient_linear": "remat.policy decides what the backward pass keeps",
-    "cpu_offload_use_pin_memory": _PINNED,
-}
 UNNEEDED_TOP = {
     "wall_clock_breakdown": "metrics.jsonl records step_time_s",
     "memory_breakdown": "python -m jaxzero.plan reports memory per device",
@@ -55,14 +29,14 @@ UNNEEDED_TOP = {
     "gradient_predivide_factor": "gradients are averaged once, in zero.reduce_dtype",
     "zero_allow_untested_optimizer": "one optimizer serves every stage",
     "zero_force_ds_cpu_optimizer": "one optimizer serves every stage",
-    "checkpoint": _RESHARD,
+    "checkpoint": RESHARD,
     "compile": "every step is compiled by XLA",
-    "aio": _NVME_FIXED,
+    "aio": NVME_FIXED,
     "tensorboard": "jaxzero always writes TensorBoard events to WORKDIR/tb/",
 }
 UNNEEDED_ACTIVATIONS = {
     "partition_activations": "activations are sharded over the batch at layer boundaries",
-    "contiguous_memory_optimization": _BUFFERS,
+    "contiguous_memory_optimization": BUFFERS,
     "number_checkpoints": "remat.policy decides what each layer keeps",
     "synchronize_checkpoint_boundary": "remat.policy decides what each layer keeps",
     "profile": "remat.policy decides what each layer keeps",
@@ -76,12 +50,6 @@ REFUSED_WHEN_ENABLED = {
     "amp": "(NVIDIA Apex AMP) is not available; use bf16",
     "elasticity": "(elastic batch sizes) is not available",
 }
-ZERO_KEYS = {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params",
-             "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
-             "zero_quantized_nontrainable_weights", "mics_shard_size",
-             "stage3_param_persistence_threshold", *UNNEEDED_ZERO}
-OFFLOAD_KEYS = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
-                "fast_init", "ratio", "pipeline", "pipeline_read", "pipeline_write"}
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "steps_per_print", "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16",
             "bfloat16", "zero_optimization", "activation_checkpointing", "data_types",
@@ -116,12 +84,10 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   tr.unneeded.update({k: UNNEEDED_TOP[k] for k in ds if k in UNNEEDED_TOP})
   _precision(tr, ds, base)
   _wandb(tr, ds.get("wandb", {}), base)
-  _zero(tr, ds.get("zero_optimization", {}))
+  ds_zero.translate(tr, ds)
   ds_parallel.translate(tr, ds, base)
   _activation_checkpointing(tr, ds.get("activation_checkpointing", {}))
-  lr = _optimizer(tr, ds["optimizer"], base) if "optimizer" in ds else base.train.lr
-  if "scheduler" in ds:
-    _scheduler(tr, ds["scheduler"], base, lr)
+  ds_optimizer.translate(tr, ds, base)
   if "gradient_clipping" in ds and ds["gradient_clipping"] != "auto":
     tr.set("train.clip_norm", number(tr, ds["gradient_clipping"], "gradient_clipping",
                                      minimum=0), "gradient_clipping")
@@ -202,79 +168,6 @@ def _fp16(tr: Translation, fp16: dict, base: config_lib.PrecisionConfig) -> None
                    f"{2 ** values['initial_scale_power']:g}")
 
 
-def _zero(tr: Translation, zero: dict) -> None:
-  tr.check_keys(zero, "zero_optimization.", ZERO_KEYS)
-  tr.unneeded.update({f"zero_optimization.{k}": UNNEEDED_ZERO[k]
-                      for k in zero if k in UNNEEDED_ZERO})
-  threshold = zero.get("stage3_param_persistence_threshold", "auto")
-  if threshold != "auto":
-    where = "zero_optimization.stage3_param_persistence_threshold"
-    tr.set("zero.min_shard_size", number(tr, threshold, where, int, 0), where)
-  if "stage" in zero:
-    stage = zero["stage"]
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-      raise tr.error(f"zero_optimization.stage={stage!r} is not valid; choose one of: 0, 1, 2, 3")
-    for key, value in (("zero.stage", stage), ("zero.strategy", ""), ("zero.hybrid", False)):
-      tr.set(key, value, "zero_optimization.stage")
-  for key, why in (("zero_quantized_weights", "ZeRO++ quantized weights"),
-                   ("zero_quantized_gradients", "ZeRO++ quantized gradients"),
-                   ("zero_quantized_nontrainable_weights", "ZeRO++ quantized weights")):
-    if zero.get(key):
-      raise tr.error(f"zero_optimization.{key}=true: {why} are not available")
-  if zero.get("zero_hpz_partition_size", 1) != 1:
-    raise tr.error("zero_optimization.zero_hpz_partition_size: ZeRO++ hierarchical "
-                   "partitioning is not available; HYBRID_SHARD (zero.strategy) is the nearest")
-  if zero.get("mics_shard_size", -1) not in (-1, 0):
-    # MiCS: shard inside groups of mics_shard_size devices, replicate across them.
-    size = number(tr, zero["mics_shard_size"], "zero_optimization.mics_shard_size", int, 1)
-    if zero.get("stage", 3) != 3:
-      raise tr.error("zero_optimization.mics_shard_size needs stage 3")
-    for key, value in (("zero.strategy", "HYBRID_SHARD"), ("mesh.fsdp", size),
-                       ("mesh.replica", -1)):
-      tr.set(key, value, "zero_optimization.mics_shard_size")
-  _offload(tr, zero, "offload_optimizer", "offload.optimizer", legacy="cpu_offload")
-  _offload(tr, zero, "offload_param", "offload.params", legacy="cpu_offload_params")
-  stage_named = zero.get("stage", 3)  # absent: the base's stage, checked by config.validate
-  if (tr.settings.get("offload.params", ("device",))[0] == "nvme"
-      and tr.settings.get("offload.optimizer", ("device",))[0] != "nvme"):
-    raise tr.error("zero_optimization.offload_param.device=nvme needs offload_optimizer.device="
-                   "nvme too: the parameter tier reads the master weights from its files")
-  if tr.settings.get("offload.params", ("device",))[0] != "device" and stage_named != 3:
-    raise tr.error("zero_optimization.offload_param needs stage 3 (parameters are "
-                   "sharded and offloaded only under ZeRO-3)")
-
-
-def _offload(tr: Translation, zero: dict, key: str, target: str, legacy: str) -> None:
-  where = f"zero_optimization.{key}."
-  if zero.get(legacy):  # DeepSpeed's older boolean spelling of device "cpu"
-    tr.set(target, "pinned_host", f"zero_optimization.{legacy}")
-  block = tr.check_keys(zero.get(key, {}), where, OFFLOAD_KEYS)
-  device = block.get("device", "none")
-  if device == "nvme" and not (isinstance(block.get("nvme_path"), str) and block["nvme_path"]):
-    raise tr.error(f"{where}device=nvme needs {where}nvme_path, a directory on local disk")
-  if device not in ("none", "cpu", "nvme"):
-    raise tr.error(f"{where}device={device!r} is not valid; choose one of: none, cpu, nvme")
-  if block.get("ratio", 1) != 1:
-    raise tr.error(f"{where}ratio: partial offload is not available; offload all (ratio 1) "
-                   f"or nothing")
-  if key in zero:
-    tr.set(target, {"cpu": "pinned_host", "nvme": "nvme"}.get(device, "device"), f"{where}device")
-  if device == "nvme":
-    named = tr.settings.get("offload.nvme_dir")
-    if named and named[0] != block["nvme_path"]:
-      raise tr.error(f"{where}nvme_path={block['nvme_path']!r} differs from {named[1]}="
-                     f"{named[0]!r}: the parameters, gradients and optimizer state share one "
-                     "directory here (offload.nvme_dir); give both the same path")
-    tr.set("offload.nvme_dir", block["nvme_path"], f"{where}nvme_path")
-  for name in block:
-    if name == "pin_memory" and device != "nvme":
-      tr.unneeded[where + name] = _PINNED
-    elif name not in ("device", "ratio") and not (device == "nvme" and name == "nvme_path"):
-      tr.unneeded[where + name] = (_NVME_ONLY if device != "nvme" else
-                                   _PARAM_BUFFERS.get(name, _NVME_FIXED)
-                                   if key == "offload_param" else _NVME_FIXED)
-
-
 def _activation_checkpointing(tr: Translation, block: dict) -> None:
   known = {"cpu_checkpointing", *UNNEEDED_ACTIVATIONS}
   tr.check_keys(block, "activation_checkpointing.", known)
@@ -284,94 +177,6 @@ def _activation_checkpointing(tr: Translation, block: dict) -> None:
   # the base config's remat.policy here; the file only moves it to the host.
   if block.get("cpu_checkpointing") is True:
     tr.set("remat.policy", "offload_matmuls", "activation_checkpointing.cpu_checkpointing")
-
-
-def _optimizer(tr: Translation, block: dict, base: config_lib.Config) -> float:
-  """Translates the optimizer block; returns its learning rate."""
-  tr.check_keys(block, "optimizer.", {"type", "params"})
-  kind = str(block.get("type", "")).lower()  # DeepSpeed matches optimizer names this way
-  if kind not in ("adam", "adamw"):
-    raise tr.error(f"optimizer.type={block.get('type')!r} is not available; jaxzero trains "
-                   f"with AdamW or Adam")
-  where = "optimizer.params."
-  params = tr.check_keys(block.get("params", {}), where,
-                         {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode",
-                          "bias_correction", "amsgrad"})
-  if params.get("bias_correction", True) is not True or params.get("amsgrad", False):
-    raise tr.error(f"{where}bias_correction=false and amsgrad=true are not available")
-  if "torch_adam" in params:
-    tr.unneeded[where + "torch_adam"] = "the update is one fused XLA computation either way"
-  # As DeepSpeed: the name AdamW, or adam_w_mode (default true), means decoupled decay.
-  decoupled = kind == "adamw" or params.get("adam_w_mode", True) is not False
-  tr.set("train.optimizer", "adamw" if decoupled else "adam", "optimizer.type / adam_w_mode")
-  # DeepSpeed's defaults: FusedAdam and CPU Adam decay 0; torch.optim.AdamW 0.01.
-  decay = 0.01 if params.get("torch_adam") and decoupled else 0.0
-  t = base.train
-  betas = params.get("betas", [0.9, 0.999])
-  if betas == "auto":
-    betas = [t.b1, t.b2]
-  if not isinstance(betas, list) or len(betas) != 2:
-    raise tr.error(f"{where}betas={betas!r} must be a list of two numbers")
-  lr = param(tr, params, where, "lr", t.lr, 1e-3, minimum=0)
-  for key, value in (("lr", lr), ("b1", number(tr, betas[0], where + "betas", minimum=0)),
-                     ("b2", number(tr, betas[1], where + "betas", minimum=0)),
-                     ("eps", param(tr, params, where, "eps", t.eps, 1e-8, minimum=0)),
-                     ("weight_decay", param(tr, params, where, "weight_decay",
-                                             t.weight_decay, decay, minimum=0))):
-    origin = where + ("betas" if key in ("b1", "b2") else key)
-    tr.set(f"train.{key}", value, origin)
-  return lr
-
-
-SCHEDULES = {"WarmupLR": "warmup_constant", "WarmupDecayLR": "warmup_linear_decay",
-             "WarmupCosineLR": "warmup_cosine_ds"}
-
-
-def _scheduler(tr: Translation, block: dict, base: config_lib.Config, lr: float) -> None:
-  tr.check_keys(block, "scheduler.", {"type", "params"})
-  kind = block.get("type")
-  if kind not in SCHEDULES:
-    raise tr.error(f"scheduler.type={kind!r} is not available; choose one of: "
-                   + ", ".join(SCHEDULES))
-  where, t = "scheduler.params.", base.train
-  known = {"warmup_num_steps", "warmup_type", "last_batch_iteration", "total_num_steps"}
-  known |= ({"warmup_min_ratio", "cos_min_ratio"} if kind == "WarmupCosineLR"
-            else {"warmup_min_lr", "warmup_max_lr"})
-  if kind == "WarmupLR":
-    known.remove("total_num_steps")
-  params = tr.check_keys(block.get("params", {}), where, known)
-  if params.get("last_batch_iteration", -1) != -1:
-    raise tr.error(f"{where}last_batch_iteration: a run resumes its schedule from its "
-                   f"checkpoint's step; leave it at -1")
-  tr.set("train.schedule", SCHEDULES[kind], "scheduler.type")
-  warmup_type = params.get("warmup_type", "log")
-  if warmup_type == "auto":
-    warmup_type = t.warmup_type
-  if warmup_type not in ("log", "linear"):
-    raise tr.error(f"{where}warmup_type={warmup_type!r} is not valid; choose one of: log, linear")
-  tr.set("train.warmup_type", warmup_type, where + "warmup_type")
-  warmup = param(tr, params, where, "warmup_num_steps", t.warmup_steps, 1000, int, 1)
-  tr.set("train.warmup_steps", warmup, where + "warmup_num_steps")
-  if kind != "WarmupLR":
-    if "total_num_steps" not in params:
-      raise tr.error(f"{where}total_num_steps is required by {kind}")
-    tr.set("train.steps", param(tr, params, where, "total_num_steps", t.steps, None, int, 1),
-           where + "total_num_steps")
-  if kind == "WarmupCosineLR":  # ratios of the optimizer's lr
-    tr.set("train.warmup_min_ratio", param(tr, params, where, "warmup_min_ratio",
-                                            t.warmup_min_ratio, 0.0, minimum=0),
-           where + "warmup_min_ratio")
-    tr.set("train.min_lr_ratio", param(tr, params, where, "cos_min_ratio", t.min_lr_ratio,
-                                        1e-4, minimum=0), where + "cos_min_ratio")
-    return
-  # WarmupLR's peak defaults to the optimizer's lr, WarmupDecayLR's to 0.001.
-  max_lr = param(tr, params, where, "warmup_max_lr", t.lr,
-                  lr if kind == "WarmupLR" else 1e-3, minimum=0)
-  min_lr = param(tr, params, where, "warmup_min_lr", t.warmup_min_ratio * max_lr, 0.0,
-                  minimum=0)
-  tr.set("train.lr", max_lr, where + "warmup_max_lr")
-  tr.set("train.warmup_min_ratio", min_lr / max_lr if max_lr else 0.0,
-         where + "warmup_min_lr / warmup_max_lr")
 
 
 BATCH_RULE = ("DeepSpeed's rule: train_batch_size = train_micro_batch_size_per_gpu x "

@@ -3,7 +3,8 @@
 ``export_hf`` reads the checkpoint's fp32 master weights one leaf at a time (a
 stacked leaf one layer at a time) and streams them into safetensors shards, so
 the host never holds the whole model. Names and layouts come from
-jaxzero.interop.hf_mapping; the checkpoint from jaxzero.checkpoint.checkpointer.
+jaxzero.hf.tensors, config.json from jaxzero.hf.config_json; the checkpoint from
+jaxzero.checkpoint.reader.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from jaxzero.checkpoint.checkpointer import CheckpointReader, check_fits
+from jaxzero.checkpoint.directory import check_fits
+from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.errors import CheckpointError
-from jaxzero.interop import hf_mapping
-from jaxzero.interop.hf_load import CONFIG_FILE, WEIGHTS_INDEX_FILE
+from jaxzero.hf import config_json, tensors
+from jaxzero.hf.load import CONFIG_FILE, WEIGHTS_INDEX_FILE
 from jaxzero.models.llama import LlamaConfig, param_specs
 from jaxzero.offload import nvme_checkpoint
 
@@ -107,7 +109,7 @@ def _mkdir_mode() -> int:
 def _master_leaves(reader: CheckpointReader, step: int, model: LlamaConfig
                   ) -> dict[Path, tuple[int, ...]]:
   """{leaf path: shape} of the master weights in param_specs order (the order
-  hf_mapping lists their tensors), checked against the recorded model."""
+  jaxzero.hf.tensors lists them), checked against the recorded model."""
   wanted = {p: spec.shape for p, spec in traverse_util.flatten_dict(param_specs(model)).items()}
   saved = {name[len("master/"):]: shape for name, shape in reader.leaf_shapes(step).items()
            if name.startswith("master/")}
@@ -121,7 +123,7 @@ def _plan_shards(model: LlamaConfig, itemsize: int, max_shard_bytes: int
   """Tensors in write order, cut into files of at most `max_shard_bytes`."""
   shards: list[list[_Planned]] = [[]]
   size = 0
-  for name, shape in hf_mapping.hf_tensor_shapes(model).items():
+  for name, shape in tensors.hf_tensor_shapes(model).items():
     nbytes = int(np.prod(shape)) * itemsize
     if shards[-1] and size + nbytes > max_shard_bytes:
       shards.append([])
@@ -135,14 +137,14 @@ def _write_export(directory: pathlib.Path, reader: CheckpointReader, step: int,
                   leaves: dict[Path, tuple[int, ...]], model: LlamaConfig, dtype: str,
                   shards: list[list[_Planned]]) -> list[str]:
   code, np_dtype = EXPORT_DTYPES[dtype]
-  hf_config = {**hf_mapping.hf_config_from_llama(model), "dtype": dtype}
+  hf_config = {**config_json.hf_config_from_llama(model), "dtype": dtype}
   (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
   names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   with _SafetensorsWriter(directory, names, shards, code) as writer:
     for path, shape in leaves.items():
       read = reader.read_by_layer if path[0] == "layers" else reader.read
       leaf = read(step, ("master", *path), shape)
-      for name, tensor in hf_mapping.jaxzero_to_hf_tensors(path, leaf, model):
+      for name, tensor in tensors.jaxzero_to_hf_tensors(path, leaf, model):
         writer.write(name, tensor.astype(np_dtype, copy=False))
       del leaf
   index = {"metadata": {"total_size": sum(t.nbytes for shard in shards for t in shard)},

@@ -7,10 +7,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +19,12 @@ from jaxzero import engine as engine_lib
 from jaxzero import migrate
 from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError
-from jaxzero.interop import deepspeed
-from jaxzero.interop.translation import apply_file
+from jaxzero.frameworks import deepspeed
+from jaxzero.frameworks.translated_file import apply_file
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.training import loop
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "configs" / "tiny_zero3.py")
+from processes import TINY, run_python
 
 # Bucket and prefetch knobs as a Llama ds_config carries them.
 XLA_KNOBS = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 5e8,
@@ -510,11 +505,8 @@ def test_bad_ds_config_is_one_line_and_exit_code_2(name, text, message, tmp_path
 
 @pytest.mark.slow
 def test_bad_ds_config_exits_2_from_the_command_line(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   path = write(tmp_path, "fp16.json", '{"fp16": {"enabled": true}, "bf16": {"enabled": true}}')
-  result = subprocess.run(
-      [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--deepspeed", path],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+  result = run_python("-m", "jaxzero.train", "--config", TINY, "--deepspeed", path, timeout=120)
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
       "jaxzero.train: error: fp16.json: fp16.enabled and bf16.enabled are both true; "

@@ -13,7 +13,7 @@ counts here (``partition: "uniform"``, which for alike layers is also "parameter
 from __future__ import annotations
 
 from jaxzero import config as config_lib
-from jaxzero.interop.translation import Translation, number
+from jaxzero.frameworks.translated_file import Translation, number
 
 # DeepSpeed's AutoTP keys; those needing no setting here -> what jaxzero does instead.
 TENSOR_PARALLEL_KEYS = {"autotp_size", "tp_overlap_comm", "dtype", "vocab_parallel_lm_head",

@@ -3,7 +3,6 @@ FSDP2's reshard_after_forward) maps to its zero.strategy; offload, checkpointing
 and precision map; bad input is one line with exit code 2."""
 
 import logging
-import pathlib
 
 import pytest
 import yaml
@@ -11,11 +10,10 @@ import yaml
 from jaxzero import config, migrate
 from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError
-from jaxzero.interop import accelerate
-from jaxzero.interop.translation import apply_file
+from jaxzero.frameworks import accelerate
+from jaxzero.frameworks.translated_file import apply_file
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = str(ROOT / "configs" / "tiny_zero3.py")
+from processes import TINY
 
 # What `accelerate config` writes for FSDP on one 8-GPU machine.
 ACCELERATE_FSDP = """\

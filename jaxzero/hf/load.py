@@ -4,7 +4,7 @@
 model.safetensors, or shards listed in model.safetensors.index.json) one
 tensor, or one slice of a tensor, at a time, straight into each device's
 shard, so the host never holds the whole model. Names and layouts come from
-jaxzero.interop.hf_mapping; writing is jaxzero.interop.hf_export.
+jaxzero.hf.tensors, the config from jaxzero.hf.config_json; writing is jaxzero.hf.export.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from flax import nnx, traverse_util
 
 from jaxzero import config as config_lib
 from jaxzero.errors import HFCheckpointError
-from jaxzero.interop import hf_mapping
+from jaxzero.hf import config_json, tensors
 from jaxzero.models.llama import Llama, LlamaConfig, param_specs
 from jaxzero.parallel import zero
 
@@ -51,7 +51,7 @@ def read_config(path: str | os.PathLike) -> LlamaConfig:
   if not isinstance(hf_config, dict):
     raise HFCheckpointError(f"{file}: not a JSON object")
   try:
-    return hf_mapping.llama_config_from_hf(hf_config)
+    return config_json.llama_config_from_hf(hf_config)
   except ValueError as e:
     raise HFCheckpointError(f"{file}: {e}") from None
 
@@ -65,7 +65,7 @@ def check_matches(model: LlamaConfig, path: str | os.PathLike) -> LlamaConfig:
   """
   found = read_config(path)
   try:
-    hf_mapping.check_config_matches(model, found, str(_checkpoint_dir(path) / CONFIG_FILE))
+    config_json.check_config_matches(model, found, str(_checkpoint_dir(path) / CONFIG_FILE))
   except ValueError as e:
     raise HFCheckpointError(str(e)) from None
   return found
@@ -127,7 +127,7 @@ def load_params(path: str | os.PathLike, cfg: LlamaConfig, shardings: Any,
   with SafetensorsReader(path) as reader:
     _check_tensors(reader, cfg)
     flat = {p: _place(shape, leaf_shardings[p], functools.partial(
-        hf_mapping.read_leaf_block, cfg, p, read=reader.read, dtype=np.dtype(dtype)))
+        tensors.read_leaf_block, cfg, p, read=reader.read, dtype=np.dtype(dtype)))
             for p, shape in shapes.items()}
   return traverse_util.unflatten_dict(flat)
 
@@ -215,14 +215,14 @@ def _weight_map(directory: pathlib.Path) -> dict[str, pathlib.Path]:
 
 def _check_tensors(reader: SafetensorsReader, cfg: LlamaConfig) -> None:
   """Fails before any loading if a tensor is missing, misshapen or unexpected."""
-  wanted = hf_mapping.hf_tensor_shapes(cfg)
+  wanted = tensors.hf_tensor_shapes(cfg)
   for name, want in wanted.items():
     have = reader.shape(name)
     if have != want:
       raise HFCheckpointError(f"{reader.file_of[name]}: tensor {name!r} has shape {have}, "
                               f"expected {want} from {CONFIG_FILE}")
   unexpected = sorted(n for n in reader.file_of.keys() - wanted.keys()
-                      if not hf_mapping.carries_no_weight(n, cfg))
+                      if not tensors.carries_no_weight(n, cfg))
   if unexpected:
     more = f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""
     raise HFCheckpointError(f"{reader.directory}: tensors that a {cfg.family} model with this "

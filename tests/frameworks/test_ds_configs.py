@@ -3,15 +3,13 @@ tutorial, and a ZeRO-3 + CPU-offload config with the Hugging Face integration's
 "auto" fields, on the tiny preset and 8 devices, with no edit and no --set."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from jaxzero import config, migrate
 from jaxzero import train as train_cli
 
-from processes import ROOT, TINY, cli_env
+from processes import TINY, child_env, run_python
 
 FP16_TUTORIAL = {
     "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
@@ -46,11 +44,10 @@ def write(tmp_path, ds: dict):
 @pytest.mark.parametrize("ds, steps", [(FP16_TUTORIAL, 12), (ZERO3_OFFLOAD_AUTO, 3)],
                          ids=["fp16_zero2", "zero3_offload_auto"])
 def test_a_config_from_the_wild_trains_as_written(ds, steps, tmp_path, tmp_path_factory):
-  env = cli_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
-  result = subprocess.run(
-      [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--deepspeed", write(tmp_path, ds),
-       "--workdir", str(tmp_path / "w"), "--steps", str(steps), "--no-progress"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+  env = child_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
+  result = run_python("-m", "jaxzero.train", "--config", TINY, "--deepspeed", write(tmp_path, ds),
+                      "--workdir", str(tmp_path / "w"), "--steps", str(steps), "--no-progress",
+                      env=env, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == list(range(1, steps + 1))

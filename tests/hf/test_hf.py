@@ -20,7 +20,8 @@ from jaxzero import config
 from jaxzero import engine as engine_lib
 from jaxzero.engine import hooks as hooks_lib
 from jaxzero.errors import HFCheckpointError
-from jaxzero.interop import hf_load, hf_mapping
+from jaxzero.hf import config_json
+from jaxzero.hf import load as hf_load
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, param_specs
 from jaxzero.parallel.mesh import make_mesh
@@ -93,7 +94,7 @@ def write_checkpoint(directory, cfg: LlamaConfig, state_dict: dict, n_files: int
                      hf_config: dict | None = None):
   """A Hugging Face directory: config.json and safetensors, sharded when n_files > 1."""
   directory.mkdir(parents=True, exist_ok=True)
-  hf_config = hf_config or hf_mapping.hf_config_from_llama(cfg)
+  hf_config = hf_config or config_json.hf_config_from_llama(cfg)
   (directory / "config.json").write_text(json.dumps(hf_config))
   if n_files == 1:
     save_file(state_dict, str(directory / "model.safetensors"))
@@ -235,7 +236,7 @@ def bad_checkpoint(case: str, root):
     return root, CFG
   if case == "not_llama":
     return write_checkpoint(root, CFG, good, hf_config=dict(
-        hf_mapping.hf_config_from_llama(CFG), model_type="gemma")), CFG
+        config_json.hf_config_from_llama(CFG), model_type="gemma")), CFG
   if case in ("family_mismatch", "missing_bias"):
     qwen2 = LlamaConfig(**{**CFG.__dict__, "family": "qwen2", "qkv_bias": True})
     weights = random_state_dict(qwen2)
@@ -243,7 +244,7 @@ def bad_checkpoint(case: str, root):
       del weights["model.layers.1.self_attn.v_proj.bias"]
     return write_checkpoint(root, qwen2, weights), CFG if case == "family_mismatch" else qwen2
   if case == "no_weights":
-    (root / "config.json").write_text(json.dumps(hf_mapping.hf_config_from_llama(CFG)))
+    (root / "config.json").write_text(json.dumps(config_json.hf_config_from_llama(CFG)))
     return root, CFG
   if case == "missing_tensor":
     return write_checkpoint(root, CFG, without("model.layers.1.mlp.up_proj.weight")), CFG

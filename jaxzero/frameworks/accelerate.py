@@ -2,7 +2,7 @@
 read as jaxzero settings over a base config.
 
 ``python -m jaxzero.train --config BASE.py --accelerate-config fsdp.yaml [--set ...]``
-follows the rules of ``jaxzero.interop.deepspeed``: a key the file leaves out keeps the
+follows the rules of ``jaxzero.frameworks.deepspeed``: a key the file leaves out keeps the
 base's value, an unknown key is an error naming it, a known key jaxzero cannot
 honour is an error saying so, and the knobs XLA makes unnecessary are reported
 once, in one log line.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pathlib
 
 from jaxzero import config as config_lib
-from jaxzero.interop.translation import (GATHERED_PER_LAYER, SHARDED_SAVES, Translation, number,
-                                         read_mapping)
+from jaxzero.frameworks.translated_file import (GATHERED_PER_LAYER, SHARDED_SAVES, Translation,
+                                                number, read_mapping)
 
 # torch's ShardingStrategy numbers, as `accelerate config` offers them.
 STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD",

@@ -7,8 +7,6 @@ import json
 import pathlib
 import re
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +20,18 @@ from jaxzero import config
 from jaxzero import engine as engine_lib
 from jaxzero import export
 from jaxzero.checkpoint import checkpointer as checkpoint_lib
-from jaxzero.checkpoint.checkpointer import Checkpointer, CheckpointReader, checkpoint_dir
-from jaxzero.interop import hf_load, hf_mapping
-from jaxzero.interop.hf_export import export_hf
+from jaxzero.checkpoint import reader as reader_lib
+from jaxzero.checkpoint.checkpointer import Checkpointer
+from jaxzero.checkpoint.directory import checkpoint_dir
+from jaxzero.checkpoint.reader import CheckpointReader
+from jaxzero.hf import load as hf_load
+from jaxzero.hf import tensors
+from jaxzero.hf.export import export_hf
 from jaxzero.models.llama import Llama, param_specs
 from jaxzero.training import loop
 
 from hf_reference import hf_state_dict, params_from_hf, random_hf_model
-from processes import ROOT, TINY, cli_env
+from processes import TINY, child_env, run_python
 
 # As in test_checkpoint, so that the training run reuses its compiled program.
 SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
@@ -41,12 +43,10 @@ SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.glob
 def trained(tmp_path_factory):
   """Two steps of stage 3 on 8 devices: every saved leaf is sharded."""
   workdir = tmp_path_factory.mktemp("run")
-  env = cli_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
+  env = child_env(tmp_path_factory.getbasetemp() / "jax_compilation_cache")
   settings = [arg for s in SETTINGS for arg in ("--set", s)]
-  result = subprocess.run(
-      [sys.executable, "-m", "jaxzero.train", "--config", TINY, *settings, "--steps", "2",
-       "--workdir", str(workdir), "--no-progress"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+  result = run_python("-m", "jaxzero.train", "--config", TINY, *settings, "--steps", "2",
+                      "--workdir", str(workdir), "--no-progress", env=env, timeout=600)
   assert result.returncode == 0, result.stderr
   return config.load(TINY, SETTINGS), workdir
 
@@ -92,7 +92,7 @@ def test_export_loads_into_transformers_and_jaxzero_with_the_same_logits(trained
                    for i in range(1, len(files) + 1)]
   assert sorted(p.name for p in out.iterdir()) == sorted(
       ["config.json", "model.safetensors.index.json", *files])
-  assert sorted(index["weight_map"]) == sorted(hf_mapping.hf_tensor_shapes(cfg.model))
+  assert sorted(index["weight_map"]) == sorted(tensors.hf_tensor_shapes(cfg.model))
   state_dict = {}
   for name in files:
     with safe_open(out / name, "np") as f:
@@ -231,11 +231,11 @@ def test_an_export_starts_a_new_run_with_the_same_weights(trained, tmp_path):
 def test_export_reads_stacked_weights_one_layer_at_a_time(trained, tmp_path, monkeypatch):
   cfg, workdir = trained
   whole_reads, layer_reads = [], []
-  read, layer_reader = CheckpointReader.read, checkpoint_lib._LayerReader.__getitem__
+  read, layer_reader = CheckpointReader.read, reader_lib._LayerReader.__getitem__
   monkeypatch.setattr(CheckpointReader, "read",
                       lambda self, step, path, shape: whole_reads.append(path)
                       or read(self, step, path, shape))
-  monkeypatch.setattr(checkpoint_lib._LayerReader, "__getitem__",
+  monkeypatch.setattr(reader_lib._LayerReader, "__getitem__",
                       lambda self, i: layer_reads.append(i) or layer_reader(self, i))
   done = export_hf(workdir, tmp_path / "hf", dtype="float32")
   # Only the unstacked leaves (embedding, final norm, head) are read whole.

@@ -1,0 +1,1 @@
+"""Hugging Face Llama, Mistral and Qwen2 weights: loaded into sharded models, exported back."""

@@ -1,1 +1,0 @@
-"""Other formats: Hugging Face weights, DeepSpeed and Accelerate configs."""
