@@ -126,7 +126,7 @@ def test_one_place_chooses_the_runner():
   # jaxzero.runners.choose.make_runner reads the offload section; the loop and the
   # library's Engine call it, and neither names a runner or branches on offload.
   chooser = PACKAGE / "runners" / "choose.py"
-  constructs = re.compile(r"\b(InMemoryRunner|NvmeRunner|InfinityRunner)\(")
+  constructs = re.compile(r"\b(InMemoryRunner|HostRunner|NvmeRunner|InfinityRunner)\(")
   outside = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
              if p != chooser and p.parent.name != "runners" and constructs.search(p.read_text())}
   assert not outside, outside

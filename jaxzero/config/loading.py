@@ -91,6 +91,19 @@ def validate(cfg: Config) -> None:
 
 def validate_offload(cfg: Config) -> None:
   """The ``offload`` section against the stage and mesh (jaxzero.Engine checks it too)."""
+  o = cfg.offload
+  if not 0 <= o.optimizer_fraction <= 1:
+    raise ConfigError(f"offload.optimizer_fraction={o.optimizer_fraction:g} must be between 0 "
+                      "and 1 (the share of the layers' optimizer state on the host)")
+  for key, value, default in (("optimizer_fraction", o.optimizer_fraction, 1.0),
+                              ("delayed_update", o.delayed_update, False)):
+    if value != default and o.optimizer != "pinned_host":
+      raise ConfigError(f"offload.{key}={value} applies to the optimizer in host memory: set "
+                        f"offload.optimizer=pinned_host (got offload.optimizer={o.optimizer})")
+  if o.delayed_update and cfg.precision.scales_loss:
+    raise ConfigError("offload.delayed_update=true with precision.compute=float16: a step that "
+                      "overflows would skip an update already under way; use bfloat16 or "
+                      "float32, or offload.delayed_update=false")
   if cfg.offload.params != "device" and cfg.zero.resolved[0] != 3:
     raise ConfigError(f"offload.params={cfg.offload.params} needs ZeRO stage 3 (zero.stage=3 or "
                       "zero.strategy=FULL_SHARD/HYBRID_SHARD)")

@@ -158,6 +158,13 @@ class OffloadConfig:
   # offload.optimizer=nvme: a directory on local disk (each process keeps its
   # shards in a subdirectory it makes, and deletes when the run ends).
   nvme_dir: str = ""
+  # offload.optimizer=pinned_host: the ZeRO-Offload paper's one-step delayed parameter
+  # update (DPU): step n's update runs on the host while the device computes step n+1
+  # on the weights before it (off: every step is exact).
+  delayed_update: bool = False
+  # offload.optimizer=pinned_host: the share of the layers whose optimizer state lives
+  # on the host (the last ones); the rest stays on the device (ZeRO-Offload++ Twin-Flow).
+  optimizer_fraction: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)

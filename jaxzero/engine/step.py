@@ -2,11 +2,11 @@
 
 The layout (jaxzero.parallel.zero: the stage table on a mesh) places every leaf;
 jaxzero.engine.gradients gives the gradient sum of the mode (micro-steps, GPipe,
-1F1B), :func:`with_norm` its global norm; jaxzero.engine.update applies the optimizer,
-on the device or where an offloaded state lives. The float16 loss scale is one
-explicit argument, read from the state. After each update the master weights are cast
-to the compute dtype and placed by the ``params`` role. A batch is any pytree of arrays
-[A, B, ...]: A micro-steps of B rows.
+1F1B), :func:`with_norm` its global norm; jaxzero.engine.update applies the optimizer
+(a state kept off the device is updated by its runner: jaxzero.runners). The float16
+loss scale is one explicit argument, read from the state. After each update the master
+weights are cast to the compute dtype and placed by the ``params`` role. A batch is any
+pytree of arrays [A, B, ...]: A micro-steps of B rows.
 """
 
 from __future__ import annotations
@@ -51,8 +51,6 @@ def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState, model: Mo
   where known, gives the `lr` metric."""
   grad_fn = make_grad_fn(cfg, layout, state_sh, model)
   apply = update.make_update(cfg, unclipped)
-  if layout.optimizer_memory == "pinned_host":
-    apply = update.on_host(apply, layout, state_sh)
 
   def train_step(state: TrainState, batch_Ax):
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]

@@ -1,9 +1,11 @@
 """The one place a runner is chosen: from the config's ``offload`` section.
 
-``offload.optimizer=nvme`` streams the optimizer state from files (the NVMe runner),
-and with ``offload.params=nvme`` the weights and gradients too (ZeRO-Infinity); every
-other setting, ZeRO-Offload's pinned_host included, is the in-memory runner. The
-chosen runner's targets are checked before it is returned: a bad one costs one line.
+``offload.optimizer=pinned_host`` keeps the optimizer state in host memory and updates it
+there (ZeRO-Offload, the host runner); ``offload.optimizer=nvme`` streams it from files
+(the NVMe runner), and with ``offload.params=nvme`` the weights and gradients too
+(ZeRO-Infinity); otherwise the whole state is the in-memory runner's (weights in
+pinned_host included: they stream inside the step). The chosen runner's targets are
+checked before it is returned: a bad one costs one line.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import pathlib
 
 from jaxzero.engine import TrainProgram
-from jaxzero.runners import infinity, nvme
+from jaxzero.runners import host, infinity, nvme
 from jaxzero.runners.base import InMemoryRunner, Runner
 
 
@@ -21,7 +23,9 @@ def make_runner(program: TrainProgram, workdir: str | pathlib.Path | None = None
   directory (one per run and process); `check=False` only plans (nothing is read or
   written, and offload.nvme_dir may be unset)."""
   offload = program.cfg.offload
-  if offload.optimizer != "nvme":
+  if offload.optimizer == "pinned_host":
+    runner = host.HostRunner(program)
+  elif offload.optimizer != "nvme":
     runner = InMemoryRunner(program)
   else:
     kind = infinity.InfinityRunner if offload.params == "nvme" else nvme.NvmeRunner

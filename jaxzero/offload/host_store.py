@@ -1,0 +1,104 @@
+"""One process's optimizer state in host memory (ZeRO-Offload), chunk by chunk.
+
+The same chunks as the NVMe store (jaxzero.offload.nvme_store: a box of one shard holding
+all K copies of a weight, [K, *box]) and the same interface (read, write, chunks, close), so
+that the streamed runner, its initialisation and its checkpoint item serve both. A chunk is
+an array on the host's CPU device; the update (jaxzero.runners.host) donates it and gets back
+its result in the same buffer, so the host holds the state once, plus the chunks in flight.
+Chunks that `on_device` names (Twin-Flow: the layers whose state stays on the device) are
+kept as one global array [K, *chunk] over the devices instead, each device its own box.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Callable, Iterator
+
+import jax
+import numpy as np
+
+from jaxzero.offload import nvme_store
+
+
+def host_device():
+  """The CPU device the host's update runs on (on a GPU machine, JAX's CPU backend)."""
+  return jax.local_devices(backend="cpu")[0]
+
+
+@jax.tree_util.register_static
+class HostStore:
+  """The chunks of `leaves` this process keeps, as float32 arrays on the CPU device.
+
+  A static pytree node, as the NVMe store: a state holding it flattens to its in-memory
+  leaves. `derived`, as there: the compute dtype a checkpoint derives ``params`` in.
+  """
+
+  def __init__(self, leaves: list[nvme_store.Leaf], derived: str | None = None,
+               on_device: Callable[[nvme_store.Leaf, tuple[int, ...]], bool] = lambda *_: False):
+    self.leaves, self.derived, self.on_device = leaves, derived, on_device
+    self.writes = nvme_store.Writes()  # nothing is written behind: every write is done at once
+    self._device = host_device()
+    self._chunks: dict[tuple, jax.Array] = {}
+    self._on_devices: dict[tuple, jax.Array] = {}
+    self._parts: dict[tuple, dict] = {}  # a device-resident chunk's boxes, until all are written
+
+  def read(self, leaf: nvme_store.Leaf, region: nvme_store.Region, starts: tuple[int, ...],
+           copies: int | None = None) -> concurrent.futures.Future:
+    """A done future of the chunk [K, ...] (or its first `copies` copies), as numpy."""
+    if self.on_device(leaf, starts):
+      shards = {s.device: s.data for s in self._on_devices[leaf.name, starts].addressable_shards}
+      chunk = np.asarray(shards[region.devices[0]])
+    else:
+      chunk = np.asarray(self.get(leaf, region, starts))
+    done = concurrent.futures.Future()
+    done.set_result(chunk if copies is None else chunk[:copies])
+    return done
+
+  def write(self, leaf: nvme_store.Leaf, region: nvme_store.Region, starts: tuple[int, ...],
+            chunk) -> None:
+    """Keeps `chunk` (numpy, or an array already on the CPU device: kept as it is)."""
+    if self.on_device(leaf, starts):
+      parts = self._parts.setdefault((leaf.name, starts), {})
+      parts[region.box] = np.asarray(chunk, np.float32)
+      if len(parts) == len(leaf.regions):
+        arrays = [jax.device_put(parts[r.box], d) for r in leaf.regions for d in r.devices]
+        self._on_devices[leaf.name, starts] = jax.make_array_from_single_device_arrays(
+            (len(leaf.kinds), *leaf.chunk), leaf.chunk_sharding, arrays)
+        del self._parts[leaf.name, starts]
+      return
+    if not (isinstance(chunk, jax.Array) and chunk.devices() == {self._device}):
+      chunk = jax.device_put(np.asarray(chunk, np.float32), self._device)
+    self._chunks[leaf.name, region.box, starts] = chunk
+
+  def take_device_chunk(self, leaf: nvme_store.Leaf, starts: tuple[int, ...]) -> jax.Array:
+    """A device-resident chunk, given up to the update (which donates it)."""
+    return self._on_devices.pop((leaf.name, starts))
+
+  def put_device_chunk(self, leaf: nvme_store.Leaf, starts: tuple[int, ...],
+                       chunk: jax.Array) -> None:
+    self._on_devices[leaf.name, starts] = chunk
+
+  def get(self, leaf: nvme_store.Leaf, region: nvme_store.Region,
+          starts: tuple[int, ...]) -> jax.Array:
+    return self._chunks[leaf.name, region.box, starts]
+
+  def take(self, leaf: nvme_store.Leaf, region: nvme_store.Region,
+           starts: tuple[int, ...]) -> jax.Array:
+    """The chunk, given up: the caller donates it to the update and writes back the result."""
+    return self._chunks.pop((leaf.name, region.box, starts))
+
+  def chunks(self) -> Iterator[tuple[nvme_store.Leaf, nvme_store.Region, tuple[int, ...]]]:
+    for leaf in self.leaves:
+      for region in leaf.regions:
+        for starts in leaf.starts():
+          yield leaf, region, starts
+
+  def close(self) -> None:
+    self._chunks.clear()
+    self._on_devices.clear()
+
+  @property
+  def host_bytes(self) -> int:
+    """Bytes the host holds: the chunks not on the devices."""
+    return sum(chunk.nbytes for chunk in self._chunks.values())
+

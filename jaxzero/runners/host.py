@@ -1,0 +1,215 @@
+"""The host runner, ZeRO-Offload (``offload.optimizer=pinned_host``): the fp32 master
+weights and the optimizer's moments in host memory, updated there in place, chunk by chunk.
+
+The device runs the gradient step (TrainProgram.grad_step). Then, in the forward pass's
+order (the weights outside the layer stack, then layer by layer), each chunk's gradient box
+is cut on the device and comes down, XLA:CPU updates the chunk (a box of the master weight
+and its moments, [K, *box]) in the buffer it donates, and the new compute-dtype box goes up
+into its weight in place. Dispatch is asynchronous, so a chunk's transfers overlap the
+updates of its neighbours; the host holds the state once, plus the chunks in flight.
+
+``offload.delayed_update`` is the ZeRO-Offload paper's one-step delayed parameter update
+(DPU): step n's update runs on a thread while the device computes step n + 1's gradient on
+the weights from before step n's update. ``offload.optimizer_fraction`` f keeps the state
+of the first (1 - f) of the layers on the device, updated there (Twin-Flow). Checkpoints
+hold the store as the NVMe runner's do (its ``nvme`` item): every runner resumes every
+other's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxzero import engine as engine_lib
+from jaxzero.offload import host_store, nvme_chunks, nvme_store, targets
+from jaxzero.parallel.zero import on_device
+from jaxzero.runners import nvme
+from jaxzero.runners.nvme import NvmeState
+
+log = logging.getLogger(__name__)
+
+
+class HostRunner(nvme.NvmeRunner):
+  """ZeRO-Offload of one run: the host store, its initialisation and its update."""
+
+  holds = "the optimizer state"
+
+  def __init__(self, program: engine_lib.TrainProgram):
+    super().__init__(program, directory=None)
+    offload = program.cfg.offload
+    self.delayed = offload.delayed_update
+    self.fraction = offload.optimizer_fraction
+    stacked = [leaf for leaf in self.leaves if leaf.name.startswith("layers/")]
+    self.n_layers = stacked[0].shape[0] if stacked else 0
+    self.device_layers = self.n_layers - round(self.fraction * self.n_layers)
+    self._host = host_store.host_device()
+    self._host_units: dict[str, Any] = {}
+    self._device_fns: dict[str, Any] = {}
+    self._pending: concurrent.futures.Future | None = None  # DPU: the update in flight
+    self._thread = concurrent.futures.ThreadPoolExecutor(1, "jaxzero-host-update")
+
+  # -- structure and the runner protocol ---------------------------------------------
+
+  def keeps_on_device(self, leaf: nvme_store.Leaf, starts: tuple[int, ...]) -> bool:
+    """Twin-Flow: whether this chunk's state stays on the device (all of it at f = 0)."""
+    if self.fraction == 0:
+      return True
+    return 0 in leaf.cut and leaf.name.startswith("layers/") and (
+        starts[leaf.cut.index(0)] < self.device_layers)
+
+  def bytes_needed(self) -> int:
+    return 0  # nothing on disk
+
+  def host_bytes(self) -> int:
+    """Bytes this process's host store holds (a replicated shard once)."""
+    return sum(len(leaf.kinds) * 4 * np.prod([leaf.chunk[d] if d in leaf.cut else b - a
+                                              for d, (a, b) in enumerate(region.box)])
+               for leaf in self.leaves for region in leaf.regions for starts in leaf.starts()
+               if not self.keeps_on_device(leaf, starts))
+
+  def check(self) -> None:
+    targets.check_offload(self.cfg, list(self.program.layout.mesh.devices.flat))
+
+  def plan(self) -> dict[str, int]:
+    """The program's bytes, with the host's share of the optimizer state (per device)."""
+    planned = self.program.state_bytes()
+    devices = len(self.program.layout.mesh.local_devices)
+    planned.update(host=int(self.host_bytes()) // devices, nvme=0,
+                   host_process=int(self.host_bytes()))
+    return planned
+
+  def open_store(self) -> host_store.HostStore:
+    if self.store is not None:
+      self.store.close()
+    self.store = host_store.HostStore(self.leaves, on_device=self.keeps_on_device)
+    return self.store
+
+  def close(self) -> None:
+    self._finish()
+    self._thread.shutdown()
+    if self.store is not None:
+      self.store.close()
+      self.store = None
+
+  # -- the step ------------------------------------------------------------------------
+
+  def step(self, state: NvmeState, batch: jax.Array, grad_step=None):
+    if not self.delayed:
+      return super().step(state, batch, grad_step)
+    return self._delayed_step(state, batch, grad_step)
+
+  def save(self, checkpoints, step: int, state: NvmeState, wait: bool = False):
+    """Saves the state after the update in flight (DPU), whose result the next step uses."""
+    return super().save(checkpoints, step, self._finish(state), wait)
+
+  def _finish(self, state: NvmeState | None = None) -> NvmeState | None:
+    """`state` with the delayed update in flight applied (it stays the next step's)."""
+    if self._pending is None:
+      return state
+    params, opt_state = self._pending.result()
+    return None if state is None else state._replace(params=params, opt_state=opt_state)
+
+  def _delayed_step(self, state: NvmeState, batch, grad_step):
+    """DPU: the gradient of `state`'s weights (those before the last update), while the
+    last update finishes; then this step's update starts on a thread."""
+    grads, loss, grad_norm = self._gradients(state, batch, None, grad_step)
+    latest = self._finish(state)  # the weights and scalars after the last update
+    finite = bool(np.isfinite(float(loss)) and np.isfinite(float(grad_norm)))
+    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": jnp.int32(not finite),
+               "lr": self._lr(state.step)}
+    if finite:  # its weights: a copy, as the next step's gradient reads these
+      working = latest._replace(params=jax.tree.map(jnp.copy, latest.params))
+      self._pending = self._thread.submit(self._update, working, grads, grad_norm)
+    else:
+      self._pending = None
+    return latest._replace(step=self._next_step(state.step)), metrics
+
+  def _forward_order(self) -> list[tuple[int, nvme_store.Leaf, tuple[int, ...]]]:
+    """(leaf index, leaf, chunk start) in the forward pass's order: the weights outside
+    the layer stack, then layer by layer."""
+    units = [(i, leaf, starts) for i, leaf in enumerate(self.leaves) for starts in leaf.starts()]
+    layer = lambda unit: (unit[2][unit[1].cut.index(0)] if unit[1].name.startswith("layers/")
+                          and 0 in unit[1].cut else -1)
+    return sorted(units, key=layer)
+
+  def _update(self, state: NvmeState, grads: Any, grad_norm: jax.Array, scale=None):
+    """The update, chunk by chunk: (new compute copy, new optimizer scalars)."""
+    sh, store = self.program.shardings, state.store
+    params = jax.tree.leaves(jax.device_put(state.params, on_device(sh.params)))
+    grads, scalars = jax.tree.leaves(grads), jax.tree.leaves(state.opt_state)
+    scale = jnp.float32(1.0) if scale is None else scale
+    to_host = lambda tree: jax.device_put(tree, self._host)
+    host_args = to_host((scalars, grad_norm, scale))
+    new_scalars = None
+    for i, leaf, starts in self._forward_order():
+      if self.keeps_on_device(leaf, starts):
+        params[i], chunk, out = self._unit(leaf)(params[i], grads[i],
+                                                 store.take_device_chunk(leaf, starts), starts,
+                                                 scalars, grad_norm, scale)
+        store.put_device_chunk(leaf, starts, chunk)
+      else:
+        params[i], out = self._host_update(store, leaf, starts, params[i], grads[i], host_args)
+      new_scalars = new_scalars or out
+    params = jax.device_put(jax.tree.unflatten(jax.tree.structure(state.params), params),
+                            sh.params)
+    return params, jax.device_put(self._scalar_def.unflatten(new_scalars), self._scalar_sh)
+
+  def _host_update(self, store, leaf, starts, weight, grad, host_args):
+    """One chunk on the host: its gradient box down, the update in the chunk's buffer, the
+    new compute-dtype box up into `weight`: (the new weight, the new scalars)."""
+    fns = self._device_fns_of(leaf)
+    box = fns["grad_box"](grad, starts)
+    shards = {s.device: s.data for s in box.addressable_shards}
+    boxes, out = [], None
+    for region in leaf.regions:
+      g = jax.device_put(shards[region.devices[0]], self._host)
+      chunk, new_box, out = self._host_unit(leaf)(g, store.take(leaf, region, starts),
+                                                  *host_args)
+      store.write(leaf, region, starts, chunk)
+      boxes += [jax.device_put(new_box, d) for d in region.devices]
+    new = jax.make_array_from_single_device_arrays(leaf.chunk, leaf.sharding, boxes)
+    return fns["write"](weight, new, starts), out
+
+  def _host_unit(self, leaf: nvme_store.Leaf):
+    """Jitted on the host: (gradient box, chunk [K, ...] (donated), scalars, norm, scale)
+    -> (new chunk, its new compute-dtype box, new scalars)."""
+    if leaf.name not in self._host_units:
+      cfg, inner = self.cfg, self._inner
+      compute = engine_lib.dtype_of(cfg.precision.compute)
+
+      def unit(grad_box, chunk, scalars, grad_norm, scale):
+        new_chunk, new_scalars = nvme_chunks.update_chunk(cfg, inner, leaf.name, grad_box,
+                                                          chunk, scalars, grad_norm, scale)
+        return new_chunk, new_chunk[0].astype(compute), new_scalars
+
+      self._host_units[leaf.name] = jax.jit(unit, donate_argnums=1)
+    return self._host_units[leaf.name]
+
+  def _device_fns_of(self, leaf: nvme_store.Leaf) -> dict:
+    """On the device: `grad_box` (the gradient's box at a chunk start, in the optimizer's
+    layout) and `write` (a new compute-dtype box into its weight, which it donates)."""
+    if leaf.name not in self._device_fns:
+      i = [l.name for l in self.leaves].index(leaf.name)
+      params_sh = jax.tree.leaves(on_device(self.program.shardings.params))[i]
+      replicated = self.program.layout.replicated()
+
+      def write(weight, box, starts):
+        if not leaf.cut:
+          return box.astype(weight.dtype)
+        bits = nvme_chunks.bits
+        return nvme_chunks.as_dtype(weight.dtype, jax.lax.dynamic_update_slice(
+            bits(weight), bits(box.astype(weight.dtype)), nvme_chunks.corner(leaf, starts)))
+
+      self._device_fns[leaf.name] = {
+          "grad_box": jax.jit(lambda g, starts: nvme_chunks.box_of(leaf, g, starts),
+                              out_shardings=leaf.sharding),
+          "write": jax.jit(write, donate_argnums=0 if leaf.cut else (),
+                           in_shardings=(params_sh, leaf.sharding, replicated),
+                           out_shardings=params_sh)}
+    return self._device_fns[leaf.name]
