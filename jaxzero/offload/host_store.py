@@ -25,6 +25,9 @@ def host_device():
   return jax.local_devices(backend="cpu")[0]
 
 
+_owned = jax.jit(lambda x: x.copy())
+
+
 @jax.tree_util.register_static
 class HostStore:
   """The chunks of `leaves` this process keeps, as float32 arrays on the CPU device.
@@ -44,12 +47,14 @@ class HostStore:
 
   def read(self, leaf: nvme_store.Leaf, region: nvme_store.Region, starts: tuple[int, ...],
            copies: int | None = None) -> concurrent.futures.Future:
-    """A done future of the chunk [K, ...] (or its first `copies` copies), as numpy."""
+    """A done future of a copy of the chunk [K, ...] (or of its first `copies` copies), as
+    numpy: a copy, because a host buffer that numpy still views cannot be donated, and the
+    update would then write its result into a second one."""
     if self.on_device(leaf, starts):
       shards = {s.device: s.data for s in self._on_devices[leaf.name, starts].addressable_shards}
-      chunk = np.asarray(shards[region.devices[0]])
+      chunk = np.array(shards[region.devices[0]])
     else:
-      chunk = np.asarray(self.get(leaf, region, starts))
+      chunk = np.array(self.get(leaf, region, starts))
     done = concurrent.futures.Future()
     done.set_result(chunk if copies is None else chunk[:copies])
     return done
@@ -67,7 +72,9 @@ class HostStore:
         del self._parts[leaf.name, starts]
       return
     if not (isinstance(chunk, jax.Array) and chunk.devices() == {self._device}):
-      chunk = jax.device_put(np.asarray(chunk, np.float32), self._device)
+      # Copied by XLA into a buffer of its own allocation: the update can then donate it
+      # (a buffer made from numpy's memory, or misaligned for XLA:CPU, would be copied).
+      chunk = _owned(jax.device_put(np.asarray(chunk, np.float32), self._device))
     self._chunks[leaf.name, region.box, starts] = chunk
 
   def take_device_chunk(self, leaf: nvme_store.Leaf, starts: tuple[int, ...]) -> jax.Array:
@@ -96,6 +103,10 @@ class HostStore:
   def close(self) -> None:
     self._chunks.clear()
     self._on_devices.clear()
+
+  def buffer_pointers(self) -> dict[tuple, int]:
+    """Where each host chunk's buffer is: an update in place leaves these unchanged."""
+    return {k: chunk.unsafe_buffer_pointer() for k, chunk in self._chunks.items()}
 
   @property
   def host_bytes(self) -> int:

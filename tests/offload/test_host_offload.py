@@ -1,9 +1,11 @@
-"""ZeRO-Offload: the optimizer runs on the host where its state lives, and every
-offload setting (the NVMe tier's too) trains to the losses of no offload.
+"""ZeRO-Offload: the optimizer state lives in host memory and is updated there, in
+place, chunk by chunk (jaxzero.runners.host); every offload setting (the NVMe tier's
+too) trains to the losses of no offload, DPU to its one-step-stale reference, and
+Twin-Flow at any fraction to the same losses.
 
-The CUDA lowering of the step (made on this CPU machine) shows what a GPU
-would run: the master weights and Adam moments are used only by the update,
-which is host compute; only the new compute copy goes to the device.
+The CUDA lowering of the device program (made on this CPU machine) shows what a GPU
+would run: the gradient step, with no optimizer state in it; offloaded weights stream
+into the layer scan one layer at a time.
 """
 
 import dataclasses
@@ -16,14 +18,14 @@ import numpy as np
 import pytest
 
 from jaxzero import config
-from jaxzero.engine import TrainProgram
+from jaxzero.engine import TrainProgram, update
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig
 from jaxzero.offload import nvme_store
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
-from jaxzero.planning import planner
-from jaxzero.runners import nvme
+from jaxzero.runners import host
+from jaxzero.runners.choose import make_runner
 from jaxzero.training import loop
 
 from processes import TINY, child_env, run_python
@@ -31,8 +33,8 @@ from processes import TINY, child_env, run_python
 STEPS = 3
 
 
-def tiny(stage: int, optimizer="device", params="device", compute="float32",
-         nvme_dir="") -> config.Config:
+def tiny(stage: int, optimizer="device", params="device", compute="float32", nvme_dir="",
+         accum=2, **offload) -> config.Config:
   c = config.base()
   return dataclasses.replace(
       c,
@@ -40,10 +42,17 @@ def tiny(stage: int, optimizer="device", params="device", compute="float32",
                         rope_theta=10_000.0),
       zero=config.ZeroConfig(stage=stage),
       mesh=config.MeshConfig(replica=1, fsdp=8),
-      train=dataclasses.replace(c.train, steps=STEPS, global_batch=16, grad_accum=2, seq_len=32,
-                                lr=3e-3, warmup_steps=1, clip_norm=0.05),
+      train=dataclasses.replace(c.train, steps=STEPS, global_batch=rows(accum) * accum,
+                                grad_accum=accum,
+                                seq_len=32, lr=3e-3, warmup_steps=1, clip_norm=0.05),
       precision=config.PrecisionConfig(compute=compute),
-      offload=config.OffloadConfig(optimizer=optimizer, params=params, nvme_dir=nvme_dir))
+      offload=config.OffloadConfig(optimizer=optimizer, params=params, nvme_dir=nvme_dir,
+                                   **offload))
+
+
+def rows(accum: int) -> int:
+  """A micro-step's rows: 16 a step, at least one per device."""
+  return max(8, 16 // accum)
 
 
 def engine(cfg: config.Config) -> TrainProgram:
@@ -51,37 +60,42 @@ def engine(cfg: config.Config) -> TrainProgram:
   return TrainProgram(cfg, Layout.from_config(cfg, mesh), trainable.llama(cfg.model))
 
 
-def losses(cfg: config.Config) -> np.ndarray:
+def batches(cfg: config.Config):
+  accum = cfg.train.grad_accum
+  return jax.random.randint(jax.random.key(0), (STEPS, accum, rows(accum), 33), 0, 256,
+                            jnp.int32)
+
+
+def losses(cfg: config.Config, steps: int = STEPS) -> np.ndarray:
+  """The losses of `steps` steps by the runner `cfg` chooses (jaxzero.runners)."""
   e = engine(cfg)
-  tokens = jax.random.randint(jax.random.key(0), (STEPS, 2, 16, 33), 0, 256, jnp.int32)
-  tier = None
-  if cfg.offload.optimizer == "nvme":  # the state in files; the update streamed outside the step
-    tier = nvme.NvmeRunner(e, nvme.store_directory(cfg.offload.nvme_dir, cfg.offload.nvme_dir))
-    state = tier.init()
-    step = tier.compile(state, jax.device_put(tokens[0], e.batch_sharding))
-  else:
-    state = e.init()
-    step = e.train_step.lower(state, e.abstract_batch(2)).compile(
-        compiler_options=planner.FAST_COMPILE_OPTIONS)
+  runner = make_runner(e, cfg.offload.nvme_dir or None)
+  tokens = batches(cfg)
+  state = runner.init()
+  step = runner.compile(state, jax.device_put(tokens[0], e.batch_sharding))
   out = []
-  for batch in tokens:
+  for batch in tokens[:steps]:
     state, metrics = step(state, jax.device_put(batch, e.batch_sharding))
     out.append(float(metrics["loss"]))
-  if tier is not None:
-    tier.close()  # deletes its files
+  runner.close()  # the NVMe runner deletes its files
   return np.array(out)
 
 
 @pytest.fixture(scope="module")
 def no_offload():
-  got = {stage: losses(tiny(stage)) for stage in (1, 2, 3)}
-  assert all(np.all(np.diff(g) != 0) for g in got.values())  # the updates change the losses
-  return got
+  got = {}
+
+  def trained(stage, accum=2):
+    if (stage, accum) not in got:
+      got[stage, accum] = losses(tiny(stage, accum=accum))
+      assert np.all(np.diff(got[stage, accum]) != 0)  # the updates change the losses
+    return got[stage, accum]
+  return trained
 
 
 # clip_norm=0.05 clips every step, so the host's clipping (by the norm computed
-# on the device) is exercised too. At stage 2 the NVMe tier streams its update
-# in chunks of at most 4 KiB, so that weights are cut along their unsplit
+# on the device) is exercised too. At stage 2 the NVMe tier and the host stream their
+# updates in chunks of at most 4 KiB, so that weights are cut along their unsplit
 # dimensions as well as by layer (the weights of a chunk then go into the
 # replicated compute copy in place).
 @pytest.mark.parametrize("stage,optimizer,params", [
@@ -94,7 +108,77 @@ def test_offload_trains_like_no_offload(no_offload, stage, optimizer, params, tm
   if stage == 2:
     monkeypatch.setattr(nvme_store, "CHUNK_BYTES", 4096)
   got = losses(tiny(stage, optimizer, params, nvme_dir=str(tmp_path)))
-  np.testing.assert_allclose(got, no_offload[stage], rtol=1e-6, atol=0)
+  np.testing.assert_allclose(got, no_offload(stage), rtol=1e-6, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,accum", [(1, 1), (2, 4), (3, 1), (3, 4)])
+def test_host_offload_at_any_accumulation_trains_like_no_offload(no_offload, stage, accum):
+  got = losses(tiny(stage, "pinned_host", accum=accum))
+  np.testing.assert_allclose(got, no_offload(stage, accum), rtol=1e-6, atol=0)
+
+
+def test_twin_flow_at_any_fraction_trains_like_all_on_the_host(no_offload):
+  # Half the layers' state on the device (updated there), half on the host; none on
+  # the host but the weights outside the stack; all of it on the device.
+  for fraction in (0.5, 0.0):
+    got = losses(tiny(3, "pinned_host", optimizer_fraction=fraction))
+    np.testing.assert_allclose(got, no_offload(3), rtol=1e-6, atol=0, err_msg=str(fraction))
+  runner = make_runner(engine(tiny(3, "pinned_host", optimizer_fraction=0.5)))
+  on_device = [(leaf.name, starts) for leaf in runner.leaves for starts in leaf.starts()
+               if runner.keeps_on_device(leaf, starts)]
+  assert on_device and {starts[0] for _, starts in on_device} == {0}  # the first of 2 layers
+  full = make_runner(engine(tiny(3, "pinned_host"))).plan()
+  assert runner.plan()["host"] < full["host"]
+
+
+def one_step_stale(cfg: config.Config) -> np.ndarray:
+  """DPU's schedule in memory: step n's gradient is taken on the weights from before
+  step n - 1's update (step 0's on the first weights), and applied to the newest."""
+  e = engine(dataclasses.replace(cfg, offload=config.OffloadConfig()))
+  apply = jax.jit(update.make_update(cfg, e.inner), static_argnums=5)
+  state = e.init()
+  stale, out = state.params, []
+  for batch in batches(cfg):
+    grads, loss, norm = e.grad_step(stale, jax.device_put(batch, e.batch_sharding), None)
+    stale = state.params
+    master, opt_state, params = apply(grads, norm, state.master, state.opt_state,
+                                      jnp.isfinite(loss), cfg.train.grad_accum)
+    state = state._replace(master=master, opt_state=opt_state,
+                           params=jax.device_put(params, e.shardings.params))
+    out.append(float(loss))
+  return np.array(out)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_delayed_update_equals_its_one_step_stale_reference(no_offload, stage):
+  cfg = tiny(stage, "pinned_host", delayed_update=True)
+  got = losses(cfg)
+  np.testing.assert_allclose(got, one_step_stale(cfg), rtol=1e-6, atol=0)
+  assert not np.allclose(got, no_offload(stage), rtol=1e-6)  # stale: not the exact losses
+
+
+def test_the_host_update_runs_in_place_and_its_device_program_holds_no_optimizer_state():
+  cfg = tiny(3, "pinned_host", compute="bfloat16")
+  e = engine(cfg)
+  runner = make_runner(e)
+  assert isinstance(runner, host.HostRunner)
+  state = runner.init()
+  buffers = runner.store.buffer_pointers()
+  step = runner.compile(state, jax.device_put(batches(cfg)[0], e.batch_sharding))
+  for batch in batches(cfg):
+    state, _ = step(state, jax.device_put(batch, e.batch_sharding))
+  # Every chunk was donated to its update and came back in the same host buffer.
+  assert runner.store.buffer_pointers() == buffers
+  state_bytes = sum(leaf.local_bytes for leaf in runner.leaves)
+  assert runner.store.host_bytes == state_bytes == runner.plan()["host_process"]
+  # What a GPU runs: the gradient step, whose arguments are the bf16 weights and the
+  # batch; no master weight or moment.
+  _, signature, _ = cuda_main(cfg)
+  arguments = re.findall(r"%arg\d+: tensor<([^>]*)>", signature)
+  assert len(arguments) == len(jax.tree.leaves(e.abstract.params)) + 1
+  assert not [a for a in arguments if a.endswith("f32")], arguments
+  runner.close()
 
 
 def functions(text: str) -> dict[str, str]:
@@ -104,51 +188,16 @@ def functions(text: str) -> dict[str, str]:
 
 
 def cuda_main(cfg: config.Config) -> tuple[dict[str, str], str, str]:
-  """The CUDA-lowered step: (its functions, main's signature, main's body)."""
+  """The CUDA-lowered device program, the step or (the optimizer in host memory) the
+  gradient step: (its functions, main's signature, main's body)."""
   e = engine(cfg)
-  fns = functions(e.train_step.trace(e.abstract_state(), e.abstract_batch(2)).lower(
-      lowering_platforms=("cuda",)).as_text())
+  if cfg.offload.optimizer == "pinned_host":
+    traced = e.grad_step.trace(e.abstract_state().params, e.abstract_batch(2), None)
+  else:
+    traced = e.train_step.trace(e.abstract_state(), e.abstract_batch(2))
+  fns = functions(traced.lower(lowering_platforms=("cuda",)).as_text())
   signature, body = fns["main"].split("\n", 1)
   return fns, signature, body
-
-
-def host_arguments(signature: str) -> list[str]:
-  args = re.findall(r"(%arg\d+): tensor<([^>]*)> \{([^}]*)\}", signature)
-  return [(name, shape) for name, shape, attrs in args if '"pinned_host"' in attrs]
-
-
-@pytest.mark.parametrize("stage", [1, 3])
-def test_cuda_step_keeps_optimizer_state_on_the_host(stage):
-  cfg = tiny(stage, optimizer="pinned_host", compute="bfloat16")
-  fns, signature, body = cuda_main(cfg)
-  host = host_arguments(signature)
-  n_weights = len(jax.tree.leaves(engine(cfg).abstract.master))
-  assert len(host) == 3 * n_weights  # master, Adam mu, Adam nu; all float32
-  assert all(shape.endswith("xf32") for _, shape in host)
-  # Each is used by one operation only: the call of the host-compute update.
-  calls = re.findall(r"= call @(\w+)\(([^)]*)\)", body)
-  for name, _ in host:
-    users = [callee for callee, operands in calls if re.search(rf"{name}\b", operands)]
-    assert len(users) == 1, name
-    assert len(re.findall(rf"{name}\b", body)) == 1, f"{name} has a use besides the update"
-  (update,) = {callee for callee, operands in calls if host[0][0] in operands}
-  fn = fns[update]
-  # Every array operation is marked host compute (scalars, e.g. Adam's step
-  # count as a float, and constants may be left to the device).
-  ops = [line for line in fn.splitlines()[1:] if " = stablehlo." in line
-         and "x" in re.findall(r"tensor<([^>]*)>", line)[-1]]
-  assert len(ops) > 10 * n_weights
-  assert all('_xla_compute_type = "host"' in line for line in ops)
-  # What comes back to the device: the gradient shards go down to the host,
-  # and the only device placements after the update are the new bf16 weights.
-  after = body[body.index(f"call @{update}("):]
-  to_device = re.findall(r'annotate_device_placement\(%[\w#]+\) \{[^}]*_xla_buffer_placement = '
-                         r'"device"\}[^:]*: \(tensor<([^>]*)>\)', after)
-  arrays_to_device = [s for s in to_device if "x" in s]  # (scalars: the step, metrics)
-  assert len(arrays_to_device) >= n_weights
-  assert all(s.endswith("xbf16") for s in arrays_to_device), arrays_to_device
-  to_host = re.findall(r'_xla_buffer_placement = "pinned_host"\}[^:]*: \(tensor<([^>]*)>\)', body)
-  assert len(to_host) >= n_weights
 
 
 def called_inside_loops(fns: dict[str, str]) -> set[str]:
