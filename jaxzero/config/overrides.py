@@ -40,7 +40,7 @@ def _parse_value(key: str, text: str, typ: Any) -> Any:
       return typ(text)
     except ValueError:
       raise ConfigError(f"{key}={text!r} is not a valid {typ.__name__}") from None
-  if typ is not str:
+  if typ is not str:  # (as_dotted leaves such fields out too)
     raise ConfigError(f"{key} holds a Python object (jaxzero.Engine sets it): it is not a "
                       "file or command-line setting")
   return text
@@ -72,14 +72,15 @@ MOVED_KEYS = {"model.hf_checkpoint": "init.hf_checkpoint"}
 
 
 def as_dotted(cfg: Any, _prefix: str = "") -> dict[str, Any]:
-  """Every field by its dotted name, e.g. {"train.steps": 80, ...}: the inverse of
-  `--set` (each pair, given back as `--set KEY=VALUE`, reproduces the config)."""
+  """Every field `--set` can set, by its dotted name, e.g. {"train.steps": 80, ...}: the
+  inverse of `--set` (each pair, given back as `--set KEY=VALUE`, reproduces the config;
+  a field that holds a Python object, set by jaxzero.Engine, is left out)."""
   fields = {}
-  for name in _field_types(type(cfg)):
+  for name, typ in _field_types(type(cfg)).items():
     value = getattr(cfg, name)
     if dataclasses.is_dataclass(value):
       fields.update(as_dotted(value, f"{_prefix}{name}."))
-    else:
+    elif get_origin(typ) is Literal or typ in (bool, int, float, str):
       fields[_prefix + name] = value
   return fields
 

@@ -107,7 +107,7 @@ def micro_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
   loss = model_loss(model, groups.hooks, remat_wrapper(cfg.remat.policy))
   sum_sh = groups.sum_shardings(on_device(layout.tree_shardings(model.specs, layout.reduce_role)),
                                 layout.tree_shardings(model.specs, "compute"))
-  place = _to_device_in_reduce_layout(layout, model) if streams else None
+  place = _to_device_in_reduce_layout(layout, model) if streams and key is not None else None
   params_on_device = on_device(state_sh.params)
 
   def add(micro, per_layer, params, scale, carry, batch):
