@@ -35,10 +35,13 @@ def main(argv=None) -> int:
                       help="skip the search for the largest micro-batch that fits")
   parser.add_argument("--json", action="store_true", help="print a JSON list, one object per row")
   parser.add_argument("--tflops", type=float, default=400.0,
-                      help="offload.params=nvme: the device's achieved TFLOP/s for the predicted "
-                      "step time (default 400: dense bf16 at ~40%% of an H100's peak)")
+                      help="the device's achieved TFLOP/s for the predicted step time "
+                      "(default 400: dense bf16 at ~40%% of an H100's peak)")
   parser.add_argument("--pcie-gbps", type=float, default=25.0,
-                      help="offload.params=nvme: host<->device GB/s each way (default 25)")
+                      help="host<->device GB/s each way, for the predicted step (default 25)")
+  parser.add_argument("--host-gbps", type=float, default=20.0,
+                      help="offload.optimizer=pinned_host: GB/s the host's update reads and "
+                      "writes (default 20; scripts/offload_bench.py measures a machine's)")
   parser.add_argument("--disk-gbps", type=float, default=6.0,
                       help="offload.params=nvme: the NVMe drive's GB/s (default 6)")
   parser.add_argument("--comm", action="store_true",
@@ -60,8 +63,8 @@ def main(argv=None) -> int:
     n_devices = args.devices or mesh_lib.devices_for(cfg.mesh)
     mesh_lib.resolve_shape(cfg.mesh, n_devices)  # a mesh that does not fit fails before JAX starts
     mesh_lib.use_virtual_cpu_devices(n_devices)
-    if min(args.tflops, args.pcie_gbps, args.disk_gbps) <= 0:
-      parser.error("--tflops, --pcie-gbps and --disk-gbps must be positive")
+    if min(args.tflops, args.pcie_gbps, args.disk_gbps, args.host_gbps) <= 0:
+      parser.error("--tflops, --pcie-gbps, --disk-gbps and --host-gbps must be positive")
     if cfg.offload.params == "nvme":  # a run of per-layer programs: planned program by program
       from jaxzero.planning import infinity_plan  # pylint: disable=import-outside-toplevel
       found = infinity_plan.plan(cfg, n_devices, args.tflops, args.pcie_gbps, args.disk_gbps)
@@ -69,8 +72,9 @@ def main(argv=None) -> int:
             infinity_plan.format_text(found, f"jaxzero.plan --config {args.config}"))
       return
     from jaxzero.planning import planner  # pylint: disable=import-outside-toplevel
+    rates = {"tflops": args.tflops, "pcie_gbps": args.pcie_gbps, "host_gbps": args.host_gbps}
     plan = planner.plan(cfg, n_devices, int(args.hbm_gb * 1e9), args.sweep,
-                        search=not args.no_search, comm=args.comm)
+                        search=not args.no_search, comm=args.comm, rates=rates)
     if args.json:
       print(json.dumps(as_json(plan), indent=2))
       return
@@ -99,7 +103,7 @@ def format_table(plan_, title: str) -> str:
   size = lambda b: f"{b / scale:.1f}"
   header = ["stage", "remat", "offload", "params", "grads", "optimizer", "state",
             "ZeRO formula", "activations", "host", "nvme", "host<->device/step", "XLA total",
-            "fits", "max micro"]
+            "fits", "max micro", "host/process", "step s (bound)"]
   body = []
   for r in rows:
     body.append([
@@ -107,7 +111,8 @@ def format_table(plan_, title: str) -> str:
         size(r.grads_bytes), size(r.optimizer_bytes), size(r.state_bytes),
         f"{r.theory_formula} = {size(r.theory_state_bytes)}", size(r.activation_bytes),
         size(r.host_bytes), size(r.nvme_bytes), size(r.transfer_bytes), size(r.total_bytes),
-        "yes" if r.fits else "no", "-" if r.max_micro_batch is None else str(r.max_micro_batch)])
+        "yes" if r.fits else "no", "-" if r.max_micro_batch is None else str(r.max_micro_batch),
+        size(r.host_process_bytes), f"{r.step_s:.2f} ({r.bound})"])
   widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
   text_columns = 3  # left-aligned; the numbers are right-aligned
   fmt = lambda line: "  ".join(c.ljust(w) if i < text_columns else c.rjust(w)
@@ -122,7 +127,11 @@ def format_table(plan_, title: str) -> str:
       f"{r0.seq_len} tokens, grad_accum {r0.grad_accum}; budget {plan_.hbm_bytes / 1e9:g} GB",
       f"per device, in {unit}; state = params + grads + optimizer (fp32 master + Adam m, v), "
       f"N = sharding devices; activations = XLA temporaries less the gradient buffers "
-      f"(activations, gathered weights, workspace); XLA total = state + activations",
+      f"(activations, gathered weights, workspace); XLA total = state + activations; "
+      f"host/process = one process's host memory (offloaded state, its update's workspace, "
+      f"XLA's pinned pool); step s = predicted at {plan_.rates['tflops']:g} TFLOP/s, PCIe "
+      f"{plan_.rates['pcie_gbps']:g} GB/s, host update {plan_.rates['host_gbps']:g} GB/s "
+      "(--tflops, --pcie-gbps, --host-gbps)",
       "", fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body), ""]
   lines += [f"note: {n}" for n in plan_.notes]
   lines.append(f"{plan_.compiles} compiles in {plan_.seconds:.1f} s")

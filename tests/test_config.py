@@ -44,6 +44,22 @@ def test_bad_override_names_key_and_choices(assignment, expected):
   assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("assignments, expected", [
+    (["offload.optimizer=pinned_host", "offload.optimizer_fraction=-0.1"],
+     "offload.optimizer_fraction=-0.1 must be between 0 and 1"),
+    (["offload.optimizer_fraction=0.5"], "offload.optimizer_fraction=0.5 applies to the "
+     "optimizer in host memory: set offload.optimizer=pinned_host (got offload.optimizer=device)"),
+    (["offload.optimizer=nvme", "offload.delayed_update=true"],
+     "offload.delayed_update=True applies to the optimizer in host memory"),
+    (["offload.optimizer=pinned_host", "offload.delayed_update=true",
+      "precision.compute=float16"], "a step that overflows would skip an update already under way"),
+])
+def test_offload_settings_that_cannot_run_are_one_line(assignments, expected):
+  with pytest.raises(ConfigError) as info:
+    config.validate(config.apply_overrides(config.base(), assignments))
+  assert expected in str(info.value) and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("assignment, expected", [
     ("model.n_kv_heads=0", "model.n_kv_heads=0 must be at least 1"),
     ("model.n_heads=0", "model.n_heads=0 must be at least 1"),

@@ -32,6 +32,12 @@ def test_print_config_gives_every_key_as_a_set_argument():
     (["--config", TINY, "--set", "data.source=/no/such/file.txt"],
      "data.source='/no/such/file.txt' is neither 'stdlib' nor a file, directory or glob"),
     (["--config", TINY, "--steps", "0"], "--steps=0 must be at least 1"),
+    (["--config", TINY, "--set", "offload.optimizer=pinned_host",
+      "--set", "offload.optimizer_fraction=1.5"],
+     "offload.optimizer_fraction=1.5 must be between 0 and 1"),
+    (["--config", TINY, "--set", "offload.optimizer=pinned_host",
+      "--set", "offload.delayed_update=true", "--set", "precision.compute=float16"],
+     "offload.delayed_update=true with precision.compute=float16"),
 ])
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path):

@@ -29,6 +29,7 @@ from jaxzero.parallel.zero import Layout
 from jaxzero.planning import planner, zero_formula
 from jaxzero.runners import base as runners_base
 from jaxzero.runners.choose import make_runner
+from jaxzero.runtime import pinned_pool
 
 
 # The config's own sections, as jaxzero.Zero, jaxzero.Remat and jaxzero.Offload.
@@ -40,7 +41,10 @@ Offload = config_lib.OffloadConfig
 def mesh(fsdp: int = -1, replica: int = 1, tensor: int = 1, pipeline: int = 1, devices=None):
   """A (replica, [pipeline,] fsdp, tensor) device mesh; -1 takes the devices the others
   leave."""
-  devices = list(jax.devices() if devices is None else devices)
+  if devices is None:
+    pinned_pool.size_for_host()  # before JAX starts its backend, where this starts it
+    devices = jax.devices()
+  devices = list(devices)
   shape = mesh_lib.resolve_shape(config_lib.MeshConfig(replica, fsdp, tensor, pipeline),
                                  len(devices))
   return mesh_lib.make_mesh(*shape[:2], devices, shape[2], pipeline)

@@ -37,22 +37,13 @@ def state_bytes(program) -> dict[str, int]:
 
 
 def transfer_bytes(program) -> int:
-  """Bytes one device moves between host and device memory in a step, both ways.
-
-  Optimizer in pinned_host (ZeRO-Offload): the gradient shards go down in the
-  dtype they were reduced in, and the new compute-dtype shards come up (a
-  host-resident compute copy at stage 3 stays on the host). Weights in
-  pinned_host: streamed to the device layer by layer (jaxzero.engine.hooks);
-  when the update runs on the device, the new copy goes back.
+  """Bytes one device moves between host and device memory in a step, both ways, for
+  weights in pinned_host: streamed to the device layer by layer (jaxzero.engine.hooks),
+  the updated copy sent back. (A runner that keeps the optimizer state off the device
+  adds its own: jaxzero.runners.)
   """
   cfg, layout, abstract, sh = program.cfg, program.layout, program.abstract, program.shardings
-  cast_shards = bytes_per_device(abstract.params, sh.master)  # compute dtype, optimizer layout
   moved = 0
-  if layout.optimizer_memory == "pinned_host":
-    reduced = jnp.float32 if reduces_once(layout) else dtype_of(cfg.zero.grad_dtype)
-    grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, reduced), abstract.master)
-    moved += bytes_per_device(grads, sh.master)
-    moved += 0 if layout.params_memory == "pinned_host" else cast_shards
   if layout.params_memory == "pinned_host":
     params = bytes_per_device(abstract.params, sh.params)
     layers = bytes_per_device(abstract.params["layers"], sh.params["layers"])
@@ -61,9 +52,15 @@ def transfer_bytes(program) -> int:
     # remat policy keeps it), and its gradient shard goes down as the backward
     # produces it and comes back up after.
     moved += (params - layers) + cfg.train.grad_accum * 4 * layers
-    if layout.optimizer_memory != "pinned_host":
-      moved += params  # the updated compute copy goes back down
+    moved += params  # the updated compute copy goes back down
   return moved
+
+
+def grad_bytes_per_param(program) -> int:
+  """The bytes of a reduced gradient, per parameter: float32 where stages 0-1 reduce
+  once (jaxzero.engine.groups), else the grad dtype."""
+  dtype = jnp.float32 if reduces_once(program.layout) else dtype_of(program.cfg.zero.grad_dtype)
+  return jnp.dtype(dtype).itemsize
 
 
 def _bytes_in_memory(abstract, shardings, kind: str) -> int:

@@ -64,8 +64,7 @@ class Layout:
   mesh: Mesh
   stage: int
   hybrid: bool = False
-  params_memory: str = "device"
-  optimizer_memory: str = "device"
+  params_memory: str = "device"  # the compute copy at rest: device or pinned_host (stage 3)
   # The dtype gradients are reduced in across devices (FSDP's reduce_dtype).
   reduce_dtype: str = "float32"
 
@@ -83,13 +82,12 @@ class Layout:
     if cfg.model.n_kv_heads % tensor:
       log.info("replicating the %d KV heads across each tensor group of %d (mesh.tensor does "
                "not divide them), as Megatron does", cfg.model.n_kv_heads, tensor)
-    # The NVMe tier keeps the optimizer state in files, outside the jitted step;
-    # what of it memory holds (its step counts, the chunks being updated) is on the device.
-    # Likewise the parameter tier (offload.params=nvme): a layer's weights are on the device
-    # while its program runs.
-    optimizer = "device" if cfg.offload.optimizer == "nvme" else cfg.offload.optimizer
+    # An offloaded optimizer state is its runner's (jaxzero.runners: in host memory or in
+    # files), outside the jitted step: what of it the step sees (step counts, chunks being
+    # updated) is on the device. Likewise the parameter tier (offload.params=nvme): a
+    # layer's weights are on the device while its program runs.
     params = "device" if cfg.offload.params == "nvme" else cfg.offload.params
-    return cls(mesh, stage, hybrid, params_memory=params, optimizer_memory=optimizer,
+    return cls(mesh, stage, hybrid, params_memory=params,
                reduce_dtype=cfg.zero.reduce_dtype or cfg.zero.grad_dtype)
 
   @property
@@ -124,7 +122,7 @@ class Layout:
     return "grads" if self.is_sharded("grads") else "optimizer"
 
   def memory_kind(self, role: str) -> str:
-    return {"params": self.params_memory, "optimizer": self.optimizer_memory}.get(role, "device")
+    return self.params_memory if role == "params" else "device"
 
   def spec(self, shape: tuple[int, ...], logical_axes: tuple[str, ...], role: str,
            name: str = "?") -> P:

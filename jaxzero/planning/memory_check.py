@@ -48,6 +48,19 @@ class Budget:
   devices: int
   platform: str
   disk: int = 0  # of the state above, in files (offload.optimizer=nvme)
+  # Host memory (off a CPU): what each process holds there (the offloaded state, the
+  # update's workspace, XLA's pinned pool), how many processes share this host, its RAM.
+  host_process: int = 0
+  host_processes: int = 1
+  host_ram: int | None = None
+  local_devices: int = 1  # this process's
+
+  @property
+  def host_fits(self) -> bool:
+    """Whether this host's processes' host memory fits its RAM (on a CPU, host memory is
+    device memory: `fits` counts it)."""
+    return (self.platform == "cpu" or self.host_ram is None
+            or self.host_process * self.host_processes * HEADROOM <= self.host_ram)
 
   @property
   def state(self) -> int:
@@ -150,8 +163,15 @@ def budget(runner, devices) -> Budget:
   activations = 0 if cfg.model_factory else activation_bytes(
       cfg, micro, layout.shard_size, layout.is_sharded("params")
       or cfg.offload.params == "nvme")
+  host_process = state.get("host_process", 0)
+  on_a_cpu = devices[0].platform == "cpu"
   return Budget(state["params"], state["grads"], state["optimizer"], state["host"], activations,
-                available, where, len(devices), devices[0].platform, disk=disk)
+                available, where, len(devices), devices[0].platform, disk=disk,
+                host_process=host_process,
+                host_processes=1 if on_a_cpu or not host_process else processes_on_this_host(),
+                host_ram=None if on_a_cpu else host_memory_bytes(),
+                local_devices=sum(d.process_index == devices[0].client.process_index()
+                                  for d in devices))
 
 
 # ----------------------------------------------------------------------------
@@ -161,17 +181,37 @@ def budget(runner, devices) -> Budget:
 def check(runner, devices, force: bool = False) -> Budget:
   """The run's Budget; raises DoesNotFitError (one line) when it cannot fit, unless `force`."""
   b = budget(runner, devices)
-  if b.fits:
+  if not b.host_fits:
+    message = host_message(b)
+  elif b.fits:
     return b
-  on_disk = f", less {format_bytes(b.disk)} on disk" if b.disk else ""
-  message = (f"this run needs about {format_bytes(b.needed)} per device (model state "
-             f"{format_bytes(b.state)}{on_disk} + activations ~{format_bytes(b.activations)}) "
-             f"on {b.devices} devices, but {b.where}; {suggest(runner.program, b)}; --force starts it "
-             "anyway")
+  else:
+    message = device_message(runner.program, b)
   if force:
     log.warning("--force: %s", message)
     return b
   raise DoesNotFitError(message)
+
+
+def host_message(b: Budget) -> str:
+  """The line for a run whose host memory does not fit this host's RAM."""
+  total = b.host_process * b.host_processes
+  shared = (f" x {b.host_processes} processes on this host = {format_bytes(total)}"
+            if b.host_processes > 1 else "")
+  return (f"this run keeps about {format_bytes(b.host_process)} in host memory per process "
+          f"(the offloaded optimizer state, its update's workspace and XLA's pinned pool)"
+          f"{shared}, but this host has {format_bytes(b.host_ram)} of RAM (headroom "
+          f"{HEADROOM:g}x); offload.optimizer=nvme keeps the state on disk, or more devices "
+          "shard it (each holds 12Φ/N); --force starts it anyway")
+
+
+def device_message(program, b: Budget) -> str:
+  """The line for a run that does not fit the devices' memory."""
+  on_disk = f", less {format_bytes(b.disk)} on disk" if b.disk else ""
+  return (f"this run needs about {format_bytes(b.needed)} per device (model state "
+          f"{format_bytes(b.state)}{on_disk} + activations ~{format_bytes(b.activations)}) "
+          f"on {b.devices} devices, but {b.where}; {suggest(program, b)}; --force starts it "
+          "anyway")
 
 
 def suggest(program, b: Budget) -> str:
@@ -201,7 +241,11 @@ def suggest(program, b: Budget) -> str:
     ideas.append(f"zero.stage=3 (~{format_bytes(needed(stage=3))})")
   if cfg.remat.policy != "full" and fits(needed(policy="full")):
     ideas.append(f"remat.policy=full (~{format_bytes(needed(policy='full'))})")
-  if not cpu and cfg.offload.optimizer == "device" and fits(needed(offload="pinned_host")):
+  # ZeRO-Offload's host holds 12Φ/N for each of its processes' devices.
+  host_holds = b.host_ram is None or (12 * phi / layout.shard_size * b.local_devices
+                                      * b.host_processes * HEADROOM <= b.host_ram)
+  if (not cpu and cfg.offload.optimizer == "device" and host_holds
+      and fits(needed(offload="pinned_host"))):
     ideas.append(f"offload.optimizer=pinned_host (~{format_bytes(needed(offload='pinned_host'))})")
   elif cfg.offload.optimizer != "nvme" and fits(needed(offload="nvme")):
     ideas.append(f"offload.optimizer=nvme with offload.nvme_dir=PATH "

@@ -31,6 +31,7 @@ from jaxzero.parallel import pipeline
 from jaxzero.parallel.zero import Layout
 from jaxzero.planning import comm_report as comm_lib
 from jaxzero.planning import zero_formula
+from jaxzero.planning.flops import model_flops_per_token
 from jaxzero.runners.base import Runner
 from jaxzero.runners.choose import make_runner
 
@@ -82,6 +83,12 @@ class Variant:
                                     params=self.offload_params))
 
 
+# The rates a predicted step assumes unless given (jaxzero.plan --tflops, --pcie-gbps,
+# --host-gbps): dense bf16 at ~40% of an H100's peak; PCIe 4 x16 one way; a host update
+# streaming through DRAM at what a 16-core server sustains.
+DEFAULT_RATES = {"tflops": 400.0, "pcie_gbps": 25.0, "host_gbps": 20.0}
+
+
 @dataclasses.dataclass
 class Row:
   """The plan of one variant, per device. Field names are the documented contract."""
@@ -120,6 +127,17 @@ class Row:
   comm_report: object = dataclasses.field(default=None, repr=False, compare=False)
   tensor: int = 1  # mesh.tensor: `devices` = replica x fsdp x tensor x pipeline
   pipeline: int = 1  # mesh.pipeline: stages, each device holding its stage's layers
+  # Host memory of one process: the offloaded state, its update's workspace and XLA's
+  # pinned pool (the runner's plan); what the host's update reads and writes a step.
+  host_process_bytes: int = 0
+  host_update_bytes: int = 0
+  # The predicted step, in seconds, at the plan's rates: the device's compute, the
+  # host's update, PCIe; `step_s` adds the update's part (the slower of host and PCIe,
+  # which overlap chunk by chunk) to the compute, or under offload.delayed_update
+  # overlaps it with the next step's; `bound` names the slowest part.
+  seconds: dict = dataclasses.field(default_factory=dict)
+  step_s: float = 0.0
+  bound: str = "compute"
 
   @property
   def state_bytes(self) -> int:
@@ -134,6 +152,7 @@ class Plan:
   hbm_bytes: int
   compiles: int
   seconds: float
+  rates: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_RATES))
 
 
 # ----------------------------------------------------------------------------
@@ -278,8 +297,23 @@ def largest_micro_batch(total_at: Callable[[int], int], budget: int, start: int,
 # The plan
 
 
+def predicted_step(cfg: Config, n_params: int, devices: int, transfer: int, host_update: int,
+                   rates: dict) -> tuple[dict, float, str]:
+  """({compute, host, pcie} seconds, the step's seconds, the slowest part's name)."""
+  tokens = cfg.train.global_batch * cfg.train.seq_len
+  recompute = 4 / 3 if cfg.remat.policy == "full" else 1.0  # the forward pass again
+  flops = model_flops_per_token(cfg, n_params) * tokens * recompute / devices
+  seconds = {"compute": flops / (rates["tflops"] * 1e12),
+             "host": host_update / (rates["host_gbps"] * 1e9),
+             "pcie": transfer / (rates["pcie_gbps"] * 1e9)}
+  update = max(seconds["host"], seconds["pcie"])
+  step = (max(seconds["compute"], update) if cfg.offload.delayed_update
+          else seconds["compute"] + update)
+  return seconds, step, max(seconds, key=seconds.get)
+
+
 def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant] = "stages",
-         search: bool = True, comm: bool = False) -> Plan:
+         search: bool = True, comm: bool = False, rates: dict | None = None) -> Plan:
   """Plans each variant of `sweep` (a name in SWEEPS, or the variants themselves)
   for `cfg` on `n_devices` virtual CPU devices; `comm` also counts each
   variant's collectives (jaxzero.planning.collectives)."""
@@ -294,21 +328,22 @@ def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant]
     variant_cfg = variant.apply(cfg)
     program = engine_lib.TrainProgram(variant_cfg, Layout.from_config(variant_cfg, mesh),
                                       trainable.llama(variant_cfg.model))
-    row, n = _plan_variant(make_runner(program, check=False), variant, hbm_bytes, search, comm)
+    row, n = _plan_variant(make_runner(program, check=False), variant, hbm_bytes, search, comm,
+                           {**DEFAULT_RATES, **(rates or {})})
     rows.append(row)
     compiles += n
   notes += _notes(cfg, sweep, rows)
   return Plan(rows, notes, count_params(cfg.model), hbm_bytes, compiles,
-              time.perf_counter() - t0)
+              time.perf_counter() - t0, {**DEFAULT_RATES, **(rates or {})})
 
 
 def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
-                  search: bool, comm: bool) -> tuple[Row, int]:
+                  search: bool, comm: bool, rates: dict) -> tuple[Row, int]:
   """The row of one variant, and how many compiles it took."""
   program = runner.program
   micro = mesh_lib.micro_batch(program.cfg.train, program.layout.data_parallel_size)
   compiled = compile_step(runner, micro, MEMORY_COMPILE_OPTIONS)
-  row = _row(runner, variant, compiled.memory_analysis(), micro, hbm_bytes)
+  row = _row(runner, variant, compiled.memory_analysis(), micro, hbm_bytes, rates)
   compiles = 1
   if comm:
     compiles += 1
@@ -326,9 +361,12 @@ def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
   return row, compiles
 
 
-def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int) -> Row:
+def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int,
+         rates: dict) -> Row:
   cfg, layout = runner.program.cfg, runner.program.layout
   state = runner.plan()
+  seconds, step_s, bound = predicted_step(cfg, runner.program.n_params, layout.mesh.size,
+                                          state["transfer"], state.get("host_update", 0), rates)
   theory, formula = zero_formula.theory_state_bytes(cfg, layout)
   total = xla_total_bytes(stats)
   return Row(
@@ -340,16 +378,19 @@ def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int) ->
       offload_params=variant.offload_params,
       params_bytes=state["params"], grads_bytes=state["grads"],
       optimizer_bytes=state["optimizer"],
-      # (With the NVMe tier the compiled step returns the gradients: not temporaries.)
+      # (A runner whose device program is the gradient step returns the gradients:
+      # not temporaries.)
       activation_bytes=max(0, stats.temp_size_in_bytes
-                           - (0 if cfg.offload.optimizer == "nvme" else state["grads"])),
+                           - (0 if runner.device_program == "gradients" else state["grads"])),
       host_bytes=state["host"], nvme_bytes=state["nvme"], transfer_bytes=state["transfer"],
       total_bytes=total,
       theory_state_bytes=theory, theory_formula=formula, fits=total <= hbm_bytes,
       max_micro_batch=None,
       xla_host_bytes=xla_host_bytes(stats),
       xla_separates_host=xla_host_bytes(stats) > 0 or not (
-          state["host"] or variant.remat in OFFLOADING_POLICIES))
+          state.get("pinned_pool", state["host"]) or variant.remat in OFFLOADING_POLICIES),
+      host_process_bytes=state.get("host_process", state["host"] * len(layout.mesh.local_devices)),
+      host_update_bytes=state.get("host_update", 0), seconds=seconds, step_s=step_s, bound=bound)
 
 
 def _boundary_bytes(program: engine_lib.TrainProgram, micro: int) -> int | None:

@@ -29,6 +29,9 @@ def checkpointer(workdir: str | pathlib.Path, keep: int, info: dict[str, Any]) -
 class Runner(Protocol):
   """How a state is trained, saved and restored, and what it costs a device."""
   program: TrainProgram
+  # What runs on the device each step: the whole step ("step"), or the gradient step
+  # ("gradients"), the update then running outside it.
+  device_program: str
 
   def check(self) -> None:
     """Before the state exists: one line (ConfigError or PathError) for a target this
@@ -62,6 +65,8 @@ class Runner(Protocol):
 
 class InMemoryRunner:
   """The state in device (or pinned host) memory; the step is the program's."""
+
+  device_program = "step"
 
   def __init__(self, program: TrainProgram):
     self.program = program

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero import engine as engine_lib
+from jaxzero.engine import state_bytes as state_bytes_lib
 from jaxzero.offload import host_store, nvme_chunks, nvme_store, targets
 from jaxzero.parallel.zero import on_device
 from jaxzero.runners import nvme
@@ -68,20 +69,38 @@ class HostRunner(nvme.NvmeRunner):
 
   def host_bytes(self) -> int:
     """Bytes this process's host store holds (a replicated shard once)."""
-    return sum(len(leaf.kinds) * 4 * np.prod([leaf.chunk[d] if d in leaf.cut else b - a
-                                              for d, (a, b) in enumerate(region.box)])
-               for leaf in self.leaves for region in leaf.regions for starts in leaf.starts()
-               if not self.keeps_on_device(leaf, starts))
+    return int(sum(len(leaf.kinds) * 4 * np.prod([b - a for a, b in leaf.chunk_box(r, starts)])
+                   for leaf in self.leaves for r in leaf.regions for starts in leaf.starts()
+                   if not self.keeps_on_device(leaf, starts)))
+
+  def workspace_bytes(self) -> int:
+    """Host bytes of the update beside the store: the largest chunk, in and out, with its
+    gradient and compute-dtype boxes (the chunk's own buffer is reused)."""
+    return int(max((4 * len(leaf.kinds) + 8) * np.prod(leaf.chunk) for leaf in self.leaves))
 
   def check(self) -> None:
     targets.check_offload(self.cfg, list(self.program.layout.mesh.devices.flat))
 
   def plan(self) -> dict[str, int]:
-    """The program's bytes, with the host's share of the optimizer state (per device)."""
+    """The program's bytes (weights in pinned_host counted in `host` and `pinned_pool`)
+    with the host store's share: per device, and this process's (`host_process`: the
+    store, the update's workspace and XLA's pinned pool). `transfer` adds each host
+    chunk's gradient down and its new compute-dtype box up; `host_update` is the bytes the
+    host's update reads and writes a step (the gradient read; K copies read and written;
+    the compute copy written)."""
     planned = self.program.state_bytes()
     devices = len(self.program.layout.mesh.local_devices)
-    planned.update(host=int(self.host_bytes()) // devices, nvme=0,
-                   host_process=int(self.host_bytes()))
+    kinds = len(self.leaves[0].kinds)
+    on_host = self.host_bytes()
+    params = on_host // (4 * kinds)  # parameters updated on the host, this process
+    compute = np.dtype(engine_lib.dtype_of(self.cfg.precision.compute)).itemsize
+    grad = state_bytes_lib.grad_bytes_per_param(self.program)
+    pinned = planned["host"] * devices  # weights in XLA's pinned pool (offload.params)
+    planned.update(
+        nvme=0, host=planned["host"] + on_host // devices, pinned_pool=planned["host"],
+        host_process=on_host + self.workspace_bytes() + pinned,
+        transfer=planned["transfer"] + params * (grad + compute) // devices,
+        host_update=params * (grad + 2 * 4 * kinds + compute))
     return planned
 
   def open_store(self) -> host_store.HostStore:

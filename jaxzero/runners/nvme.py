@@ -106,6 +106,7 @@ class NvmeRunner:
     self.step_bytes = sum(leaf.local_bytes for leaf in self.leaves)  # read, and written
 
   holds = "the optimizer state"  # what the store holds, as bad input names it
+  device_program = "gradients"  # the update streams outside it
 
   # -- structure ---------------------------------------------------------------------
 

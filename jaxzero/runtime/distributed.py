@@ -18,8 +18,8 @@ import threading
 
 from jaxzero.config import Config, DistributedConfig
 from jaxzero.errors import ConfigError
-from jaxzero.runtime import peerwatch, xla_flags
 from jaxzero.parallel import mesh as mesh_lib
+from jaxzero.runtime import peerwatch, pinned_pool, xla_flags
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,19 @@ class Peers:
 
 
 def initialize(cfg: Config, prog: str = "jaxzero") -> Peers | None:
-  """Sets GPU flags and joins the run's other processes; returns None for a single process.
+  """Sets GPU flags and XLA's pinned host pool (jaxzero.runtime.pinned_pool), and joins
+  the run's other processes; returns None for a single process.
 
   On CPU a multi-process run shares the mesh's devices: each of N processes
   gets mesh-size / N virtual devices, and the processes talk through gloo.
   """
   xla_flags.apply_gpu_defaults()
   peers = resolve(cfg.distributed, os.environ)
+  processes = peers.num_processes if peers and peers.num_processes else 1
+  pool = pinned_pool.size_for_run(cfg, max(1, mesh_lib.devices_for(cfg.mesh) // processes))
+  if pool:
+    log.info("XLA's pinned host pool: %d GB (%s), for what this run places in pinned_host",
+             pool, pinned_pool.ENV)
   if peers is None:
     return None
   import jax  # pylint: disable=import-outside-toplevel

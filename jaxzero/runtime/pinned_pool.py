@@ -1,0 +1,75 @@
+"""XLA's pinned host pool, sized before the backend starts.
+
+On a GPU, what a jitted program places in ``pinned_host`` memory comes from one pool
+(``xla_gpu_host_bfc``), 64 GB unless ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` says otherwise
+when the backend starts. jaxzero puts there the stage-3 weights of
+``offload.params=pinned_host`` (with their gradients on the way back) and the
+activations of ``remat.policy=offload_matmuls``; the optimizer state of
+``offload.optimizer=pinned_host`` lives in the host runner's own memory, not in the pool.
+:func:`size_for_run` sets the variable from the run's needs, :func:`size_for_host` (for a
+library user, whose model is not known yet) from the host's RAM; a value the user set
+always wins, and the pool is never made smaller than XLA's default. The pool is a limit:
+XLA takes host memory from it as the program needs it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from jaxzero.runtime import xla_flags
+
+ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+XLA_DEFAULT_GB = 64
+ROOM = 1.25  # over the estimate: XLA's own buffers in the pool, fragmentation
+
+
+def run_bytes(cfg, local_devices: int) -> int:
+  """What one process of `cfg`'s run places in pinned_host (the Llama family's;
+  0 for a model_factory model, whose size is not known before it is built)."""
+  if cfg.model_factory:
+    return 0
+  from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
+  from jaxzero.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  m, t = cfg.model, cfg.train
+  phi = count_params(m)
+  compute = 4 if cfg.precision.compute == "float32" else 2
+  grad = 4 if cfg.zero.grad_dtype == "float32" else 2
+  shards = max(1, mesh_lib.data_parallel_needed(cfg.mesh))
+  needed = 0
+  if cfg.offload.params == "pinned_host":  # the weights, and a micro-step's gradient
+    needed += (compute + grad) * phi // shards * local_devices
+  if cfg.remat.policy == "offload_matmuls":  # each layer's matmul outputs, per micro-step
+    data = max(1, mesh_lib.data_parallel_needed(cfg.mesh))
+    rows = max(1, t.global_batch // (t.grad_accum * data))
+    kv = 2 * m.n_kv_heads * (m.dim // m.n_heads)
+    needed += (rows * t.seq_len * m.n_layers * (3 * m.dim + kv + 2 * m.mlp_dim) * compute
+               * local_devices)
+  return needed
+
+
+def size_for_run(cfg, local_devices: int, environ=os.environ) -> int | None:
+  """Sets the pool for `cfg`'s run where a GPU will be used; returns the GB set, or None
+  where the user set it, no GPU is used, or XLA's default holds the run."""
+  return _size(math.ceil(run_bytes(cfg, local_devices) * ROOM / 1e9), environ)
+
+
+def size_for_host(environ=os.environ) -> int | None:
+  """Sets the pool to most of the host's RAM where a GPU will be used (a library user's
+  model is not known before the backend starts); returns the GB set, or None."""
+  return _size(_ram_gb(), environ)
+
+
+def _size(gb: int, environ) -> int | None:
+  if ENV in environ or not xla_flags.gpu_will_be_used(environ):
+    return None
+  gb = min(gb, _ram_gb())
+  if gb <= XLA_DEFAULT_GB:
+    return None
+  environ[ENV] = str(gb)
+  return gb
+
+
+def _ram_gb() -> int:
+  """The most of the host's RAM the pool may take, in whole GB."""
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 9 // 10 // 10**9

@@ -1,0 +1,63 @@
+"""XLA's pinned host pool is sized from the run before the backend starts, never below
+XLA's default, never over the host's RAM, and never over what the user set."""
+
+import pytest
+
+from jaxzero import config
+from jaxzero.runtime import pinned_pool
+
+from processes import ROOT
+
+GPU = {"JAX_PLATFORMS": "cuda"}
+
+
+def llama8b(*sets):
+  return config.load(str(ROOT / "configs/llama8b_zero3.py"),
+                     ["mesh.fsdp=1", "train.global_batch=1", "train.grad_accum=1", *sets])
+
+
+def test_weights_in_pinned_host_size_the_pool_for_them(monkeypatch):
+  monkeypatch.setattr(pinned_pool.os, "sysconf", lambda name: {
+      "SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 1024 * 10**9 // 4096}[name])  # a 1 TB host
+  # Llama-3-70B at stage 3 on 8 GPUs, weights in pinned_host: each GPU's shards of the
+  # bf16 weights and of a micro-step's bf16 gradient, 70.6e9 x 4 / 8 bytes, 8 of them.
+  cfg = config.load(str(ROOT / "configs/llama70b_zero3_offload.py"),
+                    ["offload.params=pinned_host", "mesh.fsdp=8", "zero.grad_dtype=bfloat16"])
+  needed = pinned_pool.run_bytes(cfg, local_devices=8)
+  assert 4 * 70.0e9 <= needed <= 4 * 71.0e9
+  environ = dict(GPU)
+  gb = pinned_pool.size_for_run(cfg, 8, environ)
+  assert gb == int(environ[pinned_pool.ENV]) and gb > pinned_pool.XLA_DEFAULT_GB
+  assert gb * 1e9 >= needed * pinned_pool.ROOM
+  # What the user set wins; no GPU, no setting; ZeRO-Offload's optimizer alone needs no pool
+  # (the host runner keeps its state outside it).
+  assert pinned_pool.size_for_run(cfg, 1, {**GPU, pinned_pool.ENV: "100"}) is None
+  assert pinned_pool.size_for_run(cfg, 1, {"JAX_PLATFORMS": "cpu"}) is None
+  assert pinned_pool.run_bytes(llama8b("offload.optimizer=pinned_host"), 1) == 0
+  # The 8B on one GPU with its weights in pinned_host: XLA's 64 GB hold them.
+  assert pinned_pool.size_for_run(llama8b("offload.params=pinned_host"), 1, dict(GPU)) is None
+
+
+def test_the_pool_never_exceeds_the_host(monkeypatch):
+  monkeypatch.setattr(pinned_pool.os, "sysconf", lambda name: {
+      "SC_PAGE_SIZE": 1000, "SC_PHYS_PAGES": 100 * 10**6}[name])  # a 100 GB host
+  environ = dict(GPU)
+  gb = pinned_pool.size_for_host(environ)
+  assert gb == int(environ[pinned_pool.ENV]) == 90
+  cfg = llama8b("offload.params=pinned_host", "remat.policy=offload_matmuls")
+  assert pinned_pool.size_for_run(cfg, 8, dict(GPU)) == 90
+
+
+@pytest.mark.parametrize("processes, fits", [(1, True), (2, False)])
+def test_the_start_up_check_counts_each_hosts_processes_host_memory(processes, fits):
+  from jaxzero.planning import memory_check  # pylint: disable=import-outside-toplevel
+  b = memory_check.Budget(params=1, grads=1, optimizer=96 * 10**9, host=96 * 10**9,
+                          activations=1, available=80 * 10**9, where="one GPU", devices=1,
+                          platform="gpu", host_process=97 * 10**9, host_processes=processes,
+                          host_ram=200 * 10**9)
+  assert b.host_fits is fits and b.fits
+  if not fits:
+    line = memory_check.host_message(b)
+    assert line.startswith("this run keeps about 97.0 GB in host memory per process")
+    assert "x 2 processes on this host = 194.0 GB, but this host has 200.0 GB of RAM" in line
+    assert "offload.optimizer=nvme" in line and "\n" not in line
