@@ -37,3 +37,21 @@ def test_model_flops_follow_the_palm_convention():
                             train=dataclasses.replace(config.base().train, seq_len=128))
   phi = count_params(model)
   assert bench.model_flops_per_token(cfg, phi) == 6 * phi + 12 * 2 * 64 * 128
+
+
+@pytest.mark.slow
+def test_offload_bench_reports_every_figure_and_the_host_holds_the_state_once(capsys):
+  bench = load_script("offload_bench")
+  code = bench.main(["--steps", "2", "--json"])  # its CPU shape: 154 MB of state
+  assert code == 0
+  result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  for key in ("state_bytes", "host_peak_bytes", "host_transient_bytes", "device_peak_bytes",
+              "step_s", "step_s_no_offload", "step_s_delayed", "host_update_s",
+              "host_update_gbps", "host_copy_gbps", "host_math_gbps", "overlap_efficiency"):
+    assert result[key] is not None and result[key] >= 0, key
+  predicted = result["predicted"]
+  assert predicted["host_process_bytes"] >= result["state_bytes"] > 0
+  # 12 bytes a parameter: the fp32 master weight and Adam's two moments.
+  assert result["state_bytes"] == 12 * result["n_params"]
+  # A step adds no second copy of the state to the host's memory: the update is in place.
+  assert result["host_transient_bytes"] < result["state_bytes"]

@@ -41,8 +41,9 @@ Offload = config_lib.OffloadConfig
 def mesh(fsdp: int = -1, replica: int = 1, tensor: int = 1, pipeline: int = 1, devices=None):
   """A (replica, [pipeline,] fsdp, tensor) device mesh; -1 takes the devices the others
   leave."""
-  if devices is None:
-    pinned_pool.size_for_host()  # before JAX starts its backend, where this starts it
+  if devices is None:  # before JAX starts its backend, where this starts it
+    pinned_pool.size_for_host()
+    pinned_pool.use_host_cores()
     devices = jax.devices()
   devices = list(devices)
   shape = mesh_lib.resolve_shape(config_lib.MeshConfig(replica, fsdp, tensor, pipeline),

@@ -2,9 +2,13 @@
 
 The same chunks as the NVMe store (jaxzero.offload.nvme_store: a box of one shard holding
 all K copies of a weight, [K, *box]) and the same interface (read, write, chunks, close), so
-that the streamed runner, its initialisation and its checkpoint item serve both. A chunk is
-an array on the host's CPU device; the update (jaxzero.runners.host) donates it and gets back
-its result in the same buffer, so the host holds the state once, plus the chunks in flight.
+that the streamed runner, its initialisation and its checkpoint item serve both. In memory a
+chunk is its K copies apart, [*box] each (an update over stacked copies runs several times
+slower on XLA:CPU than over separate ones), on one of the host's CPU devices, taken in
+turn so that the updates of successive
+chunks run on the host's cores at once (XLA:CPU runs one program at a time per device); the
+update (jaxzero.runners.host) donates it and gets back its result in the same buffer, so
+the host holds the state once, plus the chunks in flight.
 Chunks that `on_device` names (Twin-Flow: the layers whose state stays on the device) are
 kept as one global array [K, *chunk] over the devices instead, each device its own box.
 """
@@ -20,9 +24,10 @@ import numpy as np
 from jaxzero.offload import nvme_store
 
 
-def host_device():
-  """The CPU device the host's update runs on (on a GPU machine, JAX's CPU backend)."""
-  return jax.local_devices(backend="cpu")[0]
+def host_devices() -> list:
+  """The CPU devices the host's update runs on (on a GPU machine, JAX's CPU backend: one
+  per core where jaxzero started JAX, jaxzero.runtime.xla_flags.use_host_cores)."""
+  return jax.local_devices(backend="cpu")
 
 
 _owned = jax.jit(lambda x: x.copy())
@@ -30,7 +35,7 @@ _owned = jax.jit(lambda x: x.copy())
 
 @jax.tree_util.register_static
 class HostStore:
-  """The chunks of `leaves` this process keeps, as float32 arrays on the CPU device.
+  """The chunks of `leaves` this process keeps, as K float32 arrays each on a CPU device.
 
   A static pytree node, as the NVMe store: a state holding it flattens to its in-memory
   leaves. `derived`, as there: the compute dtype a checkpoint derives ``params`` in.
@@ -40,8 +45,10 @@ class HostStore:
                on_device: Callable[[nvme_store.Leaf, tuple[int, ...]], bool] = lambda *_: False):
     self.leaves, self.derived, self.on_device = leaves, derived, on_device
     self.writes = nvme_store.Writes()  # nothing is written behind: every write is done at once
-    self._device = host_device()
-    self._chunks: dict[tuple, jax.Array] = {}
+    devices = host_devices()
+    self._devices = {(leaf.name, region.box, starts): devices[i % len(devices)]
+                     for i, (leaf, region, starts) in enumerate(self.chunks())}
+    self._chunks: dict[tuple, tuple[jax.Array, ...]] = {}
     self._on_devices: dict[tuple, jax.Array] = {}
     self._parts: dict[tuple, dict] = {}  # a device-resident chunk's boxes, until all are written
 
@@ -54,14 +61,15 @@ class HostStore:
       shards = {s.device: s.data for s in self._on_devices[leaf.name, starts].addressable_shards}
       chunk = np.array(shards[region.devices[0]])
     else:
-      chunk = np.array(self.get(leaf, region, starts))
+      chunk = np.stack([np.asarray(c) for c in self.get(leaf, region, starts)])
     done = concurrent.futures.Future()
     done.set_result(chunk if copies is None else chunk[:copies])
     return done
 
   def write(self, leaf: nvme_store.Leaf, region: nvme_store.Region, starts: tuple[int, ...],
             chunk) -> None:
-    """Keeps `chunk` (numpy, or an array already on the CPU device: kept as it is)."""
+    """Keeps `chunk`: numpy [K, ...], or the K arrays an update returned (kept as they
+    are: the buffers it was given)."""
     if self.on_device(leaf, starts):
       parts = self._parts.setdefault((leaf.name, starts), {})
       parts[region.box] = np.asarray(chunk, np.float32)
@@ -71,11 +79,17 @@ class HostStore:
             (len(leaf.kinds), *leaf.chunk), leaf.chunk_sharding, arrays)
         del self._parts[leaf.name, starts]
       return
-    if not (isinstance(chunk, jax.Array) and chunk.devices() == {self._device}):
-      # Copied by XLA into a buffer of its own allocation: the update can then donate it
+    if not isinstance(chunk, tuple):
+      # Copied by XLA into buffers of its own allocation: the update can then donate them
       # (a buffer made from numpy's memory, or misaligned for XLA:CPU, would be copied).
-      chunk = _owned(jax.device_put(np.asarray(chunk, np.float32), self._device))
+      device = self.device_of(leaf, region, starts)
+      chunk = tuple(_owned(jax.device_put(np.asarray(c, np.float32), device)) for c in chunk)
     self._chunks[leaf.name, region.box, starts] = chunk
+
+  def device_of(self, leaf: nvme_store.Leaf, region: nvme_store.Region,
+                starts: tuple[int, ...]):
+    """The host (CPU) device that keeps and updates this chunk."""
+    return self._devices[leaf.name, region.box, starts]
 
   def take_device_chunk(self, leaf: nvme_store.Leaf, starts: tuple[int, ...]) -> jax.Array:
     """A device-resident chunk, given up to the update (which donates it)."""
@@ -86,11 +100,11 @@ class HostStore:
     self._on_devices[leaf.name, starts] = chunk
 
   def get(self, leaf: nvme_store.Leaf, region: nvme_store.Region,
-          starts: tuple[int, ...]) -> jax.Array:
+          starts: tuple[int, ...]) -> tuple[jax.Array, ...]:
     return self._chunks[leaf.name, region.box, starts]
 
   def take(self, leaf: nvme_store.Leaf, region: nvme_store.Region,
-           starts: tuple[int, ...]) -> jax.Array:
+           starts: tuple[int, ...]) -> tuple[jax.Array, ...]:
     """The chunk, given up: the caller donates it to the update and writes back the result."""
     return self._chunks.pop((leaf.name, region.box, starts))
 
@@ -106,10 +120,11 @@ class HostStore:
 
   def buffer_pointers(self) -> dict[tuple, int]:
     """Where each host chunk's buffer is: an update in place leaves these unchanged."""
-    return {k: chunk.unsafe_buffer_pointer() for k, chunk in self._chunks.items()}
+    return {k: tuple(c.unsafe_buffer_pointer() for c in chunk)
+            for k, chunk in self._chunks.items()}
 
   @property
   def host_bytes(self) -> int:
     """Bytes the host holds: the chunks not on the devices."""
-    return sum(chunk.nbytes for chunk in self._chunks.values())
+    return sum(c.nbytes for chunk in self._chunks.values() for c in chunk)
 

@@ -49,7 +49,6 @@ class HostRunner(nvme.NvmeRunner):
     stacked = [leaf for leaf in self.leaves if leaf.name.startswith("layers/")]
     self.n_layers = stacked[0].shape[0] if stacked else 0
     self.device_layers = self.n_layers - round(self.fraction * self.n_layers)
-    self._host = host_store.host_device()
     self._host_units: dict[str, Any] = {}
     self._device_fns: dict[str, Any] = {}
     self._pending: concurrent.futures.Future | None = None  # DPU: the update in flight
@@ -163,8 +162,8 @@ class HostRunner(nvme.NvmeRunner):
     params = jax.tree.leaves(jax.device_put(state.params, on_device(sh.params)))
     grads, scalars = jax.tree.leaves(grads), jax.tree.leaves(state.opt_state)
     scale = jnp.float32(1.0) if scale is None else scale
-    to_host = lambda tree: jax.device_put(tree, self._host)
-    host_args = to_host((scalars, grad_norm, scale))
+    host_args = {d: jax.device_put((scalars, grad_norm, scale), d)
+                 for d in host_store.host_devices()}  # each host device's copy
     new_scalars = None
     for i, leaf, starts in self._forward_order():
       if self.keeps_on_device(leaf, starts):
@@ -179,7 +178,7 @@ class HostRunner(nvme.NvmeRunner):
                             sh.params)
     return params, jax.device_put(self._scalar_def.unflatten(new_scalars), self._scalar_sh)
 
-  def _host_update(self, store, leaf, starts, weight, grad, host_args):
+  def _host_update(self, store, leaf, starts, weight, grad, host_args: dict):
     """One chunk on the host: its gradient box down, the update in the chunk's buffer, the
     new compute-dtype box up into `weight`: (the new weight, the new scalars)."""
     fns = self._device_fns_of(leaf)
@@ -187,25 +186,27 @@ class HostRunner(nvme.NvmeRunner):
     shards = {s.device: s.data for s in box.addressable_shards}
     boxes, out = [], None
     for region in leaf.regions:
-      g = jax.device_put(shards[region.devices[0]], self._host)
-      chunk, new_box, out = self._host_unit(leaf)(g, store.take(leaf, region, starts),
-                                                  *host_args)
+      host = store.device_of(leaf, region, starts)
+      g = jax.device_put(shards[region.devices[0]], host)
+      chunk, new_box, out = self.host_unit(leaf)(g, store.take(leaf, region, starts),
+                                                  *host_args[host])
       store.write(leaf, region, starts, chunk)
       boxes += [jax.device_put(new_box, d) for d in region.devices]
     new = jax.make_array_from_single_device_arrays(leaf.chunk, leaf.sharding, boxes)
     return fns["write"](weight, new, starts), out
 
-  def _host_unit(self, leaf: nvme_store.Leaf):
-    """Jitted on the host: (gradient box, chunk [K, ...] (donated), scalars, norm, scale)
-    -> (new chunk, its new compute-dtype box, new scalars)."""
+  def host_unit(self, leaf: nvme_store.Leaf):
+    """Jitted on the host: (gradient box, the chunk's K copies (donated), scalars, norm,
+    scale) -> (its K new copies, the new compute-dtype box, new scalars)."""
     if leaf.name not in self._host_units:
       cfg, inner = self.cfg, self._inner
       compute = engine_lib.dtype_of(cfg.precision.compute)
 
-      def unit(grad_box, chunk, scalars, grad_norm, scale):
-        new_chunk, new_scalars = nvme_chunks.update_chunk(cfg, inner, leaf.name, grad_box,
-                                                          chunk, scalars, grad_norm, scale)
-        return new_chunk, new_chunk[0].astype(compute), new_scalars
+      def unit(grad_box, copies, scalars, grad_norm, scale):
+        # Stacked and taken apart again: XLA fuses it all into one pass per copy.
+        new_chunk, new_scalars = nvme_chunks.update_chunk(
+            cfg, inner, leaf.name, grad_box, jnp.stack(copies), scalars, grad_norm, scale)
+        return tuple(new_chunk), new_chunk[0].astype(compute), new_scalars
 
       self._host_units[leaf.name] = jax.jit(unit, donate_argnums=1)
     return self._host_units[leaf.name]

@@ -59,6 +59,8 @@ def initialize(cfg: Config, prog: str = "jaxzero") -> Peers | None:
   if pool:
     log.info("XLA's pinned host pool: %d GB (%s), for what this run places in pinned_host",
              pool, pinned_pool.ENV)
+  if cfg.offload.optimizer == "pinned_host":
+    pinned_pool.use_host_cores()
   if peers is None:
     return None
   import jax  # pylint: disable=import-outside-toplevel

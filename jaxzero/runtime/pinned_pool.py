@@ -1,4 +1,5 @@
-"""XLA's pinned host pool, sized before the backend starts.
+"""Host memory and cores for offloading, set up before the backend starts: XLA's pinned
+host pool, and a CPU device per core for the host's update.
 
 On a GPU, what a jitted program places in ``pinned_host`` memory comes from one pool
 (``xla_gpu_host_bfc``), 64 GB unless ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` says otherwise
@@ -58,6 +59,15 @@ def size_for_host(environ=os.environ) -> int | None:
   """Sets the pool to most of the host's RAM where a GPU will be used (a library user's
   model is not known before the backend starts); returns the GB set, or None."""
   return _size(_ram_gb(), environ)
+
+
+def use_host_cores(environ=os.environ) -> None:
+  """Where a GPU will be used: a CPU device per core, on which the host runner spreads its
+  update (XLA:CPU runs one program at a time per device). The CPU devices are nothing
+  else's on a GPU machine; on a CPU machine they are the mesh's, and left as they are."""
+  if xla_flags.gpu_will_be_used(environ):
+    from jaxzero.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+    mesh_lib.use_virtual_cpu_devices(os.cpu_count() or 1)
 
 
 def _size(gb: int, environ) -> int | None:
