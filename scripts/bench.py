@@ -49,16 +49,17 @@ def bench_jaxzero(cfg, steps: int, warmup: int) -> dict:
 
   from jaxzero.training import loop  # pylint: disable=import-outside-toplevel
 
-  run = loop.build(cfg)
-  holder = {"state": run.program.init()}
+  run = loop.build(cfg)  # the runner the config chooses, as jaxzero.train runs it
+  holder = {"state": run.runner.init()}
   batch = run.batch(0)
-  compiled = run.program.train_step.lower(holder["state"], batch).compile()
+  compiled = run.runner.compile(holder["state"], batch)
 
   def one_step():
     holder["state"], metrics = compiled(holder["state"], batch)
-    jax.block_until_ready(metrics["loss"])
+    jax.block_until_ready((holder["state"].params, metrics["loss"]))
 
   step_time = median_step_time(one_step, steps, warmup)
+  run.runner.close()
   device = jax.devices()[0]
   stats = device.memory_stats() or {}
   return {"framework": "jaxzero", "device": device.device_kind, "devices": jax.device_count(),
