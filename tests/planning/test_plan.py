@@ -120,6 +120,27 @@ def test_offload_moves_state_to_the_host():
 
 
 @pytest.mark.slow
+def test_llama8b_with_zero_offload_fits_an_80_gb_gpu_and_its_host_holds_the_state_once():
+  """The 8B command of ZeRO-Offload's issue (one device, 1 x 4096 tokens, full remat):
+  the device runs the gradient step in under 40 GB; the host holds 12 bytes a parameter
+  and a few chunks; the predicted step is bound by the host's update."""
+  cfg = config.load(str(ROOT / "configs/llama8b_zero3.py"), [
+      "mesh.fsdp=1", "train.global_batch=1", "train.grad_accum=1", "train.seq_len=4096",
+      "remat.policy=full"])
+  plan = planner.plan(cfg, 1, H100, [Variant(3, False, "full", "device"),
+                                     Variant(3, False, "full", "pinned_host")], search=False)
+  device, offload = plan.rows
+  phi = cfg_params(cfg)
+  assert not device.fits and offload.fits
+  assert offload.total_bytes < 40e9 < device.total_bytes
+  assert 12 * phi <= offload.host_process_bytes <= 1.01 * 12 * phi
+  assert offload.host_update_bytes == pytest.approx(phi * (2 + 24 + 2), rel=1e-6)
+  assert offload.bound == "host" and offload.step_s == pytest.approx(
+      offload.seconds["compute"] + max(offload.seconds["host"], offload.seconds["pcie"]))
+  assert device.bound == "compute" and device.step_s == device.seconds["compute"]
+
+
+@pytest.mark.slow
 def test_nvme_puts_the_optimizer_state_on_disk_and_out_of_the_device():
   # The plan needs no offload.nvme_dir (nothing is written), so the config needs none.
   cfg = config.load(str(CONFIGS / "tiny_zero3.py"), ["offload.optimizer=nvme"])
