@@ -109,10 +109,7 @@ class HostStore:
     return self._chunks.pop((leaf.name, region.box, starts))
 
   def chunks(self) -> Iterator[tuple[nvme_store.Leaf, nvme_store.Region, tuple[int, ...]]]:
-    for leaf in self.leaves:
-      for region in leaf.regions:
-        for starts in leaf.starts():
-          yield leaf, region, starts
+    return nvme_store.chunks_of(self.leaves)
 
   def close(self) -> None:
     self._chunks.clear()

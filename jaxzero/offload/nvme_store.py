@@ -240,10 +240,7 @@ class Store:
 
   def chunks(self) -> Iterator[tuple[Leaf, Region, tuple[int, ...]]]:
     """Every chunk this process keeps."""
-    for leaf in self.leaves:
-      for region in leaf.regions:
-        for starts in leaf.starts():
-          yield leaf, region, starts
+    return chunks_of(self.leaves)
 
   def close(self) -> None:
     """Waits for writes in flight and deletes the files (the checkpoint keeps the state)."""
@@ -254,6 +251,14 @@ class Store:
     for buffers in (self._buffers, *self._partial.values()):
       buffers.clear()
     remove(self.directory)
+
+
+def chunks_of(leaves: list[Leaf]) -> Iterator[tuple[Leaf, Region, tuple[int, ...]]]:
+  """Every chunk of `leaves` this process keeps: (leaf, region, chunk start)."""
+  for leaf in leaves:
+    for region in leaf.regions:
+      for starts in leaf.starts():
+        yield leaf, region, starts
 
 
 def _slots(leaf: Leaf) -> Iterator[tuple[Region, tuple[int, ...], tuple[int, ...], int]]:

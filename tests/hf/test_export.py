@@ -39,6 +39,16 @@ SETTINGS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.glob
             "data.max_bytes=200000"]
 
 
+
+
+def hf_logits(directory, tokens) -> np.ndarray:
+  """The logits of a Hugging Face export, loaded by transformers in float32."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  model = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+  with torch.no_grad():
+    return model(torch.tensor(tokens)).logits.numpy()
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   """Two steps of stage 3 on 8 devices: every saved leaf is sharded."""
@@ -76,8 +86,6 @@ def snapshot(directory):
 @pytest.mark.slow
 def test_export_loads_into_transformers_and_jaxzero_with_the_same_logits(trained, tmp_path,
                                                                         capsys):
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
   cfg, workdir = trained
   out = tmp_path / "hf"
   code = export.main(["--workdir", str(workdir), "--out", str(out),
@@ -109,10 +117,7 @@ def test_export_loads_into_transformers_and_jaxzero_with_the_same_logits(trained
   tokens = np.random.default_rng(0).integers(0, 256, size=(2, 24))
   expected = jaxzero_logits(cfg, master, tokens)
   np.testing.assert_array_equal(jaxzero_logits(cfg, exported, tokens), expected)
-  model = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
-  with torch.no_grad():
-    got = model(torch.tensor(tokens)).logits.numpy()
-  np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(hf_logits(out, tokens), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow  # the trained fixture runs jaxzero.train
@@ -189,8 +194,6 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(trained, tmp_path, cap
 def test_tied_embeddings_export_without_an_lm_head(tmp_path):
   """A checkpoint of a tied model (saved directly, no training) exports without
   lm_head.weight, and transformers ties it back to the same logits."""
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
   cfg = config.load(TINY, [*SETTINGS, "model.tie_embeddings=true"])
   model = Llama(cfg.model, rngs=nnx.Rngs(params=1))
   master = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
@@ -206,10 +209,7 @@ def test_tied_embeddings_export_without_an_lm_head(tmp_path):
   assert json.loads((done.out / "config.json").read_text())["tie_word_embeddings"] is True
   tokens = np.random.default_rng(1).integers(0, 256, size=(1, 12))
   expected = np.asarray(model(jnp.asarray(tokens)))
-  hf_model = transformers.LlamaForCausalLM.from_pretrained(done.out, dtype=torch.float32)
-  with torch.no_grad():
-    got = hf_model(torch.tensor(tokens)).logits.numpy()
-  np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(hf_logits(done.out, tokens), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow  # the trained fixture runs jaxzero.train
