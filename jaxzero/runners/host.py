@@ -162,8 +162,10 @@ class HostRunner(nvme.NvmeRunner):
     params = jax.tree.leaves(jax.device_put(state.params, on_device(sh.params)))
     grads, scalars = jax.tree.leaves(grads), jax.tree.leaves(state.opt_state)
     scale = jnp.float32(1.0) if scale is None else scale
-    host_args = {d: jax.device_put((scalars, grad_norm, scale), d)
-                 for d in host_store.host_devices()}  # each host device's copy
+    # Each host device's copy of the replicated values (this process's, across processes).
+    local = [_local(x) for x in (*scalars, grad_norm, scale)]
+    host_args = {d: (lambda v: (v[:-2], v[-2], v[-1]))(jax.device_put(local, d))
+                 for d in host_store.host_devices()}
     new_scalars = None
     for i, leaf, starts in self._forward_order():
       if self.keeps_on_device(leaf, starts):
@@ -176,7 +178,9 @@ class HostRunner(nvme.NvmeRunner):
       new_scalars = new_scalars or out
     params = jax.device_put(jax.tree.unflatten(jax.tree.structure(state.params), params),
                             sh.params)
-    return params, jax.device_put(self._scalar_def.unflatten(new_scalars), self._scalar_sh)
+    scalar_sh = jax.tree.leaves(self._scalar_sh)
+    new_scalars = [_replicated(x, s) for x, s in zip(new_scalars, scalar_sh)]
+    return params, self._scalar_def.unflatten(new_scalars)
 
   def _host_update(self, store, leaf, starts, weight, grad, host_args: dict):
     """One chunk on the host: its gradient box down, the update in the chunk's buffer, the
@@ -233,3 +237,21 @@ class HostRunner(nvme.NvmeRunner):
                            in_shardings=(params_sh, leaf.sharding, replicated),
                            out_shardings=params_sh)}
     return self._device_fns[leaf.name]
+
+
+def _local(x) -> jax.Array:
+  """A replicated value as this process holds it (one of its own devices' copies)."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return x.addressable_data(0)
+  return x
+
+
+def _replicated(x, sharding) -> jax.Array:
+  """`x` (one device's value, on the device or the host) as a global array replicated by
+  `sharding` over this process's devices (every process gives the same value)."""
+  if x.devices() <= set(sharding.device_set) and x.sharding == sharding:
+    return x
+  local = [d for d in sharding.device_set if d.process_index == jax.process_index()]
+  value = np.asarray(x)
+  return jax.make_array_from_single_device_arrays(
+      value.shape, sharding, [jax.device_put(value, d) for d in local])

@@ -237,7 +237,7 @@ def test_the_optimizer_state_of_any_pytree_offloads(offload, tmp_path):
     state, metrics = e.step(state, batch)
     got.append(float(metrics["loss"]))
   np.testing.assert_allclose(got, kept, rtol=1e-6)
-  if offload == "pinned_host":
-    assert {s.memory_kind for s in jax.tree.leaves(e.shardings.opt_state)} >= {"pinned_host"}
+  if offload == "pinned_host":  # the host runner's store holds the state
+    assert e.runner.store.host_bytes == 12 * e.program.n_params
   else:
     assert e.runner.store is not None and list(tmp_path.rglob("*"))  # the state is in files

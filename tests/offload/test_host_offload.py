@@ -171,7 +171,8 @@ def test_the_host_update_runs_in_place_and_its_device_program_holds_no_optimizer
   # Every chunk was donated to its update and came back in the same host buffer.
   assert runner.store.buffer_pointers() == buffers
   state_bytes = sum(leaf.local_bytes for leaf in runner.leaves)
-  assert runner.store.host_bytes == state_bytes == runner.plan()["host_process"]
+  assert runner.store.host_bytes == state_bytes == runner.host_bytes()
+  assert runner.plan()["host_process"] == state_bytes + runner.workspace_bytes()
   # What a GPU runs: the gradient step, whose arguments are the bf16 weights and the
   # batch; no master weight or moment.
   _, signature, _ = cuda_main(cfg)

@@ -29,7 +29,16 @@ def assert_follows_zero(rows):
   assert [r.theory_formula for r in rows] == PAPER_FORMULAS
   for r in rows:
     assert abs(r.state_bytes - r.theory_state_bytes) <= 0.03 * r.theory_state_bytes, r
-  totals = [r.total_bytes for r in rows]
+  assert_totals_fall([r.total_bytes for r in rows], rows[0].offload_optimizer)
+
+
+def assert_totals_fall(totals, offload_optimizer):
+  """XLA's total for the device falls at each stage. With the optimizer state on the
+  host (its runner's), ZeRO-1 shards nothing the device holds: stages 0 and 1 hold the
+  same within 3% (the gradient step's reduce differs), and the total falls after."""
+  if offload_optimizer == "pinned_host":
+    assert abs(totals[1] - totals[0]) <= 0.03 * totals[0], totals
+    totals = totals[1:]
   assert all(a > b for a, b in zip(totals, totals[1:])), totals
 
 
@@ -198,8 +207,7 @@ def test_cli_plans_llama70b_on_64_virtual_devices():
   state = [r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] for r in rows]
   for got, r in zip(state, rows):
     assert abs(got - r["theory_state_bytes"]) <= 0.03 * r["theory_state_bytes"]
-  totals = [r["total_bytes"] for r in rows]
-  assert all(a > b for a, b in zip(totals, totals[1:])), totals
+  assert_totals_fall([r["total_bytes"] for r in rows], "pinned_host")
   assert rows[3]["fits"] and not rows[0]["fits"]
 
 

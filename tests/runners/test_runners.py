@@ -12,7 +12,7 @@ import pytest
 import jaxzero
 from jaxzero import config
 from jaxzero.models.interface import Leaf, Model
-from jaxzero.runners import base, choose, infinity, nvme
+from jaxzero.runners import base, choose, host, infinity, nvme
 from jaxzero.training import loop
 
 from processes import TINY
@@ -49,7 +49,7 @@ def scanned_model() -> Model:
 
 OFFLOADS = {"device": dict(optimizer="device"), "zero_offload": dict(optimizer="pinned_host"),
             "nvme": dict(optimizer="nvme"), "infinity": dict(optimizer="nvme", params="nvme")}
-RUNNERS = {"device": base.InMemoryRunner, "zero_offload": base.InMemoryRunner,
+RUNNERS = {"device": base.InMemoryRunner, "zero_offload": host.HostRunner,
            "nvme": nvme.NvmeRunner, "infinity": infinity.InfinityRunner}
 
 
@@ -97,7 +97,7 @@ def test_the_loop_and_the_engine_ask_the_same_chooser(tmp_path, monkeypatch):
   assert asked == ["loop"] and isinstance(run.runner, nvme.NvmeRunner)
   assert run.runner.directory.is_relative_to(tmp_path)
   # Every runner answers the whole protocol.
-  for kind in (base.InMemoryRunner, nvme.NvmeRunner, infinity.InfinityRunner):
+  for kind in (base.InMemoryRunner, host.HostRunner, nvme.NvmeRunner, infinity.InfinityRunner):
     missing = [m for m in ("check", "init", "compile", "step", "lower", "save", "restore",
                            "plan", "close") if not callable(getattr(kind, m, None))]
     assert not missing, (kind, missing)
