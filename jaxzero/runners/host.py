@@ -97,7 +97,8 @@ class HostRunner(nvme.NvmeRunner):
     pinned = planned["host"] * devices  # weights in XLA's pinned pool (offload.params)
     planned.update(
         nvme=0, host=planned["host"] + on_host // devices, pinned_pool=planned["host"],
-        host_process=on_host + self.workspace_bytes() + pinned,
+        # (DPU: a step's gradients wait on the host for the update in flight.)
+        host_process=on_host + self.workspace_bytes() + pinned + self.delayed * params * grad,
         transfer=planned["transfer"] + params * (grad + compute) // devices,
         host_update=params * (grad + 2 * 4 * kinds + compute))
     return planned
@@ -143,7 +144,10 @@ class HostRunner(nvme.NvmeRunner):
                "lr": self._lr(state.step)}
     if finite:  # its weights: a copy, as the next step's gradient reads these
       working = latest._replace(params=jax.tree.map(jnp.copy, latest.params))
-      self._pending = self._thread.submit(self._update, working, grads, grad_norm)
+      # The gradients go down now, ahead of the next step's program on the device's
+      # queue; the update's own work on the device (the new weights) may wait behind it.
+      sent = self._gradients_down(state.store, grads)
+      self._pending = self._thread.submit(self._update, working, grads, grad_norm, None, sent)
     else:
       self._pending = None
     return latest._replace(step=self._next_step(state.step)), metrics
@@ -156,8 +160,24 @@ class HostRunner(nvme.NvmeRunner):
                           and 0 in unit[1].cut else -1)
     return sorted(units, key=layer)
 
-  def _update(self, state: NvmeState, grads: Any, grad_norm: jax.Array, scale=None):
-    """The update, chunk by chunk: (new compute copy, new optimizer scalars)."""
+  def _gradients_down(self, store, grads: Any) -> dict:
+    """Every host chunk's gradient box, on its host device: {(leaf, starts): [per region]}."""
+    grads = jax.tree.leaves(grads)
+    return {(leaf.name, starts): self._gradient_down(store, leaf, starts, grads[i])
+            for i, leaf, starts in self._forward_order()
+            if not self.keeps_on_device(leaf, starts)}
+
+  def _gradient_down(self, store, leaf, starts, grad) -> list[jax.Array]:
+    """One chunk's gradient box, cut on the device, on each region's host device."""
+    box = self._device_fns_of(leaf)["grad_box"](grad, starts)
+    shards = {s.device: s.data for s in box.addressable_shards}
+    return [jax.device_put(shards[region.devices[0]], store.device_of(leaf, region, starts))
+            for region in leaf.regions]
+
+  def _update(self, state: NvmeState, grads: Any, grad_norm: jax.Array, scale=None,
+              sent: dict | None = None):
+    """The update, chunk by chunk: (new compute copy, new optimizer scalars). `sent`: the
+    gradient boxes already on the host (else each goes down as its chunk comes)."""
     sh, store = self.program.shardings, state.store
     params = jax.tree.leaves(jax.device_put(state.params, on_device(sh.params)))
     grads, scalars = jax.tree.leaves(grads), jax.tree.leaves(state.opt_state)
@@ -174,7 +194,9 @@ class HostRunner(nvme.NvmeRunner):
                                                  scalars, grad_norm, scale)
         store.put_device_chunk(leaf, starts, chunk)
       else:
-        params[i], out = self._host_update(store, leaf, starts, params[i], grads[i], host_args)
+        down = (sent.pop((leaf.name, starts)) if sent is not None
+                else self._gradient_down(store, leaf, starts, grads[i]))
+        params[i], out = self._host_update(store, leaf, starts, params[i], down, host_args)
       new_scalars = new_scalars or out
     params = jax.device_put(jax.tree.unflatten(jax.tree.structure(state.params), params),
                             sh.params)
@@ -182,22 +204,19 @@ class HostRunner(nvme.NvmeRunner):
     new_scalars = [_replicated(x, s) for x, s in zip(new_scalars, scalar_sh)]
     return params, self._scalar_def.unflatten(new_scalars)
 
-  def _host_update(self, store, leaf, starts, weight, grad, host_args: dict):
-    """One chunk on the host: its gradient box down, the update in the chunk's buffer, the
-    new compute-dtype box up into `weight`: (the new weight, the new scalars)."""
-    fns = self._device_fns_of(leaf)
-    box = fns["grad_box"](grad, starts)
-    shards = {s.device: s.data for s in box.addressable_shards}
+  def _host_update(self, store, leaf, starts, weight, down: list, host_args: dict):
+    """One chunk on the host, from its gradient boxes there (`down`, per region): the
+    update in the chunk's buffers, the new compute-dtype box up into `weight`: (the new
+    weight, the new scalars)."""
     boxes, out = [], None
-    for region in leaf.regions:
+    for region, g in zip(leaf.regions, down):
       host = store.device_of(leaf, region, starts)
-      g = jax.device_put(shards[region.devices[0]], host)
       chunk, new_box, out = self.host_unit(leaf)(g, store.take(leaf, region, starts),
-                                                  *host_args[host])
+                                                 *host_args[host])
       store.write(leaf, region, starts, chunk)
       boxes += [jax.device_put(new_box, d) for d in region.devices]
     new = jax.make_array_from_single_device_arrays(leaf.chunk, leaf.sharding, boxes)
-    return fns["write"](weight, new, starts), out
+    return self._device_fns_of(leaf)["write"](weight, new, starts), out
 
   def host_unit(self, leaf: nvme_store.Leaf):
     """Jitted on the host: (gradient box, the chunk's K copies (donated), scalars, norm,
