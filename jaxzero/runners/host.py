@@ -72,6 +72,17 @@ class HostRunner(nvme.NvmeRunner):
                    for leaf in self.leaves for r in leaf.regions for starts in leaf.starts()
                    if not self.keeps_on_device(leaf, starts)))
 
+  def host_bytes_per_device(self) -> int:
+    """Of a device's optimizer state (master and per-weight leaves), the bytes that live
+    on the host instead: what the device does not hold (a replicated shard counts on
+    each device here, once in the process's store)."""
+    total = 0
+    for leaf in self.leaves:
+      starts = leaf.starts()
+      on_host = sum(not self.keeps_on_device(leaf, s) for s in starts) / len(starts)
+      total += on_host * len(leaf.kinds) * 4 * np.prod(leaf.sharding.shard_shape(leaf.shape))
+    return int(total)
+
   def workspace_bytes(self) -> int:
     """Host bytes of the update beside the store: the largest chunk, in and out, with its
     gradient and compute-dtype boxes (the chunk's own buffer is reused)."""
@@ -96,7 +107,7 @@ class HostRunner(nvme.NvmeRunner):
     grad = state_bytes_lib.grad_bytes_per_param(self.program)
     pinned = planned["host"] * devices  # weights in XLA's pinned pool (offload.params)
     planned.update(
-        nvme=0, host=planned["host"] + on_host // devices, pinned_pool=planned["host"],
+        nvme=0, host=planned["host"] + self.host_bytes_per_device(), pinned_pool=planned["host"],
         # (DPU: a step's gradients wait on the host for the update in flight.)
         host_process=on_host + self.workspace_bytes() + pinned + self.delayed * params * grad,
         transfer=planned["transfer"] + params * (grad + compute) // devices,

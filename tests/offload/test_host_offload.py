@@ -112,7 +112,7 @@ def test_offload_trains_like_no_offload(no_offload, stage, optimizer, params, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,accum", [(1, 1), (2, 4), (3, 1), (3, 4)])
+@pytest.mark.parametrize("stage,accum", [(1, 1), (2, 4), (3, 4)])
 def test_host_offload_at_any_accumulation_trains_like_no_offload(no_offload, stage, accum):
   got = losses(tiny(stage, "pinned_host", accum=accum))
   np.testing.assert_allclose(got, no_offload(stage, accum), rtol=1e-6, atol=0)

@@ -77,7 +77,9 @@ def test_llama70b_follows_the_zero_formula_with_the_optimizer_on_the_host():
   # (optax's scalar step counts, a few bytes, stay on the device)
   assert all(r.host_bytes == pytest.approx(r.optimizer_bytes, abs=64) for r in plan.rows)
   assert all(r.host_bytes > 0 for r in plan.rows)
-  assert not any(r.fits for r in plan.rows)  # 70B needs more than 8 x 80 GB
+  # With the optimizer state on the host, 8 x 80 GB hold 70B at stage 3 (the device runs the
+  # gradient step: the bf16 weights and gradients, 4Φ/N, and the activations), not below.
+  assert [r.fits for r in plan.rows] == [False, False, False, True]
 
 
 @pytest.mark.slow
