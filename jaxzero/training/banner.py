@@ -25,6 +25,13 @@ def write_config(cfg: config_lib.Config, workdir: pathlib.Path) -> pathlib.Path:
   return path
 
 
+def _devices(devices) -> str:
+  """What the mesh runs on, in words: virtual CPU devices where there is no accelerator."""
+  if devices[0].platform == "cpu":
+    return f"{len(devices)} virtual CPU device{'s' if len(devices) > 1 else ''} (no GPU here)"
+  return f"{len(devices)} x {devices[0].device_kind}"
+
+
 def _loss_scaling(p) -> str:
   if not p.scales_loss:
     return ""
@@ -69,7 +76,7 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
            f"{m.mlp_dim}, vocab {m.vocab_size})")
   lines = [
       f"jaxzero.train: {model}",
-      f"  mesh      {mesh} = {len(devices)} {devices[0].platform} devices, "
+      f"  mesh      {mesh} = {_devices(devices)}, "
       f"{jax.process_count()} process{'es' if jax.process_count() > 1 else ''}",
       f"  ZeRO      stage {stage} ({config_lib.strategy_name(stage, hybrid)}), state sharded "
       f"over {layout.shard_size} devices; remat {cfg.remat.policy}; offload {offload}; "

@@ -139,7 +139,7 @@ def test_banner_and_config_json(run):
   workdir, stdout, _, _, _ = run
   banner = stdout.split("\nstep ")[0]
   assert banner.startswith("jaxzero.train: Llama, ")
-  assert "mesh      replica 1 x fsdp 8" in banner and "= 8 cpu devices, 1 process" in banner
+  assert "mesh      replica 1 x fsdp 8" in banner and "= 8 virtual CPU devices (no GPU here), 1 process" in banner
   assert "stage 3 (FULL_SHARD)" in banner and "remat none" in banner
   assert ("micro-batch 1 x grad_accum 2 x 8 data-parallel = global batch 16 sequences of 32 = "
           "512 tokens per step") in banner
