@@ -164,9 +164,13 @@ def _share_virtual_devices(cfg: Config, num_processes: int | None) -> None:
   """On CPU, gives each process its share of the mesh's virtual devices.
 
   The CLI asked XLA for as many CPU devices as the mesh names; with several
-  processes those are spread over them, as GPUs are spread over hosts.
+  processes those are spread over them, as GPUs are spread over hosts. A mesh of -1
+  means one node's (mesh.DEFAULT_DEVICES), shared the same way, unless
+  JAX_NUM_CPU_DEVICES gives each process its own count (as jaxzero.launch does).
   """
   needed = mesh_lib.devices_needed(cfg.mesh)
+  if not needed and not os.environ.get(mesh_lib.ENV_CPU_DEVICES, "").strip():
+    needed = mesh_lib.DEFAULT_DEVICES
   if not needed or not num_processes:
     return
   if needed % num_processes:

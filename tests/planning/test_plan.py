@@ -215,7 +215,8 @@ def test_cli_plans_llama70b_on_64_virtual_devices():
 
 @pytest.mark.parametrize("args, message", [
     (["--devices", "0"], "--devices=0 must be at least 1"),
-    (["--devices", "6"], "mesh.replica=1 x mesh.fsdp=8 does not fit 6 devices"),
+    (["--devices", "6", "--set", "mesh.fsdp=8"],
+     "mesh.replica=1 x mesh.fsdp=8 does not fit 6 devices"),
     (["--set", "remat.policy=nope"], "remat.policy='nope' is not valid; choose one of: none, full"),
     (["--hbm-gb", "-1"], "--hbm-gb=-1 must be positive"),
 ])
