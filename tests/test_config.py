@@ -127,3 +127,20 @@ def test_every_preset_loads():
   for name in ("tiny_zero3", "llama8b_zero3", "llama70b_zero3_offload"):
     cfg = config.load(str(CONFIGS / f"{name}.py"))
     assert dataclasses.is_dataclass(cfg)
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("def get_config(:\n  pass\n", "line 1: SyntaxError: "),
+    ("import no_such_module_here\n", "line 1: ModuleNotFoundError: No module named "
+     "'no_such_module_here'"),
+    ("x = 1\n", "defines no get_config()"),
+    ("def get_config():\n  return 1 / 0\n", "line 2: ZeroDivisionError: division by zero"),
+])
+def test_a_config_file_that_does_not_load_is_one_line_naming_the_line(source, expected,
+                                                                     tmp_path):
+  path = tmp_path / "broken.py"
+  path.write_text(source)
+  with pytest.raises(ConfigError) as info:
+    config.load(str(path))
+  message = str(info.value)
+  assert str(path) in message and expected in message and "\n" not in message, message

@@ -10,6 +10,7 @@ import importlib.util
 import math
 import pathlib
 import sys
+import traceback
 
 from jaxzero.config.overrides import apply_overrides, check_literals
 from jaxzero.config.sections import Config, PrecisionConfig
@@ -29,15 +30,32 @@ def load(path: str, assignments: list[str] = ()) -> Config:
   directory = str(file.resolve().parent)
   if directory not in sys.path:
     sys.path.append(directory)
-  spec.loader.exec_module(module)
+  _run_config_file(path, lambda: spec.loader.exec_module(module))
   if not hasattr(module, "get_config"):
     raise ConfigError(f"config file {path!r} defines no get_config()")
-  cfg = module.get_config()
+  cfg = _run_config_file(path, module.get_config)
   if not isinstance(cfg, Config):
     raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not jaxzero Config")
   cfg = apply_overrides(cfg, list(assignments))
   validate(cfg)
   return cfg
+
+
+def _run_config_file(path: str, run):
+  """`run()`, with an error the config file raises (a syntax error, a failed import, a
+  bug in get_config) as one line naming the file and the line."""
+  try:
+    return run()
+  except ConfigError:
+    raise
+  except SyntaxError as e:
+    raise ConfigError(f"config file {path}: {e.filename or path}, line {e.lineno}: "
+                      f"SyntaxError: {e.msg}") from None
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if pathlib.Path(f.filename).resolve() == pathlib.Path(path).resolve()]
+    where = f", line {frames[-1].lineno}" if frames else ""
+    raise ConfigError(f"config file {path}{where}: {type(e).__name__}: {e}") from None
 
 
 def _configs_dir() -> pathlib.Path:
