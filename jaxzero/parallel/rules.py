@@ -14,7 +14,6 @@ has exactly one name.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Mapping
 
@@ -23,9 +22,8 @@ import jax
 from jaxzero.config.sections import ZeroConfig
 from jaxzero.errors import ConfigError
 from jaxzero.models.interface import Leaf
-from jaxzero.parallel.zero import FSDP_DIM_PREFERENCE, KNOWN_LOGICAL_AXES
+from jaxzero.parallel.zero import FSDP_DIM_PREFERENCE, KNOWN_LOGICAL_AXES, say_once
 
-log = logging.getLogger(__name__)
 
 NONE = "none"  # a dimension ZeRO never splits
 # DeepSpeed's stage3_param_persistence_threshold: smaller parameters stay whole.
@@ -41,6 +39,9 @@ def leaf_axes(path: str, shape: tuple[int, ...], names: tuple | None, rules: Map
                       f"{tuple(names)}; it needs one per dimension")
   axes = [_map(path, shape, n, rules) for n in (names or (None,) * len(shape))]
   if math.prod(shape) < min_size:
+    if shard_size > 1:
+      say_once(f"keeping {path} {shape} whole on every device: {math.prod(shape):,} elements, "
+                f"under zero.min_shard_size={min_size:,}")
     return tuple(a if a == "layers" else NONE for a in axes)
   if not any(a in FSDP_DIM_PREFERENCE for a in axes):
     free = [i for i, a in enumerate(axes) if a is None]  # unnamed, or a name jaxzero lacks
@@ -48,8 +49,8 @@ def leaf_axes(path: str, shape: tuple[int, ...], names: tuple | None, rules: Map
     if divisible:
       axes[max(divisible, key=lambda i: (shape[i], -i))] = "embed"
     elif shard_size > 1 and free:
-      log.info("replicating %s %s: no dimension divides the %d sharding devices", path, shape,
-               shard_size)
+      say_once(f"replicating {path} {shape}: no dimension divides the {shard_size} sharding "
+                "devices")
   return tuple(a if a is not None else NONE for a in axes)
 
 

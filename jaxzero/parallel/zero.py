@@ -24,6 +24,7 @@ the rest of jaxzero builds a Layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Any
@@ -150,10 +151,10 @@ class Layout:
         if dim is not None:
           axes[dim] = mesh_axes
           break
-      else:
-        if self.shard_size > 1:
-          log.info("replicating %s %s over the data axes: no dimension divides the %d sharding "
-                   "devices", name, shape, self.shard_size)
+      else:  # (a leaf with no dimension ZeRO may split is whole by choice: rules said why)
+        if self.shard_size > 1 and set(logical_axes) & set(FSDP_DIM_PREFERENCE):
+          say_once(f"replicating {name} {shape} over the data axes: none of its dimensions "
+                   f"{logical_axes} divides the {self.shard_size} sharding devices")
     return P(*axes) if any(axes) else P()
 
   def tensor_dim(self, shape: tuple[int, ...], logical_axes: tuple[str, ...],
@@ -201,6 +202,12 @@ class Layout:
     if t > 1 and split in logical_axes and shape[logical_axes.index(split)] % t == 0:
       axes[logical_axes.index(split)] = TENSOR
     return P(*axes)
+
+
+@functools.lru_cache(maxsize=None)
+def say_once(line: str) -> None:
+  """Logs `line` once per process (placement runs for every role, and every program)."""
+  log.info("%s", line)
 
 
 def on_device(shardings: Any) -> Any:

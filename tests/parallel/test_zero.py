@@ -126,3 +126,17 @@ def test_big_presets_build_their_sharded_abstract_state(name):
   phi = count_params(cfg.model)
   assert phi == (8_030_261_248 if "8b" in name else 70_553_706_496)
   assert sum(got.values()) == pytest.approx(16 * phi / 8, rel=1e-6)
+
+
+def test_a_leaf_kept_whole_says_why_once(caplog):
+  from jaxzero.parallel import rules  # pylint: disable=import-outside-toplevel
+  caplog.set_level("INFO")
+  for _ in range(4):  # as for each role: params, grads, optimizer, compute
+    small = rules.leaf_axes("['emb']['tiny']", (61, 96), ("vocab", "embed"), {}, 8, 100_000)
+    prime = rules.leaf_axes("['w']['prime']", (331, 997), None, {}, 8, 0)
+  assert small == ("none", "none") and prime == ("none", "none")
+  lines = [r.getMessage() for r in caplog.records]
+  assert lines.count("keeping ['emb']['tiny'] (61, 96) whole on every device: 5,856 elements, "
+                     "under zero.min_shard_size=100,000") == 1
+  assert lines.count("replicating ['w']['prime'] (331, 997): no dimension divides the 8 "
+                     "sharding devices") == 1
