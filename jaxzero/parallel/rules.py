@@ -24,7 +24,6 @@ from jaxzero.errors import ConfigError
 from jaxzero.models.interface import Leaf
 from jaxzero.parallel.zero import FSDP_DIM_PREFERENCE, KNOWN_LOGICAL_AXES, say_once
 
-
 NONE = "none"  # a dimension ZeRO never splits
 # DeepSpeed's stage3_param_persistence_threshold: smaller parameters stay whole.
 DEFAULT_MIN_SIZE = ZeroConfig.min_shard_size
