@@ -57,6 +57,13 @@ class Budget:
   host_processes: int = 1
   host_ram: int | None = None
   local_devices: int = 1  # this process's
+  # False for a user's model (model_factory): its activations are not estimated (0 above).
+  activations_estimated: bool = True
+
+  @property
+  def activations_text(self) -> str:
+    return (f"activations ~{format_bytes(self.activations)}" if self.activations_estimated
+            else "activations not estimated")
 
   @property
   def host_fits(self) -> bool:
@@ -174,7 +181,8 @@ def budget(runner, devices) -> Budget:
                 host_processes=1 if on_a_cpu or not host_process else processes_on_this_host(),
                 host_ram=None if on_a_cpu else host_memory_bytes(),
                 local_devices=sum(d.process_index == devices[0].client.process_index()
-                                  for d in devices))
+                                  for d in devices),
+                activations_estimated=not cfg.model_factory)
 
 
 # ----------------------------------------------------------------------------
@@ -212,7 +220,7 @@ def device_message(program, b: Budget) -> str:
   """The line for a run that does not fit the devices' memory."""
   on_disk = f", less {format_bytes(b.disk)} on disk" if b.disk else ""
   return (f"this run needs about {format_bytes(b.needed)} per device (model state "
-          f"{format_bytes(b.state)}{on_disk} + activations ~{format_bytes(b.activations)}), "
+          f"{format_bytes(b.state)}{on_disk} + {b.activations_text}), "
           f"{format_bytes(b.needed * HEADROOM)} with the check's {HEADROOM:g}x headroom, "
           f"on {b.devices} devices, but {b.where}; {suggest(program, b)}; --force starts it "
           "anyway")

@@ -58,8 +58,14 @@ class FirstStepMemory:
               "predicted_activation_bytes": b.activations, "predicted_total_bytes": b.needed,
               "measured_state_bytes": state_bytes, "measured_total_bytes": peak,
               "memory_ratio": peak / max(b.needed, 1), "memory_measured_as": how}
+    if not b.activations_estimated:  # the ratio of what was predicted: the model state
+      fields["memory_ratio"] = state_bytes / max(predicted_state, 1)
+      line = (f"memory after step 1, per device: predicted state {format_bytes(predicted_state)} "
+              f"(activations not estimated); measured ({how}) state {format_bytes(state_bytes)},"
+              f" peak {format_bytes(peak)}: the state {fields['memory_ratio']:.2f}x predicted")
+      return line, fields
     line = (f"memory after step 1, per device: predicted state {format_bytes(predicted_state)} + "
-            f"activations ~{format_bytes(b.activations)} = {format_bytes(b.needed)}; measured "
+            f"{b.activations_text} = {format_bytes(b.needed)}; measured "
             f"({how}) state {format_bytes(state_bytes)}, peak {format_bytes(peak)}: "
             f"{fields['memory_ratio']:.2f}x predicted")
     excess = (peak - b.needed) * (1 if self._device else len(self._local))

@@ -88,8 +88,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
       f"  data      {cfg.data.source}: {train_tokens:,} training tokens; {total_steps} steps "
       f"see {total_steps * tokens_per_step:,} tokens = {epochs:.3g} epochs",
       f"  memory    per device: model state {_b(budget.state)} (params {_b(budget.params)}, "
-      f"grads {_b(budget.grads)}, optimizer {_b(budget.optimizer)}) + activations "
-      f"~{_b(budget.activations)} = {_b(budget.needed)}{available}; {budget.where}",
+      f"grads {_b(budget.grads)}, optimizer {_b(budget.optimizer)}) + "
+      f"{budget.activations_text} = {_b(budget.needed)}{available}; {budget.where}",
   ]
   if run.eval_batches is not None:
     n, rows, window = run.eval_batches.shape

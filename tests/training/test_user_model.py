@@ -94,6 +94,10 @@ def test_a_user_model_trains_checkpoints_and_resumes(tmp_path):
   (tmp_path / "my_config.py").write_text(CONFIG)
   out = train(tmp_path, tmp_path / "w", "--steps", "3")
   assert out.startswith("jaxzero.train: tiny_lm:make, ")
+  # A user's model has no activation estimate: the banner and the first step say so, and
+  # the first step's ratio is of the model state, the part that was predicted.
+  assert "+ activations not estimated = " in out and "~0.0 MB" not in out
+  assert "(activations not estimated); measured" in out and "the state " in out
   assert (tmp_path / "w" / "checkpoints" / "3").is_dir()
   resumed = train(tmp_path, tmp_path / "w")
   assert "trained to step 5" in resumed and (tmp_path / "w" / "checkpoints" / "5").is_dir()
