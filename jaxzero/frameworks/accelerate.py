@@ -2,8 +2,9 @@
 read as jaxzero settings over a base config.
 
 ``python -m jaxzero.train --config BASE.py --accelerate-config fsdp.yaml [--set ...]``
-follows the rules of ``jaxzero.frameworks.deepspeed``: a key the file leaves out keeps the
-base's value, an unknown key is an error naming it, a known key jaxzero cannot
+follows the rules of ``jaxzero.frameworks.deepspeed``: what the file governs in Accelerate it
+governs here, a key it leaves out taking Accelerate's default (``mixed_precision`` no,
+FULL_SHARD, no activation checkpointing, no offload), an unknown key is an error naming it, a known key jaxzero cannot
 honour is an error saying so, and the knobs XLA makes unnecessary are reported
 once, in one log line.
 """
@@ -74,12 +75,12 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
     precision = "no"
   if precision == "fp8":
     raise tr.error("mixed_precision=fp8: jaxzero has no fp8 training; use bf16 or fp16")
-  if precision is not None:
-    if precision not in ("no", "bf16", "fp16"):
-      raise tr.error(f"mixed_precision={precision!r} is not valid; choose one of: no, bf16, fp16")
-    # fp16: with dynamic loss scaling at DeepSpeed's defaults, as Accelerate's GradScaler does.
-    tr.set("precision.compute", {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32"),
-           "mixed_precision")
+  if precision not in (None, "no", "bf16", "fp16"):
+    raise tr.error(f"mixed_precision={precision!r} is not valid; choose one of: no, bf16, fp16")
+  # fp16: with dynamic loss scaling at DeepSpeed's defaults, as Accelerate's GradScaler does.
+  tr.set("precision.compute", {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32"),
+         "mixed_precision" if precision is not None
+         else "no mixed_precision: Accelerate's default, no (fp32)")
   trackers = acc.get("log_with")
   trackers = [trackers] if isinstance(trackers, str) else list(trackers or [])
   for tracker in trackers:
@@ -91,6 +92,9 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
   fsdp = tr.check_keys(acc.get("fsdp_config") or {}, "fsdp_config.", FSDP_KEYS)
   tr.unneeded.update({f"fsdp_config.{k}": UNNEEDED_FSDP[k] for k in fsdp if k in UNNEEDED_FSDP})
   strategy = _strategy(tr, fsdp)
+  if strategy is None and kind == "FSDP":
+    tr.set("zero.strategy", "FULL_SHARD",
+           "no fsdp_config.fsdp_sharding_strategy: Accelerate's default, FULL_SHARD")
   if strategy:
     tr.set("zero.strategy", strategy, "fsdp_config.fsdp_sharding_strategy")
     if strategy.startswith("HYBRID"):
@@ -98,9 +102,10 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
       tr.set("mesh.replica", int(acc.get("num_machines", 1)), "num_machines")
       tr.set("mesh.fsdp", -1, "num_machines")
   _parallelism(tr, acc.get("parallelism_config") or {})
-  if "fsdp_activation_checkpointing" in fsdp:
-    tr.set("remat.policy", "full" if fsdp["fsdp_activation_checkpointing"] else "none",
-           "fsdp_config.fsdp_activation_checkpointing")
+  checkpointing = fsdp.get("fsdp_activation_checkpointing", False)
+  tr.set("remat.policy", "full" if checkpointing else "none",
+         "fsdp_config.fsdp_activation_checkpointing" if "fsdp_activation_checkpointing" in fsdp
+         else "no fsdp_config.fsdp_activation_checkpointing: Accelerate's default, off")
   if fsdp.get("fsdp_offload_params"):
     # FSDP's CPUOffload moves parameters and gradients to the host and runs the
     # optimizer there: jaxzero keeps the parameter shards and the optimizer
@@ -110,9 +115,11 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
                      f"parameters only under FULL_SHARD or HYBRID_SHARD")
     tr.set("offload.params", "pinned_host", "fsdp_config.fsdp_offload_params")
     tr.set("offload.optimizer", "pinned_host", "fsdp_config.fsdp_offload_params")
-  elif "fsdp_offload_params" in fsdp:
-    tr.set("offload.params", "device", "fsdp_config.fsdp_offload_params")
-    tr.set("offload.optimizer", "device", "fsdp_config.fsdp_offload_params")
+  else:
+    where = ("fsdp_config.fsdp_offload_params" if "fsdp_offload_params" in fsdp
+             else "no fsdp_config.fsdp_offload_params: Accelerate's default, off")
+    tr.set("offload.params", "device", where)
+    tr.set("offload.optimizer", "device", where)
   return tr
 
 

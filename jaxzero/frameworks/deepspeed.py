@@ -1,8 +1,12 @@
 """DeepSpeed's ``ds_config.json`` read as jaxzero settings over a base config.
 
-The file applies over the base config, then ``--set`` over that. A key the file leaves out keeps
-the base's value (inside ``optimizer`` or ``scheduler``, DeepSpeed's default), and ``"auto"``
-takes the base's value. A key jaxzero does not know, or cannot honour, is an error naming it;
+The file applies over the base config, then ``--set`` over that. What the file governs in
+DeepSpeed it governs here, absent keys included, with DeepSpeed's defaults: no enabled
+``bf16``/``fp16`` block trains fp32, no ``gradient_clipping`` does not clip, no
+``zero_optimization.stage`` is stage 0, and gradients are reduced in the training dtype unless
+``communication_data_type`` says otherwise. Without an ``optimizer`` or ``scheduler`` block
+DeepSpeed uses the training script's, here the base config's. ``"auto"`` takes the base's
+value. A key jaxzero does not know, or cannot honour, is an error naming it;
 knobs XLA makes unnecessary are accepted and reported once, in one log line.
 :class:`jaxzero.frameworks.translated_file.Translation` is what the file says in jaxzero's terms.
 """
@@ -88,7 +92,9 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   ds_parallel.translate(tr, ds, base)
   _activation_checkpointing(tr, ds.get("activation_checkpointing", {}))
   ds_optimizer.translate(tr, ds, base)
-  if "gradient_clipping" in ds and ds["gradient_clipping"] != "auto":
+  if "gradient_clipping" not in ds:
+    tr.set("train.clip_norm", 0.0, "no gradient_clipping: DeepSpeed does not clip")
+  elif ds["gradient_clipping"] != "auto":
     tr.set("train.clip_norm", number(tr, ds["gradient_clipping"], "gradient_clipping",
                                      minimum=0), "gradient_clipping")
   if "steps_per_print" in ds and ds["steps_per_print"] != "auto":
@@ -110,26 +116,36 @@ def _wandb(tr: Translation, block: dict, base: config_lib.Config) -> None:
 
 
 def _enabled(tr: Translation, block: dict, where: str):
-  enabled = block.get("enabled", "auto")
+  """A block's ``enabled``: true, false or "auto"; absent is false, as in DeepSpeed."""
+  enabled = block.get("enabled", False)
   if enabled != "auto" and not isinstance(enabled, bool):
     raise tr.error(f"{where}.enabled={enabled!r} must be true, false or \"auto\"")
   return enabled
 
 
 def _precision(tr: Translation, ds: dict, base: config_lib.Config) -> None:
+  """The compute dtype as DeepSpeed reads it: an enabled fp16 or bf16 block, else fp32 (a
+  block it does not have is disabled); only an explicit "auto" keeps the base's."""
   fp16 = tr.check_keys(ds.get("fp16", {}), "fp16.", FP16_KEYS)
-  fp16_on = _enabled(tr, fp16, "fp16") is True
+  fp16_on = _enabled(tr, fp16, "fp16")
+  bf16_on, bf16_key = False, "bf16"
   for key in ("bf16", "bfloat16"):  # "bfloat16" is DeepSpeed's older spelling
     block = tr.check_keys(ds.get(key, {}), f"{key}.", {"enabled", "immediate_grad_update"})
     if "immediate_grad_update" in block:
       tr.unneeded[f"{key}.immediate_grad_update"] = "the update runs once per step"
-    enabled = _enabled(tr, block, key)
-    if enabled is True and fp16_on:
-      raise tr.error(f"fp16.enabled and {key}.enabled are both true; enable one")
-    if enabled != "auto" and not fp16_on:
-      tr.set("precision.compute", "bfloat16" if enabled else "float32", f"{key}.enabled")
-  if fp16_on:
+    if key in ds:
+      bf16_on, bf16_key = _enabled(tr, block, key), key
+  if fp16_on is True and bf16_on is True:
+    raise tr.error(f"fp16.enabled and {bf16_key}.enabled are both true; enable one")
+  if fp16_on is True:
     _fp16(tr, fp16, base.precision)
+  elif bf16_on is True:
+    tr.set("precision.compute", "bfloat16", f"{bf16_key}.enabled")
+  elif "auto" not in (fp16_on, bf16_on):
+    given = [k for k in ("fp16", "bf16", "bfloat16") if k in ds]
+    tr.set("precision.compute", "float32",
+           " and ".join(f"{k}.enabled=false" for k in given) + ": DeepSpeed trains in fp32"
+           if given else "no bf16 or fp16 block: DeepSpeed trains in fp32")
   data_types = tr.check_keys(ds.get("data_types", {}), "data_types.", {"grad_accum_dtype"})
   for where, key, value in (("data_types.grad_accum_dtype", "zero.grad_dtype",
                              data_types.get("grad_accum_dtype")),
@@ -139,6 +155,11 @@ def _precision(tr: Translation, ds: dict, base: config_lib.Config) -> None:
       if value not in DTYPES:
         raise tr.error(f"{where}={value!r} is not available; choose one of: fp32, bf16, fp16")
       tr.set(key, DTYPES[value], where)
+  compute = tr.settings.get("precision.compute", (None,))[0]
+  if ds.get("communication_data_type") is None and compute in ("bfloat16", "float16"):
+    # DeepSpeed's engine reduces in the training dtype unless told otherwise.
+    tr.set("zero.reduce_dtype", compute, "no communication_data_type: DeepSpeed reduces "
+           f"gradients in the training dtype, {compute}")
 
 
 def _fp16(tr: Translation, fp16: dict, base: config_lib.PrecisionConfig) -> None:

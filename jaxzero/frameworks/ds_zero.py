@@ -59,7 +59,10 @@ def translate(tr: Translation, ds: dict) -> None:
   if threshold != "auto":
     where = "zero_optimization.stage3_param_persistence_threshold"
     tr.set("zero.min_shard_size", number(tr, threshold, where, int, 0), where)
-  if "stage" in zero:
+  if "stage" not in zero:
+    for key, value in (("zero.stage", 0), ("zero.strategy", ""), ("zero.hybrid", False)):
+      tr.set(key, value, "no zero_optimization.stage: DeepSpeed's default, 0")
+  else:
     stage = zero["stage"]
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
       raise tr.error(f"zero_optimization.stage={stage!r} is not valid; choose one of: 0, 1, 2, 3")
@@ -76,14 +79,14 @@ def translate(tr: Translation, ds: dict) -> None:
   if zero.get("mics_shard_size", -1) not in (-1, 0):
     # MiCS: shard inside groups of mics_shard_size devices, replicate across them.
     size = number(tr, zero["mics_shard_size"], "zero_optimization.mics_shard_size", int, 1)
-    if zero.get("stage", 3) != 3:
+    if zero.get("stage", 0) != 3:
       raise tr.error("zero_optimization.mics_shard_size needs stage 3")
     for key, value in (("zero.strategy", "HYBRID_SHARD"), ("mesh.fsdp", size),
                        ("mesh.replica", -1)):
       tr.set(key, value, "zero_optimization.mics_shard_size")
   _offload(tr, zero, "offload_optimizer", "offload.optimizer", legacy="cpu_offload")
   _offload(tr, zero, "offload_param", "offload.params", legacy="cpu_offload_params")
-  stage_named = zero.get("stage", 3)  # absent: the base's stage, checked by config.validate
+  stage_named = zero.get("stage", 0)
   if (tr.settings.get("offload.params", ("device",))[0] == "nvme"
       and tr.settings.get("offload.optimizer", ("device",))[0] != "nvme"):
     raise tr.error("zero_optimization.offload_param.device=nvme needs offload_optimizer.device="

@@ -94,6 +94,17 @@ def test_mixed_precision(precision, compute):
   assert cfg.precision.loss_scale == 0 and cfg.precision.initial_scale_power == 16
 
 
+def test_what_the_file_leaves_out_is_accelerates_default():
+  """An absent key is Accelerate's default (fp32, FULL_SHARD, no checkpointing, no
+  offload), not the base config's."""
+  tr = accelerate.translate({"distributed_type": "FSDP"}, config.load(TINY))
+  assert tr.settings["precision.compute"] == (
+      "float32", "no mixed_precision: Accelerate's default, no (fp32)")
+  assert tr.settings["zero.strategy"][0] == "FULL_SHARD"
+  assert tr.settings["remat.policy"][0] == "none"
+  assert tr.settings["offload.optimizer"][0] == "device"
+
+
 def test_offload_params_and_the_knobs_are_reported_once(tmp_path, caplog):
   text = ACCELERATE_FSDP.format(strategy="FULL_SHARD").replace(
       "fsdp_offload_params: false", "fsdp_offload_params: true")

@@ -92,7 +92,32 @@ def test_zero2_adam_l2_warmup_decay_lr():
                 train__weight_decay=0.01, train__schedule="warmup_linear_decay",
                 train__lr=1e-3, train__warmup_min_ratio=0.0, train__warmup_steps=20,
                 train__steps=500, train__warmup_type="log")
-  assert cfg.precision == base().precision  # no bf16 block: the base's
+  # No bf16 or fp16 block: DeepSpeed trains in fp32, and so does the translation.
+  assert cfg.precision.compute == "float32"
+  tr = deepspeed.translate({"zero_optimization": {"stage": 2}}, base())
+  assert tr.settings["precision.compute"] == (
+      "float32", "no bf16 or fp16 block: DeepSpeed trains in fp32")
+  # An explicit "auto" (the HF Trainer's) keeps the base's, as before.
+  assert from_ds({"bf16": {"enabled": "auto"}}).precision == base().precision
+  assert from_ds({"fp16": {"enabled": False}}).precision.compute == "float32"
+  assert from_ds({"bf16": {}}).precision.compute == "float32"  # enabled absent: false
+
+
+def test_what_the_file_leaves_out_is_deepspeeds_default():
+  """An absent key governs as DeepSpeed's default does, not as the base config's."""
+  cfg = base()
+  assert (cfg.train.clip_norm, cfg.zero.stage) != (0.0, 0)  # the base clips and shards
+  tr = deepspeed.translate({"bf16": {"enabled": True}}, cfg)
+  assert tr.settings["train.clip_norm"] == (0.0, "no gradient_clipping: DeepSpeed does not clip")
+  assert tr.settings["zero.stage"] == (0, "no zero_optimization.stage: DeepSpeed's default, 0")
+  assert tr.settings["zero.reduce_dtype"][0] == "bfloat16"  # DeepSpeed reduces in bf16
+  cfg = from_ds({"bf16": {"enabled": True}, "communication_data_type": "fp32",
+                 "gradient_clipping": 1.0, "zero_optimization": {"stage": 3}})
+  assert_fields(cfg, zero__reduce_dtype="float32", train__clip_norm=1.0, zero__stage=3)
+  # Without an optimizer or scheduler block DeepSpeed uses the script's: the base's.
+  cfg = from_ds({})
+  assert (cfg.train.optimizer, cfg.train.lr, cfg.train.schedule) == (
+      base().train.optimizer, base().train.lr, base().train.schedule)
 
 
 def test_zero3_cpu_optimizer_offload_warmup_cosine_lr():
