@@ -11,6 +11,7 @@ clipped by their global norm, and checkpoints restore onto any mesh and stage.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ from jaxzero import config as config_lib
 from jaxzero import engine as engine_lib
 from jaxzero.api import adapters
 from jaxzero.checkpoint import checkpointer
+from jaxzero.engine import state_bytes
 from jaxzero.errors import ConfigError
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
@@ -30,7 +32,10 @@ from jaxzero.planning import planner, zero_formula
 from jaxzero.runners import base as runners_base
 from jaxzero.runners.choose import make_runner
 from jaxzero.runtime import pinned_pool
+from jaxzero.utils.formatting import format_bytes
 
+log = logging.getLogger(__name__)
+ROLES = ("params", "grads", "optimizer")  # the state's per-device bytes, by role
 
 # The config's own sections, as jaxzero.Zero, jaxzero.Remat and jaxzero.Offload.
 Zero = config_lib.ZeroConfig
@@ -86,6 +91,8 @@ class Engine:
     offload = Offload(offload) if isinstance(offload, str) else offload or Offload()
     if remat.block is not None and not isinstance(remat.block, type):
       raise ConfigError(f"Remat(block={remat.block!r}) must be a Flax NNX module class")
+    if min_shard_size is not None:  # the config's, so that what reports it names it
+      zero = dataclasses.replace(zero, min_shard_size=min_shard_size)
     base = config_lib.base()
     # Under a block, the block's policy wraps the block; the engine's own hook is unused.
     cfg = dataclasses.replace(
@@ -101,10 +108,15 @@ class Engine:
     self.layout = Layout.from_config(cfg, mesh)
     self.model = adapters.build(
         model, loss_fn, shard_size=self.layout.shard_size, init_args=init_args, rules=rules,
-        min_size=zero.min_shard_size if min_shard_size is None else min_shard_size,
+        min_size=zero.min_shard_size,
         remat_block=remat.block, remat_policy=remat.policy)
     program = engine_lib.TrainProgram(cfg, self.layout, self.model, optimizer=optimizer)
     self.runner = make_runner(program, workdir)  # as jaxzero.train chooses it
+    whole, state = state_bytes.kept_whole(program), sum(self.runner.plan()[r] for r in ROLES)
+    if whole["bytes"] > 0.1 * state:
+      log.warning("%d of the model's parameters stay whole on every device (%s): %.0f%% of "
+                  "the state's %s a device", whole["leaves"], whole["why"],
+                  100 * whole["bytes"] / state, format_bytes(state))
 
   @property
   def program(self) -> engine_lib.TrainProgram:
@@ -158,15 +170,19 @@ class Engine:
 
   def plan(self, batch: Any = None) -> dict[str, int]:
     """Per-device bytes: the state by role (from its shardings), the ZeRO paper's
-    figure, and with an example `batch` XLA's own total for the compiled step."""
+    figure, what of the state stays whole on every device (``whole_bytes``, of
+    ``whole_leaves`` parameters, ``whole_why``), and with an example `batch` XLA's
+    own total for the compiled step."""
     got = self.runner.plan()
     n_params = self.program.n_params
     theory, formula = zero_formula.theory_state_bytes(self.cfg, self.layout, n_params)
     plan = {"params_bytes": got["params"], "grads_bytes": got["grads"],
             "optimizer_bytes": got["optimizer"], "host_bytes": got["host"],
             "nvme_bytes": got["nvme"],
-            "state_bytes": got["params"] + got["grads"] + got["optimizer"],
+            "state_bytes": sum(got[r] for r in ROLES),
             "theory_state_bytes": theory, "theory_formula": formula, "n_params": n_params}
+    whole = state_bytes.kept_whole(self.program)  # included in the roles' bytes above
+    plan.update(whole_bytes=whole["bytes"], whole_leaves=whole["leaves"], whole_why=whole["why"])
     if batch is not None:
       shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             self._micro_batches(batch))

@@ -29,6 +29,9 @@ from jaxzero.models.llama import LlamaConfig
 log = logging.getLogger(__name__)
 
 
+# The info key of a checkpoint's padded leaves: {leaf name: true shape}.
+TRUE_SHAPES = "true_shapes"
+
 # LlamaConfig fields that choose a kernel, not the architecture: not recorded.
 _NOT_ARCHITECTURE = ("attention",)
 
@@ -63,11 +66,15 @@ class Checkpointer(CheckpointDirectory):
     self._info = info
     self._unfinished_removed = False
 
-  def save(self, step: int, state, *, wait: bool = False) -> pathlib.Path:
+  def save(self, step: int, state, *, wait: bool = False,
+           true_shapes: dict[str, tuple[int, ...]] | None = None) -> pathlib.Path:
     """Saves `state` as checkpoint `step`; a step that already exists is kept as is.
 
     Returns once the arrays are copied off the devices (so the caller may donate
     them) and the files are written in the background; `wait` waits for them.
+    `true_shapes` ({leaf name: true shape}) names the leaves stored padded
+    (jaxzero.parallel.padding): the checkpoint records their true shapes, and their
+    checksums cover those alone.
     """
     self._remove_unfinished_saves()
     if step not in self._manager.all_steps():
@@ -77,9 +84,10 @@ class Checkpointer(CheckpointDirectory):
         if side_args is not None:
           items[self._side.name] = side_args
       # Computed on the devices before the save copies the state off them.
-      checksums = integrity.record(state)
+      checksums = integrity.record(state, true_shapes)
+      info = {**self._info, TRUE_SHAPES: true_shapes} if true_shapes else self._info
       self._manager.save(step, force=True, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), info=ocp.args.JsonSave(self._info),
+          state=ocp.args.StandardSave(state), info=ocp.args.JsonSave(info),
           checksums=ocp.args.JsonSave(checksums), **items))
     if wait:
       self.wait()
@@ -101,14 +109,17 @@ class Checkpointer(CheckpointDirectory):
     self._manager.wait_until_finished()
 
   def restore(self, step: int, target, into: SideTarget | None = None,
-              optional: tuple[str, ...] = ()):
+              optional: tuple[str, ...] = (),
+              true_shapes: dict[str, tuple[int, ...]] | None = None):
     """Checkpoint `step`, each leaf read straight into the sharding of its
     ShapeDtypeStruct in `target` (e.g. Engine.abstract_state()), and verified
     against the checksums saved with it. With `into` (e.g. the NVMe tier), the
     leaves it keeps are given to it instead, and its state is returned.
     The fields of `target` named in `optional` may be missing on either side:
     the checkpoint's are not read when `target` has none, and a field the
-    checkpoint lacks comes back None.
+    checkpoint lacks comes back None. `true_shapes`: as for :meth:`save`, of
+    `target`; a leaf padded differently in the checkpoint is read at its true
+    shape and padded anew with zeros.
 
     Raises:
       CheckpointError: naming the first leaf whose shape differs from `target`.
@@ -119,6 +130,10 @@ class Checkpointer(CheckpointDirectory):
     info = self.info(step)
     hint = _model_difference(info.get("model", {}), self._info["model"])
     saved, wanted = self.leaf_shapes(step), tree_leaf_shapes(target)
+    stored = dict(saved)  # as stored: padded where the saving mesh padded
+    saved.update({n: tuple(s) for n, s in info.get(TRUE_SHAPES, {}).items()})
+    repadded = {n for n, s in wanted.items() if n in stored and stored[n] != s}
+    wanted.update(true_shapes or {})
     in_field = lambda names, field: any(n.startswith(field + "/") for n in names)
     unsaved = [f for f in optional if in_field(wanted, f) and not in_field(saved, f)]
     unwanted = [f for f in optional if in_field(saved, f) and not in_field(wanted, f)]
@@ -135,7 +150,7 @@ class Checkpointer(CheckpointDirectory):
     kept = set(into.names) if into else set()
     partial = _without(target, kept | set(item.shapes() if item else ()))
     try:
-      restored = self._restore_fields(step, partial, unwanted)
+      restored = self._restore_fields(step, partial, unwanted, strict=not repadded)
       if item:  # what the item holds and `into` does not keep: read from the item
         restored = item.with_leaves(restored, target, kept)
     except Exception as e:  # pylint: disable=broad-except
@@ -145,7 +160,7 @@ class Checkpointer(CheckpointDirectory):
       raise DamagedCheckpointError(f"checkpoint {where} holds a state at step "
                                    f"{int(restored.step)}, not {step}")
     recorded = self._recorded(step, item)
-    _raise_if_damaged(where, *integrity.mismatches(restored, recorded))
+    _raise_if_damaged(where, *integrity.mismatches(restored, recorded, true_shapes))
     if into is None:
       return restored
     try:  # its leaves: from the side item, or from an in-memory run's `state`
@@ -155,13 +170,15 @@ class Checkpointer(CheckpointDirectory):
       raise DamagedCheckpointError(read_errors.read_error(where, e.__cause__)) from e
     return into.state(restored)
 
-  def _restore_fields(self, step: int, target, unwanted: list[str]):
+  def _restore_fields(self, step: int, target, unwanted: list[str], strict: bool = True):
     """The saved state read into `target` (a NamedTuple of abstract arrays).
 
     orbax matches the saved tree field by field, so the request names exactly
     the fields saved: a field `target` leaves None and the checkpoint lacks
     (e.g. a newer optional field) is left out and comes back None, and a saved
-    field in `unwanted` is read (replicated: it is small) and dropped.
+    field in `unwanted` is read (replicated: it is small) and dropped. Not
+    `strict`: a leaf stored at another padded shape is truncated or padded with
+    zeros at the end of each dimension to its target's (orbax's own reading).
     """
     saved = self._manager.item_metadata(step)[STATE]
     request = {f: v for f, v in target._asdict().items() if f in saved.keys()}
@@ -171,7 +188,8 @@ class Checkpointer(CheckpointDirectory):
       request[f] = jax.tree.map(
           lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), saved[f])
     tree = self._manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(request)))[STATE]
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(request, strict=strict))
+    )[STATE]
     return type(target)(**{f: None if f in unwanted else tree.get(f) for f in target._fields})
 
   def _recorded(self, step: int, item: SavedSide | None) -> dict:

@@ -4,7 +4,9 @@ A checkpoint records one 32-bit checksum per state leaf, the sum over its elemen
 fmix32(bits(x[i]) XOR (i * 0x9E3779B9)) with ``i`` the global flat index; a restore recomputes
 and compares it. A sum does not depend on its order, so each device adds up the shards it holds
 and the checksum does not depend on the sharding: a checkpoint written by one mesh and stage
-verifies after it is read into another. The same pass reports whether each floating leaf is
+verifies after it is read into another. A leaf stored padded (jaxzero.parallel.padding) is
+summed over its true shape only, with that shape's positions: its checksum is the unpadded
+leaf's, whatever padding a mesh gave it. The same pass reports whether each floating leaf is
 finite.
 """
 
@@ -44,43 +46,51 @@ def _fmix32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def _leaf_checksum(x: jax.Array, offsets=None, leaf_shape=None) -> jax.Array:
+def _leaf_checksum(x: jax.Array, offsets=None, leaf_shape=None, true_shape=None) -> jax.Array:
   """A uint32 checksum of `x` that does not depend on its sharding (see above).
 
   With `offsets` and `leaf_shape`, `x` is the box of a leaf of `leaf_shape`
   that starts at `offsets`: the sum over a partition of a leaf into boxes is
-  the leaf's checksum (mod 2**32).
+  the leaf's checksum (mod 2**32). With `true_shape`, the leaf is stored padded
+  to `leaf_shape`: only the elements inside `true_shape` count.
   """
   if jnp.dtype(x.dtype).itemsize not in _UINT_OF_SIZE:
     raise ValueError(f"no checksum for {x.dtype} leaves")
   pattern = bits(x).astype(jnp.uint32)
   leaf_shape = x.shape if leaf_shape is None else leaf_shape
+  true_shape = tuple(leaf_shape) if true_shape is None else tuple(true_shape)
   # The global flat index, in wrapping uint32 arithmetic and without reshaping
   # (a reshape of a sharded array could make XLA move it).
-  position, stride = jnp.zeros(x.shape, jnp.uint32), 1
+  position, stride, inside = jnp.zeros(x.shape, jnp.uint32), 1, None
   for dim in reversed(range(x.ndim)):
     index = jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim)
     if offsets is not None:
       index = index + offsets[dim].astype(jnp.uint32)
     position = position + index * jnp.uint32(stride % 2**32)
-    stride *= leaf_shape[dim]
+    stride *= true_shape[dim]
+    if true_shape[dim] != leaf_shape[dim]:  # padding along `dim`: it does not count
+      within = index < jnp.uint32(true_shape[dim])
+      inside = within if inside is None else inside & within
   # Multiplying by an odd constant spreads neighbouring positions over all bits.
-  return jnp.sum(_fmix32(pattern ^ (position * jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
+  mixed = _fmix32(pattern ^ (position * jnp.uint32(0x9E3779B9)))
+  if inside is not None:
+    mixed = jnp.where(inside, mixed, jnp.uint32(0))
+  return jnp.sum(mixed, dtype=jnp.uint32)
 
 
-@jax.jit
-def _checksums(leaves: list[jax.Array]) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=1)
+def _checksums(leaves: list[jax.Array], true_shapes: tuple) -> jax.Array:
   """[n_leaves] uint32. One stacked result rather than a scalar per leaf: XLA
   then reduces all the devices' partial sums in one collective (half the cost)."""
-  return jnp.stack([_leaf_checksum(x) for x in leaves])
+  return jnp.stack([_leaf_checksum(x, true_shape=t) for x, t in zip(leaves, true_shapes)])
 
 
-@jax.jit
-def _checksums_and_finite(leaves: list[jax.Array]) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=1)
+def _checksums_and_finite(leaves: list[jax.Array], true_shapes: tuple) -> jax.Array:
   """[2, n_leaves] uint32: each leaf's checksum, and 1 where it is finite."""
   finite = jnp.stack([jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.floating)
                       else jnp.bool_(True) for x in leaves]).astype(jnp.uint32)
-  return jnp.stack([_checksums(leaves), finite])
+  return jnp.stack([_checksums(leaves, true_shapes), finite])
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -123,12 +133,13 @@ def _dims_axes(x: jax.Array) -> tuple[tuple[str, ...], ...]:
 # elements it holds with their global positions, and the devices add one
 # [2, n_leaves] vector.
 @functools.lru_cache(maxsize=None)
-def _per_shard_sums(mesh: jax.sharding.Mesh, leaf_axes: tuple, with_finite: bool):
+def _per_shard_sums(mesh: jax.sharding.Mesh, leaf_axes: tuple, with_finite: bool,
+                    true_shapes: tuple):
   """Jitted: (leaves) -> [2, n_leaves] uint32 (checksums; non-finite counts)."""
 
   def local(leaves):
     rows = []
-    for x, axes in zip(leaves, leaf_axes):
+    for x, axes, true_shape in zip(leaves, leaf_axes, true_shapes):
       offsets, leaf_shape = [], []
       for n, dim in zip(x.shape, axes):
         index = jnp.uint32(0)
@@ -141,7 +152,8 @@ def _per_shard_sums(mesh: jax.sharding.Mesh, leaf_axes: tuple, with_finite: bool
       first = functools.reduce(jnp.logical_and, (jax.lax.axis_index(a) == 0
                                                  for a in mesh.axis_names if a not in used),
                                jnp.bool_(True))
-      checksum = jnp.where(first, _leaf_checksum(x, offsets, tuple(leaf_shape)), jnp.uint32(0))
+      checksum = jnp.where(first, _leaf_checksum(x, offsets, tuple(leaf_shape), true_shape),
+                           jnp.uint32(0))
       nonfinite = (jnp.uint32(0) if not with_finite or not jnp.issubdtype(x.dtype, jnp.floating)
                    else (~jnp.isfinite(x).all()).astype(jnp.uint32))
       rows.append(jnp.stack([checksum, nonfinite]))
@@ -151,7 +163,7 @@ def _per_shard_sums(mesh: jax.sharding.Mesh, leaf_axes: tuple, with_finite: bool
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=P()))
 
 
-def _sums(leaves: list[jax.Array], with_finite: bool) -> np.ndarray:
+def _sums(leaves: list[jax.Array], with_finite: bool, true_shapes: list) -> np.ndarray:
   """[1 or 2, n_leaves]: checksums (and finite flags) of leaves in device memory,
   one per-shard call per mesh; leaves with other shardings in the global view."""
   out = np.zeros((2 if with_finite else 1, len(leaves)), np.uint32)
@@ -159,12 +171,12 @@ def _sums(leaves: list[jax.Array], with_finite: bool) -> np.ndarray:
   for i, x in enumerate(leaves):
     by_mesh[getattr(x.sharding, "mesh", None)].append(i)
   for mesh, group in by_mesh.items():
-    arrays = [leaves[i] for i in group]
+    arrays, trues = [leaves[i] for i in group], tuple(true_shapes[i] for i in group)
     if mesh is None:
       function = _checksums_and_finite if with_finite else _checksums
-      out[:, group] = np.asarray(jax.device_get(function(arrays))).reshape(-1, len(group))
+      out[:, group] = np.asarray(jax.device_get(function(arrays, trues))).reshape(-1, len(group))
       continue
-    sums = _per_shard_sums(mesh, tuple(map(_dims_axes, arrays)), with_finite)
+    sums = _per_shard_sums(mesh, tuple(map(_dims_axes, arrays)), with_finite, trues)
     values = np.asarray(jax.device_get(sums(arrays)))
     out[0, group] = values[0]
     if with_finite:
@@ -172,7 +184,8 @@ def _sums(leaves: list[jax.Array], with_finite: bool) -> np.ndarray:
   return out
 
 
-def _compute(leaves: list[jax.Array], with_finite: bool) -> list[list[int]]:
+def _compute(leaves: list[jax.Array], with_finite: bool, true_shapes: list
+             ) -> list[list[int]]:
   """[checksums] or [checksums, finite flags] of `leaves`, as Python ints.
 
   Leaves in device memory go in one call. Offloaded (pinned_host) leaves are
@@ -182,12 +195,13 @@ def _compute(leaves: list[jax.Array], with_finite: bool) -> list[list[int]]:
   on_device = [i for i, x in enumerate(leaves) if _in_device_memory(x)]
   columns: dict[int, list[int]] = {}
   if on_device:
-    values = _sums([leaves[i] for i in on_device], with_finite)
+    values = _sums([leaves[i] for i in on_device], with_finite,
+                   [true_shapes[i] for i in on_device])
     columns.update({i: values[:, k].tolist() for k, i in enumerate(on_device)})
   for i, x in enumerate(leaves):
     if i not in columns:
       moved = jax.device_put(x, x.sharding.with_memory_kind("device"))
-      columns[i] = _sums([moved], with_finite)[:, 0].tolist()
+      columns[i] = _sums([moved], with_finite, [true_shapes[i]])[:, 0].tolist()
   return [list(row) for row in zip(*(columns[i] for i in range(len(leaves))))]
 
 
@@ -195,27 +209,34 @@ def _hex(checksums) -> list[str]:
   return [f"{int(c):08x}" for c in checksums]
 
 
-def record(state) -> dict:
-  """What a checkpoint stores to be verified later: every leaf's checksum.
+def _true(names: list[str], true_shapes: dict | None) -> list:
+  return [tuple(true_shapes[n]) if true_shapes and n in true_shapes else None for n in names]
+
+
+def record(state, true_shapes: dict | None = None) -> dict:
+  """What a checkpoint stores to be verified later: every leaf's checksum
+  (`true_shapes`: {leaf name: true shape} of the leaves stored padded).
 
   Every process gets the same values (the sums are over the global arrays).
   """
   names, leaves = _named_leaves(state)
-  checksums = _hex(_compute(leaves, with_finite=False)[0])
+  checksums = _hex(_compute(leaves, False, _true(names, true_shapes))[0])
   return {"algorithm": ALGORITHM, "checksums": dict(zip(names, checksums))}
 
 
-def mismatches(state, recorded: dict) -> tuple[list[str], list[str]]:
+def mismatches(state, recorded: dict, true_shapes: dict | None = None
+               ) -> tuple[list[str], list[str]]:
   """(leaves whose checksum differs from `recorded`, non-finite leaves) of `state`.
 
   A record made with another algorithm is not compared (its leaves are only
   checked to be finite).
   """
   names, leaves = _named_leaves(state)
-  checksums, finite = _compute(leaves, with_finite=True)
+  checksums, finite = _compute(leaves, True, _true(names, true_shapes))
   nonfinite = [name for name, ok in zip(names, finite) if not ok]
   if recorded.get("algorithm") != ALGORITHM:
     return [], nonfinite
   expected = recorded.get("checksums", {})
   differ = [name for name, value in zip(names, _hex(checksums)) if expected.get(name) != value]
   return differ, nonfinite
+

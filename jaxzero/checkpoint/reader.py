@@ -50,7 +50,8 @@ class CheckpointReader(CheckpointDirectory):
     return step
 
   def read(self, step: int, path: Path, shape: tuple[int, ...]) -> np.ndarray:
-    """One saved leaf as a host array (only that leaf is read)."""
+    """One saved leaf as a host array of `shape` (only that leaf is read; a leaf
+    stored padded, jaxzero.parallel.padding, comes without its padding)."""
     saved = self._side_view(step, path)
     if saved is not None:
       return np.asarray(saved.read().result(), dtype=np.float32)
@@ -64,7 +65,7 @@ class CheckpointReader(CheckpointDirectory):
                                                    f"leaf {'/'.join(path)}")) from e
     for key in path:
       restored = restored[key]
-    return restored
+    return np.asarray(restored)[tuple(slice(0, d) for d in shape)]
 
   def read_by_layer(self, step: int, path: Path, shape: tuple[int, ...]):
     """A saved stacked leaf that reads one layer (its first index) when indexed.

@@ -9,6 +9,7 @@ runner runs its step as it is.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from jaxzero.engine.optimizer import make_optimizer
 from jaxzero.engine.state import TrainState, dtype_of, state_shardings
 from jaxzero.engine.step import make_grad_fn, make_train_step
 from jaxzero.models.interface import Model
+from jaxzero.parallel import padding as padding_lib
 from jaxzero.parallel.zero import Layout, on_device
 
 
@@ -30,7 +32,9 @@ class TrainProgram:
   """The train step's pieces for one model, config and layout, built once.
 
   Attributes:
-    model: the model (jaxzero.models.interface.Model).
+    model: the model as trained (jaxzero.models.interface.Model): the given one with
+      its unshardable leaves padded (jaxzero.parallel.padding).
+    padding: each parameter's true and stored shape.
     tx: the optimizer: `optimizer` (else AdamW on cfg.train's schedule), after
       global-norm clipping when cfg.train.clip_norm > 0.
     inner: `tx` less its clipping (the step clips by the norm it computes).
@@ -41,17 +45,21 @@ class TrainProgram:
 
   def __init__(self, cfg: Config, layout: Layout, model: Model,
                optimizer: optax.GradientTransformation | None = None):
-    self.cfg, self.layout, self.model = cfg, layout, model
+    # Leaves no dimension of which divides the sharding devices are stored padded.
+    self.unpadded_model = model
+    self.model, self.padding = padding_lib.pad_model(model, layout)
+    self.cfg, self.layout = cfg, layout
     schedule = None
     if optimizer is None:
-      self.inner = make_optimizer(cfg, clip=False, decay=model.decay)
+      self.inner = make_optimizer(cfg, clip=False, decay=self.model.decay)
       schedule = learning_rate_schedule(cfg)
     else:
       self.inner = optimizer
     clip = cfg.train.clip_norm
     self.tx = optax.chain(optax.clip_by_global_norm(clip), self.inner) if clip > 0 else self.inner
-    self.shardings, self.abstract = state_shardings(cfg, layout, self.tx, model)
-    self.train_step = make_train_step(cfg, layout, self.shardings, model, self.inner, schedule)
+    self.shardings, self.abstract = state_shardings(cfg, layout, self.tx, self.model)
+    self.train_step = make_train_step(cfg, layout, self.shardings, self.model, self.inner,
+                                      schedule)
 
   @functools.cached_property
   def grad_step(self):
@@ -72,8 +80,16 @@ class TrainProgram:
 
   @property
   def n_params(self) -> int:
-    """Φ: the model's parameter count."""
-    return sum(leaf.size for leaf in jax.tree.leaves(self.abstract.master))
+    """Φ: the model's parameter count (without padding)."""
+    return sum(math.prod(s) for s in padding_lib.Padding.flat(self.padding.true_shapes))
+
+  @functools.cached_property
+  def true_abstract(self) -> TrainState:
+    """`abstract` at the model's true shapes: what checkpoints and readers see of a
+    state whose leaves are stored padded (the same as `abstract` where none is)."""
+    if not self.padding.any:
+      return self.abstract
+    return state_shardings(self.cfg, self.layout, self.tx, self.unpadded_model)[1]
 
   def abstract_state(self) -> TrainState:
     """The state as shapes carrying their shardings: a restore target, or a

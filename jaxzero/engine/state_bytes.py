@@ -8,12 +8,16 @@ the planner and the start-up memory check read these beside XLA's own figures.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from jaxzero.engine.groups import reduces_once
 from jaxzero.engine.state import dtype_of
-from jaxzero.parallel.zero import bytes_per_device
+from jaxzero.models.interface import is_spec
+from jaxzero.parallel.mesh import AXES, spec_per_dimension
+from jaxzero.parallel.zero import FSDP_DIM_PREFERENCE, bytes_per_device
 
 
 def state_bytes(program) -> dict[str, int]:
@@ -67,3 +71,41 @@ def _bytes_in_memory(abstract, shardings, kind: str) -> int:
   pairs = [(a, s) for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))
            if s.memory_kind == kind]
   return bytes_per_device([a for a, _ in pairs], [s for _, s in pairs])
+
+
+def kept_whole(program) -> dict:
+  """What of the state ZeRO keeps whole on every device although its stage shards the
+  optimizer: {"bytes": per device, of the params, gradients, master weights and moments
+  of those leaves; "leaves": how many parameters; "why": the reason, one line}.
+  Nothing at stage 0 or on one device (whole by choice)."""
+  layout, sh = program.layout, program.shardings
+  specs = jax.tree.leaves(program.model.specs, is_leaf=is_spec)
+  def split_over_data(sharding, ndim: int) -> bool:
+    dims = spec_per_dimension(sharding, ndim)
+    return any(set((d,) if isinstance(d, str) else d or ()) & set(AXES) for d in dims)
+
+  whole = [i for i, sharding in enumerate(jax.tree.leaves(sh.master))
+           if layout.shard_size > 1 and layout.is_sharded("optimizer")
+           and not split_over_data(sharding, len(specs[i].shape))]
+  if not whole:
+    return {"bytes": 0, "leaves": 0, "why": ""}
+  shapes = [tuple(specs[i].shape) for i in whole]
+  elements = sum(math.prod(shape) for shape in shapes)
+  itemsize = lambda name: jnp.dtype(dtype_of(name)).itemsize
+  # the compute copy, the gradient, and fp32 master weights and Adam's two moments
+  per_element = (itemsize(program.cfg.precision.compute) + itemsize(program.cfg.zero.grad_dtype)
+                 + 4 * (1 + _moments(program)))
+  by_choice = sum(not set(specs[i].logical_axes) & set(FSDP_DIM_PREFERENCE) for i in whole)
+  why = (f"under zero.min_shard_size={program.cfg.zero.min_shard_size:,} elements"
+         if by_choice == len(whole) else
+         "weights of the stacked layers that no dimension of which divides the "
+         f"{layout.shard_size} sharding devices" + (" or under zero.min_shard_size"
+                                                     if by_choice else ""))
+  return {"bytes": elements * per_element, "leaves": len(whole), "why": why}
+
+
+def _moments(program) -> int:
+  """The optimizer's state leaves per parameter (Adam's 2), from its shapes."""
+  n_master = len(jax.tree.leaves(program.abstract.master))
+  n_state = sum(leaf.ndim > 0 for leaf in jax.tree.leaves(program.abstract.opt_state))
+  return n_state // max(n_master, 1)

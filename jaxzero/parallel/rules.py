@@ -6,7 +6,8 @@ Where a model names its dimensions (Flax NNX ``with_partitioning``, Linen
 ``mlp``, ``vocab``, ``heads``, ``kv_heads``, ``head_dim``, ``layers``, ``none``);
 names jaxzero knows map to themselves. A leaf left with no dimension ZeRO may
 split gets one, as FSDP would: its largest dimension that divides the sharding
-devices (never a ``layers`` axis, which the layer scan slices). Leaves under
+devices, else its largest (padded: jaxzero.parallel.padding), never a ``layers``
+axis, which the layer scan slices. Leaves under
 `min_size` elements stay whole on every device (DeepSpeed's
 stage3_param_persistence_threshold). Invariant: every dimension of every leaf
 has exactly one name.
@@ -45,11 +46,8 @@ def leaf_axes(path: str, shape: tuple[int, ...], names: tuple | None, rules: Map
   if not any(a in FSDP_DIM_PREFERENCE for a in axes):
     free = [i for i, a in enumerate(axes) if a is None]  # unnamed, or a name jaxzero lacks
     divisible = [i for i in free if shard_size > 1 and shape[i] % shard_size == 0]
-    if divisible:
-      axes[max(divisible, key=lambda i: (shape[i], -i))] = "embed"
-    elif shard_size > 1 and free:
-      say_once(f"replicating {path} {shape}: no dimension divides the {shard_size} sharding "
-                "devices")
+    if divisible or free:  # none dividing: the largest, padded (jaxzero.parallel.padding)
+      axes[max(divisible or free, key=lambda i: (shape[i], -i))] = "embed"
   return tuple(a if a is not None else NONE for a in axes)
 
 

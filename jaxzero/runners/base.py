@@ -14,6 +14,7 @@ from typing import Any, Callable, Protocol
 import jax
 
 from jaxzero.checkpoint.checkpointer import Checkpointer
+from jaxzero.checkpoint.directory import tree_leaf_shapes
 from jaxzero.engine import TrainProgram
 from jaxzero.offload import nvme_checkpoint, targets
 
@@ -24,6 +25,15 @@ def checkpointer(workdir: str | pathlib.Path, keep: int, info: dict[str, Any]) -
   """The checkpoints of a run in `workdir`, whatever its runner: each may resume
   another's (an NVMe runner's leaves are its checkpoints' side item)."""
   return Checkpointer(workdir, keep, info, side=nvme_checkpoint.SIDE_ITEM)
+
+
+def padded_leaves(program: TrainProgram) -> dict[str, tuple[int, ...]]:
+  """{state leaf name: true shape} of the leaves `program` stores padded
+  (jaxzero.parallel.padding): what its checkpoints record and verify."""
+  if not program.padding.any:
+    return {}
+  stored = tree_leaf_shapes(program.abstract)
+  return {n: s for n, s in tree_leaf_shapes(program.true_abstract).items() if stored[n] != s}
 
 
 class Runner(Protocol):
@@ -87,10 +97,11 @@ class InMemoryRunner:
     return self.program.train_step.lower(state_shapes, batch_shapes)
 
   def save(self, checkpoints, step: int, state, wait: bool = False) -> pathlib.Path:
-    return checkpoints.save(step, state, wait=wait)
+    return checkpoints.save(step, state, wait=wait, true_shapes=padded_leaves(self.program))
 
   def restore(self, checkpoints, step: int, target):
-    return checkpoints.restore(step, target, optional=OPTIONAL_LEAVES)
+    return checkpoints.restore(step, target, optional=OPTIONAL_LEAVES,
+                               true_shapes=padded_leaves(self.program))
 
   def plan(self) -> dict[str, int]:
     return {**self.program.state_bytes(), "nvme": 0}

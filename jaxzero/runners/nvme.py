@@ -128,10 +128,12 @@ class NvmeRunner:
     return self.program.grad_step.lower(state_shapes.params, batch_shapes, scale)
 
   def save(self, checkpoints, step: int, state, wait: bool = False) -> pathlib.Path:
-    return checkpoints.save(step, state, wait=wait)  # the store's files: the nvme item
+    # the store's files: the nvme item
+    return checkpoints.save(step, state, wait=wait, true_shapes=base.padded_leaves(self.program))
 
   def restore(self, checkpoints, step: int, target) -> NvmeState:
-    return checkpoints.restore(step, target, into=self, optional=base.OPTIONAL_LEAVES)
+    return checkpoints.restore(step, target, into=self, optional=base.OPTIONAL_LEAVES,
+                               true_shapes=base.padded_leaves(self.program))
 
   def plan(self) -> dict[str, int]:
     """The program's bytes, the store's per device (a process stores a replicated

@@ -8,6 +8,7 @@ import pathlib
 import jax
 
 from jaxzero import config as config_lib
+from jaxzero.engine.state_bytes import kept_whole
 from jaxzero.planning.memory_check import Budget
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.utils.files import write_json_atomic
@@ -53,6 +54,14 @@ def figures(run, budget: Budget) -> dict:
           "run/memory_bytes_per_device": budget.needed}
 
 
+def _whole_text(whole: dict) -> str:
+  """What the state keeps whole on every device, said where there is any."""
+  if not whole["leaves"]:
+    return ""
+  leaves = f"{whole['leaves']} parameter{'s' if whole['leaves'] > 1 else ''}"
+  return f" but {leaves} kept whole ({whole['why']}: {_b(whole['bytes'])} on each)"
+
+
 def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
   """The banner: model, mesh and devices, ZeRO, batch arithmetic, data, memory, eval."""
   cfg, layout = run.cfg, run.layout
@@ -79,7 +88,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
       f"  mesh      {mesh} = {_devices(devices)}, "
       f"{jax.process_count()} process{'es' if jax.process_count() > 1 else ''}",
       f"  ZeRO      stage {stage} ({config_lib.strategy_name(stage, hybrid)}), state sharded "
-      f"over {layout.shard_size} devices; remat {cfg.remat.policy}; offload {offload}; "
+      f"over {layout.shard_size} devices{_whole_text(kept_whole(run.program))}; "
+      f"remat {cfg.remat.policy}; offload {offload}; "
       f"compute {cfg.precision.compute}{_loss_scaling(cfg.precision)}, grads "
       f"{cfg.zero.grad_dtype}",
       f"  batch     micro-batch {micro} x grad_accum {t.grad_accum} x {dp} data-parallel = "

@@ -6,6 +6,7 @@ the stage-3 state at 16Φ/N, and checkpoints that resume on another stage and me
 
 import functools
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -241,3 +242,96 @@ def test_the_optimizer_state_of_any_pytree_offloads(offload, tmp_path):
     assert e.runner.store.host_bytes == 12 * e.program.n_params
   else:
     assert e.runner.store is not None and list(tmp_path.rglob("*"))  # the state is in files
+
+
+# ----------------------------------------------------------------------------- every dimension prime
+
+
+class Prime(nnx.Module):
+  """331 x 997 linears and a prime vocabulary: no dimension divides any device count."""
+
+  def __init__(self, rngs: nnx.Rngs, vocab=503):
+    self.emb = nnx.Embed(vocab, 331, rngs=rngs)
+    self.up = nnx.Linear(331, 997, rngs=rngs)
+    self.down = nnx.Linear(997, 331, rngs=rngs)
+    self.out = nnx.Linear(331, vocab, rngs=rngs)
+
+  def __call__(self, tokens):
+    h = self.emb(tokens)
+    return self.out(h + self.down(jax.nn.gelu(self.up(h))))
+
+
+def prime_batches():
+  rng = np.random.default_rng(3)
+  return [rng.integers(0, 503, (16, 17)).astype(np.int32) for _ in range(3)]
+
+
+PRIME_LAYOUTS = {**LAYOUTS, "five": (jaxzero.Zero(stage=1), 1, 5)}
+
+
+def prime_engine(layout, vocab=503):
+  zero, replica, fsdp = PRIME_LAYOUTS[layout]
+  return jaxzero.Engine(lambda rngs: Prime(rngs, vocab), loss_fn=gpt2_loss,
+                        optimizer=optax.adamw(1e-3, weight_decay=0.1), zero=zero,
+                        mesh=jaxzero.mesh(replica=replica, fsdp=fsdp,
+                                          devices=jax.devices()[:replica * fsdp]),
+                        clip_norm=1.0, min_shard_size=0)
+
+
+def prime_train(layout, state=None, start=0):
+  e = prime_engine(layout)
+  state = e.init(jax.random.key(0)) if state is None else state
+  losses = []
+  for batch in prime_batches()[start:]:
+    state, metrics = e.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return e, state, losses
+
+
+@functools.cache
+def prime_one_device():
+  e, state, losses = prime_train("one")
+  return losses, e.program.padding.unpad(jax.device_get(state.master))
+
+
+@pytest.mark.parametrize("layout", [pytest.param("stage1", marks=pytest.mark.slow),
+                                    pytest.param("stage2", marks=pytest.mark.slow),
+                                    "stage3", "hybrid"])
+def test_a_prime_shaped_model_shards_every_leaf_and_trains_as_one_device(layout):
+  e, state, losses = prime_train(layout)
+  padding = e.program.padding.padded_leaves()
+  # Every leaf is split over the data axes, stored padded where it wastes least.
+  assert padding["['emb']['embedding']"] == ((503, 331), (504, 331))
+  assert padding["['up']['kernel']"] == ((331, 997), (331, 1000))
+  for sharding in jax.tree.leaves(e.shardings.master):
+    assert any(axes is not None for axes in sharding.spec), sharding
+  assert e.plan()["whole_leaves"] == 0
+  # The padding never reaches the loss or the weights: the same as one device, and
+  # still zero after three steps.
+  want_losses, want = prime_one_device()
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  got = jax.device_get(state.master)
+  chex.assert_trees_all_close(e.program.padding.unpad(got), want, atol=1e-5)
+  assert np.all(got["emb"]["embedding"][503:] == 0) and np.all(got["up"]["kernel"][:, 997:] == 0)
+
+
+def test_a_prime_shaped_models_stage3_state_is_20_phi_over_n_with_gpt2s_vocabulary():
+  plan = prime_engine("stage3", vocab=50_257).plan()
+  phi = plan["n_params"]
+  assert phi == 2 * 50_257 * 331 + 50_257 + 2 * 331 * 997 + 997 + 331
+  # fp32 compute: 4 + 4 + 12 bytes a parameter, over 8 devices, padding included.
+  assert plan["theory_formula"] == "20Φ/N"
+  assert abs(plan["state_bytes"] - 20 * phi / 8) <= 0.03 * 20 * phi / 8, plan
+
+
+def test_a_prime_checkpoint_restores_on_a_mesh_that_pads_otherwise_and_on_one_device(tmp_path):
+  e, state, first = prime_train("stage3")  # 8 devices: 503 -> 504, 331 -> 336
+  e.save(state, tmp_path)
+  saved = e.program.padding.unpad(jax.device_get(state.master))
+  for layout in ("five", "one"):  # stage 1 on 5 devices (503 -> 505, 331 -> 335); one device
+    other = prime_engine(layout)
+    restored = other.restore(tmp_path)  # checksums over the true shapes verify
+    assert int(restored.step) == 3
+    chex.assert_trees_all_equal(other.program.padding.unpad(jax.device_get(restored.master)),
+                                saved)
+  assert other.program.padding.padded_leaves() == {}

@@ -107,8 +107,8 @@ def test_values_that_differ_from_their_checksum_are_caught(copy_of, monkeypatch)
   taken) is caught by the checksum alone."""
   record = integrity.record
 
-  def record_then_change(state):
-    saved = record(state)
+  def record_then_change(state, true_shapes=None):
+    saved = record(state, true_shapes)
     state.master["final_norm"] += 1.0  # in place of bytes changed on disk
     return saved
   workdir = copy_of
@@ -164,11 +164,19 @@ def test_per_shard_checksums_equal_the_global_view_and_cross_devices_once():
             put(x, "b"),  # copies along "a": each counted once
             put(x.astype(jnp.bfloat16), None, "a"), put(x), put(jnp.int32(7)),  # replicated
             jnp.ones(5)]  # one device, not on the mesh: the global view
-  want = np.asarray(integrity._checksums_and_finite(leaves))
-  np.testing.assert_array_equal(integrity._compute(leaves, with_finite=True), want)
-  np.testing.assert_array_equal(integrity._compute(leaves, with_finite=False), want[:1])
+  unpadded = (None,) * len(leaves)
+  want = np.asarray(integrity._checksums_and_finite(leaves, unpadded))
+  np.testing.assert_array_equal(integrity._compute(leaves, True, unpadded), want)
+  np.testing.assert_array_equal(integrity._compute(leaves, False, unpadded), want[:1])
+  # A leaf stored padded (jaxzero.parallel.padding) sums its true shape alone: the
+  # unpadded leaf's checksum, whatever the padding and the sharding.
+  y = x[:7, :13]
+  for padded in (jnp.pad(y, ((0, 1), (0, 3), (0, 0))), jnp.pad(y, ((0, 5), (0, 7), (0, 0)))):
+    got = integrity._compute([put(padded, "b", "a")], False, [(7, 13, 3)])
+    assert got == integrity._compute([y], False, [None])
   # One all-reduce of a [2, leaves] vector, not a tuple of a scalar per leaf.
   on_mesh = leaves[:-1]
-  hlo = integrity._per_shard_sums(mesh, tuple(map(integrity._dims_axes, on_mesh)), True).lower(
+  hlo = integrity._per_shard_sums(mesh, tuple(map(integrity._dims_axes, on_mesh)), True,
+                                  unpadded[:-1]).lower(
       on_mesh).compile().as_text()
   assert hlo.count(" all-reduce(") == 1 and "u32[2,6]{1,0} all-reduce(" in hlo, hlo

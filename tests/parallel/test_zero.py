@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero import config
 from jaxzero import engine as engine_lib
+from jaxzero.engine import state_bytes
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, count_params, param_specs
 from jaxzero.parallel.mesh import make_mesh
@@ -104,13 +105,24 @@ def test_hybrid_shards_over_fsdp_only():
   assert sum(got.values()) == pytest.approx(16 * phi / 4, abs=64)
 
 
-def test_a_leaf_that_does_not_divide_picks_another_dimension_or_replicates():
+def test_a_leaf_that_does_not_divide_picks_another_dimension_or_is_padded():
   # dim 36 and vocab 257 divide no 8-way axis; mlp 64 does.
   odd = LlamaConfig(vocab_size=257, dim=36, n_layers=1, n_heads=4, n_kv_heads=2, mlp_dim=64)
-  sh = engine_lib.TrainProgram(_cfg(odd), _layout(3), trainable.llama(_cfg(odd).model)).shardings
+  program = engine_lib.TrainProgram(_cfg(odd), _layout(3), trainable.llama(_cfg(odd).model))
+  sh, abstract = program.shardings, program.abstract
   assert sh.params["layers"]["w_up_LxDxF"].spec == P(None, None, ALL)
-  assert sh.params["embed_VxD"].spec == P()
-  assert sh.params["final_norm"].spec == P()
+  # Outside the layers, padded where it wastes least: vocab 257 -> 264 (7 x 36 elements,
+  # where dim 36 -> 40 would add 4 x 257), the final norm 36 -> 40.
+  assert abstract.params["embed_VxD"].shape == (264, 36)
+  assert sh.params["embed_VxD"].spec == P(ALL, None)
+  assert abstract.master["final_norm"].shape == (40,) and sh.master["final_norm"].spec == P(ALL)
+  # The stacked layers' leaves are sliced by the layer scan, not padded: one dividing
+  # nowhere stays whole, and the plan says so.
+  assert abstract.params["layers"]["attn_norm"].shape == (1, 36)
+  assert sh.params["layers"]["attn_norm"].spec == P()
+  assert program.n_params == count_params(odd)
+  whole = state_bytes.kept_whole(program)
+  assert whole["leaves"] >= 1 and "stacked layers" in whole["why"]
 
 
 def test_rules_reject_unknown_logical_axes():
@@ -134,9 +146,9 @@ def test_a_leaf_kept_whole_says_why_once(caplog):
   for _ in range(4):  # as for each role: params, grads, optimizer, compute
     small = rules.leaf_axes("['emb']['tiny']", (61, 96), ("vocab", "embed"), {}, 8, 100_000)
     prime = rules.leaf_axes("['w']['prime']", (331, 997), None, {}, 8, 0)
-  assert small == ("none", "none") and prime == ("none", "none")
+  # The prime leaf is not replicated: its largest dimension is named, and padded.
+  assert small == ("none", "none") and prime == ("none", "embed")
   lines = [r.getMessage() for r in caplog.records]
   assert lines.count("keeping ['emb']['tiny'] (61, 96) whole on every device: 5,856 elements, "
                      "under zero.min_shard_size=100,000") == 1
-  assert lines.count("replicating ['w']['prime'] (331, 997): no dimension divides the 8 "
-                     "sharding devices") == 1
+  assert not any("replicating" in line for line in lines)
