@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import sys
 
 from jaxzero import cli
 from jaxzero import config as config_lib
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.planning import comm_report as comm_lib
+from jaxzero.runtime import xla_log as xla_log_lib
 from jaxzero.utils.formatting import bytes_unit, format_count
 
 DEFAULT_DEVICES = mesh_lib.DEFAULT_DEVICES  # one GPU node, for a mesh of -1
@@ -44,12 +46,25 @@ def main(argv=None) -> int:
                       "writes (default 20; scripts/offload_bench.py measures a machine's)")
   parser.add_argument("--disk-gbps", type=float, default=6.0,
                       help="offload.params=nvme: the NVMe drive's GB/s (default 6)")
+  parser.add_argument("--xla-log", metavar="PATH",
+                      help="where XLA's own warnings while planning go (default: "
+                      "runs/<config name>/plan.log, the workdir jaxzero.train would use); "
+                      "one line after the plan counts them")
   parser.add_argument("--comm", action="store_true",
                       help="also list every collective of each compiled step (op, dtype, bytes, "
                       "runs per step, mesh axes) and the total per device beside the ZeRO paper's")
   args = parser.parse_args(argv)
 
   def body():
+    xla_log = pathlib.Path(args.xla_log or pathlib.Path("runs") / pathlib.Path(args.config).stem
+                           / "plan.log")
+    with xla_log_lib.xla_lines_to(xla_log) as counts:
+      make_plan()
+    said = xla_log_lib.summary(counts, xla_log)
+    if said:
+      print(said, file=sys.stderr)
+
+  def make_plan():
     if args.devices is not None and args.devices < 1:
       parser.error(f"--devices={args.devices} must be at least 1")
     if args.hbm_gb <= 0:

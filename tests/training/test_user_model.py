@@ -4,62 +4,29 @@ with the banner, metrics and memory check of any run."""
 
 import dataclasses
 import json
+import re
 
 import jax
 import pytest
 
 from jaxzero import config
 from jaxzero.api import adapters
-from processes import child_env, run_python
+from processes import ROOT, child_env, run_python
 
-MODEL = '''
-import jax.numpy as jnp
-import optax
-from flax import nnx
-
-
-class TinyLM(nnx.Module):
-  def __init__(self, rngs, vocab=256, dim=32, seq=16):
-    self.embed = nnx.Embed(vocab, dim, rngs=rngs)
-    self.pos = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (seq, dim)))
-    self.mlp = nnx.Linear(dim, dim, rngs=rngs)
-    self.norm = nnx.LayerNorm(dim, rngs=rngs)
-
-  def __call__(self, tokens):
-    x = self.embed(tokens) + self.pos[...][:tokens.shape[1]]
-    x = x + jnp.tanh(self.mlp(x))
-    return self.embed.attend(self.norm(x))
+def _example(name: str) -> str:
+  """A file of docs/any-model.md's complete model_factory example, as written there."""
+  doc = (ROOT / "docs" / "any-model.md").read_text()
+  (code,) = re.findall(rf"<!-- example: {re.escape(name)} -->\n```python\n(.*?)```", doc, re.S)
+  return code
 
 
-def loss(model, tokens):
-  logits = model(tokens[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+MODEL, CONFIG = _example("tiny_lm.py"), _example("my_config.py")
 
 
-def make():
-  return {"model": lambda rngs: TinyLM(rngs), "loss_fn": loss, "min_shard_size": 0}
-'''
-
-CONFIG = '''
-import dataclasses
-from jaxzero import config
-
-
-def get_config():
-  c = config.base()
-  return dataclasses.replace(
-      c, model_factory="tiny_lm:make", mesh=config.MeshConfig(replica=1, fsdp=8),
-      train=dataclasses.replace(c.train, steps=5, global_batch=16, grad_accum=2, seq_len=16,
-                                lr=3e-3, warmup_steps=1),
-      precision=config.PrecisionConfig(compute="float32"),
-      checkpoint=config.CheckpointConfig(every=3), data=config.DataConfig(max_bytes=200_000))
-'''
-
-
-def train(tmp_path, workdir, *args):
+def train(tmp_path, workdir, *args, devices=8):
   result = run_python("-m", "jaxzero.train", "--config", str(tmp_path / "my_config.py"),
                       "--workdir", str(workdir), "--no-progress", *args,
-                      env=child_env(tmp_path / "xla_cache"))
+                      env=child_env(tmp_path / "xla_cache", JAX_NUM_CPU_DEVICES=str(devices)))
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
 
@@ -102,6 +69,10 @@ def test_a_user_model_trains_checkpoints_and_resumes(tmp_path):
   resumed = train(tmp_path, tmp_path / "w")
   assert "trained to step 5" in resumed and (tmp_path / "w" / "checkpoints" / "5").is_dir()
   train(tmp_path, tmp_path / "whole")
-  got, whole = losses(tmp_path / "w"), losses(tmp_path / "whole")
+  train(tmp_path, tmp_path / "one", devices=1)
+  got, whole, one = (losses(tmp_path / w) for w in ("w", "whole", "one"))
   assert len(got) == 5 and got[-1] < got[0]
   assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, whole)), (got, whole)
+  # Its dimension 31 divides no 8 devices: the leaves are padded, and train as on one.
+  assert "kept whole" not in out
+  assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, one)), (got, one)
