@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from jaxzero.models.interface import Hooks, Model
 from jaxzero.parallel.mesh import AXES
+from jaxzero.parallel.padding import padded_shape
 from jaxzero.parallel.zero import Layout
 
 
@@ -50,15 +51,19 @@ class LayoutHooks:
     """A weight in the compute layout (replicated over the data axes, split over
     `tensor`) where it is used; its gradient leaves in the reduce layout."""
     layout, mesh = self.layout, traced_mesh(self.layout)
+    # A weight stored padded (jaxzero.parallel.padding) arrives at its true shape: it is
+    # placed by its stored shape's layout, an uneven split XLA pads internally.
+    shape = padded_shape(w.shape, logical_axes, layout.shard_size,
+                         skip=layout.tensor_dim(w.shape, logical_axes))
     if layout.params_memory == "pinned_host":
       # Offloaded weights (stage 3): each layer's shard comes to the device here,
       # inside the layer scan, one layer at a time (a no-op for those already there).
-      w = jax.device_put(w, NamedSharding(mesh, layout.spec(w.shape, logical_axes, "params"),
+      w = jax.device_put(w, NamedSharding(mesh, layout.spec(shape, logical_axes, "params"),
                                           memory_kind="device"))
-    compute = NamedSharding(mesh, layout.spec(w.shape, logical_axes, "compute"))
+    compute = NamedSharding(mesh, layout.spec(shape, logical_axes, "compute"))
     if set(AXES) <= set(self.vmapped_axes):  # a per-device gradient stays whole, unreduced
       return w if layout.tensor_size == 1 else jax.lax.with_sharding_constraint(w, compute)
-    reduced = layout.spec(w.shape, logical_axes, layout.reduce_role)
+    reduced = layout.spec(shape, logical_axes, layout.reduce_role)
     return gather_for_compute(w, compute, NamedSharding(mesh, reduced),
                               jax.numpy.dtype(layout.reduce_dtype))
 

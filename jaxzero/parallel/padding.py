@@ -14,9 +14,11 @@ update (zero moments, zero weight) is zero, and it stays zero: it never reaches 
 the gradient norm. Checkpoints record each padded leaf's true shape (jaxzero.checkpoint), so
 readers see the true shape and a restore pads anew for its own mesh.
 
-Invariants: only leaves outside the model's stacked layers (``Model.layers_key``, sliced by
-the layer scan) are padded; a leaf ``zero.min_shard_size`` keeps whole has no ZeRO-able
-dimension (jaxzero.parallel.rules) and is never padded.
+A model's stacked layers (``Model.layers_key``) reach its ``Hooks.scan`` whole and padded,
+and each layer's slice is unpadded as the scan hands it to the layer function; the gather
+hook places a true-shaped weight by its padded shape's layout (jaxzero.engine.hooks), so its
+gradient is still reduce-scattered. A leaf ``zero.min_shard_size`` keeps whole has no
+ZeRO-able dimension (jaxzero.parallel.rules) and is never padded.
 """
 
 from __future__ import annotations
@@ -100,21 +102,38 @@ def pad_model(model: Model, layout: Layout) -> tuple[Model, Padding]:
   shards it and no dimension divides (the same model where none needs it)."""
   size = layout.shard_size if any(layout.is_sharded(r) for r in ("params", "optimizer")) else 1
 
-  def stored(path, leaf):
+  def stored(leaf):
     shape, axes = tuple(leaf.shape), tuple(leaf.logical_axes)
-    if model.layers_key is not None and getattr(path[0], "key", None) == model.layers_key:
-      return shape  # the layer scan slices these: jaxzero.parallel.zero says why they stay
     return padded_shape(shape, axes, size, skip=layout.tensor_dim(shape, axes))
 
   true_shapes = jax.tree.map(lambda leaf: tuple(leaf.shape), model.specs, is_leaf=is_spec)
-  padded_shapes = jax.tree_util.tree_map_with_path(stored, model.specs, is_leaf=is_spec)
+  padded_shapes = jax.tree.map(stored, model.specs, is_leaf=is_spec)
   padding = Padding(true_shapes, padded_shapes)
   if not padding.any:
     return model, padding
   specs = jax.tree.map(lambda leaf, shape: Leaf(shape, tuple(leaf.logical_axes)),
                        model.specs, padded_shapes, is_leaf=is_spec)
-  inner_init, inner_loss = model.init, model.loss
-  return dataclasses.replace(
-      model, specs=specs, init=lambda key: padding.pad(inner_init(key)),
-      loss=lambda params, batch, hooks: inner_loss(padding.unpad(params), batch, hooks)
-  ), padding
+  inner_init, inner_loss, key = model.init, model.loss, model.layers_key
+  if key is None:
+    loss = lambda params, batch, hooks: inner_loss(padding.unpad(params), batch, hooks)
+  else:
+    # The stacked layers go to Hooks.scan whole, as stored (Model.layers_key's contract);
+    # each layer's slice loses its padding as the scan hands it to the layer.
+    layer_shapes = jax.tree.map(lambda shape: shape[1:], true_shapes[key],
+                                is_leaf=lambda x: isinstance(x, tuple))
+
+    def loss(params, batch, hooks):
+      outer = {k: v for k, v in params.items() if k != key}
+      outer = _map(unpad, outer, {k: true_shapes[k] for k in outer})
+      scan = _unpadding_scan(hooks.scan, layer_shapes)
+      return inner_loss({**outer, key: params[key]}, batch,
+                        dataclasses.replace(hooks, scan=scan))
+  return dataclasses.replace(model, specs=specs, init=lambda k: padding.pad(inner_init(k)),
+                             loss=loss), padding
+
+
+def _unpadding_scan(scan, layer_shapes):
+  """`scan` whose layer function gets each layer's weights at their true shapes."""
+  def run(layer, carry, stacked):
+    return scan(lambda c, weights: layer(c, _map(unpad, weights, layer_shapes)), carry, stacked)
+  return run

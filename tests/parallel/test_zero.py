@@ -116,13 +116,12 @@ def test_a_leaf_that_does_not_divide_picks_another_dimension_or_is_padded():
   assert abstract.params["embed_VxD"].shape == (264, 36)
   assert sh.params["embed_VxD"].spec == P(ALL, None)
   assert abstract.master["final_norm"].shape == (40,) and sh.master["final_norm"].spec == P(ALL)
-  # The stacked layers' leaves are sliced by the layer scan, not padded: one dividing
-  # nowhere stays whole, and the plan says so.
-  assert abstract.params["layers"]["attn_norm"].shape == (1, 36)
-  assert sh.params["layers"]["attn_norm"].spec == P()
+  # The stacked layers' leaves too (the layer scan hands each layer its true shape):
+  # nothing stays whole.
+  assert abstract.params["layers"]["attn_norm"].shape == (1, 40)
+  assert sh.params["layers"]["attn_norm"].spec == P(None, ALL)
   assert program.n_params == count_params(odd)
-  whole = state_bytes.kept_whole(program)
-  assert whole["leaves"] >= 1 and "stacked layers" in whole["why"]
+  assert state_bytes.kept_whole(program)["leaves"] == 0
 
 
 def test_rules_reject_unknown_logical_axes():
