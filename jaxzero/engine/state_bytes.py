@@ -98,9 +98,8 @@ def kept_whole(program) -> dict:
   by_choice = sum(not set(specs[i].logical_axes) & set(FSDP_DIM_PREFERENCE) for i in whole)
   why = (f"under zero.min_shard_size={program.cfg.zero.min_shard_size:,} elements"
          if by_choice == len(whole) else
-         "weights of the stacked layers that no dimension of which divides the "
-         f"{layout.shard_size} sharding devices" + (" or under zero.min_shard_size"
-                                                     if by_choice else ""))
+         f"no dimension of theirs divides the {layout.shard_size} sharding devices"
+         + (" or they are under zero.min_shard_size" if by_choice else ""))
   return {"bytes": elements * per_element, "leaves": len(whole), "why": why}
 
 

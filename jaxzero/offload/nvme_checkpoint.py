@@ -23,7 +23,7 @@ import tensorstore as ts
 
 from jaxzero.checkpoint import integrity
 from jaxzero.checkpoint.read_errors import ReadError
-from jaxzero.offload import nvme_store
+from jaxzero.offload import host_store, nvme_store
 
 INDEX, FORMAT = "index.json", "jaxzero-nvme-v1"
 _ITEM_CONTEXT = {"file_io_sync": True}
@@ -180,7 +180,7 @@ class _NvmeSideItem:
 
   def split(self, state) -> tuple[Any, ItemSave | None]:
     store = getattr(state, "store", None)  # jaxzero.runners.nvme.NvmeState
-    if not isinstance(store, nvme_store.Store):
+    if not isinstance(store, (nvme_store.Store, host_store.HostStore)):
       return state, None
     # Copied during the save (the next update rewrites the store).
     return state.in_memory(), ItemSave(store)

@@ -153,10 +153,9 @@ class Layout:
           break
       else:  # (a leaf with no dimension ZeRO may split is whole by choice: rules said why)
         if self.shard_size > 1 and set(logical_axes) & set(FSDP_DIM_PREFERENCE):
-          say_once(f"replicating {name} {shape} over the data axes: a weight of the stacked "
-                   f"layers (which the layer scan slices, so it is not padded) whose "
-                   f"dimensions {logical_axes} none divide the {self.shard_size} sharding "
-                   f"devices")
+          say_once(f"replicating {name} {shape} over the data axes: none of its dimensions "
+                   f"{logical_axes} divides the {self.shard_size} sharding devices, and it "
+                   f"is not stored padded (jaxzero.parallel.padding)")
     return P(*axes) if any(axes) else P()
 
   def tensor_dim(self, shape: tuple[int, ...], logical_axes: tuple[str, ...],

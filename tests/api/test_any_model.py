@@ -230,9 +230,11 @@ def test_remat_of_the_models_own_block_class_changes_no_loss():
 
 @pytest.mark.parametrize("offload", ["pinned_host", "nvme"])
 def test_the_optimizer_state_of_any_pytree_offloads(offload, tmp_path):
-  kept = train("mlp_pytree", "stage3", steps=3)[2]
-  e = engine("mlp_pytree", "stage3",
-             offload=jaxzero.Offload(offload, nvme_dir=str(tmp_path) if offload == "nvme" else ""))
+  _, in_memory, kept = train("mlp_pytree", "stage3", steps=3)
+  def where(name):
+    (tmp_path / name).mkdir()
+    return jaxzero.Offload(offload, nvme_dir=str(tmp_path / name) if offload == "nvme" else "")
+  e = engine("mlp_pytree", "stage3", offload=where("nvme"))
   state, got = e.init(jax.random.key(0)), []
   for batch in mlp_batches()[:3]:
     state, metrics = e.step(state, batch)
@@ -242,6 +244,16 @@ def test_the_optimizer_state_of_any_pytree_offloads(offload, tmp_path):
     assert e.runner.store.host_bytes == 12 * e.program.n_params
   else:
     assert e.runner.store is not None and list(tmp_path.rglob("*"))  # the state is in files
+  # Its checkpoint holds the master weights and moments, and resumes in memory or offloaded.
+  e.save(state, tmp_path / "ck")
+  for other in (engine("mlp_pytree", "stage3"),
+                engine("mlp_pytree", "hybrid", offload=where("nvme_hybrid"))):
+    restored = other.restore(tmp_path / "ck")
+    if other.cfg.offload.optimizer == "device":
+      chex.assert_trees_all_close(jax.device_get(restored.master),
+                                  jax.device_get(in_memory.master), atol=1e-6)
+    restored, metrics = other.step(restored, mlp_batches()[3])
+    assert np.isfinite(float(metrics["loss"]))
 
 
 # ----------------------------------------------------------------------------- every dimension prime
