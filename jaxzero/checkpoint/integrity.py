@@ -93,12 +93,14 @@ def _checksums_and_finite(leaves: list[jax.Array], true_shapes: tuple) -> jax.Ar
   return jnp.stack([_checksums(leaves, true_shapes), finite])
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def box_checksums(boxes: jax.Array, offsets: jax.Array, leaf_shape: tuple[int, ...]) -> jax.Array:
-  """[2, K] uint32 of K boxes [K, *box] of K leaves of `leaf_shape`, all starting
-  at `offsets`: each box's part of its leaf's checksum, and 1 where it is finite.
-  (The NVMe tier keeps its state in boxes: jaxzero.offload.nvme_store.)"""
-  sums = jnp.stack([_leaf_checksum(box, offsets, leaf_shape) for box in boxes])
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def box_checksums(boxes: jax.Array, offsets: jax.Array, leaf_shape: tuple[int, ...],
+                  true_shape: tuple[int, ...] | None = None) -> jax.Array:
+  """[2, K] uint32 of K boxes [K, *box] of K leaves of `leaf_shape` (stored padded
+  from `true_shape`), all starting at `offsets`: each box's part of its leaf's
+  checksum, and 1 where it is finite. (The NVMe tier keeps its state in boxes:
+  jaxzero.offload.nvme_store.)"""
+  sums = jnp.stack([_leaf_checksum(box, offsets, leaf_shape, true_shape) for box in boxes])
   finite = jnp.stack([jnp.isfinite(box).all() for box in boxes]).astype(jnp.uint32)
   return jnp.stack([sums, finite])
 

@@ -143,7 +143,8 @@ class ItemReader:
         return have.get(name)
       saved = self.view(name)
       return jax.make_array_from_callback(
-          t.shape, t.sharding, lambda index: np.asarray(saved[index].read().result(), t.dtype))
+          t.shape, t.sharding,
+          lambda index: np.asarray(read_box(saved, _box_of(index, t.shape)).result(), t.dtype))
 
     return jax.tree_util.tree_map_with_path(leaf, target)
 
@@ -232,7 +233,7 @@ def fill_from_item(store: nvme_store.Store, reader: ItemReader) -> nvme_store.Su
   def read(chunk):
     leaf, region, starts = chunk
     box = nvme_store.index(leaf.chunk_box(region, starts))
-    return _Read(lambda: reader.array(leaf.name)[box].read())
+    return _Read(lambda: read_box(reader.array(leaf.name), box))
 
   for (leaf, region, starts), data in nvme_store.prefetched(list(store.chunks()), read):
     store.write(leaf, region, starts, data)
@@ -252,7 +253,7 @@ def fill_from_arrays(store: nvme_store.Store,
     arrays = [_Read(lambda kind=kind: _Done(open_kind(kind))).result() for kind in leaf.kinds]
     for region in leaf.regions:
       index = tuple(slice(a, b) for a, b in region.box)
-      reads = [_Read(lambda a=a: a[index].read()) for a in arrays]
+      reads = [_Read(lambda a=a: read_box(a, index)) for a in arrays]
       data = np.stack([r.result() for r in reads]).astype(np.float32)
       if region.owner:
         sums.add(leaf, region.box, data)
@@ -263,6 +264,23 @@ def fill_from_arrays(store: nvme_store.Store,
       del data
   store.writes.wait()
   return sums
+
+
+def read_box(array: ts.TensorStore, box: tuple[slice, ...]):
+  """A read of `box` (slices with start and stop) of a saved array, as a future. Where the
+  box reaches past the array (a leaf saved with less padding, jaxzero.parallel.padding),
+  the part inside is read and the rest is zeros; padding saved past the box is not read."""
+  shape = tuple(array.shape)
+  box = tuple(slice(s.start or 0, n if s.stop is None else s.stop) for s, n in zip(box, shape))
+  if all(s.stop <= n for s, n in zip(box, shape)):
+    return array[box].read()
+  inside = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(box, shape))
+  part = np.asarray(array[inside].read().result())
+  return _Done(np.pad(part, [(0, (s.stop - s.start) - p) for s, p in zip(box, part.shape)]))
+
+
+def _box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+  return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
 
 
 class _Done:

@@ -65,6 +65,8 @@ class Leaf:
   kinds: tuple[str, ...]  # the TrainState leaf of each of its K copies
   sharding: NamedSharding  # the optimizer's layout, in device memory
   chunk: tuple[int, ...]  # a chunk's length in each dimension (all of it where uncut)
+  # Stored padded (jaxzero.parallel.padding): the weight's true shape, which checksums cover.
+  true_shape: tuple[int, ...] | None = None
 
   @property
   def cut(self) -> tuple[int, ...]:
@@ -112,7 +114,8 @@ def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
 
 
 def plan_leaf(name: str, shape: tuple[int, ...], kinds: tuple[str, ...],
-              sharding: NamedSharding, stacked: bool, chunk_bytes: int | None = None) -> Leaf:
+              sharding: NamedSharding, stacked: bool, chunk_bytes: int | None = None,
+              true_shape: tuple[int, ...] | None = None) -> Leaf:
   """How a weight is cut into chunks: a stacked weight one layer at a time, then
   (any weight) along the dimensions no mesh axis splits, first to last, until a
   device's box of all K copies is at most `chunk_bytes`."""
@@ -131,7 +134,9 @@ def plan_leaf(name: str, shape: tuple[int, ...], kinds: tuple[str, ...],
                     if chunk[d] % b == 0 and b * row <= chunk_bytes] or [1])
   # In global terms a chunk spans the whole of every split dimension.
   return Leaf(name, shape, kinds, sharding,
-              tuple(n if d not in free else c for d, (n, c) in enumerate(zip(shape, chunk))))
+              tuple(n if d not in free else c for d, (n, c) in enumerate(zip(shape, chunk))),
+              None if true_shape is None or tuple(true_shape) == tuple(shape)
+              else tuple(true_shape))
 
 
 def index(box: Box) -> tuple[slice, ...]:
@@ -355,7 +360,8 @@ class Sums:
 
   def add(self, leaf: Leaf, box: Box, chunk: np.ndarray, kinds=None) -> None:
     offsets = np.array([a for a, _ in box], np.int32)
-    values = np.asarray(integrity.box_checksums(_on_cpu(chunk), offsets, leaf.shape))
+    values = np.asarray(integrity.box_checksums(_on_cpu(chunk), offsets, leaf.shape,
+                                                leaf.true_shape))
     for k, kind in enumerate(kinds or leaf.kinds):
       self.sums[kind] = (self.sums[kind] + int(values[0, k])) % 2**32
       self.finite[kind] &= bool(values[1, k])

@@ -79,11 +79,13 @@ class NvmeRunner:
     copies = nvme_chunks.weight_copies(program.tx, abstract.opt_state, abstract.master)
     flat, self._master_def = jax.tree_util.tree_flatten_with_path(abstract.master)
     master_sh = jax.tree.leaves(on_device(sh.master))
+    true_shapes = [tuple(t.shape) for t in jax.tree.leaves(program.true_abstract.master)]
     self.leaves = [
         nvme_store.plan_leaf(integrity.leaf_name(path), tuple(a.shape),
                              copies[integrity.leaf_name(path)], s,
-                             stacked=integrity.leaf_name(path).startswith("layers/"))
-        for (path, a), s in zip(flat, master_sh)]
+                             stacked=integrity.leaf_name(path).startswith("layers/"),
+                             true_shape=true)
+        for (path, a), s, true in zip(flat, master_sh, true_shapes)]
     self.names = {kind for leaf in self.leaves for kind in leaf.kinds}
     # The optimizer state with None at its per-weight leaves: what memory keeps.
     keep = lambda tree: optax.tree_map_params(program.tx, lambda _: None, tree,
