@@ -149,7 +149,10 @@ def test_zero3_load_reads_each_shard_once_and_never_the_whole_model(tmp_path, mo
   # Every byte of the checkpoint is read exactly once.
   assert sum(nbytes for _, nbytes in reads) == model_bytes
   # Host memory beyond what stays alive never reaches two tensors, let alone the model.
-  assert peak - after <= 2 * biggest and peak <= model_bytes / 4
+  # (What stays alive is not bounded here: on CPU the devices' shards are host memory, and
+  # how much of it tracemalloc sees depends on the process's past: 6.0 MB of this 17.8 MB
+  # model once in a full-suite worker, under 4.5 MB when the file runs alone.)
+  assert peak - after <= 2 * biggest < model_bytes / 4
   want = params_from_hf(state_dict, cfg)
   for (key, leaf), sharding, value in zip(flat(params).items(), jax.tree.leaves(shardings),
                                           jax.tree.leaves(want)):

@@ -11,6 +11,7 @@ import pytest
 
 from jaxzero import config
 from jaxzero.api import adapters
+from jaxzero.training import loop
 from processes import ROOT, child_env, run_python
 
 def _example(name: str) -> str:
@@ -76,3 +77,30 @@ def test_a_user_model_trains_checkpoints_and_resumes(tmp_path):
   # Its dimension 31 divides no 8 devices: the leaves are padded, and train as on one.
   assert "kept whole" not in out
   assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, one)), (got, one)
+
+
+@pytest.mark.slow  # four runs in this process
+def test_the_examples_padded_leaves_train_at_stages_1_to_3_and_hybrid_as_on_one_device(
+    tmp_path, monkeypatch):
+  """Through jaxzero.train's loop: the example's dimension 31 divides no mesh here, so its
+  square leaves are padded at every stage and under HYBRID, and each run's losses are one
+  device's."""
+  (tmp_path / "tiny_lm_padded.py").write_text(MODEL)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  namespace = {}
+  exec(CONFIG.replace("tiny_lm:make", "tiny_lm_padded:make"), namespace)  # pylint: disable=exec-used
+  base = namespace["get_config"]()
+  base = dataclasses.replace(base, train=dataclasses.replace(base.train, steps=3),
+                             checkpoint=config.CheckpointConfig(every=0))
+
+  def run(name, devices, **zero):
+    cfg = dataclasses.replace(base, zero=dataclasses.replace(base.zero, **zero),
+                              mesh=config.MeshConfig(replica=2 if zero.get("hybrid") else 1,
+                                                     fsdp=-1))
+    loop.run_training(cfg, tmp_path / name, devices=jax.devices()[:devices], progress=False)
+    return losses(tmp_path / name)
+
+  one = run("one", 1, stage=0)
+  for stage, hybrid in ((1, False), (2, False), (3, True)):
+    got = run(f"stage{stage}{hybrid}", 8, stage=stage, hybrid=hybrid)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, one)), (stage, got, one)
