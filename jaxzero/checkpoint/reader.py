@@ -68,7 +68,8 @@ class CheckpointReader(CheckpointDirectory):
     return np.asarray(restored)[tuple(slice(0, d) for d in shape)]
 
   def read_by_layer(self, step: int, path: Path, shape: tuple[int, ...]):
-    """A saved stacked leaf that reads one layer (its first index) when indexed.
+    """A saved stacked leaf of true `shape` that reads one layer (its first index) when
+    indexed, without any padding it is stored with.
 
     orbax restores whole leaves only, and a stacked leaf holds every layer of a
     weight (75 GB in fp32 for a 70B MLP weight); tensorstore reads a slice of
@@ -83,10 +84,13 @@ class CheckpointReader(CheckpointDirectory):
       log.warning("reading %s whole: its layers cannot be read one by one (%s)",
                   "/".join(path), read_errors.reason(e))
       return self.read(step, path, shape)
-    if tuple(store.shape) != tuple(shape):
+    stored = tuple(store.shape)
+    # Stored padded (jaxzero.parallel.padding): larger, never smaller, and never in layers.
+    if (len(stored) != len(shape) or stored[0] != shape[0]
+        or any(s < t for s, t in zip(stored, shape))):
       raise CheckpointError(f"checkpoint {self.step_dir(step)}: leaf {'/'.join(path)} has shape "
-                            f"{tuple(store.shape)}, expected {tuple(shape)}")
-    return _LayerReader(store)
+                            f"{stored}, expected {tuple(shape)}")
+    return _LayerReader(store, tuple(shape))
 
   def _side_view(self, step: int, path: Path):
     """The leaf at `path` if checkpoint `step` keeps it in its side item, else None."""
@@ -97,12 +101,13 @@ class CheckpointReader(CheckpointDirectory):
 class _LayerReader:
   """A saved array whose `[i]` reads layer i only, as float32 numpy."""
 
-  def __init__(self, store):
+  def __init__(self, store, shape: tuple[int, ...]):
     self._store = store
-    self.shape = tuple(store.shape)
+    self.shape = shape  # the leaf's true shape: a padded leaf's padding is not read
 
   def __getitem__(self, layer: int) -> np.ndarray:
-    return np.asarray(self._store[layer].read().result(), dtype=np.float32)
+    inside = tuple(slice(0, n) for n in self.shape[1:])
+    return np.asarray(self._store[(layer, *inside)].read().result(), dtype=np.float32)
 
 
 def _nested(path: Path, leaf) -> dict:

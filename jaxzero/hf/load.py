@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import pathlib
 from typing import Any, Callable
@@ -25,6 +26,7 @@ from jaxzero import config as config_lib
 from jaxzero.errors import HFCheckpointError
 from jaxzero.hf import config_json, tensors
 from jaxzero.models.llama import Llama, LlamaConfig, param_specs
+from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel import zero
 
 Path = tuple[str, ...]
@@ -238,18 +240,34 @@ def _leaf_shardings(shardings: Any, shapes: dict[Path, tuple[int, ...]]) -> dict
   return flat
 
 
+def _stored_shape(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple[int, ...]:
+  """The shape a leaf of true `shape` is stored at under `sharding`: a split dimension
+  that its shards do not divide is padded up to a multiple of them
+  (jaxzero.parallel.padding pads only the dimension ZeRO splits)."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return tuple(shape)
+  sizes = [math.prod(sharding.mesh.shape[a] for a in ((d,) if isinstance(d, str) else d or ()))
+           for d in mesh_lib.spec_per_dimension(sharding, len(shape))]
+  return tuple(-(-n // k) * k for n, k in zip(shape, sizes))
+
+
 def _place(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
            read: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
   """A global array whose distinct shards are each read once, then copied to
-  every device that holds them (replicas included) before the next read."""
+  every device that holds them (replicas included) before the next read. A leaf
+  stored padded gets zeros past its true `shape`."""
+  stored = _stored_shape(shape, sharding)
   devices_of: dict[tuple, tuple[tuple[slice, ...], list]] = {}
-  for device, index in sharding.addressable_devices_indices_map(shape).items():
-    full = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+  for device, index in sharding.addressable_devices_indices_map(stored).items():
+    full = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, stored))
     key = tuple((s.start, s.stop) for s in full)
     devices_of.setdefault(key, (full, []))[1].append(device)
   arrays = []
   for index, devices in devices_of.values():
-    block = read(index)
+    inside = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(index, shape))
+    block = read(inside)
+    if stored != tuple(shape):  # the padding's zeros
+      block = np.pad(block, [(0, (s.stop - s.start) - b) for s, b in zip(index, block.shape)])
     copies = [jax.device_put(block, jax.sharding.SingleDeviceSharding(
         d, memory_kind=sharding.memory_kind)) for d in devices]
     # device_put is asynchronous: without this wait a read that outpaces the
@@ -258,4 +276,4 @@ def _place(shape: tuple[int, ...], sharding: jax.sharding.Sharding,
     # a block it copied until its next call: two blocks at most, not one.)
     arrays += jax.block_until_ready(copies)
     del block, copies
-  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+  return jax.make_array_from_single_device_arrays(stored, sharding, arrays)

@@ -8,6 +8,7 @@ without torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tracemalloc
 
@@ -18,6 +19,8 @@ from safetensors.numpy import save_file
 
 from jaxzero import config
 from jaxzero import engine as engine_lib
+from jaxzero.checkpoint.checkpointer import run_info
+from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.engine import hooks as hooks_lib
 from jaxzero.errors import HFCheckpointError
 from jaxzero.hf import config_json
@@ -26,6 +29,7 @@ from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, param_specs
 from jaxzero.parallel.mesh import make_mesh
 from jaxzero.parallel.zero import Layout
+from jaxzero.runners.base import InMemoryRunner, checkpointer
 
 from hf_reference import hf_state_dict, params_from_hf, random_hf_llama, random_hf_model
 
@@ -292,3 +296,31 @@ def test_bad_checkpoint_is_one_line_naming_the_culprit(case, message, tmp_path):
   if case == "family_mismatch":
     assert "has model_type='qwen2'; the model config must match" in text
     assert "--set model.family=qwen2" in text
+
+
+def test_weights_load_into_padded_leaves_and_a_padded_checkpoint_reads_at_true_shapes(
+    tmp_path):
+  """A mesh none of whose sizes divides the model (dim 36, mlp 60, vocab 257 on 8 devices)
+  stores its leaves padded (jaxzero.parallel.padding): Hugging Face weights load into
+  them with zeros past the true shape, and export's reader reads them back without."""
+  odd = LlamaConfig(vocab_size=257, dim=36, n_layers=2, n_heads=3, n_kv_heads=1, mlp_dim=60)
+  path = write_checkpoint(tmp_path / "hf", odd, random_state_dict(odd))
+  cfg = dataclasses.replace(config.base(), model=odd,
+                            precision=config.PrecisionConfig(compute="float32"))
+  program = engine_lib.TrainProgram(cfg, Layout.from_config(cfg, make_mesh(1, 8)),
+                                    trainable.llama(odd))
+  assert program.padding.padded_leaves()["['embed_VxD']"] == ((257, 36), (264, 36))
+  want = jax.device_get(hf_load.load_params(
+      path, odd, jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+  state = program.init(hf_load.load_params(path, odd, program.shardings.master))
+  stored = jax.device_get(state.master)
+  assert stored["embed_VxD"].shape == (264, 36) and not stored["embed_VxD"][257:].any()
+  for got, expected in zip(jax.tree.leaves(program.padding.unpad(stored)), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(got, expected)
+  with checkpointer(tmp_path / "w", 1, run_info(odd, "float32", 0)) as saver:
+    InMemoryRunner(program).save(saver, 0, state, wait=True)
+  with CheckpointReader(tmp_path / "w") as reader:
+    np.testing.assert_array_equal(reader.read(0, ("master", "embed_VxD"), (257, 36)),
+                                  want["embed_VxD"])
+    layers = reader.read_by_layer(0, ("master", "layers", "w_up_LxDxF"), (2, 36, 60))
+    np.testing.assert_array_equal(layers[1], want["layers"]["w_up_LxDxF"][1])
