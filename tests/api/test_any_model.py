@@ -344,6 +344,7 @@ def test_a_prime_shaped_models_stage3_state_is_16_phi_over_n_with_gpt2s_vocabula
   assert abs(bf16["state_bytes"] - 16 * phi / 8) <= 0.03 * 16 * phi / 8, bf16
 
 
+@pytest.mark.slow  # three engines compile
 def test_a_prime_checkpoint_restores_on_a_mesh_that_pads_otherwise_and_on_one_device(tmp_path):
   e, state, first = prime_train("stage3")  # 8 devices: 503 -> 504, 331 -> 336
   e.save(state, tmp_path)

@@ -98,8 +98,10 @@ def no_offload():
 # updates in chunks of at most 4 KiB, so that weights are cut along their unsplit
 # dimensions as well as by layer (the weights of a chunk then go into the
 # replicated compute copy in place).
+# Stages 1 and 2 on the host are the slow lane's: the fast lane keeps stage 3 and the NVMe tier.
 @pytest.mark.parametrize("stage,optimizer,params", [
-    (1, "pinned_host", "device"), (2, "pinned_host", "device"), (3, "pinned_host", "device"),
+    pytest.param(1, "pinned_host", "device", marks=pytest.mark.slow),
+    pytest.param(2, "pinned_host", "device", marks=pytest.mark.slow), (3, "pinned_host", "device"),
     (3, "device", "pinned_host"), (3, "pinned_host", "pinned_host"),
     (1, "nvme", "device"), (2, "nvme", "device"), (3, "nvme", "device"),
     (3, "nvme", "pinned_host")])
