@@ -124,8 +124,7 @@ def _in_device_memory(x: jax.Array) -> bool:
 def _dims_axes(x: jax.Array) -> tuple[tuple[str, ...], ...]:
   """The mesh axes that split each dimension of `x` (a NamedSharding's; JAX
   only makes even shards)."""
-  return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
-               for e in mesh_lib.spec_per_dimension(x.sharding, x.ndim))
+  return mesh_lib.axes_per_dimension(x.sharding, x.ndim)
 
 
 # Why shard_map: in the global view every leaf's sum is its own cross-device

@@ -8,15 +8,13 @@ the planner and the start-up memory check read these beside XLA's own figures.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from jaxzero.engine.groups import reduces_once
 from jaxzero.engine.state import dtype_of
 from jaxzero.models.interface import is_spec
-from jaxzero.parallel.mesh import AXES, spec_per_dimension
+from jaxzero.parallel.mesh import AXES, axes_per_dimension
 from jaxzero.parallel.zero import FSDP_DIM_PREFERENCE, bytes_per_device
 
 
@@ -75,36 +73,34 @@ def _bytes_in_memory(abstract, shardings, kind: str) -> int:
 
 def kept_whole(program) -> dict:
   """What of the state ZeRO keeps whole on every device although its stage shards the
-  optimizer: {"bytes": per device, of the params, gradients, master weights and moments
-  of those leaves; "leaves": how many parameters; "why": the reason, one line}.
-  Nothing at stage 0 or on one device (whole by choice)."""
-  layout, sh = program.layout, program.shardings
-  specs = jax.tree.leaves(program.model.specs, is_leaf=is_spec)
-  def split_over_data(sharding, ndim: int) -> bool:
-    dims = spec_per_dimension(sharding, ndim)
-    return any(set((d,) if isinstance(d, str) else d or ()) & set(AXES) for d in dims)
-
-  whole = [i for i, sharding in enumerate(jax.tree.leaves(sh.master))
-           if layout.shard_size > 1 and layout.is_sharded("optimizer")
-           and not split_over_data(sharding, len(specs[i].shape))]
-  if not whole:
+  optimizer: {"bytes": per device, of those parameters' compute copy, gradient, master
+  weights and optimizer state, from their shardings; "leaves": how many parameters;
+  "why": the reason, one line}. Nothing at stage 0 or on one device (whole by choice)."""
+  layout, abstract, sh = program.layout, program.abstract, program.shardings
+  if layout.shard_size == 1 or not layout.is_sharded("optimizer"):
     return {"bytes": 0, "leaves": 0, "why": ""}
-  shapes = [tuple(specs[i].shape) for i in whole]
-  elements = sum(math.prod(shape) for shape in shapes)
-  itemsize = lambda name: jnp.dtype(dtype_of(name)).itemsize
-  # the compute copy, the gradient, and fp32 master weights and Adam's two moments
-  per_element = (itemsize(program.cfg.precision.compute) + itemsize(program.cfg.zero.grad_dtype)
-                 + 4 * (1 + _moments(program)))
-  by_choice = sum(not set(specs[i].logical_axes) & set(FSDP_DIM_PREFERENCE) for i in whole)
+
+  def whole(a, sharding) -> bool:
+    return a.ndim > 0 and not any(set(axes) & set(AXES) for axes in
+                                  axes_per_dimension(sharding, a.ndim))
+
+  specs = jax.tree.leaves(program.model.specs, is_leaf=is_spec)
+  kept = [spec for spec, a, s in zip(specs, jax.tree.leaves(abstract.master),
+                                     jax.tree.leaves(sh.master)) if whole(a, s)]
+  if not kept:
+    return {"bytes": 0, "leaves": 0, "why": ""}
+  grads = layout.tree_shardings(program.model.specs, "grads")
+  grad_dtype = dtype_of(program.cfg.zero.grad_dtype)
+  pairs = [*zip(jax.tree.leaves(abstract.params), jax.tree.leaves(sh.params)),
+           *zip([jax.ShapeDtypeStruct(a.shape, grad_dtype) for a in jax.tree.leaves(
+               abstract.master)], jax.tree.leaves(grads)),
+           *zip(jax.tree.leaves(abstract.master), jax.tree.leaves(sh.master)),
+           *zip(jax.tree.leaves(abstract.opt_state), jax.tree.leaves(sh.opt_state))]
+  held = [(a, s) for a, s in pairs if whole(a, s)]
+  by_choice = sum(not set(spec.logical_axes) & set(FSDP_DIM_PREFERENCE) for spec in kept)
   why = (f"under zero.min_shard_size={program.cfg.zero.min_shard_size:,} elements"
-         if by_choice == len(whole) else
+         if by_choice == len(kept) else
          f"no dimension of theirs divides the {layout.shard_size} sharding devices"
          + (" or they are under zero.min_shard_size" if by_choice else ""))
-  return {"bytes": elements * per_element, "leaves": len(whole), "why": why}
-
-
-def _moments(program) -> int:
-  """The optimizer's state leaves per parameter (Adam's 2), from its shapes."""
-  n_master = len(jax.tree.leaves(program.abstract.master))
-  n_state = sum(leaf.ndim > 0 for leaf in jax.tree.leaves(program.abstract.opt_state))
-  return n_state // max(n_master, 1)
+  return {"bytes": bytes_per_device([a for a, _ in held], [s for _, s in held]),
+          "leaves": len(kept), "why": why}

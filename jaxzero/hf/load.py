@@ -246,8 +246,8 @@ def _stored_shape(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tu
   (jaxzero.parallel.padding pads only the dimension ZeRO splits)."""
   if not isinstance(sharding, jax.sharding.NamedSharding):
     return tuple(shape)
-  sizes = [math.prod(sharding.mesh.shape[a] for a in ((d,) if isinstance(d, str) else d or ()))
-           for d in mesh_lib.spec_per_dimension(sharding, len(shape))]
+  sizes = [math.prod(sharding.mesh.shape[a] for a in axes)
+           for axes in mesh_lib.axes_per_dimension(sharding, len(shape))]
   return tuple(-(-n // k) * k for n, k in zip(shape, sizes))
 
 

@@ -153,6 +153,12 @@ def spec_per_dimension(sharding, ndim: int) -> tuple:
   return tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
 
 
+def axes_per_dimension(sharding, ndim: int) -> tuple[tuple[str, ...], ...]:
+  """The mesh axes that split each dimension of a rank-`ndim` array (() where none)."""
+  return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
+               for e in spec_per_dimension(sharding, ndim))
+
+
 def check_tensor_groups(groups) -> None:
   """Raises ConfigError when a tensor group (a row of `groups`, devices with a
   ``process_index``) spans processes: its collectives run every layer."""

@@ -201,6 +201,12 @@ def test_the_mlp_leaves_are_where_the_rules_put_them():
   small = jaxzero.Engine((mlp_init, mlp_apply), optimizer=optax.sgd(0.1), loss_fn=mlp_loss,
                          mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]))
   assert small.shardings.master["w1"].spec == P()  # under DeepSpeed's 1e5-element threshold
+  # The plan says so, from the shardings: all four parameters, the whole state but the
+  # optimizer's step count.
+  plan = small.plan()
+  assert (plan["whole_leaves"], plan["whole_why"]) == (
+      4, "under zero.min_shard_size=100,000 elements")
+  assert 0 <= plan["state_bytes"] - plan["whole_bytes"] <= 8
 
 
 @pytest.mark.slow
