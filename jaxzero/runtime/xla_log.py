@@ -45,9 +45,15 @@ def xla_lines_to(path: str | pathlib.Path) -> Iterator[collections.Counter]:
           continue
         counts["remat" if REMAT in line else "other"] += 1
         if log is None:
-          path.parent.mkdir(parents=True, exist_ok=True)
-          log = open(path, "ab")  # pylint: disable=consider-using-with
+          try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(path, "ab")  # pylint: disable=consider-using-with
+          except OSError as e:  # the lines still reach standard error: nothing blocks
+            counts["unwritable"] = 1
+            log = os.fdopen(os.dup(original), "wb")
+            log.write(f"(XLA's log lines cannot go to {path}: {e.strerror})\n".encode())
         log.write(line)
+        log.flush()
     if log is not None:
       log.close()
 
@@ -64,7 +70,7 @@ def xla_lines_to(path: str | pathlib.Path) -> Iterator[collections.Counter]:
 
 def summary(counts: collections.Counter, path: str | pathlib.Path) -> str:
   """One line for what XLA logged, or "" when it logged nothing."""
-  if not counts:
+  if not counts or counts["unwritable"]:
     return ""
   parts = []
   if counts["remat"]:

@@ -28,3 +28,13 @@ def test_nothing_logged_makes_no_file_and_no_line(tmp_path):
   with xla_log.xla_lines_to(tmp_path / "plan.log") as counts:
     pass
   assert not (tmp_path / "plan.log").exists() and xla_log.summary(counts, "x") == ""
+
+
+def test_a_log_that_cannot_be_written_passes_the_lines_through(tmp_path, capfd):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  with xla_log.xla_lines_to(blocker / "plan.log") as counts:  # a file is no directory
+    os.write(2, REMAT)
+  err = capfd.readouterr().err
+  assert "cannot go to" in err and REMAT.decode() in err
+  assert xla_log.summary(counts, "x") == ""
