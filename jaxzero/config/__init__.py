@@ -11,13 +11,14 @@ from jaxzero.config.overrides import (MOVED_KEYS, apply_overrides, as_dotted, ch
                                       override)
 from jaxzero.config.sections import (STRATEGIES, CheckpointConfig, Config, DataConfig,
                                      DistributedConfig, Dtype, EvalConfig, InitConfig, LogConfig,
+                                     LoraConfig,
                                      MemoryKind, MeshConfig, OffloadConfig, PipelineConfig,
                                      PrecisionConfig, ProfileConfig, RematConfig, TrainConfig,
                                      ZeroConfig, base, strategy_name)
 from jaxzero.errors import ConfigError
 
 __all__ = ["MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-           "DistributedConfig", "Dtype", "EvalConfig", "InitConfig", "LogConfig", "MemoryKind",
+           "DistributedConfig", "Dtype", "EvalConfig", "InitConfig", "LogConfig", "LoraConfig", "MemoryKind",
            "MeshConfig", "OffloadConfig", "PipelineConfig", "PrecisionConfig", "ProfileConfig",
            "RematConfig", "TrainConfig", "ZeroConfig", "apply_overrides", "as_dotted", "base",
            "check_literals", "load", "override", "strategy_name", "validate", "validate_offload"]

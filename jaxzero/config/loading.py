@@ -15,6 +15,7 @@ import traceback
 from jaxzero.config.overrides import apply_overrides, check_literals
 from jaxzero.config.sections import Config, PrecisionConfig
 from jaxzero.errors import ConfigError
+from jaxzero.models import lora as lora_lib
 
 
 def load(path: str, assignments: list[str] = ()) -> Config:
@@ -105,6 +106,35 @@ def validate(cfg: Config) -> None:
                       + (" and cannot start from init.hf_checkpoint (a Llama-family checkpoint)"
                          if cfg.init.hf_checkpoint else ""))
   validate_offload(cfg)
+  _validate_lora(cfg)
+
+
+def _validate_lora(cfg: Config) -> None:
+  lora = cfg.lora
+  if lora.rank == 0:
+    return
+  if lora.rank < 0:
+    raise ConfigError(f"lora.rank={lora.rank} must be positive (0 = no LoRA: every weight "
+                      "trains)")
+  if lora.alpha <= 0:
+    raise ConfigError(f"lora.alpha={lora.alpha:g} must be positive")
+  if lora.dropout != 0:
+    raise ConfigError(f"lora.dropout={lora.dropout:g}: adapter dropout is not supported yet; "
+                      "set lora.dropout=0")
+  try:
+    lora_lib.resolve_targets(lora.targets)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if cfg.model_factory:
+    raise ConfigError("lora.rank with model_factory: the lora section adapts the built-in "
+                      "Llama family; wrap your own model with jaxzero.lora instead")
+  if cfg.offload.optimizer != "device" or cfg.offload.params != "device":
+    raise ConfigError(f"lora.rank={lora.rank} with offload.optimizer={cfg.offload.optimizer}, "
+                      f"offload.params={cfg.offload.params}: LoRA runs with the state on the "
+                      "device (its optimizer state is the adapters'); set both to device")
+  if cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b":
+    raise ConfigError("lora.rank with pipeline.schedule=1f1b is not supported; use gpipe or "
+                      "interleaved")
 
 
 def validate_offload(cfg: Config) -> None:

@@ -168,6 +168,20 @@ class OffloadConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """LoRA (PEFT's): the model's weights frozen, low-rank adapters trained."""
+  # Each adapter's rank; 0 trains every weight (no LoRA).
+  rank: int = 0
+  # The adapters' output is scaled by alpha / rank (PEFT's lora_alpha).
+  alpha: float = 16.0
+  # Dropout on the adapters' input (PEFT's lora_dropout); only 0 is supported yet.
+  dropout: float = 0.0
+  # The projections adapted: "all-linear" (q, k, v, o, gate, up, down), comma-separated
+  # names (also PEFT's q_proj ... down_proj), or a regex over those names.
+  targets: str = "all-linear"
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
   every: int = 0  # 0 = only at the end and on preemption
   keep: int = 3
@@ -259,6 +273,7 @@ class Config:
   precision: PrecisionConfig = PrecisionConfig()
   remat: RematConfig = RematConfig()
   offload: OffloadConfig = OffloadConfig()
+  lora: LoraConfig = LoraConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   data: DataConfig = DataConfig()
   eval: EvalConfig = EvalConfig()

@@ -23,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxzero.models.interface import merge, split_like
+
 
 def _tap_for(place):
   """A custom_vjp (weights, acc, i) -> (weights, acc); backward: the weights' gradient,
@@ -87,19 +89,24 @@ class AccumulatingScan:
 
   def __call__(self, layer, carry, stacked):
     self.calls += 1
+    # Frozen leaves (Model.frozen_specs) ride along in `stacked`, untapped.
+    trained, frozen = (split_like(stacked, self.acc)
+                       if isinstance(stacked, dict) and isinstance(self.acc, dict)
+                       else (stacked, {}))
     shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
-    if (jax.tree.structure(stacked) != jax.tree.structure(self.acc)
-        or shapes(stacked) != shapes(self.acc)):
+    if (jax.tree.structure(trained) != jax.tree.structure(self.acc)
+        or shapes(trained) != shapes(self.acc)):
       raise ValueError("Hooks.scan must run over params[Model.layers_key], whole: got "
                        f"{shapes(stacked)}, expected {shapes(self.acc)}")
     n_layers = jax.tree.leaves(stacked)[0].shape[0]
 
     def body(state, xs):
       carry, acc = state
-      weights, i = xs
+      weights, frozen_weights, i = xs
       weights, acc = self.tap(weights, acc, i)
-      carry, _ = layer(carry, weights)
+      carry, _ = layer(carry, merge(weights, frozen_weights or None))
       return (carry, acc), None
 
-    (carry, acc), _ = jax.lax.scan(body, (carry, self.acc), (stacked, jnp.arange(n_layers)))
+    (carry, acc), _ = jax.lax.scan(body, (carry, self.acc),
+                                   (trained, frozen, jnp.arange(n_layers)))
     return _seed(carry, acc)

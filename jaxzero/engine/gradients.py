@@ -13,6 +13,7 @@ buffers; stages 0-1 and hybrid groups reduce once (jaxzero.engine.groups).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -25,19 +26,20 @@ from jaxzero.engine.groups import Groups
 from jaxzero.engine.hooks import LayoutHooks
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import dtype_of
-from jaxzero.models.interface import Model, is_spec
+from jaxzero.models.interface import Model, is_spec, merge
 from jaxzero.parallel import one_f_one_b, pipeline
 from jaxzero.parallel.zero import Layout, on_device
 
-# (params, batch [A, B, ...], scale or None) -> (gradient sum, mean loss)
-GradSum = Callable[[Any, Any, Any], tuple[Any, jax.Array]]
+# (params, batch [A, B, ...], scale or None, frozen or None) -> (gradient sum, mean loss)
+GradSum = Callable[..., tuple[Any, jax.Array]]
 
 
 def model_loss(model: Model, hooks: LayoutHooks, remat) -> Callable:
-  """(params, batch, scale, scan=None) -> (the loss times `scale`, or the loss where
-  `scale` is None; the loss): the value to differentiate, and the loss as aux."""
-  def loss(params, batch, scale, scan=None):
-    value = model.loss(params, batch, hooks.hooks(remat, scan))
+  """(params, batch, scale, scan=None, frozen=None) -> (the loss times `scale`, or the
+  loss where `scale` is None; the loss): the value to differentiate, and the loss as
+  aux. `frozen` (Model.frozen_specs' leaves) joins the parameters undifferentiated."""
+  def loss(params, batch, scale, scan=None, frozen=None):
+    value = model.loss(merge(params, frozen), batch, hooks.hooks(remat, scan))
     return (value if scale is None else value * scale), value
   return loss
 
@@ -123,11 +125,12 @@ def micro_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
       grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
     return (loss_sum + value, jax.lax.with_sharding_constraint(grad_sum, sum_sh)), None
 
-  def grad_sum_fn(params, batch_Ax, scale):
+  def grad_sum_fn(params, batch_Ax, scale, frozen=None):
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     per_layer = key is not None and accum > 1
-    micro = groups.per_group(per_layer_grads(loss, model, place) if per_layer
-                             else whole_grads(loss), per_layer)
+    bound = functools.partial(loss, frozen=frozen)
+    micro = groups.per_group(per_layer_grads(bound, model, place) if per_layer
+                             else whole_grads(bound), per_layer)
     if streams:  # the embedding, head and final norm come over now, the layers in the scan
       params = {k: v if k == key else jax.device_put(v, params_on_device[k])
                 for k, v in params.items()}
@@ -150,21 +153,21 @@ def gpipe_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
   loss = model_loss(model, LayoutHooks(layout), remat_wrapper(cfg.remat.policy))
   stages, grad_dtype = layout.pipeline_size, dtype_of(cfg.zero.grad_dtype)
 
-  def rows_loss(params, rows, accum, scale):
+  def rows_loss(params, rows, accum, scale, frozen):
     scan = pipeline.gpipe_scan(stages, accum, pipeline.stage_constraint(layout.mesh),
                                cfg.pipeline.virtual_stages)
-    _, value = loss(params, rows, None, scan)
+    _, value = loss(params, rows, None, scan, frozen)
     scaled = value * accum
     return (scaled if scale is None else scaled * scale), value
 
   grad = jax.grad(rows_loss, has_aux=True)
 
-  def grad_sum_fn(params, batch_Ax, scale):
+  def grad_sum_fn(params, batch_Ax, scale, frozen=None):
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     # Row b x A + a is micro-batch a's row b (the scan's order): each device keeps its rows.
     rows = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), batch_Ax)
     grads, mean_loss = grad(jax.device_put(params, on_device(state_sh.params)), rows, accum,
-                            scale)
+                            scale, frozen)
     return jax.tree.map(lambda g: g.astype(grad_dtype), grads), mean_loss
   return grad_sum_fn
 
@@ -178,7 +181,9 @@ def one_f_one_b_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> Gr
       model.specs[model.layers_key], layout.reduce_role))
   unscaled = lambda params, batch, scan: loss(params, batch, None, scan)[1]
 
-  def grad_sum_fn(params, batch_Ax, scale):
+  def grad_sum_fn(params, batch_Ax, scale, frozen=None):
+    if frozen is not None:  # (refused earlier, by jaxzero.config.loading)
+      raise ValueError("the 1F1B schedule does not take frozen weights (LoRA): use gpipe")
     grads, mean_loss = one_f_one_b.one_f_one_b(
         unscaled, model.layers_key, layout.pipeline_size, layout.mesh, layer_reduce_specs,
         grad_dtype, jax.device_put(params, on_device(state_sh.params)), batch_Ax, scale)

@@ -63,14 +63,16 @@ class TrainProgram:
 
   @functools.cached_property
   def grad_step(self):
-    """Jitted (params, tokens [A, B, T+1], scale) -> (gradient sum, loss, norm): the
-    step without its update, for an optimizer that runs outside it (see
+    """Jitted (params, tokens [A, B, T+1], scale, frozen) -> (gradient sum, loss, norm):
+    the step without its update, for an optimizer that runs outside it (see
     jaxzero.engine.step.make_grad_fn; divide the sum by A with
-    jaxzero.engine.optimizer.mean_grad). `scale`: float16's loss scale, else None."""
+    jaxzero.engine.optimizer.mean_grad). `scale`: float16's loss scale, else None;
+    `frozen`: the state's frozen leaves, else None."""
     grads_sh = on_device(self.shardings.master)
     replicated = self.layout.replicated()
     return jax.jit(make_grad_fn(self.cfg, self.layout, self.shardings, self.model),
-                   in_shardings=(self.shardings.params, self.batch_sharding, replicated),
+                   in_shardings=(self.shardings.params, self.batch_sharding, replicated,
+                                 self.shardings.frozen),
                    out_shardings=(grads_sh, replicated, replicated))
 
   def state_bytes(self) -> dict[str, int]:
@@ -82,6 +84,11 @@ class TrainProgram:
   def n_params(self) -> int:
     """Φ: the model's parameter count (without padding)."""
     return sum(math.prod(s) for s in padding_lib.Padding.flat(self.padding.true_shapes))
+
+  @property
+  def n_frozen(self) -> int:
+    """The model's frozen parameters (Model.frozen_specs: a LoRA base), 0 for most."""
+    return sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract.frozen))
 
   @functools.cached_property
   def true_abstract(self) -> TrainState:
@@ -107,7 +114,8 @@ class TrainProgram:
     """Of a step's tokens [A, B, T+1]: rows over every data-parallel device."""
     return self.layout.batch_sharding(leading_dims=1)
 
-  def init(self, master: Any = None, key: jax.Array | None = None) -> TrainState:
+  def init(self, master: Any = None, key: jax.Array | None = None,
+           frozen: Any = None) -> TrainState:
     """Step 0, created directly into its shards: no device holds a full model.
 
     Args:
@@ -115,18 +123,28 @@ class TrainProgram:
         read from a Hugging Face checkpoint); None draws random weights from
         `key` (default: from ``cfg.seed``). The compute copy is cast from them
         and the optimizer starts from its own init.
+      frozen: a model's frozen leaves (Model.frozen_specs) placed by
+        ``shardings.frozen`` (e.g. a LoRA base read from Hugging Face); None draws
+        them with ``Model.frozen_init`` from the same key.
     """
-    cfg, sh, tx = self.cfg, self.shardings, self.tx
+    cfg, sh, tx, model = self.cfg, self.shardings, self.tx, self.model
     compute = dtype_of(cfg.precision.compute)
+    key = jax.random.key(cfg.seed) if key is None else key
+    frozen_key, master_key = jax.random.split(key)
 
-    def derive(master):
+    def derive(master, frozen):
       # Offloaded (pinned_host) master weights are used on the device, as in the step.
       master = jax.device_put(master, on_device(sh.master))
       params = jax.tree.map(lambda w: w.astype(compute), master)
+      if model.frozen_specs is not None:
+        frozen = model.frozen_init(frozen_key) if frozen is None else frozen
+        frozen = jax.tree.map(lambda w: w.astype(compute), frozen)
       return TrainState(jnp.zeros((), jnp.int32), params, master, tx.init(master),
-                        loss_scale.init(cfg.precision))
+                        loss_scale.init(cfg.precision), frozen)
 
+    if model.frozen_specs is None:  # the key as it always was
+      master_key = key
     if master is None:
-      key = jax.random.key(cfg.seed) if key is None else key
-      return jax.jit(lambda key: derive(self.model.init(key)), out_shardings=sh)(key)
-    return jax.jit(derive, out_shardings=sh)(master)
+      return jax.jit(lambda key, frozen: derive(model.init(key), frozen),
+                     out_shardings=sh)(master_key, frozen)
+    return jax.jit(derive, out_shardings=sh)(master, frozen)

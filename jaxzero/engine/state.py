@@ -6,6 +6,8 @@ The state follows DeepSpeed's mixed-precision split:
   stage's ``params`` role (replicated for stages 0-2, sharded for stage 3);
 * ``master``: the fp32 master weights, and ``opt_state``: the optimizer's
   moments, both placed by the ``optimizer`` role (sharded from stage 1 on).
+
+A model's frozen leaves (``frozen``) have no master, moments or gradient.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ class TrainState(NamedTuple):
   # float16 compute only: the loss scaler (jaxzero.engine.loss_scale). None has
   # no leaves, so the state and checkpoints of other runs are as they were.
   loss_scale: Any = None
+  # Weights the model uses but does not train (Model.frozen_specs: a LoRA base), in
+  # the compute dtype, placed by the ``frozen`` role; None (no leaves) for other runs.
+  frozen: Any = None
 
 
 def dtype_of(name: str):
@@ -48,7 +53,8 @@ def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
       params=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, compute), abstract_master),
       master=abstract_master,
       opt_state=jax.eval_shape(tx.init, abstract_master),
-      loss_scale=loss_scale.abstract(cfg.precision))
+      loss_scale=loss_scale.abstract(cfg.precision),
+      frozen=frozen_abstract(model, compute))
   master_sh = layout.tree_shardings(specs, "optimizer")
   opt_sh = optax.tree_map_params(
       tx, lambda _, sharding: sharding, abstract.opt_state, master_sh,
@@ -60,5 +66,15 @@ def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
                          params=layout.tree_shardings(specs, "params"),
                          master=master_sh, opt_state=opt_sh,
                          loss_scale=jax.tree.map(lambda _: layout.replicated("grads"),
-                                                 abstract.loss_scale))
+                                                 abstract.loss_scale),
+                         frozen=(None if model.frozen_specs is None else
+                                 layout.tree_shardings(model.frozen_specs, "frozen")))
   return shardings, abstract
+
+
+def frozen_abstract(model: Model, compute) -> Any:
+  """The frozen leaves' shapes in the compute dtype (None for a model without)."""
+  if model.frozen_specs is None:
+    return None
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s.shape), compute),
+                      model.frozen_specs, is_leaf=is_spec)

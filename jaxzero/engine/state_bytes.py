@@ -1,6 +1,7 @@
 """Per-device bytes of a program's train state, counted from its shardings (exact).
 
-What each role (params, grads, optimizer) costs a device, what of it sits in
+What each role (params, grads, optimizer) costs a device (frozen weights, a LoRA base,
+count as params, and alone as "frozen"), what of it sits in
 pinned_host, and what moves between host and device memory per step. Nothing is
 compiled or allocated. The runners add what they keep elsewhere (jaxzero.runners);
 the planner and the start-up memory check read these beside XLA's own figures.
@@ -27,9 +28,12 @@ def state_bytes(program) -> dict[str, int]:
                                 abstract.master)
   host = sum(_bytes_in_memory(getattr(abstract, name), getattr(sh, name), "pinned_host")
              for name in ("params", "master", "opt_state"))
+  frozen = bytes_per_device(abstract.frozen, sh.frozen) if abstract.frozen is not None else 0
   return {
       "transfer": transfer_bytes(program),
-      "params": bytes_per_device(abstract.params, sh.params),
+      # Weights at rest: the trained compute copy and the frozen ones (of which "frozen").
+      "params": bytes_per_device(abstract.params, sh.params) + frozen,
+      "frozen": frozen,
       "grads": bytes_per_device(abstract_grads,
                                 layout.tree_shardings(program.model.specs, "grads")),
       "optimizer": (bytes_per_device(abstract.master, sh.master)

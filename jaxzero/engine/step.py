@@ -23,15 +23,15 @@ from jaxzero.parallel.zero import Layout, on_device
 
 
 def with_norm(grad_sum_fn: gradients.GradSum, state_sh: TrainState):
-  """(params, batch [A, B, ...], scale=None) -> (the gradient sum in the optimizer's
+  """(params, batch [A, B, ...], scale=None, frozen=None) -> (the gradient sum in the optimizer's
   layout on the device, the mean loss, the mean gradient's norm in float32). The norm
   is ‖sum‖ / A (dividing every element first would cost a pass over the gradients; on
   XLA:CPU a float32 copy), unscaled where `scale` is given."""
   master_on_device = on_device(state_sh.master)
 
-  def grad_fn(params, batch_Ax, scale=None):
+  def grad_fn(params, batch_Ax, scale=None, frozen=None):
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
-    grad_sum, loss = grad_sum_fn(params, batch_Ax, scale)
+    grad_sum, loss = grad_sum_fn(params, batch_Ax, scale, frozen)
     # To the optimizer's layout: for stage 1 a reduce-scatter or a local slice.
     grad_sum = jax.lax.with_sharding_constraint(grad_sum, master_on_device)
     grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grad_sum)) / accum
@@ -55,7 +55,7 @@ def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState, model: Mo
   def train_step(state: TrainState, batch_Ax):
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     scale = None if state.loss_scale is None else state.loss_scale.scale
-    grad_sum, loss, grad_norm = grad_fn(state.params, batch_Ax, scale)
+    grad_sum, loss, grad_norm = grad_fn(state.params, batch_Ax, scale, state.frozen)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     master, opt_state, params = apply(grad_sum, grad_norm, state.master, state.opt_state,
                                       finite, accum, scale)
@@ -68,7 +68,8 @@ def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState, model: Mo
       metrics.update(scale_metrics)
     # The out_shardings place the new compute copy by the params' layout: for stages
     # 1-2 an all-gather of the cast (compute dtype) shards.
-    return TrainState(state.step + 1, params, master, opt_state, new_scale), metrics
+    return TrainState(state.step + 1, params, master, opt_state, new_scale,
+                      state.frozen), metrics
 
   return jax.jit(train_step, in_shardings=(state_sh, layout.batch_sharding(leading_dims=1)),
                  out_shardings=(state_sh, layout.replicated()), donate_argnums=0)

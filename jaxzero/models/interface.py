@@ -6,6 +6,9 @@ logical axis names (jaxzero's: ``embed``, ``mlp``, ``vocab``, ``heads``,
 split), draws its fp32 parameters from a key, and gives the mean loss of a
 batch. It knows no mesh: the engine steers sharding and memory through the
 :class:`Hooks` it passes to the loss, all no-ops for a model that ignores them.
+A model may also declare frozen leaves (``frozen_specs``: e.g. a LoRA base): the
+engine keeps them in the compute dtype, never differentiates or updates them, and
+merges them into the trained parameters (:func:`merge`) before the loss.
 """
 
 from __future__ import annotations
@@ -68,9 +71,46 @@ class Model:
       passing exactly ``params[layers_key]``. The engine then adds each layer's
       gradient into the accumulated sum as the backward pass produces it, so that
       gradient accumulation holds one gradient-sized buffer, not two.
+    frozen_specs: None, or a nested dict of leaves that are used but not trained
+      (with `specs` also a nested dict): the loss receives ``merge(trained,
+      frozen)``. Under `layers_key` both may have leaves.
+    frozen_init: key -> the frozen leaves (any float dtype; the engine casts them
+      to the compute dtype), where `frozen_specs` is given.
   """
   specs: Any
   init: Callable[[Array], Any]
   loss: Callable[[Any, Any, Hooks], Array]
   decay: Callable[[str], bool] = lambda path: "norm" not in path
   layers_key: str | None = None
+  frozen_specs: Any = None
+  frozen_init: Callable[[Array], Any] | None = None
+
+
+def merge(trained: Any, frozen: Any) -> Any:
+  """The nested dicts `trained` and `frozen` as one (a leaf in both is an error);
+  `trained` as it is where `frozen` is None."""
+  if frozen is None:
+    return trained
+  if not (isinstance(trained, dict) and isinstance(frozen, dict)):
+    raise ValueError("frozen leaves need the parameters to be nested dicts, and a leaf "
+                     "cannot be both trained and frozen")
+  merged = dict(frozen)
+  for key, value in trained.items():
+    merged[key] = merge(value, frozen[key]) if key in frozen else value
+  return merged
+
+
+def split_like(tree: dict, like: dict) -> tuple[dict, dict]:
+  """(the part of nested dict `tree` with the keys of `like`, the rest): the inverse of
+  :func:`merge` for ``like``'s structure."""
+  part, rest = {}, {}
+  for key, value in tree.items():
+    if key not in like:
+      rest[key] = value
+    elif isinstance(like[key], dict):
+      part[key], rest_value = split_like(value, like[key])
+      if rest_value:
+        rest[key] = rest_value
+    else:
+      part[key] = value
+  return part, rest

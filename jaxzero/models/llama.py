@@ -184,10 +184,15 @@ class Llama(nnx.Module):
 
   def forward(self, tokens_BxT: Array, *, shard: ShardFn | None = None,
               gather: ShardFn | None = None, remat: RematFn | None = None,
-              scan: Callable | None = None) -> tuple[Array, Array]:
+              scan: Callable | None = None, adapters: dict | None = None,
+              adapter_axes: dict | None = None,
+              lora_scale: float = 1.0) -> tuple[Array, Array]:
     """(final-normed hidden states [B, T, D], head [D, V]): the logits' factors.
 
-    `scan(layer, x, stacked) -> x` runs the layers (default: ``jax.lax.scan``)."""
+    `scan(layer, x, stacked) -> x` runs the layers (default: ``jax.lax.scan``).
+    `adapters`: LoRA weights stacked per layer (jaxzero.models.lora), run through the
+    scan beside the layers' own, with their per-layer logical axes `adapter_axes`;
+    each adds ``lora_scale * x @ A @ B`` to its projection."""
     cfg = self.cfg
     shard, gather = shard or _no_shard, gather or _no_shard
     T = tokens_BxT.shape[1]
@@ -201,18 +206,20 @@ class Llama(nnx.Module):
     cos_TxE, sin_TxE = rope_tables(cfg, T)
 
     layer_axes = {n: spec.logical_axes[1:] for n, spec in param_specs(cfg)["layers"].items()}
+    layer_axes.update(adapter_axes or {})
 
     def layer(x_BxTxD, weights):
       weights = {n: gather(w, layer_axes[n]) for n, w in weights.items()}
-      x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard)
+      x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard, lora_scale)
       return shard(x_BxTxD, RESIDUAL_AXES), None
 
     if remat is not None:
       layer = remat(layer)
+    stacked = {**self.layers.stacked(), **(adapters or {})}
     if scan is None:
-      x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, self.layers.stacked())
+      x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, stacked)
     else:
-      x_BxTxD = scan(layer, x_BxTxD, self.layers.stacked())
+      x_BxTxD = scan(layer, x_BxTxD, stacked)
     x_BxTxD = rms_norm(x_BxTxD, self.final_norm[...], cfg.norm_eps)
     head_DxV = embed_VxD.T if cfg.tie_embeddings else gather(self.lm_head_DxV[...], HEAD_AXES)
     return x_BxTxD, head_DxV
@@ -233,10 +240,14 @@ RESIDUAL_AXES = ("batch", "seq", "embed")
 
 
 def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE: Array,
-                  sin_TxE: Array, shard: ShardFn = _no_shard) -> Array:
-  """One pre-norm transformer block: attention then SwiGLU MLP, both residual."""
+                  sin_TxE: Array, shard: ShardFn = _no_shard, lora_scale: float = 1.0) -> Array:
+  """One pre-norm transformer block: attention then SwiGLU MLP, both residual. A
+  projection with LoRA adapters in `w` (``lora_{target}_a``/``_b``) adds theirs."""
   def proj(spec, h, weight, axes, name, bias=None):
     y = jnp.einsum(spec, h, weight)
+    target = LORA_TARGET_OF.get(name)
+    if f"lora_{target}_a" in w:
+      y = y + lora_scale * lora_delta(spec, h, w[f"lora_{target}_a"], w[f"lora_{target}_b"])
     return checkpoint_name(shard(y if bias is None else y + bias, axes), name)
 
   h_BxTxD = shard(rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps), RESIDUAL_AXES)
@@ -261,6 +272,22 @@ def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE
   down_BxTxD = proj("btf,fd->btd", jax.nn.silu(gate_BxTxF) * up_BxTxF, w["w_down_LxFxD"],
                     RESIDUAL_AXES, "mlp_down")
   return x_BxTxD + down_BxTxD
+
+
+# A projection's checkpoint name -> its LoRA target (jaxzero.models.lora).
+LORA_TARGET_OF = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+                  "mlp_gate": "gate", "mlp_up": "up", "mlp_down": "down"}
+
+
+def lora_delta(spec: str, h: Array, a: Array, b: Array) -> Array:
+  """``h @ A @ B`` for the projection ``einsum(spec, h, W)``: A takes W's input
+  dimensions to rank r, B takes r to W's output dimensions."""
+  inputs, out = spec.split("->")
+  lhs, weight = inputs.split(",")
+  w_in = "".join(c for c in weight if c in lhs)
+  w_out = "".join(c for c in weight if c not in lhs)
+  low = jnp.einsum(f"{lhs},{w_in}r->btr", h, a.astype(h.dtype))
+  return jnp.einsum(f"btr,r{w_out}->{out}", low, b.astype(h.dtype))
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:

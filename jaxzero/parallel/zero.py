@@ -11,6 +11,9 @@ the collectives:
   2      -       sharded sharded    SHARD_GRAD_OP    2Φ + 14Φ/N
   3      sharded sharded sharded    FULL_SHARD       16Φ/N
 
+Frozen weights (``frozen``: a LoRA base) are sharded like stage 3's compute copy at
+every stage.
+
 Hybrid (HYBRID_SHARD, HYBRID_SHARD_ZERO2) shards over ``fsdp`` only and replicates over
 ``replica``; the batch is always split over both. The ``tensor`` axis adds Megatron's splits
 (``TENSOR_DIMS``) on top of every stage, and ``pipeline`` splits the stacked ``layers``
@@ -113,7 +116,9 @@ class Layout:
     return math.prod(self.mesh.shape[a] for a in AXES)
 
   def is_sharded(self, role: str) -> bool:
-    return role in SHARDED_ROLES[self.stage]
+    # Frozen weights (a LoRA base: never updated, so never gathered for an update)
+    # are placed as stage 3 places the compute copy, whatever the stage.
+    return role == "frozen" or role in SHARDED_ROLES[self.stage]
 
   @property
   def reduce_role(self) -> str:

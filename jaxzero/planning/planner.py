@@ -298,11 +298,11 @@ def largest_micro_batch(total_at: Callable[[int], int], budget: int, start: int,
 
 
 def predicted_step(cfg: Config, n_params: int, devices: int, transfer: int, host_update: int,
-                   rates: dict) -> tuple[dict, float, str]:
+                   rates: dict, n_frozen: int = 0) -> tuple[dict, float, str]:
   """({compute, host, pcie} seconds, the step's seconds, the slowest part's name)."""
   tokens = cfg.train.global_batch * cfg.train.seq_len
   recompute = 4 / 3 if cfg.remat.policy == "full" else 1.0  # the forward pass again
-  flops = model_flops_per_token(cfg, n_params) * tokens * recompute / devices
+  flops = model_flops_per_token(cfg, n_params, n_frozen) * tokens * recompute / devices
   seconds = {"compute": flops / (rates["tflops"] * 1e12),
              "host": host_update / (rates["host_gbps"] * 1e9),
              "pcie": transfer / (rates["pcie_gbps"] * 1e9)}
@@ -366,7 +366,8 @@ def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int,
   cfg, layout = runner.program.cfg, runner.program.layout
   state = runner.plan()
   seconds, step_s, bound = predicted_step(cfg, runner.program.n_params, layout.mesh.size,
-                                          state["transfer"], state.get("host_update", 0), rates)
+                                          state["transfer"], state.get("host_update", 0), rates,
+                                          runner.program.n_frozen)
   theory, formula = zero_formula.theory_state_bytes(cfg, layout)
   total = xla_total_bytes(stats)
   return Row(

@@ -47,8 +47,9 @@ class Runner(Protocol):
     """Before the state exists: one line (ConfigError or PathError) for a target this
     runner cannot use (a memory kind the backend lacks, a directory without room)."""
 
-  def init(self, master: Any = None, key: jax.Array | None = None) -> Any:
-    """Step 0: `master` placed by ``program.shardings.master``, or random from `key`."""
+  def init(self, master: Any = None, key: jax.Array | None = None, frozen: Any = None) -> Any:
+    """Step 0: `master` placed by ``program.shardings.master``, or random from `key`;
+    `frozen` (a model's frozen leaves, placed by ``program.shardings.frozen``) likewise."""
 
   def compile(self, state, batch) -> Callable:
     """The step for these arguments, compiled now: (state, batch) -> (state, metrics)."""
@@ -84,8 +85,8 @@ class InMemoryRunner:
   def check(self) -> None:
     targets.check_offload(self.program.cfg, list(self.program.layout.mesh.devices.flat))
 
-  def init(self, master: Any = None, key: jax.Array | None = None):
-    return self.program.init(master, key)
+  def init(self, master: Any = None, key: jax.Array | None = None, frozen: Any = None):
+    return self.program.init(master, key, frozen)
 
   def compile(self, state, batch):
     return self.program.train_step.lower(state, batch).compile()

@@ -9,6 +9,7 @@ import jax
 
 from jaxzero import config as config_lib
 from jaxzero.engine.state_bytes import kept_whole
+from jaxzero.models import lora as lora_lib
 from jaxzero.planning.memory_check import Budget
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.utils.files import write_json_atomic
@@ -62,6 +63,10 @@ def _whole_text(whole: dict) -> str:
   return f" but {leaves} kept whole ({whole['why']}: {_b(whole['bytes'])} on each)"
 
 
+def _frozen_text(state: dict) -> str:
+  return f" of which frozen {_b(state['frozen'])}" if state.get("frozen") else ""
+
+
 def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
   """The banner: model, mesh and devices, ZeRO, batch arithmetic, data, memory, eval."""
   cfg, layout = run.cfg, run.layout
@@ -83,6 +88,11 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
            f"{m.family.capitalize()}, {format_count(run.program.n_params)} parameters (dim "
            f"{m.dim}, {m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} kv, mlp "
            f"{m.mlp_dim}, vocab {m.vocab_size})")
+  if cfg.lora.rank:
+    model = (f"{m.family.capitalize()}, {format_count(run.program.n_frozen)} parameters frozen "
+             f"+ LoRA rank {cfg.lora.rank} (alpha {cfg.lora.alpha:g}) on "
+             f"{','.join(lora_lib.resolve_targets(cfg.lora.targets))}: "
+             f"{format_count(run.program.n_params)} trained (dim {m.dim}, {m.n_layers} layers)")
   lines = [
       f"jaxzero.train: {model}",
       f"  mesh      {mesh} = {_devices(devices)}, "
@@ -97,7 +107,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
       f"per step",
       f"  data      {cfg.data.source}: {train_tokens:,} training tokens; {total_steps} steps "
       f"see {total_steps * tokens_per_step:,} tokens = {epochs:.3g} epochs",
-      f"  memory    per device: model state {_b(budget.state)} (params {_b(budget.params)}, "
+      f"  memory    per device: model state {_b(budget.state)} (params {_b(budget.params)}"
+      f"{_frozen_text(run.runner.plan())}, "
       f"grads {_b(budget.grads)}, optimizer {_b(budget.optimizer)}) + "
       f"{budget.activations_text} = {_b(budget.needed)}{available}; {budget.where}",
   ]

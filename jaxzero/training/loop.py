@@ -232,6 +232,10 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
   path = run.cfg.init.hf_checkpoint
   if path:
     log.info("starting from the Hugging Face weights in %s", path)
+    if run.program.model.frozen_specs is not None:  # LoRA: they are the frozen base
+      return run.runner.init(frozen=hf_load.load_params(
+          path, run.cfg.model, run.program.shardings.frozen,
+          dtype=engine_lib.dtype_of(run.cfg.precision.compute)))
     return run.runner.init(master=hf_load.load_params(path, run.cfg.model,
                                                       run.program.shardings.master))
   return run.runner.init()
@@ -302,7 +306,7 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
                          tracker=tracker)
   profiler = profiling.StepProfiler(cfg.profile.window, workdir)
   metrics = PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len,
-                           model_flops_per_token(cfg, run.program.n_params),
+                           model_flops_per_token(cfg, run.program.n_params, run.program.n_frozen),
                            run.devices)
   guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_nonfinite, checkpoints)
   done = start

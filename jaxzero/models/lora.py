@@ -1,0 +1,137 @@
+"""LoRA for the Llama family: frozen base weights, trained low-rank adapters.
+
+Each targeted projection W (q, k, v, o, gate, up, down) gains ``x @ A @ B * alpha /
+rank``, PEFT's LoRA: A [in, r] drawn as PEFT draws it (uniform within ±1/sqrt(in)), B
+[r, out] zeros, so that step 0's model is the base model. The adapters are the
+Model's trained parameters (``specs``); the base is its ``frozen_specs``, which the
+engine keeps in the compute dtype with no gradient or optimizer state. Adapters are
+stacked per layer beside the base's layers (``lora_{target}_a``, ``lora_{target}_b``
+under ``layers``), so that the engine's per-layer gradient accumulation and the
+pipeline's stages take them as they take the layers' weights.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxzero.models import trainable
+from jaxzero.models.interface import Hooks, Model, split_like
+from jaxzero.models.llama import Llama, LlamaConfig, ParamSpec, is_param_spec, param_specs
+from jaxzero.models.loss import cross_entropy
+
+# Target -> (the base weight under `layers`, how many of its leading dimensions
+# after `layers` are inputs). PEFT's module names in the same order.
+TARGETS: dict[str, tuple[str, int]] = {
+    "q": ("wq_LxDxHxE", 1), "k": ("wk_LxDxKxE", 1), "v": ("wv_LxDxKxE", 1),
+    "o": ("wo_LxHxExD", 2), "gate": ("w_gate_LxDxF", 1), "up": ("w_up_LxDxF", 1),
+    "down": ("w_down_LxFxD", 1),
+}
+PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                "down": "mlp.down_proj"}
+ALL_LINEAR = "all-linear"
+# Targets a user may name that LoRA here does not (yet) adapt.
+NOT_ADAPTED = ("embed", "head")
+
+
+def resolve_targets(targets: str) -> tuple[str, ...]:
+  """The targets a ``lora.targets`` value names: "all-linear", comma-separated names
+  (q, k, v, o, gate, up, down, or PEFT's q_proj, ..., down_proj), or a regex matched
+  against those names. ValueError names the valid choices."""
+  valid = ", ".join(TARGETS)
+  text = targets.strip()
+  if text == ALL_LINEAR:
+    return tuple(TARGETS)
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  by_peft = {m.split(".")[-1]: t for t, m in PEFT_MODULES.items()}
+  if names and all(n in TARGETS or n in by_peft or n in NOT_ADAPTED for n in names):
+    unsupported = [n for n in names if n in NOT_ADAPTED]
+    if unsupported:
+      raise ValueError(f"lora.targets={targets!r}: LoRA on the {' and '.join(unsupported)} "
+                       f"is not supported; choose from {valid} or {ALL_LINEAR}")
+    chosen = {by_peft.get(n, n) for n in names}
+    return tuple(t for t in TARGETS if t in chosen)
+  try:
+    pattern = re.compile(text)
+  except re.error as e:
+    raise ValueError(f"lora.targets={targets!r} is neither names nor a valid regex ({e}); "
+                     f"choose from {valid} or {ALL_LINEAR}") from None
+  matched = tuple(t for t in TARGETS if pattern.fullmatch(t)
+                  or pattern.fullmatch(PEFT_MODULES[t].split(".")[-1]))
+  if not matched:
+    raise ValueError(f"lora.targets={targets!r} matches no projection; choose from {valid} "
+                     f"(or their PEFT names q_proj ... down_proj), or {ALL_LINEAR}")
+  return matched
+
+
+def adapter_key(target: str, which: str) -> str:
+  return f"lora_{target}_{which}"
+
+
+def adapter_specs(cfg: LlamaConfig, rank: int, targets: tuple[str, ...],
+                  min_shard_size: int = 0) -> dict:
+  """{"layers": {lora_{t}_a: [L, in..., r], lora_{t}_b: [L, r, out...]}}. An adapter with
+  fewer than `min_shard_size` elements is declared unsplittable ("none"): ZeRO keeps it
+  whole, as it keeps any small parameter."""
+  base = param_specs(cfg)["layers"]
+  layers = {}
+  for t in targets:
+    spec = base[TARGETS[t][0]]
+    n_in = TARGETS[t][1]
+    (L, *dims), (_, *axes) = spec.shape, spec.logical_axes
+    a_shape, a_axes = (L, *dims[:n_in], rank), ("layers", *axes[:n_in], "none")
+    b_shape, b_axes = (L, rank, *dims[n_in:]), ("layers", "none", *axes[n_in:])
+    for which, shape, logical in (("a", a_shape, a_axes), ("b", b_shape, b_axes)):
+      if math.prod(shape) < min_shard_size:
+        logical = ("layers", *["none"] * (len(shape) - 1))
+      layers[adapter_key(t, which)] = ParamSpec(shape, logical, "lora_a" if which == "a"
+                                                else "zeros")
+  return {"layers": layers}
+
+
+def init_adapters(specs: dict, key: jax.Array) -> dict:
+  """A as PEFT draws it (kaiming-uniform with a=√5: uniform within ±1/√fan_in), B zeros."""
+  flat = specs["layers"]
+  keys = dict(zip(flat, jax.random.split(key, len(flat))))
+  out = {}
+  for name, spec in flat.items():
+    if spec.init == "zeros":
+      out[name] = jnp.zeros(spec.shape, jnp.float32)
+    else:
+      fan_in = math.prod(spec.shape[1:-1])
+      bound = 1.0 / math.sqrt(fan_in)
+      out[name] = jax.random.uniform(keys[name], spec.shape, jnp.float32, -bound, bound)
+  return {"layers": out}
+
+
+def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ...],
+               min_shard_size: int = 0) -> Model:
+  """The Llama-family Model (jaxzero.models.trainable.llama) with its weights frozen and
+  rank-`rank` adapters on `targets` trained, scaled by alpha / rank."""
+  base_model = trainable.llama(cfg)
+  specs = adapter_specs(cfg, rank, targets, min_shard_size)
+  graphdef = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
+  adapter_axes = {n: s.logical_axes[1:] for n, s in specs["layers"].items()}
+
+  def loss(params, tokens_BxT1: jax.Array, hooks: Hooks) -> jax.Array:
+    adapters, base = split_like(params, specs)
+    model = nnx.merge(graphdef, base)
+    x_BxTxD, head_DxV = model.forward(
+        tokens_BxT1[:, :-1], shard=hooks.shard, gather=hooks.gather, remat=hooks.remat,
+        scan=hooks.scan, adapters=adapters["layers"], adapter_axes=adapter_axes,
+        lora_scale=alpha / rank)
+    return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=trainable.LOSS_CHUNK,
+                         shard=hooks.shard)
+
+  return Model(specs=specs, init=lambda key: init_adapters(specs, key), loss=loss,
+               decay=lambda path: True, layers_key="layers",
+               frozen_specs=param_specs(cfg), frozen_init=base_model.init)
+
+
+def n_adapter_params(specs: dict) -> int:
+  return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_param_spec))
