@@ -1,8 +1,10 @@
 """python -m jaxzero.export --workdir DIR --out OUT [--dtype bfloat16|float16|float32] [--step N]
+[--peft | --merged]
 
 Writes a training checkpoint as a Hugging Face Llama model directory
 (config.json + sharded safetensors + index), loadable by transformers'
-``LlamaForCausalLM.from_pretrained(OUT)``.
+``LlamaForCausalLM.from_pretrained(OUT)``. A LoRA run's checkpoint exports as a PEFT
+adapter (--peft) or as the model with its adapters folded in (--merged).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ def main(argv=None) -> int:
   parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
   parser.add_argument("--max-shard-gb", type=float, default=5.0,
                       help="size of one safetensors file (default: 5)")
+  lora = parser.add_mutually_exclusive_group()
+  lora.add_argument("--peft", action="store_true",
+                    help="a LoRA run: its adapters as a PEFT adapter directory "
+                    "(adapter_config.json, adapter_model.safetensors)")
+  lora.add_argument("--merged", action="store_true",
+                    help="a LoRA run: the whole model with its adapters folded in")
   args = parser.parse_args(argv)
   if args.max_shard_gb <= 0:
     parser.error(f"--max-shard-gb={args.max_shard_gb} must be positive")
@@ -39,9 +47,16 @@ def main(argv=None) -> int:
     # pylint: disable-next=import-outside-toplevel
     from jaxzero.hf import export as hf_export
     from jaxzero.training import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+    from jaxzero.hf import peft  # pylint: disable=import-outside-toplevel
     workdir_lib.check_export_paths(args.workdir, args.out)  # one line, before anything is read
+    if args.peft:
+      done = peft.export_peft(args.workdir, args.out, step=args.step, dtype=args.dtype)
+      print(f"exported the LoRA adapters of step {done.step} ({done.dtype}) as a PEFT adapter "
+            f"to {done.out}")
+      return
     done = hf_export.export_hf(args.workdir, args.out, step=args.step, dtype=args.dtype,
-                               max_shard_bytes=int(args.max_shard_gb * 2**30))
+                               max_shard_bytes=int(args.max_shard_gb * 2**30),
+                               merged=args.merged)
     tokenizer = copy_tokenizer(args.workdir, done.out)
     print(f"exported step {done.step} ({done.dtype}, {len(done.files)} safetensors files"
           + (f", tokenizer files {', '.join(tokenizer)}" if tokenizer else "")

@@ -37,14 +37,17 @@ _NOT_ARCHITECTURE = ("attention",)
 
 
 def run_info(model: LlamaConfig, compute_dtype: str, seed: int,
-             factory: str = "") -> dict[str, Any]:
+             factory: str = "", lora: dict | None = None) -> dict[str, Any]:
   """What a checkpoint records about its run besides the state: the architecture
-  (for shape checks and export; a user's model: its factory), the compute dtype
-  and the data seed."""
+  (for shape checks and export; a user's model: its factory), the compute dtype,
+  the data seed, and a LoRA run's adapters (jaxzero.models.lora.run_record)."""
   architecture = ({"factory": factory} if factory else
                   {k: v for k, v in dataclasses.asdict(model).items()
                    if k not in _NOT_ARCHITECTURE})
-  return {"model": architecture, "compute_dtype": compute_dtype, "seed": seed}
+  info = {"model": architecture, "compute_dtype": compute_dtype, "seed": seed}
+  if lora:
+    info["lora"] = lora
+  return info
 
 
 class Checkpointer(CheckpointDirectory):

@@ -26,6 +26,7 @@ from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.errors import CheckpointError
 from jaxzero.hf import config_json, tensors
 from jaxzero.hf.load import CONFIG_FILE, WEIGHTS_INDEX_FILE
+from jaxzero.models import lora as lora_lib
 from jaxzero.models.llama import LlamaConfig, param_specs
 from jaxzero.offload import nvme_checkpoint
 
@@ -52,10 +53,13 @@ class _Planned(NamedTuple):
 
 
 def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
-              dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Export:
+              dtype: str | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+              merged: bool = False) -> Export:
   """Writes a checkpoint as a Hugging Face directory of its model's family (Llama,
   Mistral, Qwen2: ``model.family``): ``config.json``,
-  ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+  ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``. A LoRA
+  run's model is its frozen base with the adapters folded in (W + alpha/r · A B);
+  jaxzero.hf.peft writes the adapters alone.
 
   Reads the fp32 master weights one leaf at a time and writes them one
   per-layer tensor at a time, so the host holds one leaf, never the model.
@@ -67,15 +71,22 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
     dtype: "float32" or "bfloat16"; default the run's compute dtype.
     max_shard_bytes: the size of one safetensors file (a bigger tensor gets
       a file of its own).
+    merged: a LoRA run's checkpoint is exported only when asked for its merged model.
   """
   with CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
-    return _export(reader, pathlib.Path(out), step, dtype, max_shard_bytes)
+    return _export(reader, pathlib.Path(out), step, dtype, max_shard_bytes, merged)
 
 
 def _export(reader: CheckpointReader, out: pathlib.Path, step: int | None, dtype: str | None,
-            max_shard_bytes: int) -> Export:
+            max_shard_bytes: int, merged: bool = False) -> Export:
   step = reader.resolve_step(step)
   info = reader.info(step)
+  if bool(info.get("lora")) != merged:
+    raise CheckpointError(
+        f"checkpoint {reader.step_dir(step)} is a LoRA run's: export --peft (the adapters) or "
+        "--merged (the model with them folded in)" if info.get("lora") else
+        f"--merged: checkpoint {reader.step_dir(step)} is not a LoRA run's (lora.rank=0); "
+        "export it without --merged")
   model = LlamaConfig(**info["model"])
   dtype = dtype or info["compute_dtype"]
   if dtype not in EXPORT_DTYPES:
@@ -83,12 +94,13 @@ def _export(reader: CheckpointReader, out: pathlib.Path, step: int | None, dtype
   if out.exists() and (not out.is_dir() or any(out.iterdir())):
     raise CheckpointError(f"--out {out} already exists and is not an empty directory; "
                           "export writes a new one")
-  leaves = _master_leaves(reader, step, model)
+  lora = info.get("lora")
+  leaves = _master_leaves(reader, step, model, "frozen" if lora else "master")
   shards = _plan_shards(model, EXPORT_DTYPES[dtype][1].itemsize, max_shard_bytes)
   out.parent.mkdir(parents=True, exist_ok=True)
   partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
   try:
-    files = _write_export(partial, reader, step, leaves, model, dtype, shards)
+    files = _write_export(partial, reader, step, leaves, model, dtype, shards, lora)
     partial.chmod(_mkdir_mode())  # mkdtemp's 0700 would keep the model from everyone else
     if out.exists():
       out.rmdir()
@@ -106,13 +118,14 @@ def _mkdir_mode() -> int:
   return 0o777 & ~umask
 
 
-def _master_leaves(reader: CheckpointReader, step: int, model: LlamaConfig
-                  ) -> dict[Path, tuple[int, ...]]:
-  """{leaf path: shape} of the master weights in param_specs order (the order
+def _master_leaves(reader: CheckpointReader, step: int, model: LlamaConfig,
+                   field: str = "master") -> dict[Path, tuple[int, ...]]:
+  """{leaf path: shape} of the model's weights (in the state's `field`: the master
+  weights, or a LoRA run's frozen base) in param_specs order (the order
   jaxzero.hf.tensors lists them), checked against the recorded model."""
   wanted = {p: spec.shape for p, spec in traverse_util.flatten_dict(param_specs(model)).items()}
-  saved = {name[len("master/"):]: shape for name, shape in reader.leaf_shapes(step).items()
-           if name.startswith("master/")}
+  saved = {name[len(field) + 1:]: shape for name, shape in reader.leaf_shapes(step).items()
+           if name.startswith(field + "/")}
   check_fits(saved, {"/".join(p): s for p, s in wanted.items()}, reader.step_dir(step),
              "the model recorded with it")
   return wanted
@@ -135,15 +148,19 @@ def _plan_shards(model: LlamaConfig, itemsize: int, max_shard_bytes: int
 
 def _write_export(directory: pathlib.Path, reader: CheckpointReader, step: int,
                   leaves: dict[Path, tuple[int, ...]], model: LlamaConfig, dtype: str,
-                  shards: list[list[_Planned]]) -> list[str]:
+                  shards: list[list[_Planned]], lora: dict | None = None) -> list[str]:
   code, np_dtype = EXPORT_DTYPES[dtype]
   hf_config = {**config_json.hf_config_from_llama(model), "dtype": dtype}
   (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
   names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   with _SafetensorsWriter(directory, names, shards, code) as writer:
     for path, shape in leaves.items():
-      read = reader.read_by_layer if path[0] == "layers" else reader.read
-      leaf = read(step, ("master", *path), shape)
+      if lora:  # the frozen base, with the adapters folded in where it has them
+        leaf = lora_lib.fold_adapters(path, reader.read(step, ("frozen", *path), shape),
+                                      lambda name, shape: reader.read(step, name, shape), lora)
+      else:
+        read = reader.read_by_layer if path[0] == "layers" else reader.read
+        leaf = read(step, ("master", *path), shape)
       for name, tensor in tensors.jaxzero_to_hf_tensors(path, leaf, model):
         writer.write(name, tensor.astype(np_dtype, copy=False))
       del leaf
@@ -152,6 +169,17 @@ def _write_export(directory: pathlib.Path, reader: CheckpointReader, step: int,
                                      for t in shard))}
   (directory / WEIGHTS_INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
   return names
+
+
+def write_safetensors(path: pathlib.Path, tensors_by_name: dict[str, np.ndarray],
+                      dtype: str) -> None:
+  """One safetensors file of `tensors_by_name`, cast to `dtype` (a key of EXPORT_DTYPES)."""
+  code, np_dtype = EXPORT_DTYPES[dtype]
+  arrays = {n: np.asarray(a).astype(np_dtype, copy=False) for n, a in tensors_by_name.items()}
+  planned = [[_Planned(n, a.shape, a.nbytes) for n, a in arrays.items()]]
+  with _SafetensorsWriter(path.parent, [path.name], planned, code) as writer:
+    for name, array in arrays.items():
+      writer.write(name, array)
 
 
 class _SafetensorsWriter:

@@ -17,6 +17,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxzero.models import trainable
@@ -135,3 +136,39 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
 
 def n_adapter_params(specs: dict) -> int:
   return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_param_spec))
+
+
+def run_record(rank: int, alpha: float, targets: str) -> dict | None:
+  """What a checkpoint records of a run's LoRA (None without): rank, alpha, targets."""
+  if not rank:
+    return None
+  return {"rank": rank, "alpha": alpha, "targets": list(resolve_targets(targets))}
+
+
+def target_of(path: tuple[str, ...]) -> str | None:
+  """The LoRA target of a base weight's path (("layers", "wq_LxDxHxE") -> "q"), or None."""
+  by_weight = {weight: t for t, (weight, _) in TARGETS.items()}
+  return by_weight.get(path[-1]) if path[0] == "layers" else None
+
+
+def low_rank_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """A [L, in..., r] times B [L, r, out...] -> [L, in..., out...], in float32."""
+  L, r = a.shape[0], a.shape[-1]
+  a2 = np.asarray(a, np.float32).reshape(L, -1, r)
+  b2 = np.asarray(b, np.float32).reshape(L, r, -1)
+  return np.matmul(a2, b2).reshape(*a.shape[:-1], *b.shape[2:])
+
+
+def fold_adapters(path: tuple[str, ...], weight: np.ndarray, read, record: dict) -> np.ndarray:
+  """The base weight at `path` with its adapters (read by ``read(name, shape)`` from a
+  checkpoint's ``master``) folded in: W + alpha / r · A B; W as it is where none."""
+  target = target_of(path)
+  if target is None or target not in record["targets"]:
+    return weight
+  rank, n_in = record["rank"], TARGETS[target][1]
+  a_shape = (*weight.shape[:1 + n_in], rank)
+  b_shape = (weight.shape[0], rank, *weight.shape[1 + n_in:])
+  a = read(("master", "layers", adapter_key(target, "a")), a_shape)
+  b = read(("master", "layers", adapter_key(target, "b")), b_shape)
+  scale = record["alpha"] / rank
+  return (np.asarray(weight, np.float32) + scale * low_rank_product(a, b)).astype(weight.dtype)

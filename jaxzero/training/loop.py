@@ -25,6 +25,7 @@ from jaxzero.data import tokens as tokens_lib
 from jaxzero.engine import loss_scale
 from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
 from jaxzero.hf import load as hf_load
+from jaxzero.models import lora as lora_lib
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
 from jaxzero.planning import memory_check, memory_measure
@@ -146,7 +147,9 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
   total = steps if steps is not None else cfg.train.steps
   checkpoints = runners_base.checkpointer(
       workdir, cfg.checkpoint.keep,
-      checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed, cfg.model_factory))
+      checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed, cfg.model_factory,
+                              lora_lib.run_record(cfg.lora.rank, cfg.lora.alpha,
+                                                  cfg.lora.targets)))
   stop = StopSignals()
   run = None
   try:
