@@ -1,0 +1,231 @@
+"""LoRA: the base frozen (no gradient, no optimizer state, unchanged by steps), the
+adapters trained the same on every mesh and stage, step 0 the base model, a trained
+adapter that PEFT loads to the same logits, and bad settings as one line."""
+
+import dataclasses
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxzero import config
+from jaxzero import engine as engine_lib
+from jaxzero import export
+from jaxzero.api.adapters import model_for
+from jaxzero.checkpoint import checkpointer as checkpoint_lib
+from jaxzero.errors import ConfigError
+from jaxzero.hf import load as hf_load
+from jaxzero.models import lora as lora_lib
+from jaxzero.models import trainable
+from jaxzero.models.llama import Llama
+from jaxzero.parallel import mesh
+from jaxzero.parallel.zero import Layout
+
+from hf_reference import random_hf_model
+from tiny import tiny_config
+
+TARGETS = tuple(lora_lib.TARGETS)
+
+
+def lora_config(**changes) -> config.Config:
+  """The tiny float32 model with rank-4 LoRA on every projection, adapters sharded
+  (min_shard_size 0), two micro-steps a step (the per-layer accumulation)."""
+  c = tiny_config(3, "stop")
+  c = dataclasses.replace(c, lora=config.LoraConfig(rank=4, alpha=8.0),
+                          zero=dataclasses.replace(c.zero, min_shard_size=0),
+                          train=dataclasses.replace(c.train, grad_accum=2, lr=1e-2))
+  return dataclasses.replace(c, **changes)
+
+
+def program(cfg: config.Config, model=None) -> engine_lib.TrainProgram:
+  config.validate(cfg)
+  devices = jax.devices()[:mesh.devices_needed(cfg.mesh)]
+  replica, fsdp, tensor = mesh.resolve_shape(cfg.mesh, len(devices))
+  layout = Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, devices, tensor,
+                                                  cfg.mesh.pipeline))
+  return engine_lib.TrainProgram(cfg, layout, model or model_for(cfg, layout.shard_size))
+
+
+TOKENS = np.random.default_rng(0).integers(0, 256, (3, 2, 8, 17), dtype=np.int32)
+
+
+def train(cfg: config.Config, steps: int = 3):
+  """(losses, the final state on the host, the initial state on the host)."""
+  p = program(cfg)
+  state = p.init()
+  first = jax.device_get(state)
+  losses = []
+  for tokens in TOKENS[:steps]:
+    state, metrics = p.train_step(state, jax.device_put(tokens, p.batch_sharding))
+    losses.append(float(metrics["loss"]))
+  return np.array(losses), jax.device_get(state), first
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  return train(lora_config(mesh=config.MeshConfig(fsdp=1)))
+
+
+def test_the_base_is_frozen_and_only_the_adapters_have_state(one_device):
+  losses, state, first = one_device
+  assert losses[-1] < losses[0]  # the adapters learn
+  # Trained: the adapters alone, with AdamW moments of their shapes.
+  assert set(state.master) == {"layers"}
+  assert set(state.master["layers"]) == {lora_lib.adapter_key(t, w) for t in TARGETS
+                                         for w in "ab"}
+  adam = state.opt_state[1][0]
+  chex.assert_trees_all_equal_shapes(adam.mu, state.master)
+  chex.assert_trees_all_equal_shapes(adam.nu, state.master)
+  # Frozen: the whole base, unchanged bit for bit after three steps.
+  assert set(state.frozen) == set(first.frozen) == {"embed_VxD", "layers", "final_norm",
+                                                    "lm_head_DxV"}
+  chex.assert_trees_all_equal(state.frozen, first.frozen)
+  # B starts at zero, and has moved.
+  assert not np.any(first.master["layers"]["lora_q_b"])
+  assert np.any(state.master["layers"]["lora_q_b"])
+
+
+@pytest.mark.parametrize("name,changes", [
+    ("stage 3 on 8", {}),
+    pytest.param("stage 1 on 8", {"zero": config.ZeroConfig(stage=1, min_shard_size=0)},
+                 marks=pytest.mark.slow),
+])
+def test_lora_on_eight_devices_equals_one_device(one_device, name, changes):
+  want_losses, want, _ = one_device
+  losses, state, _ = train(lora_config(**changes))
+  np.testing.assert_allclose(losses, want_losses, atol=1e-5, err_msg=name)
+  chex.assert_trees_all_close(state.master, want.master, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,changes", [
+    ("HYBRID_SHARD 2 x 4", {"mesh": config.MeshConfig(replica=2, fsdp=4),
+                            "zero": config.ZeroConfig(strategy="HYBRID_SHARD", min_shard_size=0)}),
+    ("fsdp 4 x tensor 2", {"mesh": config.MeshConfig(fsdp=4, tensor=2)}),
+    ("stage 2, pipeline 2 x fsdp 4", {"mesh": config.MeshConfig(fsdp=4, pipeline=2),
+                                      "zero": config.ZeroConfig(stage=2, min_shard_size=0)}),
+])
+def test_lora_on_every_mesh_equals_one_device(one_device, name, changes):
+  want_losses, want, _ = one_device
+  losses, state, _ = train(lora_config(**changes))
+  np.testing.assert_allclose(losses, want_losses, atol=1e-5, err_msg=name)
+  chex.assert_trees_all_close(state.master, want.master, atol=1e-5)
+
+
+def test_the_frozen_base_is_sharded_at_every_stage_and_counted_in_the_plan():
+  p = program(lora_config(zero=config.ZeroConfig(stage=1, min_shard_size=0)))
+  abstract, sh = p.abstract, p.shardings
+  for spec in jax.tree.leaves(jax.tree.map(lambda s: s.spec, sh.frozen["layers"])):
+    assert ("replica", "fsdp") in tuple(spec), spec  # stage 1, yet split 8 ways
+  assert jax.tree.leaves(abstract.frozen)[0].dtype == jnp.float32  # the compute dtype
+  got = p.state_bytes()
+  frozen = sum(a.size * 4 for a in jax.tree.leaves(abstract.frozen)) // 8
+  assert got["frozen"] == frozen
+  replicated_adapters = sum(a.size * 4 for a in jax.tree.leaves(abstract.params))
+  assert got["params"] == frozen + replicated_adapters  # stage 1: the compute copy whole
+  assert p.n_frozen == sum(a.size for a in jax.tree.leaves(abstract.frozen))
+  assert p.n_params == lora_lib.n_adapter_params(p.model.specs)
+
+
+def test_step_zero_is_the_base_model():
+  """B = 0: the LoRA model's loss is the base model's, on the same weights."""
+  cfg = lora_config(mesh=config.MeshConfig(fsdp=1))
+  lora_model = model_for(cfg, 1)
+  base_model = trainable.llama(cfg.model)
+  key = jax.random.key(3)
+  base = base_model.init(key)
+  adapters = lora_model.init(key)
+  tokens = jnp.asarray(TOKENS[0, 0])
+  from jaxzero.models.interface import Hooks, merge  # pylint: disable=import-outside-toplevel
+  got = lora_model.loss(merge(adapters, base), tokens, Hooks())
+  want = base_model.loss(base, tokens, Hooks())
+  assert float(got) == float(want)
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("lora.rank=-2", "lora.rank=-2 must be positive"),
+    ("lora.targets=embed", "LoRA on the embed is not supported"),
+    ("lora.targets=xyz.*", "matches no projection"),
+    ("lora.targets=q,(", "neither names nor a valid regex"),
+    ("lora.dropout=0.1", "adapter dropout is not supported yet"),
+    ("lora.alpha=0", "lora.alpha=0 must be positive"),
+])
+def test_bad_lora_settings_are_one_line(setting, message):
+  cfg = config.apply_overrides(lora_config(), ["lora.rank=4", setting])
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".*", r"\.\*")) as e:
+    config.validate(cfg)
+  assert "\n" not in str(e.value)
+
+
+def test_targets_by_name_peft_name_or_pattern():
+  assert lora_lib.resolve_targets("all-linear") == TARGETS
+  assert lora_lib.resolve_targets("q, v") == ("q", "v")
+  assert lora_lib.resolve_targets("q_proj,o_proj,down_proj") == ("q", "o", "down")
+  assert lora_lib.resolve_targets("gate|up") == ("gate", "up")
+  assert lora_lib.resolve_targets(".*_proj") == TARGETS
+
+
+# ---------------------------------------------------------------- PEFT interoperability
+
+
+def jaxzero_lora_logits(model_cfg, frozen, adapters, record, tokens):
+  graphdef = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
+  model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, frozen))
+  specs = lora_lib.adapter_specs(model_cfg, record["rank"], tuple(record["targets"]))
+  x, head = model.forward(jnp.asarray(tokens), adapters=jax.tree.map(jnp.asarray, adapters),
+                          adapter_axes={n: s.logical_axes[1:]
+                                        for n, s in specs["layers"].items()},
+                          lora_scale=record["alpha"] / record["rank"])
+  return np.asarray(jnp.einsum("btd,dv->btv", x, head))
+
+
+@pytest.mark.parametrize("family,window", [
+    ("llama", 0), pytest.param("mistral", 8, marks=pytest.mark.slow),
+    pytest.param("qwen2", 0, marks=pytest.mark.slow)])
+def test_a_trained_adapter_loads_into_peft_and_merges_into_transformers(family, window,
+                                                                        tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft", reason="pip install peft")
+  original = random_hf_model(family, 2, False, False, window)
+  original.save_pretrained(tmp_path / "base")
+  model_cfg = hf_load.read_config(tmp_path / "base")
+  cfg = lora_config(model=model_cfg, mesh=config.MeshConfig(fsdp=2),
+                    lora=config.LoraConfig(rank=4, alpha=8.0, targets="q,k,v,o,gate,up,down"),
+                    train=dataclasses.replace(lora_config().train, lr=5e-2))
+  p = program(cfg)
+  state = p.init(frozen=hf_load.load_params(tmp_path / "base", model_cfg, p.shardings.frozen))
+  tokens = np.random.default_rng(1).integers(0, 97, (2, 2, 4, 17), dtype=np.int32)
+  for batch in tokens:  # trained: B is no longer zero
+    state, _ = p.train_step(state, jax.device_put(batch, p.batch_sharding))
+  record = lora_lib.run_record(4, 8.0, cfg.lora.targets)
+  info = checkpoint_lib.run_info(model_cfg, "float32", cfg.seed, lora=record)
+  with checkpoint_lib.Checkpointer(tmp_path / "run", 1, info) as checkpoints:
+    checkpoints.save(2, state, wait=True)
+  assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "peft"),
+                      "--peft"]) == 0
+  assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "merged"),
+                      "--merged"]) == 0
+  adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+  assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 8.0)
+
+  frozen, master = jax.device_get(state.frozen), jax.device_get(state.master)
+  assert np.abs(master["layers"]["lora_o_b"]).max() > 1e-3
+  ids = np.random.default_rng(2).integers(0, 97, (2, 24))
+  want = jaxzero_lora_logits(model_cfg, frozen, master["layers"], record, ids)
+  base = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / "base", dtype=torch.float32, attn_implementation="eager")
+  with torch.no_grad():
+    base_logits = base(torch.from_numpy(ids)).logits.numpy()
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    peft_logits = adapted(torch.from_numpy(ids)).logits.numpy()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32, attn_implementation="eager")
+    merged_logits = merged(torch.from_numpy(ids)).logits.numpy()
+  assert np.abs(want - base_logits).max() > 1e-2  # the adapter changes the model
+  np.testing.assert_allclose(peft_logits, want, atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(merged_logits, want, atol=1e-4, rtol=1e-4)
