@@ -112,6 +112,8 @@ def validate(cfg: Config) -> None:
 def _validate_lora(cfg: Config) -> None:
   lora = cfg.lora
   if lora.rank == 0:
+    if lora.init_from:
+      raise ConfigError(f"lora.init_from={lora.init_from} needs lora.rank (the adapter's r)")
     return
   if lora.rank < 0:
     raise ConfigError(f"lora.rank={lora.rank} must be positive (0 = no LoRA: every weight "

@@ -179,6 +179,9 @@ class LoraConfig:
   # The projections adapted: "all-linear" (q, k, v, o, gate, up, down), comma-separated
   # names (also PEFT's q_proj ... down_proj), or a regex over those names.
   targets: str = "all-linear"
+  # A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) the
+  # adapters start from, instead of B = 0; its rank, alpha and targets must be these.
+  init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

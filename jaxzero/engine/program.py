@@ -63,16 +63,17 @@ class TrainProgram:
 
   @functools.cached_property
   def grad_step(self):
-    """Jitted (params, tokens [A, B, T+1], scale, frozen) -> (gradient sum, loss, norm):
-    the step without its update, for an optimizer that runs outside it (see
+    """Jitted (params, tokens [A, B, T+1], scale[, frozen]) -> (gradient sum, loss,
+    norm): the step without its update, for an optimizer that runs outside it (see
     jaxzero.engine.step.make_grad_fn; divide the sum by A with
     jaxzero.engine.optimizer.mean_grad). `scale`: float16's loss scale, else None;
-    `frozen`: the state's frozen leaves, else None."""
+    `frozen`: the state's frozen leaves, for a model that has them."""
     grads_sh = on_device(self.shardings.master)
     replicated = self.layout.replicated()
+    frozen = () if self.shardings.frozen is None else (self.shardings.frozen,)
     return jax.jit(make_grad_fn(self.cfg, self.layout, self.shardings, self.model),
                    in_shardings=(self.shardings.params, self.batch_sharding, replicated,
-                                 self.shardings.frozen),
+                                 *frozen),
                    out_shardings=(grads_sh, replicated, replicated))
 
   def state_bytes(self) -> dict[str, int]:

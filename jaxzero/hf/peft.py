@@ -6,7 +6,7 @@ PEFT's ``save_pretrained`` does for a causal LM, so that
 ``base_model.model.model.layers.{i}.{module}.lora_A.weight`` [r, in] and
 ``lora_B.weight`` [out, r] (jaxzero's A [in..., r] and B [r, out...], flattened and
 transposed, the base weights' own Hugging Face layout). ``read_adapter`` reads such a
-directory into jaxzero's adapters (``lora.init_from``).
+directory into jaxzero's adapters (``lora.init_from``), after ``check_adapter``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import json
 import pathlib
 
 import numpy as np
+from safetensors import safe_open
 
 from jaxzero.checkpoint.reader import CheckpointReader
-from jaxzero.errors import CheckpointError
+from jaxzero.errors import CheckpointError, HFCheckpointError
 from jaxzero.hf import export as hf_export
 from jaxzero.models import lora as lora_lib
 from jaxzero.models.llama import LlamaConfig
@@ -75,9 +76,79 @@ def export_peft(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: i
     specs = lora_lib.adapter_specs(model, record["rank"], tuple(record["targets"]))["layers"]
     adapters = {n: reader.read(step, ("master", "layers", n), s.shape) for n, s in specs.items()}
   out.mkdir(parents=True, exist_ok=True)
-  base = info.get("base_model", "")
+  base = record.get("base_model", "")
   (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(record, base), indent=2) + "\n")
   hf_export.write_safetensors(out / ADAPTER_WEIGHTS,
                               peft_tensors(adapters, record, model.n_layers), dtype)
   return hf_export.Export(out, step, dtype, [ADAPTER_WEIGHTS])
 
+
+
+def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) -> dict:
+  """Checks a PEFT adapter directory against the run before anything is read: its
+  files, type, rank, alpha, targets and tensor shapes (an adapter for another base
+  has other shapes). Returns its adapter_config.json. Raises HFCheckpointError (one
+  line, naming what differs and the setting that would match)."""
+  directory = pathlib.Path(path).expanduser()
+  config_file, weights = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+  for f in (config_file, weights):
+    if not f.is_file():
+      raise HFCheckpointError(f"lora.init_from={path}: {f.name} is missing (a PEFT adapter "
+                              f"directory holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+  try:
+    found = json.loads(config_file.read_text(encoding="utf-8"))
+  except (OSError, ValueError) as e:
+    raise HFCheckpointError(f"lora.init_from={path}: {ADAPTER_CONFIG} is not readable "
+                            f"JSON ({e})") from None
+  if found.get("peft_type") != "LORA":
+    raise HFCheckpointError(f"lora.init_from={path}: peft_type={found.get('peft_type')!r}; "
+                            "only LORA adapters are read")
+  modules = found.get("target_modules") or []
+  modules = [modules] if isinstance(modules, str) else list(modules)
+  targets = tuple(t for t in lora_lib.TARGETS
+                  if lora_lib.PEFT_MODULES[t].split(".")[-1] in modules)
+  for key, want, have in (("rank", record["rank"], found.get("r")),
+                          ("alpha", record["alpha"], found.get("lora_alpha")),
+                          ("targets", ",".join(record["targets"]), ",".join(targets))):
+    if want != have and not (key == "alpha" and have is not None and float(have) == want):
+      raise HFCheckpointError(f"lora.init_from={path} has {key} {have}, this run lora.{key}="
+                              f"{want}: set lora.{key}={have}")
+  with safe_open(weights, "np") as f:
+    shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+  want_shapes = {n: a.shape for n, a in peft_tensors(
+      _zero_adapters(model, record), record, model.n_layers).items()}
+  for name, shape in want_shapes.items():
+    if shapes.get(name) != shape:
+      raise HFCheckpointError(
+          f"lora.init_from={path}: tensor {name} is "
+          + ("missing" if name not in shapes else f"{list(shapes[name])}")
+          + f", this model needs {list(shape)}: an adapter for another base model")
+  return found
+
+
+def read_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) -> dict:
+  """A checked PEFT adapter (check_adapter) as jaxzero's adapters, float32 on the host:
+  {"layers": {lora_{t}_a: [L, in..., r], lora_{t}_b: [L, r, out...]}}."""
+  check_adapter(path, model, record)
+  specs = lora_lib.adapter_specs(model, record["rank"], tuple(record["targets"]))["layers"]
+  rank = record["rank"]
+  out = {}
+  with safe_open(pathlib.Path(path).expanduser() / ADAPTER_WEIGHTS, "np") as f:
+    for target in record["targets"]:
+      module = lora_lib.PEFT_MODULES[target]
+      for which, name in (("a", "lora_A"), ("b", "lora_B")):
+        key = lora_lib.adapter_key(target, which)
+        shape = specs[key].shape
+        layers = [f.get_tensor(f"{PREFIX}.{i}.{module}.{name}.weight").astype(np.float32)
+                  for i in range(model.n_layers)]
+        if which == "a":  # [r, in] -> [in..., r]
+          out[key] = np.stack([a.T.reshape(*shape[1:-1], rank) for a in layers])
+        else:  # [out, r] -> [r, out...]
+          out[key] = np.stack([b.T.reshape(rank, *shape[2:]) for b in layers])
+  return {"layers": out}
+
+
+def _zero_adapters(model: LlamaConfig, record: dict) -> dict:
+  """Stand-ins of the adapters' shapes (no memory: broadcast zeros)."""
+  specs = lora_lib.adapter_specs(model, record["rank"], tuple(record["targets"]))["layers"]
+  return {n: np.broadcast_to(np.float32(0), s.shape) for n, s in specs.items()}

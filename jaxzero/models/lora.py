@@ -138,11 +138,13 @@ def n_adapter_params(specs: dict) -> int:
   return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_param_spec))
 
 
-def run_record(rank: int, alpha: float, targets: str) -> dict | None:
-  """What a checkpoint records of a run's LoRA (None without): rank, alpha, targets."""
+def run_record(rank: int, alpha: float, targets: str, base_model: str = "") -> dict | None:
+  """What a checkpoint records of a run's LoRA (None without): rank, alpha, targets
+  and the base model's directory (init.hf_checkpoint), where known."""
   if not rank:
     return None
-  return {"rank": rank, "alpha": alpha, "targets": list(resolve_targets(targets))}
+  return {"rank": rank, "alpha": alpha, "targets": list(resolve_targets(targets)),
+          "base_model": base_model}
 
 
 def target_of(path: tuple[str, ...]) -> str | None:

@@ -164,7 +164,9 @@ class NvmeRunner:
   def state(self, restored: TrainState) -> NvmeState:
     """The NVMe state of a TrainState restored with None at the leaves the store
     holds (`names`), once the store is filled."""
-    return NvmeState(*restored, self.store)
+    if restored.frozen is not None:  # (refused earlier, by jaxzero.config.loading)
+      raise ValueError("the NVMe runner keeps no frozen weights (LoRA)")
+    return NvmeState(*restored[:-1], self.store)
 
   def close(self) -> None:
     """Deletes the store's files (a checkpoint holds the state)."""

@@ -25,6 +25,7 @@ from jaxzero.data import tokens as tokens_lib
 from jaxzero.engine import loss_scale
 from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
 from jaxzero.hf import load as hf_load
+from jaxzero.hf import peft as hf_peft
 from jaxzero.models import lora as lora_lib
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
@@ -148,8 +149,7 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
   checkpoints = runners_base.checkpointer(
       workdir, cfg.checkpoint.keep,
       checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed, cfg.model_factory,
-                              lora_lib.run_record(cfg.lora.rank, cfg.lora.alpha,
-                                                  cfg.lora.targets)))
+                              _lora_record(cfg)))
   stop = StopSignals()
   run = None
   try:
@@ -161,6 +161,8 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
       # A mismatched preset fails before tokenizing or compiling. With a
       # checkpoint the run resumes from it and the HF weights are not read.
       hf_load.check_matches(cfg.model, cfg.init.hf_checkpoint)
+    if cfg.lora.init_from and latest is None:  # likewise a mismatched adapter
+      hf_peft.check_adapter(cfg.lora.init_from, cfg.model, _lora_record(cfg))
     run = build(cfg, workdir=workdir, progress=progress, runner=runner)
     budget = memory_check.check(run.runner, run.devices, force)  # before any state exists
     if jax.process_index() == 0:
@@ -232,16 +234,29 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
     if newer:
       log.warning("resuming from checkpoint %d, the newest that verifies", step)
     return state
-  path = run.cfg.init.hf_checkpoint
+  cfg, sh = run.cfg, run.program.shardings
+  path = cfg.init.hf_checkpoint
+  if cfg.lora.rank:  # LoRA: the Hugging Face weights are the frozen base
+    frozen = adapters = None
+    if path:
+      log.info("starting from the Hugging Face weights in %s", path)
+      frozen = hf_load.load_params(path, cfg.model, sh.frozen,
+                                   dtype=engine_lib.dtype_of(cfg.precision.compute))
+    if cfg.lora.init_from:
+      log.info("starting the adapters from the PEFT adapter in %s", cfg.lora.init_from)
+      adapters = jax.device_put(hf_peft.read_adapter(cfg.lora.init_from, cfg.model,
+                                                     _lora_record(cfg)), sh.master)
+    return run.runner.init(master=adapters, frozen=frozen)
   if path:
     log.info("starting from the Hugging Face weights in %s", path)
-    if run.program.model.frozen_specs is not None:  # LoRA: they are the frozen base
-      return run.runner.init(frozen=hf_load.load_params(
-          path, run.cfg.model, run.program.shardings.frozen,
-          dtype=engine_lib.dtype_of(run.cfg.precision.compute)))
-    return run.runner.init(master=hf_load.load_params(path, run.cfg.model,
-                                                      run.program.shardings.master))
+    return run.runner.init(master=hf_load.load_params(path, cfg.model, sh.master))
   return run.runner.init()
+
+
+def _lora_record(cfg: Config) -> dict | None:
+  """What checkpoints record of the run's LoRA (jaxzero.models.lora.run_record)."""
+  return lora_lib.run_record(cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets,
+                             cfg.init.hf_checkpoint)
 
 
 def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,

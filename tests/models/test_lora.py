@@ -17,8 +17,10 @@ from jaxzero import engine as engine_lib
 from jaxzero import export
 from jaxzero.api.adapters import model_for
 from jaxzero.checkpoint import checkpointer as checkpoint_lib
-from jaxzero.errors import ConfigError
+from jaxzero.errors import ConfigError, HFCheckpointError
+from jaxzero.hf import export as hf_export
 from jaxzero.hf import load as hf_load
+from jaxzero.hf import peft as hf_peft
 from jaxzero.models import lora as lora_lib
 from jaxzero.models import trainable
 from jaxzero.models.llama import Llama
@@ -229,3 +231,50 @@ def test_a_trained_adapter_loads_into_peft_and_merges_into_transformers(family, 
   assert np.abs(want - base_logits).max() > 1e-2  # the adapter changes the model
   np.testing.assert_allclose(peft_logits, want, atol=1e-4, rtol=1e-4)
   np.testing.assert_allclose(merged_logits, want, atol=1e-4, rtol=1e-4)
+  # The other way: the PEFT adapter read back is the run's adapters.
+  record = {**record, "base_model": ""}
+  chex.assert_trees_all_close(hf_peft.read_adapter(tmp_path / "peft", model_cfg, record),
+                              {"layers": master["layers"]}, atol=0)
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+  """A PEFT adapter (rank 4, alpha 8, every projection) for the tiny model, as export
+  writes it, from random adapters."""
+  cfg = lora_config().model
+  record = lora_lib.run_record(4, 8.0, "all-linear")
+  specs = lora_lib.adapter_specs(cfg, 4, TARGETS)
+  adapters = jax.tree.map(np.asarray, lora_lib.init_adapters(specs, jax.random.key(1)))
+  adapters["layers"] = {n: a + 0.5 for n, a in adapters["layers"].items()}
+  out = tmp_path_factory.mktemp("adapter")
+  (out / hf_peft.ADAPTER_CONFIG).write_text(json.dumps(hf_peft.adapter_config(record)))
+  hf_export.write_safetensors(out / hf_peft.ADAPTER_WEIGHTS, hf_peft.peft_tensors(
+      adapters["layers"], record, cfg.n_layers), "float32")
+  return out, cfg, record, adapters
+
+
+def test_a_peft_adapter_reads_back_exactly(adapter_dir):
+  out, cfg, record, adapters = adapter_dir
+  chex.assert_trees_all_equal(hf_peft.read_adapter(out, cfg, record), adapters)
+
+
+@pytest.mark.parametrize("change,message", [
+    ("rank", "has rank 4, this run lora.rank=8: set lora.rank=4"),
+    ("targets", "has targets q,k,v,o,gate,up,down, this run lora.targets=q,v"),
+    ("base", "an adapter for another base model"),
+    ("missing", "adapter_model.safetensors is missing"),
+])
+def test_an_adapter_that_does_not_fit_is_one_line(adapter_dir, tmp_path, change, message):
+  out, cfg, record, _ = adapter_dir
+  if change == "rank":
+    record = {**record, "rank": 8}
+  elif change == "targets":
+    record = {**record, "targets": ["q", "v"]}
+  elif change == "base":
+    cfg = dataclasses.replace(cfg, dim=64, n_heads=8)
+  else:
+    (tmp_path / hf_peft.ADAPTER_CONFIG).write_text((out / hf_peft.ADAPTER_CONFIG).read_text())
+    out = tmp_path
+  with pytest.raises(HFCheckpointError, match=message) as e:
+    hf_peft.check_adapter(out, cfg, record)
+  assert "\n" not in str(e.value)
