@@ -22,8 +22,8 @@ from flax import nnx
 
 from jaxzero.config import Config
 from jaxzero.engine import remat
+from jaxzero.engine.builtin_model import builtin_model
 from jaxzero.errors import ConfigError
-from jaxzero.models import lora, trainable
 from jaxzero.models.interface import Hooks, Model
 from jaxzero.parallel import rules as rules_lib
 
@@ -169,10 +169,7 @@ def model_for(cfg: Config, shard_size: int) -> Model:
   factory "module:function" returns ``(model, loss_fn)`` or a dict of jaxzero.Engine's
   model arguments, adapted by :func:`build`, trained on the run's token batches."""
   if not cfg.model_factory:
-    if cfg.lora.rank:
-      return lora.lora_llama(cfg.model, cfg.lora.rank, cfg.lora.alpha,
-                             lora.resolve_targets(cfg.lora.targets), cfg.zero.min_shard_size)
-    return trainable.llama(cfg.model)
+    return builtin_model(cfg)
   module_name, _, function = cfg.model_factory.partition(":")
   try:
     made = getattr(importlib.import_module(module_name), function)()

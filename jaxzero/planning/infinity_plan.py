@@ -159,7 +159,7 @@ def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
 
 def _tier(cfg, n_devices: int):
   from jaxzero.engine import TrainProgram  # pylint: disable=import-outside-toplevel
-  from jaxzero.models import trainable  # pylint: disable=import-outside-toplevel
+  from jaxzero.engine.builtin_model import builtin_model  # pylint: disable=import-outside-toplevel
   from jaxzero.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from jaxzero.parallel.zero import Layout  # pylint: disable=import-outside-toplevel
   from jaxzero.runners.choose import make_runner  # pylint: disable=import-outside-toplevel
@@ -172,7 +172,7 @@ def _tier(cfg, n_devices: int):
   else:
     cfg, devices = planner.for_cpu(cfg), planner.cpu_devices(n_devices)
   mesh = mesh_lib.make_mesh(replica, fsdp, devices, tensor)
-  program = TrainProgram(cfg, Layout.from_config(cfg, mesh), trainable.llama(cfg.model))
+  program = TrainProgram(cfg, Layout.from_config(cfg, mesh), builtin_model(cfg))
   # Planned only: nothing is opened or written under the store's directory.
   return make_runner(program, check=False)
 

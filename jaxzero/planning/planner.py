@@ -24,7 +24,7 @@ from jaxzero.config import Config
 from jaxzero.engine.remat import POLICY_NAMES
 from jaxzero.engine.state import dtype_of
 from jaxzero.errors import ConfigError
-from jaxzero.models import trainable
+from jaxzero.engine.builtin_model import builtin_model
 from jaxzero.models.llama import count_params
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel import pipeline
@@ -153,6 +153,8 @@ class Plan:
   compiles: int
   seconds: float
   rates: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_RATES))
+  # The trained parameters, where some are frozen (LoRA: the adapters; else n_params).
+  n_trained: int | None = None
 
 
 # ----------------------------------------------------------------------------
@@ -323,18 +325,19 @@ def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant]
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, n_devices)
   cfg, notes = fit_batch_arithmetic(cfg, replica * fsdp)
   mesh = mesh_lib.make_mesh(replica, fsdp, devices, tensor, cfg.mesh.pipeline)
-  rows, compiles = [], 0
+  rows, compiles, n_trained = [], 0, None
   for variant in variants(cfg, sweep, replica) if isinstance(sweep, str) else sweep:
     variant_cfg = variant.apply(cfg)
     program = engine_lib.TrainProgram(variant_cfg, Layout.from_config(variant_cfg, mesh),
-                                      trainable.llama(variant_cfg.model))
+                                      builtin_model(variant_cfg))
     row, n = _plan_variant(make_runner(program, check=False), variant, hbm_bytes, search, comm,
                            {**DEFAULT_RATES, **(rates or {})})
     rows.append(row)
     compiles += n
+    n_trained = program.n_params if program.n_frozen else None
   notes += _notes(cfg, sweep, rows)
   return Plan(rows, notes, count_params(cfg.model), hbm_bytes, compiles,
-              time.perf_counter() - t0, {**DEFAULT_RATES, **(rates or {})})
+              time.perf_counter() - t0, {**DEFAULT_RATES, **(rates or {})}, n_trained)
 
 
 def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
@@ -368,7 +371,10 @@ def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int,
   seconds, step_s, bound = predicted_step(cfg, runner.program.n_params, layout.mesh.size,
                                           state["transfer"], state.get("host_update", 0), rates,
                                           runner.program.n_frozen)
-  theory, formula = zero_formula.theory_state_bytes(cfg, layout)
+  program = runner.program
+  theory, formula = (zero_formula.theory_state_bytes(cfg, layout, program.n_params,
+                                                     program.n_frozen)
+                     if program.n_frozen else zero_formula.theory_state_bytes(cfg, layout))
   total = xla_total_bytes(stats)
   return Row(
       strategy=variant.strategy, stage=variant.stage, hybrid=variant.hybrid,

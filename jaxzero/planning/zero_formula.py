@@ -22,12 +22,15 @@ def bytes_per_param(cfg: Config) -> dict[str, int]:
           "optimizer": OPTIMIZER_BYTES_PER_PARAM}
 
 
-def theory_state_bytes(cfg: Config, layout: Layout, phi: int | None = None) -> tuple[int, str]:
+def theory_state_bytes(cfg: Config, layout: Layout, phi: int | None = None,
+                       phi_frozen: int = 0) -> tuple[int, str]:
   """The ZeRO paper's per-device model state, and the formula as text.
 
   Each role costs its bytes per parameter times Φ (`phi`, default the config's
   Llama's), divided by N where the stage shards it. With bf16 compute and bf16
   grads this is the paper's 16Φ, 4Φ + 12Φ/N, 2Φ + 14Φ/N, 16Φ/N for stages 0-3.
+  Frozen weights (`phi_frozen`, Φf: a LoRA base) add their compute copy, sharded at
+  every stage: 2Φf/N in bf16.
   """
   phi = count_params(cfg.model) if phi is None else phi
   n, t = layout.shard_size, layout.tensor_size
@@ -35,5 +38,8 @@ def theory_state_bytes(cfg: Config, layout: Layout, phi: int | None = None) -> t
   sharded = sum(b for role, b in per_param.items() if role in SHARDED_ROLES[layout.stage])
   replicated = sum(per_param.values()) - sharded
   terms = ([f"{replicated}Φ"] if replicated else []) + ([f"{sharded}Φ/N"] if sharded else [])
+  frozen = per_param["params"]
+  if phi_frozen:
+    terms.append(f"{frozen}Φf/N")
   formula = " + ".join(terms) if t == 1 else f"({' + '.join(terms)})/T"  # T = mesh.tensor
-  return round((replicated * phi + sharded * phi / n) / t), formula
+  return round((replicated * phi + (sharded * phi + frozen * phi_frozen) / n) / t), formula
