@@ -135,9 +135,9 @@ def format_table(plan_, title: str) -> str:
   r0 = rows[0]
   lines = [
       title,
-      f"Φ = {format_count(plan_.n_params)} parameters"
-      + (f" (LoRA: Φ = {format_count(plan_.n_trained)} trained, Φf = "
-         f"{format_count(plan_.n_params)} frozen)" if plan_.n_trained else "")
+      (f"Φ = {format_count(plan_.n_trained)} trained (LoRA adapters) + Φf = "
+       f"{format_count(plan_.n_params)} frozen parameters" if plan_.n_trained else
+       f"Φ = {format_count(plan_.n_params)} parameters")
       + f" on {r0.devices} virtual CPU devices "
       f"(mesh replica {r0.mesh[0]} x fsdp {r0.mesh[1]}"
       f"{f' x tensor {r0.tensor}' if r0.tensor > 1 else ''}"
