@@ -127,6 +127,14 @@ def _validate_lora(cfg: Config) -> None:
     lora_lib.resolve_targets(lora.targets)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  if lora.base_dtype in ("bfloat16", "float32") and lora.base_dtype != cfg.precision.compute:
+    raise ConfigError(f"lora.base_dtype={lora.base_dtype} with precision.compute="
+                      f"{cfg.precision.compute}: a base that is not quantized is kept in the "
+                      "compute dtype; leave lora.base_dtype empty, or choose nf4 or int8")
+  try:
+    lora_lib.check_base_dtype(cfg.model, lora.base_dtype)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if cfg.model_factory:
     raise ConfigError("lora.rank with model_factory: the lora section adapts the built-in "
                       "Llama family; wrap your own model with jaxzero.lora instead")

@@ -179,6 +179,10 @@ class LoraConfig:
   # The projections adapted: "all-linear" (q, k, v, o, gate, up, down), comma-separated
   # names (also PEFT's q_proj ... down_proj), or a regex over those names.
   targets: str = "all-linear"
+  # How the frozen base is stored: "" = the compute dtype; "nf4" (QLoRA: NormalFloat-4
+  # with double-quantized block scales) or "int8" (blockwise), the seven projections of
+  # every layer quantized and dequantized one layer at a time inside the step.
+  base_dtype: Literal["", "bfloat16", "float32", "int8", "nf4"] = ""
   # A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) the
   # adapters start from, instead of B = 0; its rank, alpha and targets must be these.
   init_from: str = ""

@@ -13,5 +13,6 @@ def builtin_model(cfg: Config) -> Model:
   """cfg.model as the engine trains it, with cfg.lora's adapters where rank > 0."""
   if cfg.lora.rank:
     return lora.lora_llama(cfg.model, cfg.lora.rank, cfg.lora.alpha,
-                           lora.resolve_targets(cfg.lora.targets), cfg.zero.min_shard_size)
+                           lora.resolve_targets(cfg.lora.targets), cfg.zero.min_shard_size,
+                           cfg.lora.base_dtype)
   return trainable.llama(cfg.model)

@@ -23,7 +23,7 @@ from jaxzero.engine.lr_schedule import learning_rate_schedule
 from jaxzero.engine.optimizer import make_optimizer
 from jaxzero.engine.state import TrainState, dtype_of, state_shardings
 from jaxzero.engine.step import make_grad_fn, make_train_step
-from jaxzero.models.interface import Model
+from jaxzero.models.interface import Model, is_spec
 from jaxzero.parallel import padding as padding_lib
 from jaxzero.parallel.zero import Layout, on_device
 
@@ -88,8 +88,10 @@ class TrainProgram:
 
   @property
   def n_frozen(self) -> int:
-    """The model's frozen parameters (Model.frozen_specs: a LoRA base), 0 for most."""
-    return sum(math.prod(a.shape) for a in jax.tree.leaves(self.abstract.frozen))
+    """The model's frozen parameters (Model.frozen_specs: a LoRA base, quantized or
+    not), 0 for most."""
+    specs = jax.tree.leaves(self.model.frozen_specs, is_leaf=is_spec)
+    return sum(math.prod(s.shape) * getattr(s, "params_per_element", 1) for s in specs)
 
   @functools.cached_property
   def true_abstract(self) -> TrainState:
@@ -139,7 +141,7 @@ class TrainProgram:
       params = jax.tree.map(lambda w: w.astype(compute), master)
       if model.frozen_specs is not None:
         frozen = model.frozen_init(frozen_key) if frozen is None else frozen
-        frozen = jax.tree.map(lambda w: w.astype(compute), frozen)
+        frozen = jax.tree.map(lambda w, a: w.astype(a.dtype), frozen, self.abstract.frozen)
       return TrainState(jnp.zeros((), jnp.int32), params, master, tx.init(master),
                         loss_scale.init(cfg.precision), frozen)
 

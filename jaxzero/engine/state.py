@@ -73,8 +73,10 @@ def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
 
 
 def frozen_abstract(model: Model, compute) -> Any:
-  """The frozen leaves' shapes in the compute dtype (None for a model without)."""
+  """The frozen leaves' shapes, in their declared dtype (a quantized weight's parts:
+  jaxzero.models.quantize) or else the compute dtype (None for a model without)."""
   if model.frozen_specs is None:
     return None
-  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s.shape), compute),
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s.shape),
+                                                     getattr(s, "dtype", None) or compute),
                       model.frozen_specs, is_leaf=is_spec)

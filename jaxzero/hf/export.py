@@ -95,7 +95,8 @@ def _export(reader: CheckpointReader, out: pathlib.Path, step: int | None, dtype
     raise CheckpointError(f"--out {out} already exists and is not an empty directory; "
                           "export writes a new one")
   lora = info.get("lora")
-  leaves = _master_leaves(reader, step, model, "frozen" if lora else "master")
+  leaves = _master_leaves(reader, step, model, "frozen" if lora else "master",
+                         lora_lib.stored_quantized(lora))
   shards = _plan_shards(model, EXPORT_DTYPES[dtype][1].itemsize, max_shard_bytes)
   out.parent.mkdir(parents=True, exist_ok=True)
   partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -119,15 +120,18 @@ def _mkdir_mode() -> int:
 
 
 def _master_leaves(reader: CheckpointReader, step: int, model: LlamaConfig,
-                   field: str = "master") -> dict[Path, tuple[int, ...]]:
+                   field: str = "master", quantized: tuple[str, ...] = ()
+                   ) -> dict[Path, tuple[int, ...]]:
   """{leaf path: shape} of the model's weights (in the state's `field`: the master
   weights, or a LoRA run's frozen base) in param_specs order (the order
-  jaxzero.hf.tensors lists them), checked against the recorded model."""
+  jaxzero.hf.tensors lists them), checked against the recorded model (but for the
+  `quantized` weights' names, stored as parts)."""
   wanted = {p: spec.shape for p, spec in traverse_util.flatten_dict(param_specs(model)).items()}
+  stored_as_parts = lambda name: name.split("/")[-2] in quantized  # .../wq_LxDxHxE/codes
   saved = {name[len(field) + 1:]: shape for name, shape in reader.leaf_shapes(step).items()
-           if name.startswith(field + "/")}
-  check_fits(saved, {"/".join(p): s for p, s in wanted.items()}, reader.step_dir(step),
-             "the model recorded with it")
+           if name.startswith(field + "/") and not stored_as_parts(name)}
+  check_fits(saved, {"/".join(p): s for p, s in wanted.items() if p[-1] not in quantized},
+             reader.step_dir(step), "the model recorded with it")
   return wanted
 
 
@@ -156,8 +160,9 @@ def _write_export(directory: pathlib.Path, reader: CheckpointReader, step: int,
   with _SafetensorsWriter(directory, names, shards, code) as writer:
     for path, shape in leaves.items():
       if lora:  # the frozen base, with the adapters folded in where it has them
-        leaf = lora_lib.fold_adapters(path, reader.read(step, ("frozen", *path), shape),
-                                      lambda name, shape: reader.read(step, name, shape), lora)
+        read = lambda name, shape: reader.read(step, name, shape)
+        leaf = lora_lib.fold_adapters(path, lora_lib.read_base_leaf(path, shape, read, lora),
+                                      read, lora)
       else:
         read = reader.read_by_layer if path[0] == "layers" else reader.read
         leaf = read(step, ("master", *path), shape)

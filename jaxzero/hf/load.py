@@ -101,7 +101,9 @@ def load_llama(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *
 
 
 def load_params(path: str | os.PathLike, cfg: LlamaConfig, shardings: Any,
-                dtype: Any = jnp.float32) -> dict[str, Any]:
+                dtype: Any = jnp.float32,
+                each: Callable[[tuple[str, ...], jax.Array], Any] | None = None
+                ) -> dict[str, Any]:
   """Reads a Hugging Face checkpoint straight into sharded jaxzero params.
 
   Each distinct shard of each leaf is read once, one Hugging Face tensor (or
@@ -116,6 +118,9 @@ def load_params(path: str | os.PathLike, cfg: LlamaConfig, shardings: Any,
       ``param_specs(cfg)``, e.g. a train state's ``master`` shardings for the
       fp32 master weights; memory kinds are kept.
     dtype: of the result.
+    each: (leaf path, placed leaf) -> what the result holds instead, applied to each
+      leaf as soon as it is placed (e.g. quantizing it), so that the leaves in
+      `dtype` are not all held at once.
 
   Returns:
     A pure params dict of jax.Arrays, for ``nnx.merge(graphdef, params)``.
@@ -128,9 +133,12 @@ def load_params(path: str | os.PathLike, cfg: LlamaConfig, shardings: Any,
   leaf_shardings = _leaf_shardings(shardings, shapes)
   with SafetensorsReader(path) as reader:
     _check_tensors(reader, cfg)
-    flat = {p: _place(shape, leaf_shardings[p], functools.partial(
-        tensors.read_leaf_block, cfg, p, read=reader.read, dtype=np.dtype(dtype)))
-            for p, shape in shapes.items()}
+    flat = {}
+    for p, shape in shapes.items():
+      leaf = _place(shape, leaf_shardings[p], functools.partial(
+          tensors.read_leaf_block, cfg, p, read=reader.read, dtype=np.dtype(dtype)))
+      flat[p] = leaf if each is None else each(p, leaf)
+      del leaf
   return traverse_util.unflatten_dict(flat)
 
 

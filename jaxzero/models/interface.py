@@ -74,8 +74,9 @@ class Model:
     frozen_specs: None, or a nested dict of leaves that are used but not trained
       (with `specs` also a nested dict): the loss receives ``merge(trained,
       frozen)``. Under `layers_key` both may have leaves.
-    frozen_init: key -> the frozen leaves (any float dtype; the engine casts them
-      to the compute dtype), where `frozen_specs` is given.
+    frozen_init: key -> the frozen leaves, where `frozen_specs` is given. A frozen
+      leaf's spec may carry a `dtype` (e.g. quantized codes); the others are cast to
+      the compute dtype.
   """
   specs: Any
   init: Callable[[Array], Any]

@@ -184,45 +184,56 @@ class Llama(nnx.Module):
 
   def forward(self, tokens_BxT: Array, *, shard: ShardFn | None = None,
               gather: ShardFn | None = None, remat: RematFn | None = None,
-              scan: Callable | None = None, adapters: dict | None = None,
-              adapter_axes: dict | None = None,
-              lora_scale: float = 1.0) -> tuple[Array, Array]:
+              scan: Callable | None = None) -> tuple[Array, Array]:
     """(final-normed hidden states [B, T, D], head [D, V]): the logits' factors.
 
-    `scan(layer, x, stacked) -> x` runs the layers (default: ``jax.lax.scan``).
-    `adapters`: LoRA weights stacked per layer (jaxzero.models.lora), run through the
-    scan beside the layers' own, with their per-layer logical axes `adapter_axes`;
-    each adds ``lora_scale * x @ A @ B`` to its projection."""
-    cfg = self.cfg
-    shard, gather = shard or _no_shard, gather or _no_shard
-    T = tokens_BxT.shape[1]
+    `scan(layer, x, stacked) -> x` runs the layers (default: ``jax.lax.scan``)."""
+    params = {"embed_VxD": self.embed_VxD[...], "layers": self.layers.stacked(),
+              "final_norm": self.final_norm[...]}
+    if not self.cfg.tie_embeddings:
+      params["lm_head_DxV"] = self.lm_head_DxV[...]
+    return decoder_forward(self.cfg, params, tokens_BxT, shard=shard, gather=gather,
+                           remat=remat, scan=scan)
 
-    # An untied embedding is looked up where it lies; a tied one is gathered
-    # once for the lookup and the head.
-    embed_VxD = self.embed_VxD[...]
-    if cfg.tie_embeddings:
-      embed_VxD = gather(embed_VxD, EMBED_AXES)
-    x_BxTxD = shard(jnp.take(embed_VxD, tokens_BxT, axis=0), RESIDUAL_AXES)
-    cos_TxE, sin_TxE = rope_tables(cfg, T)
 
-    layer_axes = {n: spec.logical_axes[1:] for n, spec in param_specs(cfg)["layers"].items()}
-    layer_axes.update(adapter_axes or {})
+def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
+                    shard: ShardFn | None = None, gather: ShardFn | None = None,
+                    remat: RematFn | None = None, scan: Callable | None = None,
+                    layer_axes: dict | None = None,
+                    lora_scale: float = 1.0) -> tuple[Array, Array]:
+  """:meth:`Llama.forward` on a pure params dict, whose ``layers`` may hold more than
+  the layers' weights: LoRA adapters (``lora_{target}_a``/``_b``, jaxzero.models.lora),
+  each adding ``lora_scale * x @ A @ B`` to its projection, or weights stored
+  quantized (jaxzero.models.quantize) that `gather` turns into arrays. `layer_axes`
+  gives the per-layer logical axes of those extra leaves (what `gather` is told)."""
+  shard, gather = shard or _no_shard, gather or _no_shard
+  T = tokens_BxT.shape[1]
 
-    def layer(x_BxTxD, weights):
-      weights = {n: gather(w, layer_axes[n]) for n, w in weights.items()}
-      x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard, lora_scale)
-      return shard(x_BxTxD, RESIDUAL_AXES), None
+  # An untied embedding is looked up where it lies; a tied one is gathered
+  # once for the lookup and the head.
+  embed_VxD = params["embed_VxD"]
+  if cfg.tie_embeddings:
+    embed_VxD = gather(embed_VxD, EMBED_AXES)
+  x_BxTxD = shard(jnp.take(embed_VxD, tokens_BxT, axis=0), RESIDUAL_AXES)
+  cos_TxE, sin_TxE = rope_tables(cfg, T)
 
-    if remat is not None:
-      layer = remat(layer)
-    stacked = {**self.layers.stacked(), **(adapters or {})}
-    if scan is None:
-      x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, stacked)
-    else:
-      x_BxTxD = scan(layer, x_BxTxD, stacked)
-    x_BxTxD = rms_norm(x_BxTxD, self.final_norm[...], cfg.norm_eps)
-    head_DxV = embed_VxD.T if cfg.tie_embeddings else gather(self.lm_head_DxV[...], HEAD_AXES)
-    return x_BxTxD, head_DxV
+  axes = {n: spec.logical_axes[1:] for n, spec in param_specs(cfg)["layers"].items()}
+  axes.update(layer_axes or {})
+
+  def layer(x_BxTxD, weights):
+    weights = {n: gather(w, axes[n]) for n, w in weights.items()}
+    x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard, lora_scale)
+    return shard(x_BxTxD, RESIDUAL_AXES), None
+
+  if remat is not None:
+    layer = remat(layer)
+  if scan is None:
+    x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, params["layers"])
+  else:
+    x_BxTxD = scan(layer, x_BxTxD, params["layers"])
+  x_BxTxD = rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps)
+  head_DxV = embed_VxD.T if cfg.tie_embeddings else gather(params["lm_head_DxV"], HEAD_AXES)
+  return x_BxTxD, head_DxV
 
 
 EMBED_AXES = ("vocab", "embed")

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxzero.models import trainable
+from jaxzero.models import quantize, trainable
 from jaxzero.models.interface import Hooks, Model, split_like
-from jaxzero.models.llama import Llama, LlamaConfig, ParamSpec, is_param_spec, param_specs
+from jaxzero.models.llama import LlamaConfig, ParamSpec, decoder_forward, is_param_spec, param_specs
 from jaxzero.models.loss import cross_entropy
 
 # Target -> (the base weight under `layers`, how many of its leading dimensions
@@ -111,40 +111,121 @@ def init_adapters(specs: dict, key: jax.Array) -> dict:
 
 
 def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ...],
-               min_shard_size: int = 0) -> Model:
+               min_shard_size: int = 0, base_dtype: str = "") -> Model:
   """The Llama-family Model (jaxzero.models.trainable.llama) with its weights frozen and
-  rank-`rank` adapters on `targets` trained, scaled by alpha / rank."""
+  rank-`rank` adapters on `targets` trained, scaled by alpha / rank. `base_dtype` "nf4"
+  or "int8" stores the seven projections of the base quantized (jaxzero.models.quantize),
+  each dequantized into the compute dtype where its layer uses it."""
   base_model = trainable.llama(cfg)
   specs = adapter_specs(cfg, rank, targets, min_shard_size)
-  graphdef = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
-  adapter_axes = {n: s.logical_axes[1:] for n, s in specs["layers"].items()}
+  layer_axes = {n: s.logical_axes[1:] for n, s in specs["layers"].items()}
+  kind = base_dtype if base_dtype in quantize.KINDS else None
+  frozen_specs = param_specs(cfg)
+  if kind:
+    for name in QUANTIZED:
+      spec = frozen_specs["layers"][name]
+      parts = quantize.stored_specs(spec.shape, kind)
+      frozen_specs["layers"][name] = parts
+      layer_axes[name] = _Quantized({k: s.logical_axes[1:] for k, s in parts.items()},
+                                    spec.shape[1:], spec.logical_axes[1:])
 
   def loss(params, tokens_BxT1: jax.Array, hooks: Hooks) -> jax.Array:
-    adapters, base = split_like(params, specs)
-    model = nnx.merge(graphdef, base)
-    x_BxTxD, head_DxV = model.forward(
-        tokens_BxT1[:, :-1], shard=hooks.shard, gather=hooks.gather, remat=hooks.remat,
-        scan=hooks.scan, adapters=adapters["layers"], adapter_axes=adapter_axes,
-        lora_scale=alpha / rank)
+    compute = jax.tree.leaves(split_like(params, specs)[0])[0].dtype  # the adapters'
+
+    def gather(w, axes):
+      if not isinstance(axes, _Quantized):
+        return hooks.gather(w, axes)
+      # One layer's stored parts come together, then become its weight, used and
+      # dropped (recomputed in the backward pass under remat, like any activation).
+      parts = {k: hooks.gather(v, axes.parts[k]) for k, v in w.items()}
+      return hooks.gather(quantize.dequantize(parts, axes.shape, compute), axes.axes)
+
+    x_BxTxD, head_DxV = decoder_forward(
+        cfg, params, tokens_BxT1[:, :-1], shard=hooks.shard, gather=gather,
+        remat=hooks.remat, scan=hooks.scan, layer_axes=layer_axes, lora_scale=alpha / rank)
     return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=trainable.LOSS_CHUNK,
                          shard=hooks.shard)
 
+  def frozen_init(key):
+    return store_base(base_model.init(key), kind)
+
   return Model(specs=specs, init=lambda key: init_adapters(specs, key), loss=loss,
                decay=lambda path: True, layers_key="layers",
-               frozen_specs=param_specs(cfg), frozen_init=base_model.init)
+               frozen_specs=frozen_specs, frozen_init=frozen_init)
+
+
+# The base weights stored quantized under lora.base_dtype=nf4|int8: every projection
+# (QLoRA's Linear4bit layers); the embedding, head and norm gains stay in the compute
+# dtype.
+QUANTIZED = tuple(weight for weight, _ in TARGETS.values())
+
+
+class _Quantized(NamedTuple):
+  """What `gather` is told of a quantized weight: its parts' per-layer logical axes,
+  and the per-layer shape and logical axes of the weight they make."""
+  parts: dict
+  shape: tuple
+  axes: tuple
+
+
+def store_base(base: dict, kind: str | None) -> dict:
+  """The base weights as the frozen state holds them: the projections quantized as
+  `kind` (nf4, int8), or all as they are (None)."""
+  if kind is None:
+    return base
+  layers = dict(base["layers"])
+  for name in QUANTIZED:
+    layers[name] = quantize.quantize(layers[name], kind)
+  return {**base, "layers": layers}
+
+
+def store_leaf(path: tuple[str, ...], leaf, kind: str | None):
+  """One base leaf as the frozen state holds it (see store_base)."""
+  if kind is None or tuple(path[:1]) != ("layers",) or path[-1] not in QUANTIZED:
+    return leaf
+  return quantize.quantize(leaf, kind)
+
+
+def stored_quantized(record: dict | None) -> tuple[str, ...]:
+  """The base weights a checkpoint's LoRA record says are stored quantized."""
+  return QUANTIZED if record and record.get("base_dtype") in quantize.KINDS else ()
+
+
+def read_base_leaf(path: tuple[str, ...], shape: tuple[int, ...], read, record: dict):
+  """A checkpoint's frozen base weight at `path` (true `shape`), in float32 on the host:
+  read by ``read(name, shape)``, dequantized where it is stored quantized."""
+  if path[-1] not in stored_quantized(record):
+    return read(("frozen", *path), shape)
+  kind = record["base_dtype"]
+  dtypes = {"uint8": np.uint8, "int8": np.int8, "float32": np.float32}
+  parts = {k: read(("frozen", *path, k), s.shape).astype(dtypes[s.dtype])
+           for k, s in quantize.stored_specs(shape, kind).items()}
+  return np.stack([np.asarray(quantize.dequantize({k: v[i] for k, v in parts.items()},
+                                                  shape[1:], np.float32))
+                   for i in range(shape[0])])
+
+
+def check_base_dtype(cfg: LlamaConfig, base_dtype: str) -> None:
+  """ValueError (one line) where `base_dtype` cannot store `cfg`'s projections."""
+  if base_dtype in quantize.KINDS:
+    layers = param_specs(cfg)["layers"]
+    for name in QUANTIZED:
+      quantize.check_quantizable(name, layers[name].shape, base_dtype)
 
 
 def n_adapter_params(specs: dict) -> int:
   return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_param_spec))
 
 
-def run_record(rank: int, alpha: float, targets: str, base_model: str = "") -> dict | None:
-  """What a checkpoint records of a run's LoRA (None without): rank, alpha, targets
-  and the base model's directory (init.hf_checkpoint), where known."""
+def run_record(rank: int, alpha: float, targets: str, base_model: str = "",
+               base_dtype: str = "") -> dict | None:
+  """What a checkpoint records of a run's LoRA (None without): rank, alpha, targets,
+  the base model's directory (init.hf_checkpoint) where known, and how the base is
+  stored (lora.base_dtype)."""
   if not rank:
     return None
   return {"rank": rank, "alpha": alpha, "targets": list(resolve_targets(targets)),
-          "base_model": base_model}
+          "base_model": base_model, "base_dtype": base_dtype}
 
 
 def target_of(path: tuple[str, ...]) -> str | None:

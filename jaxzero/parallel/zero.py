@@ -53,7 +53,8 @@ SHARDED_ROLES: dict[int, frozenset[str]] = {
 # (Levanter's and nanodo's FSDP choice); the others are fallbacks for a leaf
 # whose `embed` dimension does not divide the axis. `layers` is never split:
 # the scan slices it, one layer per step.
-FSDP_DIM_PREFERENCE = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim")
+# `flat`: a quantized weight's flattened elements (jaxzero.models.quantize).
+FSDP_DIM_PREFERENCE = ("embed", "mlp", "vocab", "heads", "kv_heads", "head_dim", "flat")
 # "none": a dimension never split (jaxzero.parallel.rules names it for any model).
 KNOWN_LOGICAL_AXES = frozenset(FSDP_DIM_PREFERENCE) | {"layers", "none"}
 # Megatron's tensor-parallel dimensions, best first: a weight or activation is

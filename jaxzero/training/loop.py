@@ -27,6 +27,7 @@ from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteErr
 from jaxzero.hf import load as hf_load
 from jaxzero.hf import peft as hf_peft
 from jaxzero.models import lora as lora_lib
+from jaxzero.models.llama import param_specs
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
 from jaxzero.planning import memory_check, memory_measure
@@ -240,8 +241,7 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
     frozen = adapters = None
     if path:
       log.info("starting from the Hugging Face weights in %s", path)
-      frozen = hf_load.load_params(path, cfg.model, sh.frozen,
-                                   dtype=engine_lib.dtype_of(cfg.precision.compute))
+      frozen = _load_base(run, path)
     if cfg.lora.init_from:
       log.info("starting the adapters from the PEFT adapter in %s", cfg.lora.init_from)
       adapters = jax.device_put(hf_peft.read_adapter(cfg.lora.init_from, cfg.model,
@@ -253,10 +253,30 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
   return run.runner.init()
 
 
+def _load_base(run: Run, path: str):
+  """A LoRA run's frozen base from Hugging Face weights, placed by the ``frozen`` role;
+  a quantized base (lora.base_dtype nf4, int8) is quantized leaf by leaf as it is read,
+  so the compute-dtype copy of one leaf at most exists at a time."""
+  cfg, layout, sh = run.cfg, run.layout, run.program.shardings
+  kind = cfg.lora.base_dtype if cfg.lora.base_dtype in ("nf4", "int8") else None
+  specs = param_specs(cfg.model)
+  placed = layout.tree_shardings(specs, "frozen")  # each leaf as read, before quantizing
+
+  def store(leaf_path, leaf):
+    target = sh.frozen
+    for key in leaf_path:
+      target = target[key]
+    return jax.jit(lambda w: lora_lib.store_leaf(leaf_path, w, kind), out_shardings=target,
+                   donate_argnums=0)(leaf)
+  return hf_load.load_params(path, cfg.model, placed,
+                             dtype=engine_lib.dtype_of(cfg.precision.compute),
+                             each=store if kind else None)
+
+
 def _lora_record(cfg: Config) -> dict | None:
   """What checkpoints record of the run's LoRA (jaxzero.models.lora.run_record)."""
   return lora_lib.run_record(cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets,
-                             cfg.init.hf_checkpoint)
+                             cfg.init.hf_checkpoint, cfg.lora.base_dtype)
 
 
 def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,

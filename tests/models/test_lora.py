@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxzero import config
 from jaxzero import engine as engine_lib
@@ -23,7 +22,7 @@ from jaxzero.hf import load as hf_load
 from jaxzero.hf import peft as hf_peft
 from jaxzero.models import lora as lora_lib
 from jaxzero.models import trainable
-from jaxzero.models.llama import Llama
+from jaxzero.models.llama import decoder_forward
 from jaxzero.parallel import mesh
 from jaxzero.parallel.zero import Layout
 
@@ -175,13 +174,14 @@ def test_targets_by_name_peft_name_or_pattern():
 
 
 def jaxzero_lora_logits(model_cfg, frozen, adapters, record, tokens):
-  graphdef = nnx.split(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
-  model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, frozen))
+  """The logits of a full-precision base (a pure params dict) with stacked adapters."""
+  params = jax.tree.map(jnp.asarray, frozen)
+  params["layers"] = {**params["layers"], **jax.tree.map(jnp.asarray, adapters)}
   specs = lora_lib.adapter_specs(model_cfg, record["rank"], tuple(record["targets"]))
-  x, head = model.forward(jnp.asarray(tokens), adapters=jax.tree.map(jnp.asarray, adapters),
-                          adapter_axes={n: s.logical_axes[1:]
+  x, head = decoder_forward(model_cfg, params, jnp.asarray(tokens),
+                            layer_axes={n: s.logical_axes[1:]
                                         for n, s in specs["layers"].items()},
-                          lora_scale=record["alpha"] / record["rank"])
+                            lora_scale=record["alpha"] / record["rank"])
   return np.asarray(jnp.einsum("btd,dv->btv", x, head))
 
 
