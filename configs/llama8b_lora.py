@@ -6,7 +6,8 @@ adapters on all seven projections (PEFT's all-linear), 4096-token sequences.
       --set data.tokenizer=/models/Meta-Llama-3.1-8B --set "data.source=/data/*.jsonl"
     python -m jaxzero.export --workdir runs/llama8b-lora --out runs/llama8b-lora/adapter --peft
 
-The plan: python -m jaxzero.plan --config configs/llama8b_lora.py --hbm-gb 40 (docs/lora.md).
+On N GPUs: --set train.grad_accum=16/N. The plan: python -m jaxzero.plan --config
+configs/llama8b_lora.py --hbm-gb 40 (docs/lora.md).
 """
 
 import dataclasses

@@ -61,7 +61,8 @@ def check_quantizable(name: str, shape: tuple[int, ...], kind: str) -> None:
   if per_layer % BLOCK:
     raise ValueError(f"lora.base_dtype={kind}: weight {name} has {per_layer:,} elements a "
                      f"layer ({' x '.join(map(str, shape[1:]))}), not a multiple of the "
-                     f"{BLOCK}-value block; leave lora.base_dtype empty (the compute dtype) for this model")
+                     f"{BLOCK}-value block; leave lora.base_dtype empty (the compute dtype) "
+                     "for this model")
 
 
 def stored_specs(shape: tuple[int, ...], kind: str) -> dict[str, StoredSpec]:

@@ -227,3 +227,20 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message):
   errors = [line for line in result.stderr.splitlines() if "error" in line]
   assert len(errors) == 1 and message in errors[0], result.stderr
   assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow  # compiles the 8B step twice
+@pytest.mark.parametrize("preset,base_budget,total_budget", [
+    ("llama8b_lora.py", 16.1e9, 24e9), ("llama8b_qlora.py", 5.8e9, 12e9)])
+def test_llama8b_lora_and_qlora_plan_on_one_device_within_their_budgets(preset, base_budget,
+                                                                         total_budget):
+  """Rank-16 adapters on all seven projections, seq 4096, micro-batch 1, one device: the
+  bf16 base within 24 GB, the NF4 base within 12 GB (XLA:CPU's compile: its activations
+  are larger than a GPU's)."""
+  cfg = config.load(str(CONFIGS / preset), ["mesh.fsdp=1"])
+  plan = planner.plan(cfg, 1, int(40e9), [Variant(3, False, "full")], search=False)
+  row = plan.rows[0]
+  assert plan.n_trained == 41_943_040  # r (in + out) summed over the 7 projections, 32 layers
+  assert row.params_bytes <= base_budget * 1.005  # the frozen base (and the adapters' copy)
+  assert row.total_bytes <= total_budget, row.total_bytes / 1e9
+  assert row.theory_formula.endswith("Φf/N")
