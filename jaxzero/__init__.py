@@ -7,7 +7,7 @@ up virtual CPU devices before JAX starts; ``jaxzero.Engine`` and its companions
 
 __version__ = "0.1.0"
 
-_API = ("Engine", "Zero", "Remat", "Offload", "mesh")
+_API = ("Engine", "Zero", "Remat", "Offload", "mesh", "lora")
 
 
 def __getattr__(name: str):

@@ -13,6 +13,7 @@ it was created and never trained.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 from typing import Any, Callable
@@ -24,8 +25,25 @@ from jaxzero.config import Config
 from jaxzero.engine import remat
 from jaxzero.engine.builtin_model import builtin_model
 from jaxzero.errors import ConfigError
-from jaxzero.models.interface import Hooks, Model
+from jaxzero.models import lora_any
+from jaxzero.models.interface import Hooks, Model, is_spec
 from jaxzero.parallel import rules as rules_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+  """A model to fine-tune with LoRA (made by :func:`lora`; jaxzero.models.lora_any)."""
+  model: Any
+  rank: int
+  alpha: float
+  targets: str
+
+
+def lora(model: Any, *, rank: int, alpha: float = 16.0, targets: str = r".*kernel") -> Lora:
+  """`model` (anything jaxzero.Engine takes) with its parameters frozen and rank-`rank`
+  LoRA adapters, scaled by alpha / rank, on each 2-D parameter whose "/"-joined path
+  fully matches the regex `targets` (default: every Linear and Dense kernel)."""
+  return Lora(model, rank, alpha, targets)
 
 
 def build(model: Any, loss_fn: Callable | None, *, shard_size: int, init_args: tuple = (),
@@ -33,6 +51,22 @@ def build(model: Any, loss_fn: Callable | None, *, shard_size: int, init_args: t
           remat_block: type | None = None, remat_policy: str = "full") -> Model:
   """The Model for any of the kinds of `model` (see the module's docstring; a Model as it is);
   `remat_block`, an NNX class whose every call is checkpointed with `remat_policy`."""
+  if isinstance(model, Lora):
+    inner = build(model.model, loss_fn, shard_size=shard_size, init_args=init_args,
+                  rules=rules, min_size=min_size, remat_block=remat_block,
+                  remat_policy=remat_policy)
+    try:
+      adapted = lora_any.with_lora(inner, model.rank, model.alpha, model.targets)
+    except ValueError as e:
+      raise ConfigError(f"jaxzero.lora: {e}") from None
+    # The adapters placed by the rules, as any parameter: a kernel's own names carried
+    # over, and where those leave nothing ZeRO may split, the rules' choice.
+    names = jax.tree.map(lambda s: tuple(a if a != rules_lib.NONE else None
+                                         for a in s.logical_axes), adapted.specs, is_leaf=is_spec)
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, "float32"), adapted.specs,
+                          is_leaf=is_spec)
+    return dataclasses.replace(adapted, specs=rules_lib.specs(shapes, names, rules, shard_size,
+                                                              min_size))
   if isinstance(model, Model):  # already the engine's contract: its loss takes the hooks
     if loss_fn is not None:
       raise ConfigError("a jaxzero.models.interface.Model carries its own loss: pass "

@@ -171,16 +171,21 @@ class Engine:
   def plan(self, batch: Any = None) -> dict[str, int]:
     """Per-device bytes: the state by role (from its shardings), the ZeRO paper's
     figure, what of the state stays whole on every device (``whole_bytes``, of
-    ``whole_leaves`` parameters, ``whole_why``), and with an example `batch` XLA's
-    own total for the compiled step."""
+    ``whole_leaves`` parameters, ``whole_why``), the trained parameters (``n_params``)
+    and the frozen ones (``n_frozen``, ``frozen_bytes``: jaxzero.lora), and with an
+    example `batch` XLA's own total for the compiled step."""
     got = self.runner.plan()
     n_params = self.program.n_params
-    theory, formula = zero_formula.theory_state_bytes(self.cfg, self.layout, n_params)
+    frozen = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.program.abstract.frozen))
+    theory, formula = zero_formula.theory_state_bytes(self.cfg, self.layout, n_params,
+                                                      self.program.n_frozen, frozen)
     plan = {"params_bytes": got["params"], "grads_bytes": got["grads"],
             "optimizer_bytes": got["optimizer"], "host_bytes": got["host"],
             "nvme_bytes": got["nvme"],
             "state_bytes": sum(got[r] for r in ROLES),
-            "theory_state_bytes": theory, "theory_formula": formula, "n_params": n_params}
+            "theory_state_bytes": theory, "theory_formula": formula, "n_params": n_params,
+            # A LoRA model's frozen parameters (counted in params_bytes too).
+            "frozen_bytes": got.get("frozen", 0), "n_frozen": self.program.n_frozen}
     whole = state_bytes.kept_whole(self.program)  # included in the roles' bytes above
     plan.update(whole_bytes=whole["bytes"], whole_leaves=whole["leaves"], whole_why=whole["why"])
     if batch is not None:

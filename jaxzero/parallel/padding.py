@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxzero.models.interface import Leaf, Model, is_spec
+from jaxzero.models.interface import Leaf, Model, is_spec, merge, split_like
 from jaxzero.parallel.zero import FSDP_DIM_PREFERENCE, Layout
 
 
@@ -114,8 +114,14 @@ def pad_model(model: Model, layout: Layout) -> tuple[Model, Padding]:
   specs = jax.tree.map(lambda leaf, shape: Leaf(shape, tuple(leaf.logical_axes)),
                        model.specs, padded_shapes, is_leaf=is_spec)
   inner_init, inner_loss, key = model.init, model.loss, model.layers_key
+  # The loss gets the trained leaves merged with the frozen ones (Model.frozen_specs),
+  # which are never padded: only the trained leaves lose their padding.
+  trained_of = ((lambda params: split_like(params, true_shapes))
+                if model.frozen_specs is not None else (lambda params: (params, None)))
   if key is None:
-    loss = lambda params, batch, hooks: inner_loss(padding.unpad(params), batch, hooks)
+    def loss(params, batch, hooks):
+      trained, frozen = trained_of(params)
+      return inner_loss(merge(padding.unpad(trained), frozen), batch, hooks)
   else:
     # The stacked layers go to Hooks.scan whole, as stored (Model.layers_key's contract);
     # each layer's slice loses its padding as the scan hands it to the layer.
@@ -123,10 +129,11 @@ def pad_model(model: Model, layout: Layout) -> tuple[Model, Padding]:
                                 is_leaf=lambda x: isinstance(x, tuple))
 
     def loss(params, batch, hooks):
-      outer = {k: v for k, v in params.items() if k != key}
+      trained, frozen = trained_of(params)
+      outer = {k: v for k, v in trained.items() if k != key}
       outer = _map(unpad, outer, {k: true_shapes[k] for k in outer})
       scan = _unpadding_scan(hooks.scan, layer_shapes)
-      return inner_loss({**outer, key: params[key]}, batch,
+      return inner_loss(merge({**outer, key: trained[key]}, frozen), batch,
                         dataclasses.replace(hooks, scan=scan))
   return dataclasses.replace(model, specs=specs, init=lambda k: padding.pad(inner_init(k)),
                              loss=loss), padding
@@ -134,6 +141,12 @@ def pad_model(model: Model, layout: Layout) -> tuple[Model, Padding]:
 
 def _unpadding_scan(scan, layer_shapes):
   """`scan` whose layer function gets each layer's weights at their true shapes."""
+  def one_layer(weights):
+    if not isinstance(weights, dict):
+      return _map(unpad, weights, layer_shapes)
+    trained, frozen = split_like(weights, layer_shapes)  # frozen leaves ride along
+    return merge(_map(unpad, trained, layer_shapes), frozen or None)
+
   def run(layer, carry, stacked):
-    return scan(lambda c, weights: layer(c, _map(unpad, weights, layer_shapes)), carry, stacked)
+    return scan(lambda c, weights: layer(c, one_layer(weights)), carry, stacked)
   return run
