@@ -38,6 +38,15 @@ def test_print_config_gives_every_key_as_a_set_argument():
     (["--config", TINY, "--set", "offload.optimizer=pinned_host",
       "--set", "offload.delayed_update=true", "--set", "precision.compute=float16"],
      "offload.delayed_update=true with precision.compute=float16"),
+    (["--config", TINY, "--set", "lora.rank=0", "--set", "lora.init_from=/x"],
+     "lora.init_from=/x needs lora.rank"),
+    (["--config", TINY, "--set", "lora.rank=8", "--set", "lora.targets=qq"],
+     "lora.targets='qq' matches no projection"),
+    (["--config", TINY, "--set", "lora.rank=8", "--set", "lora.base_dtype=nf4",
+      "--set", "model.dim=36", "--set", "model.mlp_dim=72"],
+     "not a multiple of the 64-value block"),
+    (["--config", TINY, "--set", "lora.rank=8", "--set", "lora.init_from=/no/adapter"],
+     "lora.init_from=/no/adapter: adapter_config.json is missing"),
 ])
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path):
