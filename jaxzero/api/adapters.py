@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxzero.config import Config
 from jaxzero.engine import remat
-from jaxzero.engine.builtin_model import builtin_model
+from jaxzero.config.builtin_model import builtin_model
 from jaxzero.errors import ConfigError
 from jaxzero.models import lora_any
 from jaxzero.models.interface import Hooks, Model, is_spec

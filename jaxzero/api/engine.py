@@ -110,6 +110,11 @@ class Engine:
         model, loss_fn, shard_size=self.layout.shard_size, init_args=init_args, rules=rules,
         min_size=zero.min_shard_size,
         remat_block=remat.block, remat_policy=remat.policy)
+    if self.model.frozen_specs is not None and (offload.optimizer, offload.params) != (
+        "device", "device"):
+      raise ConfigError(f"a model with frozen parameters (jaxzero.lora) runs with its state on "
+                        f"the device; got offload optimizer={offload.optimizer}, "
+                        f"params={offload.params}")
     program = engine_lib.TrainProgram(cfg, self.layout, self.model, optimizer=optimizer)
     self.runner = make_runner(program, workdir)  # as jaxzero.train chooses it
     whole, state = state_bytes.kept_whole(program), sum(self.runner.plan()[r] for r in ROLES)

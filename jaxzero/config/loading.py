@@ -131,13 +131,13 @@ def _validate_lora(cfg: Config) -> None:
     raise ConfigError(f"lora.base_dtype={lora.base_dtype} with precision.compute="
                       f"{cfg.precision.compute}: a base that is not quantized is kept in the "
                       "compute dtype; leave lora.base_dtype empty, or choose nf4 or int8")
+  if cfg.model_factory:
+    raise ConfigError("lora.rank with model_factory: the lora section adapts the built-in "
+                      "Llama family; wrap your own model with jaxzero.lora instead")
   try:
     lora_lib.check_base_dtype(cfg.model, lora.base_dtype)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  if cfg.model_factory:
-    raise ConfigError("lora.rank with model_factory: the lora section adapts the built-in "
-                      "Llama family; wrap your own model with jaxzero.lora instead")
   if cfg.offload.optimizer != "device" or cfg.offload.params != "device":
     raise ConfigError(f"lora.rank={lora.rank} with offload.optimizer={cfg.offload.optimizer}, "
                       f"offload.params={cfg.offload.params}: LoRA runs with the state on the "

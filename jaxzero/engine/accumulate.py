@@ -78,21 +78,23 @@ class AccumulatingScan:
 
   `place(gradients) -> gradients`, where given, moves a layer's gradient to where the
   sum lives before it is added (offloaded weights' gradients leave their layer in
-  pinned_host). `calls` counts its uses: the engine checks that the model ran it
-  exactly once (unused, the gradient would be lost; run twice, the sum counted twice).
+  pinned_host). With `frozen`, `stacked` may also hold frozen leaves
+  (Model.frozen_specs), which ride along untapped. `calls` counts its uses: the engine
+  checks that the model ran it exactly once (unused, the gradient would be lost; run
+  twice, the sum counted twice).
   """
 
-  def __init__(self, acc, place=None):
+  def __init__(self, acc, place=None, frozen: bool = False):
     self.acc = acc
     self.tap = _tap_for(place)
     self.calls = 0
+    self.frozen = frozen  # the model has frozen leaves, which `stacked` may hold
 
   def __call__(self, layer, carry, stacked):
     self.calls += 1
     # Frozen leaves (Model.frozen_specs) ride along in `stacked`, untapped.
     trained, frozen = (split_like(stacked, self.acc)
-                       if isinstance(stacked, dict) and isinstance(self.acc, dict)
-                       else (stacked, {}))
+                       if self.frozen and isinstance(stacked, dict) else (stacked, {}))
     shapes = lambda tree: jax.tree.map(lambda x: tuple(x.shape), tree)
     if (jax.tree.structure(trained) != jax.tree.structure(self.acc)
         or shapes(trained) != shapes(self.acc)):

@@ -72,7 +72,7 @@ def per_layer_grads(loss: Callable, model: Model, place=None) -> Callable:
   key = model.layers_key
 
   def split_loss(other, layers_sum, layers, batch, scale):
-    scan = AccumulatingScan(layers_sum, place)
+    scan = AccumulatingScan(layers_sum, place, frozen=model.frozen_specs is not None)
     params = {k: layers if k == key else other[k] for k in (*other, key)}
     values = loss(params, batch, scale, scan)
     if scan.calls != 1:

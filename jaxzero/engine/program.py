@@ -127,8 +127,9 @@ class TrainProgram:
         `key` (default: from ``cfg.seed``). The compute copy is cast from them
         and the optimizer starts from its own init.
       frozen: a model's frozen leaves (Model.frozen_specs) placed by
-        ``shardings.frozen`` (e.g. a LoRA base read from Hugging Face); None draws
-        them with ``Model.frozen_init`` from the same key.
+        ``shardings.frozen`` (e.g. a LoRA base read from Hugging Face), consumed; None
+        draws them with ``Model.frozen_init``. (With frozen leaves `key` is split in
+        two: one for them, one for the trained parameters.)
     """
     cfg, sh, tx, model = self.cfg, self.shardings, self.tx, self.model
     compute = dtype_of(cfg.precision.compute)
@@ -150,4 +151,5 @@ class TrainProgram:
     if master is None:
       return jax.jit(lambda key, frozen: derive(model.init(key), frozen),
                      out_shardings=sh)(master_key, frozen)
-    return jax.jit(derive, out_shardings=sh)(master, frozen)
+    # The given frozen leaves are donated: a base is not held twice at start-up.
+    return jax.jit(derive, out_shardings=sh, donate_argnums=1)(master, frozen)

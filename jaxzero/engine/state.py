@@ -33,7 +33,8 @@ class TrainState(NamedTuple):
   # no leaves, so the state and checkpoints of other runs are as they were.
   loss_scale: Any = None
   # Weights the model uses but does not train (Model.frozen_specs: a LoRA base), in
-  # the compute dtype, placed by the ``frozen`` role; None (no leaves) for other runs.
+  # the compute dtype or their declared one (a quantized base's parts), placed by the
+  # ``frozen`` role; None (no leaves) for other runs.
   frozen: Any = None
 
 

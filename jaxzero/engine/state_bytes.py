@@ -91,8 +91,16 @@ def kept_whole(program) -> dict:
   specs = jax.tree.leaves(program.model.specs, is_leaf=is_spec)
   kept = [spec for spec, a, s in zip(specs, jax.tree.leaves(abstract.master),
                                      jax.tree.leaves(sh.master)) if whole(a, s)]
-  if not kept:
+  # Frozen weights (a LoRA base) are not padded: one no dimension of which divides the
+  # sharding devices stays whole.
+  frozen = [(a, s) for a, s in zip(jax.tree.leaves(abstract.frozen),
+                                   jax.tree.leaves(sh.frozen)) if whole(a, s)]
+  if not kept and not frozen:
     return {"bytes": 0, "leaves": 0, "why": ""}
+  if not kept:
+    return {"bytes": bytes_per_device([a for a, _ in frozen], [s for _, s in frozen]),
+            "leaves": len(frozen), "why": f"frozen weights no dimension of which divides the "
+                                          f"{layout.shard_size} sharding devices"}
   grads = layout.tree_shardings(program.model.specs, "grads")
   grad_dtype = dtype_of(program.cfg.zero.grad_dtype)
   pairs = [*zip(jax.tree.leaves(abstract.params), jax.tree.leaves(sh.params)),
@@ -106,5 +114,8 @@ def kept_whole(program) -> dict:
          if by_choice == len(kept) else
          f"no dimension of theirs divides the {layout.shard_size} sharding devices"
          + (" or they are under zero.min_shard_size" if by_choice else ""))
+  held += frozen
+  if frozen:
+    why += f", and {len(frozen)} frozen weights no dimension of which divides them"
   return {"bytes": bytes_per_device([a for a, _ in held], [s for _, s in held]),
-          "leaves": len(kept), "why": why}
+          "leaves": len(kept) + len(frozen), "why": why}

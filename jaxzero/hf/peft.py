@@ -12,6 +12,8 @@ directory into jaxzero's adapters (``lora.init_from``), after ``check_adapter``.
 from __future__ import annotations
 
 import json
+import math
+import re
 import pathlib
 
 import numpy as np
@@ -103,10 +105,15 @@ def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) ->
   if found.get("peft_type") != "LORA":
     raise HFCheckpointError(f"lora.init_from={path}: peft_type={found.get('peft_type')!r}; "
                             "only LORA adapters are read")
-  modules = found.get("target_modules") or []
-  modules = [modules] if isinstance(modules, str) else list(modules)
-  targets = tuple(t for t in lora_lib.TARGETS
-                  if lora_lib.PEFT_MODULES[t].split(".")[-1] in modules)
+  for key in ("use_rslora", "use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern",
+              "alpha_pattern"):
+    if found.get(key):
+      raise HFCheckpointError(f"lora.init_from={path}: {key}={found[key]!r} is not supported "
+                              "(plain LoRA adapters only)")
+  if found.get("bias", "none") != "none":
+    raise HFCheckpointError(f"lora.init_from={path}: bias={found['bias']!r} is not supported "
+                            "(bias='none' only)")
+  targets = _peft_targets(found.get("target_modules"))
   for key, want, have in (("rank", record["rank"], found.get("r")),
                           ("alpha", record["alpha"], found.get("lora_alpha")),
                           ("targets", ",".join(record["targets"]), ",".join(targets))):
@@ -115,8 +122,11 @@ def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) ->
                               f"{want}: set lora.{key}={have}")
   with safe_open(weights, "np") as f:
     shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-  want_shapes = {n: a.shape for n, a in peft_tensors(
-      _zero_adapters(model, record), record, model.n_layers).items()}
+  want_shapes = _peft_shapes(model, record)
+  extra = sorted(set(shapes) - set(want_shapes))
+  if extra:
+    raise HFCheckpointError(f"lora.init_from={path}: {len(extra)} tensors this run would not "
+                            f"read, e.g. {extra[0]}: an adapter for other modules or models")
   for name, shape in want_shapes.items():
     if shapes.get(name) != shape:
       raise HFCheckpointError(
@@ -148,7 +158,27 @@ def read_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) -> 
   return {"layers": out}
 
 
-def _zero_adapters(model: LlamaConfig, record: dict) -> dict:
-  """Stand-ins of the adapters' shapes (no memory: broadcast zeros)."""
+def _peft_targets(modules) -> tuple[str, ...]:
+  """jaxzero's targets of PEFT's target_modules: names, "all-linear", or a regex that
+  PEFT matches against whole module names."""
+  if isinstance(modules, str):
+    if modules == lora_lib.ALL_LINEAR:
+      return tuple(lora_lib.TARGETS)
+    return tuple(t for t, m in lora_lib.PEFT_MODULES.items()
+                 if re.fullmatch(modules, f"model.layers.0.{m}"))
+  names = set(modules or [])
+  return tuple(t for t in lora_lib.TARGETS if lora_lib.PEFT_MODULES[t].split(".")[-1] in names)
+
+
+def _peft_shapes(model: LlamaConfig, record: dict) -> dict[str, tuple[int, int]]:
+  """{PEFT name: shape} of the adapters `record` describes for `model`."""
   specs = lora_lib.adapter_specs(model, record["rank"], tuple(record["targets"]))["layers"]
-  return {n: np.broadcast_to(np.float32(0), s.shape) for n, s in specs.items()}
+  rank, out = record["rank"], {}
+  for target in record["targets"]:
+    a = specs[lora_lib.adapter_key(target, "a")].shape
+    b = specs[lora_lib.adapter_key(target, "b")].shape
+    for i in range(model.n_layers):
+      name = f"{PREFIX}.{i}.{lora_lib.PEFT_MODULES[target]}"
+      out[f"{name}.lora_A.weight"] = (rank, math.prod(a[1:-1]))
+      out[f"{name}.lora_B.weight"] = (math.prod(b[2:]), rank)
+  return out

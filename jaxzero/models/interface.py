@@ -7,8 +7,9 @@ split), draws its fp32 parameters from a key, and gives the mean loss of a
 batch. It knows no mesh: the engine steers sharding and memory through the
 :class:`Hooks` it passes to the loss, all no-ops for a model that ignores them.
 A model may also declare frozen leaves (``frozen_specs``: e.g. a LoRA base): the
-engine keeps them in the compute dtype, never differentiates or updates them, and
-merges them into the trained parameters (:func:`merge`) before the loss.
+engine keeps them (in the compute dtype, or a dtype their spec declares), never
+differentiates or updates them, and merges them into the trained parameters
+(:func:`merge`) before the loss.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ a regex, a kernel [in, out] as Flax's Linear and Dense hold it, gains adapters A
 key ``lora`` with the kernel's path. The model's own parameters are all frozen
 (``Model.frozen_specs``). The loss runs the model with each kernel replaced by
 ``W + alpha / r · A B``: exact for any use of the kernel, at the price of forming that
-sum per step (the built-in Llama family's LoRA, jaxzero.models.lora, adds x A B instead).
+sum each step and, in the backward pass, its kernel-sized gradient (from which A's and
+B's follow): about the compute and temporary memory of training the kernel itself. The
+built-in Llama family's LoRA (jaxzero.models.lora) adds x A B instead.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxzero.models.interface import Leaf, Model, is_spec
+from jaxzero.models.interface import Leaf, Model
 
 KEY = "lora"
 
@@ -120,6 +122,3 @@ def with_lora(model: Model, rank: int, alpha: float, pattern: str) -> Model:
                              decay=lambda path: True, frozen_specs=model.specs,
                              frozen_init=model.init)
 
-
-def count(specs: Any) -> int:
-  return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))

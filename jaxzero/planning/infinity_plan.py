@@ -159,7 +159,7 @@ def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
 
 def _tier(cfg, n_devices: int):
   from jaxzero.engine import TrainProgram  # pylint: disable=import-outside-toplevel
-  from jaxzero.engine.builtin_model import builtin_model  # pylint: disable=import-outside-toplevel
+  from jaxzero.config.builtin_model import builtin_model  # pylint: disable=import-outside-toplevel
   from jaxzero.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from jaxzero.parallel.zero import Layout  # pylint: disable=import-outside-toplevel
   from jaxzero.runners.choose import make_runner  # pylint: disable=import-outside-toplevel

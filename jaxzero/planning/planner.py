@@ -24,7 +24,7 @@ from jaxzero.config import Config
 from jaxzero.engine.remat import POLICY_NAMES
 from jaxzero.engine.state import dtype_of
 from jaxzero.errors import ConfigError
-from jaxzero.engine.builtin_model import builtin_model
+from jaxzero.config.builtin_model import builtin_model
 from jaxzero.models.llama import count_params
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel import pipeline

@@ -110,7 +110,7 @@ class InfinityRunner(nvme_runner.NvmeRunner):
     return jax.tree.map(lambda _: None, self.program.abstract.params)
 
   def state(self, restored) -> nvme_runner.NvmeState:
-    return nvme_runner.NvmeState(*restored._replace(params=self._compute_copy(None)), self.store)
+    return super().state(restored._replace(params=self._compute_copy(None)))
 
   def _io_bytes(self) -> dict[str, int]:
     """This process's bytes read and written per step, at the config's grad_accum."""

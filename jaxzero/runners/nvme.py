@@ -179,13 +179,16 @@ class NvmeRunner:
 
   # -- step 0 --------------------------------------------------------------------------
 
-  def init(self, master: Any = None, key: jax.Array | None = None, boxes=None) -> NvmeState:
+  def init(self, master: Any = None, key: jax.Array | None = None, frozen: Any = None,
+           boxes=None) -> NvmeState:
     """Step 0 as TrainProgram.init makes it (same random weights from `key`, default
     cfg.seed's, or `master` placed by ``shardings.master``), its weights' copies written
     to disk.
 
     `boxes(name, box) -> float32 array`, where given, draws the master weights a chunk
     at a time instead (TrainProgram.init draws each weight whole: 4x its size in memory)."""
+    if frozen is not None or self.program.model.frozen_specs is not None:
+      raise ValueError("the NVMe runner keeps no frozen weights (LoRA): offload must be device")
     sh = self.program.shardings
     store = self.open_store()
     master_sh = jax.tree.leaves(on_device(sh.master))

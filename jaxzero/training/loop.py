@@ -27,6 +27,7 @@ from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteErr
 from jaxzero.hf import load as hf_load
 from jaxzero.hf import peft as hf_peft
 from jaxzero.models import lora as lora_lib
+from jaxzero.models.interface import is_spec
 from jaxzero.models.llama import param_specs
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
@@ -244,8 +245,9 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
       frozen = _load_base(run, path)
     if cfg.lora.init_from:
       log.info("starting the adapters from the PEFT adapter in %s", cfg.lora.init_from)
-      adapters = jax.device_put(hf_peft.read_adapter(cfg.lora.init_from, cfg.model,
-                                                     _lora_record(cfg)), sh.master)
+      adapters = hf_peft.read_adapter(cfg.lora.init_from, cfg.model, _lora_record(cfg))
+      # Stored as the run stores them: padded where no dimension divides the devices.
+      adapters = jax.device_put(run.program.padding.pad(adapters), sh.master)
     return run.runner.init(master=adapters, frozen=frozen)
   if path:
     log.info("starting from the Hugging Face weights in %s", path)
@@ -288,17 +290,27 @@ def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,
   saved_compute = checkpoints.info(step).get("compute_dtype", run.cfg.precision.compute)
   recast = saved_compute != run.cfg.precision.compute
   if recast:
+    # The compute copy, and frozen weights kept in the compute dtype (not a quantized
+    # base's parts, whose dtypes are their own), are read as saved, then cast.
     saved_dtype = engine_lib.dtype_of(saved_compute)
-    target = target._replace(params=jax.tree.map(lambda a: a.update(dtype=saved_dtype),
-                                                 target.params))
+    frozen_specs = run.program.model.frozen_specs
+    in_compute = (None if frozen_specs is None else jax.tree.map(
+        lambda s: getattr(s, "dtype", None) is None, frozen_specs, is_leaf=is_spec))
+    target = target._replace(
+        params=jax.tree.map(lambda a: a.update(dtype=saved_dtype), target.params),
+        frozen=None if in_compute is None else jax.tree.map(
+            lambda a, c: a.update(dtype=saved_dtype) if c else a, target.frozen, in_compute))
   state = run.runner.restore(checkpoints, step, target)  # verified
   if recast:
     log.info("checkpoint %d was saved with precision.compute=%s: its compute copy is cast to %s",
              step, saved_compute, run.cfg.precision.compute)
-    compute = engine_lib.dtype_of(run.cfg.precision.compute)
-    state = state._replace(params=jax.jit(
-        lambda params: jax.tree.map(lambda w: w.astype(compute), params),
-        out_shardings=run.program.shardings.params, donate_argnums=0)(state.params))
+    cast = lambda tree, want: jax.tree.map(lambda w, a: w.astype(a.dtype), tree, want)
+    sh, abstract = run.program.shardings, run.program.abstract
+    state = state._replace(
+        params=jax.jit(lambda p: cast(p, abstract.params), out_shardings=sh.params,
+                       donate_argnums=0)(state.params),
+        frozen=jax.jit(lambda f: cast(f, abstract.frozen), out_shardings=sh.frozen,
+                       donate_argnums=0)(state.frozen))
   if run.cfg.precision.scales_loss and not jax.tree.leaves(state.loss_scale):
     log.info("checkpoint %d has no loss scaler (not saved by a float16 run): it starts afresh",
              step)

@@ -128,3 +128,10 @@ def test_bad_targets_are_one_line(targets, message):
   assert "\n" not in str(e.value) and str(e.value).startswith("jaxzero.lora: ")
   with pytest.raises(ConfigError, match="rank=0 must be positive"):
     engine(1, model=jaxzero.lora(MLP, rank=0))
+
+
+def test_lora_with_offload_is_one_line():
+  with pytest.raises(ConfigError, match="frozen parameters \\(jaxzero.lora\\) runs with its "
+                     "state on the device; got offload optimizer=pinned_host") as e:
+    engine(1, offload="pinned_host")
+  assert "\n" not in str(e.value)

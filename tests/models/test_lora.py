@@ -162,6 +162,13 @@ def test_bad_lora_settings_are_one_line(setting, message):
   assert "\n" not in str(e.value)
 
 
+def test_peft_target_modules_as_names_all_linear_or_a_regex():
+  targets = hf_peft._peft_targets  # pylint: disable=protected-access
+  assert targets(["q_proj", "v_proj"]) == ("q", "v")
+  assert targets("all-linear") == TARGETS
+  assert targets(r".*\.(up|down)_proj") == ("up", "down")
+
+
 def test_targets_by_name_peft_name_or_pattern():
   assert lora_lib.resolve_targets("all-linear") == TARGETS
   assert lora_lib.resolve_targets("q, v") == ("q", "v")
@@ -263,6 +270,7 @@ def test_a_peft_adapter_reads_back_exactly(adapter_dir):
     ("targets", "has targets q,k,v,o,gate,up,down, this run lora.targets=q,v"),
     ("base", "an adapter for another base model"),
     ("missing", "adapter_model.safetensors is missing"),
+    ("rslora", "use_rslora=True is not supported"),
 ])
 def test_an_adapter_that_does_not_fit_is_one_line(adapter_dir, tmp_path, change, message):
   out, cfg, record, _ = adapter_dir
@@ -272,6 +280,11 @@ def test_an_adapter_that_does_not_fit_is_one_line(adapter_dir, tmp_path, change,
     record = {**record, "targets": ["q", "v"]}
   elif change == "base":
     cfg = dataclasses.replace(cfg, dim=64, n_heads=8)
+  elif change == "rslora":
+    found = json.loads((out / hf_peft.ADAPTER_CONFIG).read_text())
+    (tmp_path / hf_peft.ADAPTER_CONFIG).write_text(json.dumps({**found, "use_rslora": True}))
+    (tmp_path / hf_peft.ADAPTER_WEIGHTS).write_bytes((out / hf_peft.ADAPTER_WEIGHTS).read_bytes())
+    out = tmp_path
   else:
     (tmp_path / hf_peft.ADAPTER_CONFIG).write_text((out / hf_peft.ADAPTER_CONFIG).read_text())
     out = tmp_path
