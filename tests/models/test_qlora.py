@@ -193,3 +193,20 @@ def test_a_base_that_does_not_split_into_blocks_is_one_line():
   with pytest.raises(ConfigError, match="lora.base_dtype=bfloat16 with precision.compute="
                      "float32"):
     config.validate(qlora("bfloat16"))
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_resumes_in_another_precision(tmp_path):
+  """Saved in float32, resumed in bfloat16: the frozen base (embedding, head and norms in
+  the compute dtype) is cast with the compute copy; the NF4 parts keep their dtypes."""
+  from processes import TINY, run_python  # pylint: disable=import-outside-toplevel
+  common = ["--config", TINY, "--workdir", str(tmp_path), "--no-progress", "--set",
+            "lora.rank=4", "--set", "lora.base_dtype=nf4", "--set", "data.max_bytes=200000"]
+  first = run_python("-m", "jaxzero.train", *common, "--steps", "2", "--set",
+                     "precision.compute=float32")
+  assert first.returncode == 0, first.stderr
+  second = run_python("-m", "jaxzero.train", *common, "--steps", "3", "--set",
+                      "precision.compute=bfloat16")
+  assert second.returncode == 0, second.stderr
+  assert "its compute copy is cast to bfloat16" in second.stderr
+  assert "resumed from step 2" in second.stderr
