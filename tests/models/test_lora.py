@@ -192,9 +192,8 @@ def jaxzero_lora_logits(model_cfg, frozen, adapters, record, tokens):
   return np.asarray(jnp.einsum("btd,dv->btv", x, head))
 
 
-@pytest.mark.parametrize("family,window", [
-    ("llama", 0), pytest.param("mistral", 8, marks=pytest.mark.slow),
-    pytest.param("qwen2", 0, marks=pytest.mark.slow)])
+@pytest.mark.slow  # trains, exports twice and runs transformers and PEFT
+@pytest.mark.parametrize("family,window", [("llama", 0), ("mistral", 8), ("qwen2", 0)])
 def test_a_trained_adapter_loads_into_peft_and_merges_into_transformers(family, window,
                                                                         tmp_path):
   torch = pytest.importorskip("torch")

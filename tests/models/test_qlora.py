@@ -112,6 +112,7 @@ def test_qlora_on_eight_devices_equals_one_device(nf4_one_device, base_dtype):
   chex.assert_trees_all_close(state.master, want.master, atol=1e-5)
 
 
+@pytest.mark.slow  # compiles two more programs
 def test_the_quantized_model_is_close_to_the_base_it_was_made_from():
   """The loss through the NF4 base at step 0 (B = 0) is the full-precision base's,
   to within what 4 bits a weight can hold."""
