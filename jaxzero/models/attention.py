@@ -36,8 +36,8 @@ def check_implementation(name: str, key: str = "attention implementation") -> No
 
 
 def attention(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, *,
-              implementation: str = "auto", block: int = DEFAULT_BLOCK, window: int = 0
-              ) -> Array:
+              implementation: str = "auto", block: int = DEFAULT_BLOCK, window: int = 0,
+              segment_ids_BxT: Array | None = None) -> Array:
   """Causal softmax(q kᵀ / √E) v, [B, T, H, E] in the dtype of q.
 
   Args:
@@ -48,9 +48,12 @@ def attention(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, *,
     block: query and key tile length of "blockwise" (capped at T).
     window: sliding window W (query i sees keys i - W < j <= i); 0, or W >= T, is full
       causal attention.
+    segment_ids_BxT: packed sequences: a query sees only keys of its own segment id
+      ("xla" and "blockwise"; "auto" takes "blockwise" for them).
 
   Raises:
-    ValueError: for an unknown implementation, K not dividing H, or a negative window.
+    ValueError: for an unknown implementation, K not dividing H, a negative window,
+      or segment ids with "cudnn".
   """
   check_implementation(implementation)
   if q_BxTxHxE.shape[2] % k_BxTxKxE.shape[2]:
@@ -61,11 +64,19 @@ def attention(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, *,
   T = q_BxTxHxE.shape[1]
   window = 0 if window >= T else window  # a window as long as the sequence masks nothing
   if implementation == "auto":
-    implementation = _resolve_auto(q_BxTxHxE, k_BxTxKxE, window)
+    implementation = ("blockwise" if segment_ids_BxT is not None
+                      else _resolve_auto(q_BxTxHxE, k_BxTxKxE, window))
   if implementation == "blockwise":
-    return _flash(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, min(block, T), window)
+    return _flash(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, segment_ids_BxT, min(block, T), window)
+  mask = None
+  if segment_ids_BxT is not None:
+    if implementation == "cudnn":
+      raise ValueError("attention over packed sequences (segment ids) is not supported with "
+                       "'cudnn'; use 'blockwise' or 'auto'")
+    mask = (segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :])
   # jax's (left, right) local window counts the keys besides the query's own.
-  return jax.nn.dot_product_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, is_causal=True,
+  return jax.nn.dot_product_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, mask=mask,
+                                     is_causal=True,
                                      local_window_size=(window - 1, 0) if window else None,
                                      implementation=implementation)
 
@@ -113,19 +124,20 @@ def _cudnn_refusal(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
 # probabilities from those.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _flash(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: int,
-           window: int) -> Array:
-  return _flash_forward(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, block, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _flash(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, seg_BxT: Array | None,
+           block: int, window: int) -> Array:
+  return _flash_forward(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, block, window)[0]
 
 
-def _flash_fwd(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, block, window):
-  out_BxTxHxE, lse_NxBxKxGxC = _flash_forward(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, block, window)
+def _flash_fwd(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, block, window):
+  out_BxTxHxE, lse_NxBxKxGxC = _flash_forward(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, block,
+                                              window)
   # Named like the output, so that a remat policy saving "attention" keeps
   # these residuals instead of rerunning the whole forward in the backward.
   lse_NxBxKxGxC = checkpoint_name(lse_NxBxKxGxC, "attention")
   out_BxTxHxE = checkpoint_name(out_BxTxHxE, "attention")
-  return out_BxTxHxE, (q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, out_BxTxHxE, lse_NxBxKxGxC)
+  return out_BxTxHxE, (q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, out_BxTxHxE, lse_NxBxKxGxC)
 
 
 def _blocks(x_BxTxS: Array, block: int) -> Array:
@@ -151,6 +163,16 @@ def _visible_CxC(i: Array, j: Array, block: int, window: int) -> Array:
   return visible_CxC & (distance_CxC < window) if window else visible_CxC
 
 
+def _visible(i: Array, j: Array, block: int, window: int, seg_NxBxC: Array | None) -> Array:
+  """`_visible_CxC`, and with segment ids only within a segment: [C, C] or [B, 1, 1, C, C]
+  (to mask scores [B, K, G, C, C])."""
+  visible_CxC = _visible_CxC(i, j, block, window)
+  if seg_NxBxC is None:
+    return visible_CxC
+  same_BxCxC = seg_NxBxC[i][:, :, None] == seg_NxBxC[j][:, None, :]
+  return (visible_CxC & same_BxCxC)[:, None, None]
+
+
 def _first_key_block(i: Array, block: int, window: int) -> Array:
   """The first key block that query block i's first row sees (0 without a window)."""
   return jnp.maximum(0, (i * block - window + 1) // block) if window else 0
@@ -166,8 +188,15 @@ def _grouped(q_BxTxHxE: Array, K: int) -> Array:
   return q_BxTxHxE.reshape(B, T, K, H // K, E)
 
 
-def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: int,
-                   window: int) -> tuple[Array, Array]:
+def _segment_blocks(seg_BxT: Array | None, block: int) -> Array | None:
+  """Segment ids [N, B, C] (None without); positions past T get -1, a segment of their own."""
+  if seg_BxT is None:
+    return None
+  return _blocks(seg_BxT[..., None] + 1, block)[..., 0] - 1
+
+
+def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array,
+                   seg_BxT: Array | None, block: int, window: int) -> tuple[Array, Array]:
   """Online softmax over key blocks 0..i for each query block i (later ones are masked;
   with a window, from the first block the window reaches)."""
   B, T, H, E = q_BxTxHxE.shape
@@ -176,6 +205,9 @@ def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: 
   q_NxBxCxKxGxE = _blocks(_grouped(q_BxTxHxE, K), block)
   k_NxBxCxKxE, v_NxBxCxKxE = _blocks(k_BxTxKxE, block), _blocks(v_BxTxKxE, block)
   n, f32 = q_NxBxCxKxGxE.shape[0], jnp.float32
+  seg_NxBxC = _segment_blocks(seg_BxT, block)
+  # A row may see nothing of a key block (outside its window or its segment).
+  may_see_nothing = bool(window) or seg_BxT is not None
 
   def query_block(args):
     i, q_BxCxKxGxE = args
@@ -184,14 +216,15 @@ def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: 
       o_BxKxGxCxE, m_BxKxGxC, l_BxKxGxC = carry
       s_BxKxGxCxC = scale * jnp.einsum("bqkge,bske->bkgqs", q_BxCxKxGxE, k_NxBxCxKxE[j],
                                        preferred_element_type=f32)
-      s_BxKxGxCxC = jnp.where(_visible_CxC(i, j, block, window), s_BxKxGxCxC, -jnp.inf)
-      # Without a window key 0 (block 0) is visible to every query: the max is finite from
-      # j = 0 on.
+      s_BxKxGxCxC = jnp.where(_visible(i, j, block, window, seg_NxBxC), s_BxKxGxCxC,
+                              -jnp.inf)
+      # Without a window or segments key 0 (block 0) is visible to every query: the max
+      # is finite from j = 0 on.
       m_new_BxKxGxC = jnp.maximum(m_BxKxGxC, s_BxKxGxCxC.max(axis=-1))
-      # With a window a row may see nothing of its first blocks (max -inf): it then shifts
-      # by 0, so that exp gives 0, not NaN, until its window starts.
-      shift_BxKxGxC = (jnp.where(m_new_BxKxGxC == -jnp.inf, 0.0, m_new_BxKxGxC) if window
-                       else m_new_BxKxGxC)
+      # With a window or segments a row may see nothing of its first blocks (max -inf):
+      # it then shifts by 0, so that exp gives 0, not NaN, until it sees a key.
+      shift_BxKxGxC = (jnp.where(m_new_BxKxGxC == -jnp.inf, 0.0, m_new_BxKxGxC)
+                       if may_see_nothing else m_new_BxKxGxC)
       p_BxKxGxCxC = jnp.exp(s_BxKxGxCxC - shift_BxKxGxC[..., None])
       rescale_BxKxGxC = jnp.exp(m_BxKxGxC - shift_BxKxGxC)
       l_BxKxGxC = l_BxKxGxC * rescale_BxKxGxC + p_BxKxGxCxC.sum(axis=-1)
@@ -213,7 +246,8 @@ def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, block: 
 def _flash_bwd(block, window, residuals, dout_BxTxHxE):
   """FlashAttention-2's backward: for each key block j, query blocks j..N-1 (with a window,
   up to the last that sees block j)."""
-  q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, out_BxTxHxE, lse_NxBxKxGxC = residuals
+  q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, out_BxTxHxE, lse_NxBxKxGxC = residuals
+  seg_NxBxC = _segment_blocks(seg_BxT, block)
   B, T, H, E = q_BxTxHxE.shape
   K = k_BxTxKxE.shape[2]
   scale, f32 = 1.0 / math.sqrt(E), jnp.float32
@@ -234,7 +268,7 @@ def _flash_bwd(block, window, residuals, dout_BxTxHxE):
       q_BxCxKxGxE, do_BxCxKxGxE = q_NxBxCxKxGxE[i], do_NxBxCxKxGxE[i]
       s_BxKxGxCxC = scale * jnp.einsum("bqkge,bske->bkgqs", q_BxCxKxGxE, k_BxCxKxE,
                                        preferred_element_type=f32)
-      p_BxKxGxCxC = jnp.where(_visible_CxC(i, j, block, window),
+      p_BxKxGxCxC = jnp.where(_visible(i, j, block, window, seg_NxBxC),
                               jnp.exp(s_BxKxGxCxC - lse_NxBxKxGxC[i][..., None]), 0.0)
       dv_BxCxKxE += jnp.einsum("bkgqs,bqkge->bske", p_BxKxGxCxC.astype(do_BxCxKxGxE.dtype),
                                do_BxCxKxGxE, preferred_element_type=f32)
@@ -259,7 +293,7 @@ def _flash_bwd(block, window, residuals, dout_BxTxHxE):
       (jnp.arange(n), k_NxBxCxKxE, v_NxBxCxKxE))
   dq_BxTxHxE = _unblock(dq_NxBxCxKxGxE, T).reshape(B, T, H, E).astype(q_BxTxHxE.dtype)
   return (dq_BxTxHxE, _unblock(dk_NxBxCxKxE, T).astype(k_BxTxKxE.dtype),
-          _unblock(dv_NxBxCxKxE, T).astype(v_BxTxKxE.dtype))
+          _unblock(dv_NxBxCxKxE, T).astype(v_BxTxKxE.dtype), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

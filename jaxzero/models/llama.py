@@ -199,13 +199,15 @@ class Llama(nnx.Module):
 def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
                     shard: ShardFn | None = None, gather: ShardFn | None = None,
                     remat: RematFn | None = None, scan: Callable | None = None,
-                    layer_axes: dict | None = None,
-                    lora_scale: float = 1.0) -> tuple[Array, Array]:
+                    layer_axes: dict | None = None, lora_scale: float = 1.0,
+                    segment_ids_BxT: Array | None = None) -> tuple[Array, Array]:
   """:meth:`Llama.forward` on a pure params dict, whose ``layers`` may hold more than
   the layers' weights: LoRA adapters (``lora_{target}_a``/``_b``, jaxzero.models.lora),
   each adding ``lora_scale * x @ A @ B`` to its projection, or weights stored
   quantized (jaxzero.models.quantize) that `gather` turns into arrays. `layer_axes`
-  gives the per-layer logical axes of those extra leaves (what `gather` is told)."""
+  gives the per-layer logical axes of those extra leaves (what `gather` is told).
+  `segment_ids_BxT`: packed sequences, each a run of equal ids: attention stays within
+  one, and positions (RoPE) start from 0 at each."""
   shard, gather = shard or _no_shard, gather or _no_shard
   T = tokens_BxT.shape[1]
 
@@ -215,14 +217,18 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   if cfg.tie_embeddings:
     embed_VxD = gather(embed_VxD, EMBED_AXES)
   x_BxTxD = shard(jnp.take(embed_VxD, tokens_BxT, axis=0), RESIDUAL_AXES)
-  cos_TxE, sin_TxE = rope_tables(cfg, T)
+  if segment_ids_BxT is None:
+    cos_TxE, sin_TxE = rope_tables(cfg, T)
+  else:  # [B, T, E]: each row's positions restart at each of its segments
+    cos_TxE, sin_TxE = rope_tables(cfg, T, segment_positions(segment_ids_BxT))
 
   axes = {n: spec.logical_axes[1:] for n, spec in param_specs(cfg)["layers"].items()}
   axes.update(layer_axes or {})
 
   def layer(x_BxTxD, weights):
     weights = {n: gather(w, axes[n]) for n, w in weights.items()}
-    x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard, lora_scale)
+    x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard, lora_scale,
+                            segment_ids_BxT)
     return shard(x_BxTxD, RESIDUAL_AXES), None
 
   if remat is not None:
@@ -251,7 +257,8 @@ RESIDUAL_AXES = ("batch", "seq", "embed")
 
 
 def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE: Array,
-                  sin_TxE: Array, shard: ShardFn = _no_shard, lora_scale: float = 1.0) -> Array:
+                  sin_TxE: Array, shard: ShardFn = _no_shard, lora_scale: float = 1.0,
+                  segment_ids_BxT: Array | None = None) -> Array:
   """One pre-norm transformer block: attention then SwiGLU MLP, both residual. A
   projection with LoRA adapters in `w` (``lora_{target}_a``/``_b``) adds theirs."""
   def proj(spec, h, weight, axes, name, bias=None):
@@ -272,7 +279,7 @@ def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE
   k_BxTxKxE = apply_rope(k_BxTxKxE, cos_TxE, sin_TxE)
   # Grouped-query attention is native here: K may divide H.
   ctx_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, implementation=cfg.attention,
-                          window=cfg.sliding_window)
+                          window=cfg.sliding_window, segment_ids_BxT=segment_ids_BxT)
   ctx_BxTxHxE = checkpoint_name(shard(ctx_BxTxHxE, HEADS_AXES), "attention")
   attn_BxTxD = proj("bthe,hed->btd", ctx_BxTxHxE, w["wo_LxHxExD"], RESIDUAL_AXES, "o_proj")
   x_BxTxD = x_BxTxD + attn_BxTxD
@@ -327,18 +334,34 @@ def rope_inv_freq(cfg: LlamaConfig) -> Array:
   return jnp.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(cfg: LlamaConfig, T: int) -> tuple[Array, Array]:
-  freqs_TxE2 = jnp.arange(T, dtype=jnp.float32)[:, None] * rope_inv_freq(cfg)[None, :]
-  angles_TxE = jnp.concatenate([freqs_TxE2, freqs_TxE2], axis=-1)
-  return jnp.cos(angles_TxE), jnp.sin(angles_TxE)
+def rope_tables(cfg: LlamaConfig, T: int, positions: Array | None = None
+                ) -> tuple[Array, Array]:
+  """(cos, sin) [T, E] of positions 0..T-1, or [..., E] of `positions` where given."""
+  positions = jnp.arange(T) if positions is None else positions
+  freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)
+  angles = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def segment_positions(segment_ids_BxT: Array) -> Array:
+  """Each token's position within its segment (a run of equal ids): [B, T] int32."""
+  T = segment_ids_BxT.shape[1]
+  index_T = jnp.arange(T, dtype=jnp.int32)
+  starts_BxT = jnp.concatenate([jnp.ones_like(segment_ids_BxT[:, :1], bool),
+                                segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+  start_BxT = jax.lax.cummax(jnp.where(starts_BxT, index_T, 0), axis=1)
+  return index_T - start_BxT
 
 
 def apply_rope(x_BxTxNxE: Array, cos_TxE: Array, sin_TxE: Array) -> Array:
-  """Rotate-half RoPE (the Hugging Face weight layout), computed in float32."""
+  """Rotate-half RoPE (the Hugging Face weight layout), computed in float32; the tables
+  [T, E], or [B, T, E] for per-row positions."""
   x32 = x_BxTxNxE.astype(jnp.float32)
   half = x32.shape[-1] // 2
   rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-  out = x32 * cos_TxE[None, :, None, :] + rotated * sin_TxE[None, :, None, :]
+  cos, sin = (t[None, :, None, :] if t.ndim == 2 else t[:, :, None, :]
+              for t in (cos_TxE, sin_TxE))
+  out = x32 * cos + rotated * sin
   return out.astype(x_BxTxNxE.dtype)
 
 

@@ -129,7 +129,8 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
       layer_axes[name] = _Quantized({k: s.logical_axes[1:] for k, s in parts.items()},
                                     spec.shape[1:], spec.logical_axes[1:])
 
-  def loss(params, tokens_BxT1: jax.Array, hooks: Hooks) -> jax.Array:
+  def loss(params, batch, hooks: Hooks) -> jax.Array:
+    tokens_BxT1, segment_ids_BxT, weights_BxT = trainable.unpack_batch(batch)
     compute = jax.tree.leaves(split_like(params, specs)[0])[0].dtype  # the adapters'
 
     def gather(w, axes):
@@ -142,9 +143,10 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
 
     x_BxTxD, head_DxV = decoder_forward(
         cfg, params, tokens_BxT1[:, :-1], shard=hooks.shard, gather=gather,
-        remat=hooks.remat, scan=hooks.scan, layer_axes=layer_axes, lora_scale=alpha / rank)
+        remat=hooks.remat, scan=hooks.scan, layer_axes=layer_axes, lora_scale=alpha / rank,
+        segment_ids_BxT=segment_ids_BxT)
     return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=trainable.LOSS_CHUNK,
-                         shard=hooks.shard)
+                         shard=hooks.shard, weights_BxT=weights_BxT)
 
   def frozen_init(key):
     return store_base(base_model.init(key), kind)

@@ -19,8 +19,11 @@ Array = jax.Array
 
 
 def cross_entropy(x_BxTxD: Array, head_DxV: Array, labels_BxT: Array, *, chunk: int,
-                  shard: Callable[[Array, tuple], Array] | None = None) -> Array:
-  """Mean over B×T of -log softmax(x @ head)[label], `chunk` vocabulary entries at a time.
+                  shard: Callable[[Array, tuple], Array] | None = None,
+                  weights_BxT: Array | None = None) -> Array:
+  """Mean over B×T of -log softmax(x @ head)[label], `chunk` vocabulary entries at a time
+  (with `weights_BxT`, the weighted mean: 0 leaves a position out, e.g. a prompt's
+  tokens in supervised fine-tuning).
 
   Args:
     x_BxTxD: final hidden states (Llama.hidden).
@@ -59,4 +62,9 @@ def cross_entropy(x_BxTxD: Array, head_DxV: Array, labels_BxT: Array, *, chunk: 
 
   lse_NxBxT, label_logit_NxBxT = jax.lax.map(lambda a: chunk_stats(*a),
                                              (head_NxDxC, jnp.arange(n)))
-  return jnp.mean(jax.nn.logsumexp(lse_NxBxT, axis=0) - label_logit_NxBxT.sum(axis=0))
+  nll_BxT = jax.nn.logsumexp(lse_NxBxT, axis=0) - label_logit_NxBxT.sum(axis=0)
+  if weights_BxT is None:
+    return jnp.mean(nll_BxT)
+  weights_BxT = weights_BxT.astype(jnp.float32)
+  # (A batch with no weighted position has loss 0, and no gradient.)
+  return jnp.sum(weights_BxT * nll_BxT) / jnp.maximum(jnp.sum(weights_BxT), 1.0)

@@ -3,7 +3,8 @@
 
 The Llama family's loss is next-token cross-entropy over a batch of token
 windows [B, T+1], taken over vocabulary chunks (jaxzero.models.loss) so that no
-[B, T, V] float32 logits exist.
+[B, T, V] float32 logits exist; or over a batch of packed examples with a loss mask
+(:func:`unpack_batch`): supervised fine-tuning's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 from flax import nnx
 
 from jaxzero.models.interface import Hooks, Model
-from jaxzero.models.llama import Llama, LlamaConfig, param_specs
+from jaxzero.models.llama import Llama, LlamaConfig, decoder_forward, param_specs
 from jaxzero.models.loss import cross_entropy
 
 # Vocabulary entries per chunk of the loss: V = 128256 gives 16 chunks of 8016,
@@ -22,21 +23,43 @@ from jaxzero.models.loss import cross_entropy
 LOSS_CHUNK = 8192
 
 
+BATCH_KEYS = ("tokens", "segment_ids", "loss_mask")
+
+
+def unpack_batch(batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+  """(token windows [B, T+1], the inputs' segment ids [B, T] or None, each target's loss
+  weight [B, T] or None) of a batch: token windows alone, or a dict of ``tokens`` with
+  optional ``segment_ids`` (packed examples, each a run of equal ids) and ``loss_mask``
+  (1 where a token is to be predicted, e.g. an assistant's), all [B, T+1]. A token is
+  never predicted from another segment's."""
+  if not isinstance(batch, dict):
+    return batch, None, None
+  unknown = set(batch) - set(BATCH_KEYS)
+  if unknown or "tokens" not in batch:
+    raise ValueError(f"a batch dict holds {', '.join(BATCH_KEYS)} (tokens required); got "
+                     f"{sorted(batch)}")
+  segment_ids, mask = batch.get("segment_ids"), batch.get("loss_mask")
+  weights = None if mask is None else mask[:, 1:]
+  if segment_ids is not None:
+    same = segment_ids[:, 1:] == segment_ids[:, :-1]
+    weights = same if weights is None else weights * same
+    segment_ids = segment_ids[:, :-1]
+  return batch["tokens"], segment_ids, weights
+
+
 def llama(cfg: LlamaConfig) -> Model:
   """A Llama-family decoder (Llama, Mistral, Qwen2) trained on token windows [B, T+1]."""
-  graphdef = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
-
   def init(key: jax.Array):
     model = Llama(cfg, rngs=nnx.Rngs(params=key))
     return nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
 
-  def loss(params, tokens_BxT1: jax.Array, hooks: Hooks) -> jax.Array:
-    model = nnx.merge(graphdef, params)
-    x_BxTxD, head_DxV = model.forward(tokens_BxT1[:, :-1], shard=hooks.shard,
-                                      gather=hooks.gather, remat=hooks.remat,
-                                      scan=hooks.scan)
+  def loss(params, batch, hooks: Hooks) -> jax.Array:
+    tokens_BxT1, segment_ids_BxT, weights_BxT = unpack_batch(batch)
+    x_BxTxD, head_DxV = decoder_forward(cfg, params, tokens_BxT1[:, :-1], shard=hooks.shard,
+                                        gather=hooks.gather, remat=hooks.remat,
+                                        scan=hooks.scan, segment_ids_BxT=segment_ids_BxT)
     return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=LOSS_CHUNK,
-                         shard=hooks.shard)
+                         shard=hooks.shard, weights_BxT=weights_BxT)
 
   # No weight decay on norm gains or on Qwen2's q/k/v biases (as transformers' Trainer).
   decay = lambda path: "norm" not in path and not re.search(r"\['b[qkv]_", path)
