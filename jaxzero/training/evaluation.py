@@ -26,6 +26,7 @@ from jaxzero.data import tokens as tokens_lib
 from jaxzero.engine import hooks as hooks_lib
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.errors import DataError
+from jaxzero.models.interface import merge
 from jaxzero.parallel.zero import on_device
 
 
@@ -79,19 +80,21 @@ def make_eval_batches(cfg, tokens: np.ndarray) -> EvalBatches:
 
 
 def make_eval_step(program: engine_lib.TrainProgram):
-  """The jitted evaluation: (compute params, tokens [N, B, T+1]) -> mean loss (fp32 scalar)."""
+  """The jitted evaluation: (compute params, frozen weights or None, tokens [N, B, T+1])
+  -> mean loss (fp32 scalar)."""
   layout = program.layout
   loss = functools.partial(hooks_lib.loss_with_hooks, program.model, layout=layout,
                            remat=remat_wrapper("full"))
   params_on_device = on_device(program.shardings.params)
 
-  def eval_loss(params, tokens_NxBxT1):
-    params = jax.device_put(params, params_on_device)
+  def eval_loss(params, frozen, tokens_NxBxT1):
+    params = merge(jax.device_put(params, params_on_device), frozen)
     total, _ = jax.lax.scan(lambda acc, tokens: (acc + loss(params, tokens), None),
                             jnp.zeros((), jnp.float32), tokens_NxBxT1)
     return total / tokens_NxBxT1.shape[0]
 
-  return jax.jit(eval_loss, in_shardings=(program.shardings.params, program.batch_sharding),
+  return jax.jit(eval_loss, in_shardings=(program.shardings.params, program.shardings.frozen,
+                                          program.batch_sharding),
                  out_shardings=layout.replicated())
 
 
@@ -103,8 +106,9 @@ class Evaluator:
   def __init__(self, program: engine_lib.TrainProgram, batches: EvalBatches,
                state: engine_lib.TrainState):
     self._tokens = batches_lib.global_batch(batches, program.batch_sharding, 0)
-    self._compiled = make_eval_step(program).lower(state.params, self._tokens).compile()
+    self._compiled = make_eval_step(program).lower(state.params, state.frozen,
+                                                   self._tokens).compile()
 
   def __call__(self, state: engine_lib.TrainState) -> dict[str, float]:
-    loss = float(jax.device_get(self._compiled(state.params, self._tokens)))
+    loss = float(jax.device_get(self._compiled(state.params, state.frozen, self._tokens)))
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}

@@ -290,3 +290,15 @@ def test_an_adapter_that_does_not_fit_is_one_line(adapter_dir, tmp_path, change,
   with pytest.raises(HFCheckpointError, match=message) as e:
     hf_peft.check_adapter(out, cfg, record)
   assert "\n" not in str(e.value)
+
+
+def test_evaluation_sees_the_frozen_base():
+  """The held-out loss of a LoRA state is its train loss on the same tokens (before the
+  step's update), through the evaluation's own program."""
+  from jaxzero.training import evaluation  # pylint: disable=import-outside-toplevel
+  p = program(lora_config(mesh=config.MeshConfig(fsdp=1)))
+  state = p.init()
+  tokens = jax.device_put(TOKENS[0], p.batch_sharding)
+  got = evaluation.make_eval_step(p)(state.params, state.frozen, tokens)
+  want = p.train_step(state, tokens)[1]["loss"]
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
