@@ -176,6 +176,9 @@ def variants(cfg: Config, sweep: str, replica: int) -> list[Variant]:
     return [Variant(stage, hybrid, name, offload.optimizer, offload.params)
             for name in POLICY_NAMES]
   if sweep == "offload":
+    if cfg.lora.rank:
+      raise ConfigError("--sweep offload with lora.rank: a LoRA run keeps its state on the "
+                        "device (its optimizer state is the adapters'); sweep stages or remat")
     kinds = [("device", "device"), ("pinned_host", "device")]
     if stage == 3:
       kinds += [("device", "pinned_host"), ("pinned_host", "pinned_host")]

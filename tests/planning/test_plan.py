@@ -244,3 +244,9 @@ def test_llama8b_lora_and_qlora_plan_on_one_device_within_their_budgets(preset, 
   assert row.params_bytes <= base_budget * 1.005  # the frozen base (and the adapters' copy)
   assert row.total_bytes <= total_budget, row.total_bytes / 1e9
   assert row.theory_formula.endswith("Φf/N")
+
+
+def test_a_lora_offload_sweep_is_one_line():
+  cfg = config.load(LLAMA_8B, ["lora.rank=8"])
+  with pytest.raises(config.ConfigError, match="--sweep offload with lora.rank"):
+    planner.plan(cfg, 8, H100, "offload")
