@@ -135,3 +135,15 @@ def test_lora_with_offload_is_one_line():
                      "state on the device; got offload optimizer=pinned_host") as e:
     engine(1, offload="pinned_host")
   assert "\n" not in str(e.value)
+
+
+def test_a_lora_state_saves_and_restores_on_another_mesh(one_device, tmp_path):
+  _, want, _ = one_device
+  e1 = engine(1)
+  state = e1.init(jax.random.key(0))
+  for batch in BATCHES:
+    state, _ = e1.step(state, batch)
+  e1.save(state, tmp_path)
+  restored = jax.device_get(engine(2).restore(tmp_path))
+  chex.assert_trees_all_equal(restored.frozen, want.frozen)
+  chex.assert_trees_all_close(restored.master, want.master, atol=1e-6)
