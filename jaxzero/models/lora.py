@@ -197,7 +197,7 @@ def read_base_leaf(path: tuple[str, ...], shape: tuple[int, ...], read, record: 
   """A checkpoint's frozen base weight at `path` (true `shape`), in float32 on the host:
   read by ``read(name, shape)``, dequantized where it is stored quantized."""
   if path[-1] not in stored_quantized(record):
-    return read(("frozen", *path), shape)
+    return np.asarray(read(("frozen", *path), shape), np.float32)
   kind = record["base_dtype"]
   dtypes = {"uint8": np.uint8, "int8": np.int8, "float32": np.float32}
   parts = {k: read(("frozen", *path, k), s.shape).astype(dtypes[s.dtype])
@@ -246,7 +246,8 @@ def low_rank_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def fold_adapters(path: tuple[str, ...], weight: np.ndarray, read, record: dict) -> np.ndarray:
   """The base weight at `path` with its adapters (read by ``read(name, shape)`` from a
-  checkpoint's ``master``) folded in: W + alpha / r · A B; W as it is where none."""
+  checkpoint's ``master``) folded in, in float32: W + alpha / r · A B; W as it is where
+  none."""
   target = target_of(path)
   if target is None or target not in record["targets"]:
     return weight
@@ -256,4 +257,5 @@ def fold_adapters(path: tuple[str, ...], weight: np.ndarray, read, record: dict)
   a = read(("master", "layers", adapter_key(target, "a")), a_shape)
   b = read(("master", "layers", adapter_key(target, "b")), b_shape)
   scale = record["alpha"] / rank
-  return (np.asarray(weight, np.float32) + scale * low_rank_product(a, b)).astype(weight.dtype)
+  # In float32: the export casts once, to the dtype it writes.
+  return np.asarray(weight, np.float32) + scale * low_rank_product(a, b)
