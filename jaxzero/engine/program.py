@@ -148,8 +148,8 @@ class TrainProgram:
 
     if model.frozen_specs is None:  # the key as it always was
       master_key = key
+    # The given frozen leaves are donated: a base is not held twice at start-up.
     if master is None:
       return jax.jit(lambda key, frozen: derive(model.init(key), frozen),
-                     out_shardings=sh)(master_key, frozen)
-    # The given frozen leaves are donated: a base is not held twice at start-up.
+                     out_shardings=sh, donate_argnums=1)(master_key, frozen)
     return jax.jit(derive, out_shardings=sh, donate_argnums=1)(master, frozen)
