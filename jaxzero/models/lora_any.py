@@ -21,30 +21,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 from jaxzero.models.interface import Leaf, Model
 
 KEY = "lora"
 
 
-def _flat(tree: dict, prefix: tuple = ()) -> dict[tuple, Any]:
-  out = {}
-  for k, v in tree.items():
-    if isinstance(v, dict):
-      out.update(_flat(v, (*prefix, k)))
-    else:
-      out[(*prefix, k)] = v
-  return out
-
-
-def _nest(flat: dict[tuple, Any]) -> dict:
-  out: dict = {}
-  for path, v in flat.items():
-    node = out
-    for k in path[:-1]:
-      node = node.setdefault(k, {})
-    node[path[-1]] = v
-  return out
+_flat, _nest = traverse_util.flatten_dict, traverse_util.unflatten_dict
 
 
 def _name(path: tuple) -> str:
