@@ -181,9 +181,9 @@ class Engine:
     example `batch` XLA's own total for the compiled step."""
     got = self.runner.plan()
     n_params = self.program.n_params
-    frozen = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.program.abstract.frozen))
     theory, formula = zero_formula.theory_state_bytes(self.cfg, self.layout, n_params,
-                                                      self.program.n_frozen, frozen)
+                                                      self.program.n_frozen,
+                                                      self.program.frozen_bytes)
     plan = {"params_bytes": got["params"], "grads_bytes": got["grads"],
             "optimizer_bytes": got["optimizer"], "host_bytes": got["host"],
             "nvme_bytes": got["nvme"],

@@ -93,6 +93,11 @@ class TrainProgram:
     specs = jax.tree.leaves(self.model.frozen_specs, is_leaf=is_spec)
     return sum(math.prod(s.shape) * getattr(s, "params_per_element", 1) for s in specs)
 
+  @property
+  def frozen_bytes(self) -> int:
+    """All the frozen leaves' bytes, unsharded (as stored: quantized parts included)."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.abstract.frozen))
+
   @functools.cached_property
   def true_abstract(self) -> TrainState:
     """`abstract` at the model's true shapes: what checkpoints and readers see of a

@@ -50,9 +50,8 @@ def peft_tensors(adapters: dict[str, np.ndarray], record: dict, n_layers: int
   rank = record["rank"]
   for target in record["targets"]:
     a, b = adapters[lora_lib.adapter_key(target, "a")], adapters[lora_lib.adapter_key(target, "b")]
-    module = lora_lib.PEFT_MODULES[target]
     for i in range(n_layers):
-      name = f"{PREFIX}.{i}.{module}"
+      name = _module_name(i, target)
       out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, rank).T)
       out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(rank, -1).T)
   return out
@@ -145,17 +144,21 @@ def read_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) -> 
   out = {}
   with safe_open(pathlib.Path(path).expanduser() / ADAPTER_WEIGHTS, "np") as f:
     for target in record["targets"]:
-      module = lora_lib.PEFT_MODULES[target]
       for which, name in (("a", "lora_A"), ("b", "lora_B")):
         key = lora_lib.adapter_key(target, which)
         shape = specs[key].shape
-        layers = [f.get_tensor(f"{PREFIX}.{i}.{module}.{name}.weight").astype(np.float32)
+        layers = [f.get_tensor(f"{_module_name(i, target)}.{name}.weight").astype(np.float32)
                   for i in range(model.n_layers)]
         if which == "a":  # [r, in] -> [in..., r]
           out[key] = np.stack([a.T.reshape(*shape[1:-1], rank) for a in layers])
         else:  # [out, r] -> [r, out...]
           out[key] = np.stack([b.T.reshape(rank, *shape[2:]) for b in layers])
   return {"layers": out}
+
+
+def _module_name(layer: int, target: str) -> str:
+  """PEFT's name of layer `layer`'s adapted module for `target`."""
+  return f"{PREFIX}.{layer}.{lora_lib.PEFT_MODULES[target]}"
 
 
 def _peft_targets(modules) -> tuple[str, ...]:
@@ -178,7 +181,7 @@ def _peft_shapes(model: LlamaConfig, record: dict) -> dict[str, tuple[int, int]]
     a = specs[lora_lib.adapter_key(target, "a")].shape
     b = specs[lora_lib.adapter_key(target, "b")].shape
     for i in range(model.n_layers):
-      name = f"{PREFIX}.{i}.{lora_lib.PEFT_MODULES[target]}"
+      name = _module_name(i, target)
       out[f"{name}.lora_A.weight"] = (rank, math.prod(a[1:-1]))
       out[f"{name}.lora_B.weight"] = (math.prod(b[2:]), rank)
   return out

@@ -375,9 +375,8 @@ def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int,
                                           state["transfer"], state.get("host_update", 0), rates,
                                           runner.program.n_frozen)
   program = runner.program
-  frozen_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(program.abstract.frozen))
   theory, formula = (zero_formula.theory_state_bytes(cfg, layout, program.n_params,
-                                                     program.n_frozen, frozen_bytes)
+                                                     program.n_frozen, program.frozen_bytes)
                      if program.n_frozen else zero_formula.theory_state_bytes(cfg, layout))
   total = xla_total_bytes(stats)
   return Row(
