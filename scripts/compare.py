@@ -183,12 +183,12 @@ def save_batches(cfg, n_data_parallel: int, steps: int, path: pathlib.Path,
   from jaxzero.data import batches as batches_lib  # pylint: disable=import-outside-toplevel
   from jaxzero.data import tokens as tokens_lib  # pylint: disable=import-outside-toplevel
   from jaxzero.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  from jaxzero.training import evaluation  # pylint: disable=import-outside-toplevel
+  from jaxzero.data import pipeline  # pylint: disable=import-outside-toplevel
 
   micro = mesh_lib.micro_batch(cfg.train, n_data_parallel)
   source = tokens_lib.open_tokens(cfg.data, workdir, model_vocab_size=cfg.model.vocab_size,
                                   progress=False)
-  tokens, _ = evaluation.split(source.tokens, cfg.data)
+  tokens, _ = pipeline.split(source.tokens, cfg.data)
   batches = batches_lib.Batches(tokens, cfg.train.seq_len, cfg.train.grad_accum,
                                 micro * n_data_parallel, cfg.seed, order=source.order)
   array = np.stack([batches(step) for step in range(steps)])

@@ -99,6 +99,7 @@ def validate(cfg: Config) -> None:
   if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
     raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
   _validate_eval(cfg)
+  _validate_data_format(cfg)
   _validate_loss_scale(cfg.precision)
   _validate_operations(cfg)
   if cfg.model_factory and (":" not in cfg.model_factory or cfg.init.hf_checkpoint):
@@ -264,6 +265,29 @@ def _validate_operations(cfg: Config) -> None:
   if d.stall_s < 0 or d.stall_exit_s < 0:
     raise ConfigError(f"distributed.stall_s={d.stall_s:g} and distributed.stall_exit_s="
                       f"{d.stall_exit_s:g} must not be negative (0 = the default)")
+
+
+def _validate_data_format(cfg: Config) -> None:
+  d = cfg.data
+  formats = ("text", "chat", "prompt_completion")
+  if d.format not in formats:
+    raise ConfigError(f"data.format={d.format!r}; choose one of {', '.join(formats)}")
+  if d.overlong not in ("truncate", "drop"):
+    raise ConfigError(f"data.overlong={d.overlong!r}; choose 'truncate' or 'drop'")
+  if d.format == "text":
+    if d.packing:
+      raise ConfigError("data.packing packs fine-tuning examples (data.format=chat|"
+                        "prompt_completion); data.format='text' is one stream already")
+    return
+  if d.source == "stdlib":
+    raise ConfigError(f"data.format={d.format!r} reads records from .jsonl or .parquet files; "
+                      "set data.source to them")
+  if cfg.model_factory:
+    raise ConfigError(f"data.format={d.format!r} gives the built-in models' batches "
+                      "(tokens, loss_mask, segment_ids); model_factory's loss takes token windows")
+  if d.packing and cfg.mesh.pipeline > 1:
+    raise ConfigError("data.packing with mesh.pipeline > 1 is not supported yet: a packed "
+                      "row's segment ids do not travel between stages; set data.packing=false")
 
 
 def _validate_eval(cfg: Config) -> None:

@@ -214,6 +214,14 @@ class DataConfig:
   # stream (training uses the rest), or a separate source tokenized the same way.
   eval_fraction: float = 0.0
   eval_source: str = ""
+  # "text": documents joined into one stream. Fine-tuning records (jaxzero.data.chat):
+  # "chat" (`messages`, rendered by the chat template) or "prompt_completion"; the loss
+  # is on the assistant's or the completion's tokens only.
+  format: str = "text"
+  packing: bool = False  # fine-tuning: fill each row with whole examples (segment ids)
+  overlong: str = "truncate"  # fine-tuning: an example longer than a row: "truncate" | "drop"
+  # Fine-tuning: a .jinja file or tokenizer_config.json; empty = the one beside data.tokenizer.
+  chat_template: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,11 @@ class Batches:
     self.order = order
     self.n_windows = (tokens.size - 1) // seq_len
 
+  @property
+  def rows_per_epoch(self) -> float:
+    """Windows of seq_len + 1 tokens that cover the stream once."""
+    return (self.tokens.size - 1) / (self.shape[2] - 1)
+
   def __call__(self, step: int, rows: slice = slice(None)) -> np.ndarray:
     """Batch for `step`; `rows` selects this process's share of the micro-batch."""
     starts = self._random_starts(step, rows) if self.order == "random" else \
@@ -53,17 +58,26 @@ class Batches:
 
   def _epoch_starts(self, step: int, rows: slice) -> np.ndarray:
     accum, batch, window = self.shape
-    sample = (step * accum + np.arange(accum)[:, None]) * batch + np.arange(batch)[rows]
-    epoch, position = np.divmod(sample, self.n_windows)
-    windows = np.empty_like(position)
-    for e in np.unique(epoch):  # a step straddles at most two epochs
-      here = epoch == e
-      windows[here] = permute(position[here], self.n_windows, (self.seed, int(e)))
-    return windows * (window - 1)
+    return epoch_order(step, accum, batch, rows, self.n_windows, self.seed) * (window - 1)
 
 
-def global_batch(batches: Batches, sharding: jax.sharding.NamedSharding, step: int) -> jax.Array:
-  """The batch of `step` as one global array laid out by `sharding`.
+def epoch_order(step: int, accum: int, batch: int, rows: slice, n: int, seed: int
+                ) -> np.ndarray:
+  """Which of `n` items each row of `step`'s [accum, batch] batch holds (the `rows`
+  slice of it): sample ``i`` of the run is item ``permutation_e(i mod n)``, ``e = i //
+  n`` its epoch, with a fresh seeded permutation per epoch."""
+  sample = (step * accum + np.arange(accum)[:, None]) * batch + np.arange(batch)[rows]
+  epoch, position = np.divmod(sample, n)
+  items = np.empty_like(position)
+  for e in np.unique(epoch):  # a step straddles at most two epochs
+    here = epoch == e
+    items[here] = permute(position[here], n, (seed, int(e)))
+  return items
+
+
+def global_batch(batches, sharding: jax.sharding.NamedSharding, step: int):
+  """The batch of `step` (an array, or a dict of arrays of one shape) as global arrays
+  laid out by `sharding`.
 
   Each process reads and supplies only the rows of the micro-batch axis (axis
   1) that its own devices hold.
@@ -73,7 +87,7 @@ def global_batch(batches: Batches, sharding: jax.sharding.NamedSharding, step: i
   starts = [idx[1].start or 0 for idx in index_map.values()]
   stops = [idx[1].stop or shape[1] for idx in index_map.values()]
   local = batches(step, slice(min(starts), max(stops)))
-  return jax.make_array_from_process_local_data(sharding, local, shape)
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x, shape), local)
 
 
 def permute(index: np.ndarray, n: int, key: tuple[int, ...]) -> np.ndarray:

@@ -202,13 +202,16 @@ def _parquet_pieces(path: pathlib.Path, column: str) -> Iterator[_Piece]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Tokenizer:
+class TextTokenizer:
   name: str  # "byte" or the tokenizer.json path
   digest: str  # content hash: the cache is valid only for the same tokenizer
   vocab_size: int
   separator: tuple[int, ...]  # appended to every document
   # (texts, whether to add the start tokens) -> token ids per text
   encode: Callable[[list[str], bool], list]
+  # The same, as (ids, each token's [start, end) characters in its text) per text; a
+  # token the tokenizer adds (a start token) spans no characters.
+  encode_spans: Callable[[list[str], bool], list] | None = None
 
   @property
   def dtype(self) -> np.dtype:
@@ -216,11 +219,12 @@ class _Tokenizer:
                     np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
 
 
-def _load_tokenizer(name: str, eos_token: str = "") -> _Tokenizer:
+def load_tokenizer(name: str, eos_token: str = "") -> TextTokenizer:
   """``"byte"``, or a Hugging Face ``tokenizer.json`` (or a directory holding one)."""
   if name == "byte":
-    return _Tokenizer("byte", "byte", BYTE_VOCAB, (BYTE_SEPARATOR,),
-                      lambda texts, _start: [np.frombuffer(t.encode(), np.uint8) for t in texts])
+    return TextTokenizer("byte", "byte", BYTE_VOCAB, (BYTE_SEPARATOR,),
+                         lambda texts, _start: [np.frombuffer(t.encode(), np.uint8) for t in texts],
+                         lambda texts, _start: [_byte_spans(t) for t in texts])
   path = pathlib.Path(name).expanduser()
   if path.is_dir():
     path = path / "tokenizer.json"
@@ -242,8 +246,19 @@ def _load_tokenizer(name: str, eos_token: str = "") -> _Tokenizer:
   def encode(texts: list[str], start: bool) -> list[list[int]]:
     return [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=start)]
 
-  return _Tokenizer(str(path.resolve()), hashlib.sha256(blob).hexdigest(),
-                    max(vocab.values()) + 1, (eos,), encode)
+  def encode_spans(texts: list[str], start: bool) -> list[tuple[list[int], np.ndarray]]:
+    return [(e.ids, np.asarray(e.offsets, np.int64).reshape(-1, 2))
+            for e in tokenizer.encode_batch(texts, add_special_tokens=start)]
+
+  return TextTokenizer(str(path.resolve()), hashlib.sha256(blob).hexdigest(),
+                       max(vocab.values()) + 1, (eos,), encode, encode_spans)
+
+
+def _byte_spans(text: str) -> tuple[np.ndarray, np.ndarray]:
+  """A text's bytes with each one's character span (a character's bytes share it)."""
+  ids = np.frombuffer(text.encode(), np.uint8)
+  char = np.cumsum((ids & 0xC0) != 0x80) - 1  # UTF-8 continuation bytes are 10xxxxxx
+  return ids, np.stack([char, char + 1], axis=1)
 
 
 def _eos_id(tokenizer, eos_token: str, name: str) -> int:
@@ -263,21 +278,21 @@ def _eos_id(tokenizer, eos_token: str, name: str) -> int:
 
 def _open_files(data, workdir, progress: bool) -> TokenSource:
   files = match_files(data.source)
-  tokenizer = _load_tokenizer(data.tokenizer, data.eos_token)
-  cache = _cache_root(data, workdir) / _cache_name(data, tokenizer)
-  want = _index_header(files, tokenizer, data.text_field)
+  tokenizer = load_tokenizer(data.tokenizer, data.eos_token)
+  cache = cache_root(data, workdir) / cache_name(data, tokenizer)
+  want = index_header(files, tokenizer, data.text_field)
   cache.mkdir(parents=True, exist_ok=True)
   # One process tokenizes; others started at the same time wait, then reuse.
-  with _locked(cache / "lock"):
-    index = _read_index(cache)
-    if not _reusable(index, want):
+  with locked(cache / "lock"):
+    index = read_index(cache)
+    if not reusable(index, want):
       index = _tokenize(files, tokenizer, data.text_field, cache, want, progress)
   tokens = np.memmap(cache / TOKENS_FILE, dtype=index["dtype"], mode="r",
                      shape=(index["tokens"],))
   return TokenSource(tokens, tokenizer.vocab_size, "epochs", cache)
 
 
-def _cache_root(data, workdir) -> pathlib.Path:
+def cache_root(data, workdir) -> pathlib.Path:
   if data.cache_dir:
     return pathlib.Path(data.cache_dir).expanduser()
   if workdir is None:
@@ -286,15 +301,16 @@ def _cache_root(data, workdir) -> pathlib.Path:
   return pathlib.Path(workdir) / "data_cache"
 
 
-def _cache_name(data, tokenizer: _Tokenizer) -> str:
-  """A directory per (source, tokenizer, field): switching back and forth reuses both."""
+def cache_name(data, tokenizer: TextTokenizer, *more: str) -> str:
+  """A directory per (source, tokenizer, field, `more`): switching back and forth reuses
+  each."""
   key = json.dumps([os.path.abspath(os.path.expanduser(data.source)), tokenizer.digest,
-                    tokenizer.separator, data.text_field])
+                    tokenizer.separator, data.text_field, *more])
   readable = re.sub(r"[^A-Za-z0-9._-]+", "_", data.source.strip("/"))[-48:].strip("_")
   return f"{readable or 'data'}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def _index_header(files: list[pathlib.Path], tokenizer: _Tokenizer, text_field: str) -> dict:
+def index_header(files: list[pathlib.Path], tokenizer: TextTokenizer, text_field: str) -> dict:
   """The index fields that must equal the current inputs for the cache to be reused."""
   stats = [(f, f.stat()) for f in files]
   return {
@@ -307,7 +323,7 @@ def _index_header(files: list[pathlib.Path], tokenizer: _Tokenizer, text_field: 
   }
 
 
-def _reusable(index: dict | None, want: dict) -> bool:
+def reusable(index: dict | None, want: dict) -> bool:
   if index is None:
     return False
   files = [{k: f.get(k) for k in ("path", "bytes", "mtime_ns")} for f in index.get("files") or []]
@@ -315,7 +331,7 @@ def _reusable(index: dict | None, want: dict) -> bool:
                                          if k != "files")
 
 
-def _read_index(cache: pathlib.Path) -> dict | None:
+def read_index(cache: pathlib.Path) -> dict | None:
   """The index, or None if absent, unreadable or not matching its token file."""
   try:
     index = json.loads((cache / INDEX_FILE).read_text())
@@ -326,7 +342,7 @@ def _read_index(cache: pathlib.Path) -> dict | None:
 
 
 @contextlib.contextmanager
-def _locked(path: pathlib.Path):
+def locked(path: pathlib.Path):
   with open(path, "a") as f:
     fcntl.flock(f, fcntl.LOCK_EX)
     try:
@@ -335,7 +351,7 @@ def _locked(path: pathlib.Path):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _tokenize(files: list[pathlib.Path], tokenizer: _Tokenizer, text_field: str,
+def _tokenize(files: list[pathlib.Path], tokenizer: TextTokenizer, text_field: str,
               cache: pathlib.Path, header: dict, progress: bool) -> dict:
   """Writes the token file and then its index (each by atomic rename)."""
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
@@ -359,7 +375,7 @@ def _tokenize(files: list[pathlib.Path], tokenizer: _Tokenizer, text_field: str,
   return index
 
 
-def _tokenize_file(path: pathlib.Path, tokenizer: _Tokenizer, text_field: str, out,
+def _tokenize_file(path: pathlib.Path, tokenizer: TextTokenizer, text_field: str, out,
                    bar) -> dict:
   """Appends one file's tokens to `out`; returns its token and document counts."""
   counts = {"tokens": 0, "documents": 0}
@@ -374,7 +390,7 @@ def _tokenize_file(path: pathlib.Path, tokenizer: _Tokenizer, text_field: str, o
   return counts
 
 
-def _write_pieces(pieces: list[_Piece], tokenizer: _Tokenizer, out, counts: dict, bar) -> None:
+def _write_pieces(pieces: list[_Piece], tokenizer: TextTokenizer, out, counts: dict, bar) -> None:
   """Encodes pieces (start tokens only on first pieces) and appends them with separators."""
   encoded: list[np.ndarray | None] = [None] * len(pieces)
   for start in (True, False):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxzero.config import Config
+from jaxzero.data import sft
 from jaxzero.engine import loss_scale
 from jaxzero.engine import state_bytes as state_bytes_lib
 from jaxzero.engine.lr_schedule import learning_rate_schedule
@@ -112,10 +113,12 @@ class TrainProgram:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         self.abstract, self.shardings)
 
-  def abstract_batch(self, micro_batch: int) -> jax.ShapeDtypeStruct:
-    t = self.cfg.train
+  def abstract_batch(self, micro_batch: int) -> Any:
+    """A step's batch as shapes: token windows, or a fine-tuning format's dict of them."""
+    t, d = self.cfg.train, self.cfg.data
     shape = (t.grad_accum, micro_batch * self.layout.data_parallel_size, t.seq_len + 1)
-    return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+    array = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+    return array if d.format == "text" else dict.fromkeys(sft.batch_keys(d.packing), array)
 
   @property
   def batch_sharding(self):

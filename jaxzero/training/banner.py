@@ -77,8 +77,7 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
   devices = run.devices
   mesh = " x ".join(f"{axis} {size}" for axis, size in layout.mesh.shape.items())
   tokens_per_step = t.global_batch * t.seq_len
-  train_tokens = run.batches.tokens.size
-  epochs = total_steps * tokens_per_step / train_tokens
+  epochs = total_steps * t.global_batch / run.batches.rows_per_epoch
   offload = ", ".join(f"{role} in {kind}" for role, kind in
                       (("optimizer", cfg.offload.optimizer), ("params", cfg.offload.params))
                       if kind != "device") or "none"
@@ -105,8 +104,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
       f"  batch     micro-batch {micro} x grad_accum {t.grad_accum} x {dp} data-parallel = "
       f"global batch {t.global_batch} sequences of {t.seq_len} = {tokens_per_step:,} tokens "
       f"per step",
-      f"  data      {cfg.data.source}: {train_tokens:,} training tokens; {total_steps} steps "
-      f"see {total_steps * tokens_per_step:,} tokens = {epochs:.3g} epochs",
+      f"  data      {run.data_description}; {total_steps} steps see "
+      f"{total_steps * tokens_per_step:,} tokens = {epochs:.3g} epochs",
       f"  memory    per device: model state {_b(budget.state)} (params {_b(budget.params)}"
       f"{_frozen_text(run.runner.plan())}, "
       f"grads {_b(budget.grads)}, optimizer {_b(budget.optimizer)}) + "

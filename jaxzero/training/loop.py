@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import pathlib
 import time
+from typing import Any
 
 import jax
 from orbax.checkpoint import multihost
@@ -21,7 +22,7 @@ from jaxzero.api import adapters
 from jaxzero.checkpoint import checkpointer as checkpoint_lib
 from jaxzero.config import Config
 from jaxzero.data import batches as batches_lib
-from jaxzero.data import tokens as tokens_lib
+from jaxzero.data import pipeline
 from jaxzero.engine import loss_scale
 from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
 from jaxzero.hf import load as hf_load
@@ -54,8 +55,9 @@ class Run:
   cfg: Config
   layout: Layout
   runner: Runner  # how the state is trained and kept (jaxzero.runners)
-  batches: batches_lib.Batches
-  eval_batches: evaluation.EvalBatches | None = None  # the held-out split, if any
+  batches: Any  # the training batches by step (jaxzero.data.pipeline)
+  eval_batches: Any = None  # the held-out split's fixed batches, if any
+  data_description: str = ""  # what the training batches hold, for the banner
 
   @property
   def program(self) -> engine_lib.TrainProgram:
@@ -91,16 +93,8 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
   layout = runner.program.layout
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
   progress = progress and jax.process_index() == 0
-  source = tokens_lib.open_tokens(cfg.data, workdir, model_vocab_size=cfg.model.vocab_size,
-                                  progress=progress)
-  tokens, held_out = evaluation.split(source.tokens, cfg.data)
-  if cfg.data.eval_source:
-    held_out = evaluation.open_eval_source(cfg.data, workdir, progress=progress,
-                                           model_vocab_size=cfg.model.vocab_size)
-  batches = batches_lib.Batches(tokens, cfg.train.seq_len, cfg.train.grad_accum,
-                                micro * layout.data_parallel_size, cfg.seed, order=source.order)
-  eval_batches = None if held_out is None else evaluation.make_eval_batches(cfg, held_out)
-  return Run(cfg, layout, runner, batches, eval_batches)
+  data = pipeline.open_data(cfg, workdir, micro * layout.data_parallel_size, progress=progress)
+  return Run(cfg, layout, runner, data.train, data.held_out, data.description)
 
 
 @dataclasses.dataclass

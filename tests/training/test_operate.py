@@ -23,6 +23,7 @@ from jaxzero import config, launch, plan
 from jaxzero import train as train_cli
 from jaxzero.errors import UserError
 from jaxzero.models import trainable
+from jaxzero.data import pipeline
 from jaxzero.planning import memory_check, planner
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.training import evaluation, loop
@@ -249,9 +250,9 @@ def test_eval_loss_falls_with_training(run):
 
 def test_eval_batches_are_fixed_windows_of_the_held_out_tail():
   tokens = np.arange(1000, dtype=np.uint16)
-  train, held_out = evaluation.split(tokens, config.DataConfig(eval_fraction=0.1))
+  train, held_out = pipeline.split(tokens, config.DataConfig(eval_fraction=0.1))
   assert train.size == 900 and held_out[0] == 900
-  batches = evaluation.EvalBatches(held_out, n_batches=2, rows=3, seq_len=8, what="x")
+  batches = pipeline.EvalBatches(held_out, n_batches=2, rows=3, seq_len=8, what="x")
   full = batches()
   assert full.shape == (2, 3, 9)
   np.testing.assert_array_equal(full[0, 1], np.arange(908, 917))
@@ -370,8 +371,8 @@ def test_a_ds_config_tensorboard_block_is_accepted():
 
 
 def test_eval_source_is_tokenized_like_the_training_data(tmp_path):
-  (tmp_path / "held_out.txt").write_text("held out text")
+  (tmp_path / "held_out.txt").write_text("held out text " * 20)
   data = config.DataConfig(eval_source=str(tmp_path / "held_out.txt"))
-  tokens = evaluation.open_eval_source(data, tmp_path / "run", model_vocab_size=256,
-                                       progress=False)
-  assert bytes(np.asarray(tokens)) == b"held out text\0"  # bytes, then the separator
+  cfg = dataclasses.replace(config.base(), data=data)
+  tokens = pipeline.open_data(cfg, tmp_path / "run", rows=1, progress=False).held_out.tokens
+  assert bytes(np.asarray(tokens)) == b"held out text " * 20 + b"\0"  # bytes, then the separator

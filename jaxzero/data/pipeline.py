@@ -1,0 +1,112 @@
+"""A run's data: its training batches and held-out batches, from either kind of source.
+
+``data.format=text`` cuts a token stream (jaxzero.data.tokens) into windows
+(jaxzero.data.batches.Batches); ``chat`` and ``prompt_completion`` put tokenized
+examples (jaxzero.data.sft) into rows. The held-out split is ``data.eval_fraction``
+of the stream or of the examples, cut from the end (training keeps the rest), or the
+separate ``data.eval_source`` read the same way. Held-out batches are ``eval.batches``
+fixed batches of ``train.global_batch / train.grad_accum`` rows from the split's start,
+the same whatever the stage, mesh or process count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxzero.data import batches as batches_lib
+from jaxzero.data import sft
+from jaxzero.data import tokens as tokens_lib
+from jaxzero.errors import DataError
+
+
+class RunData(NamedTuple):
+  train: batches_lib.Batches | sft.ExampleBatches
+  held_out: EvalBatches | sft.ExampleBatches | None
+  description: str  # what the training batches hold, for the banner
+
+
+def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
+  """The batches of `cfg` with `rows` rows per micro-batch (all data-parallel devices'),
+  tokenizing its sources into the cache if needed."""
+  d, t = cfg.data, cfg.train
+  eval_rows = t.global_batch // t.grad_accum
+  held_out_cfg = dataclasses.replace(d, source=d.eval_source)
+  if d.format == "text":
+    source = tokens_lib.open_tokens(d, workdir, model_vocab_size=cfg.model.vocab_size,
+                                    progress=progress)
+    tokens, held_out = split(source.tokens, d)
+    if d.eval_source:
+      held_out = tokens_lib.open_tokens(held_out_cfg, workdir, progress=progress,
+                                        model_vocab_size=cfg.model.vocab_size).tokens
+    train = batches_lib.Batches(tokens, t.seq_len, t.grad_accum, rows, cfg.seed,
+                                order=source.order)
+    evaluation = None if held_out is None else EvalBatches(
+        held_out, cfg.eval.batches, eval_rows, t.seq_len, _held_out_name(d))
+    return RunData(train, evaluation, f"{d.source}: {tokens.size:,} training tokens")
+  examples = sft.open_examples(d, workdir, model_vocab_size=cfg.model.vocab_size,
+                               progress=progress)
+  examples, held_out = sft.split(examples, d.eval_fraction)
+  if d.eval_source:
+    held_out = sft.open_examples(held_out_cfg, workdir, model_vocab_size=cfg.model.vocab_size,
+                                 progress=progress)
+  rows_of = lambda ex, accum, n, order: sft.ExampleBatches(
+      ex, t.seq_len, accum, n, cfg.seed, packing=d.packing, overlong=d.overlong, order=order)
+  train = rows_of(examples, t.grad_accum, rows, "epochs")
+  evaluation = None if held_out is None else rows_of(held_out, cfg.eval.batches, eval_rows,
+                                                     "fixed")
+  return RunData(train, evaluation, _describe_examples(d, examples, train))
+
+
+def _describe_examples(d, examples: sft.Examples, train: sft.ExampleBatches) -> str:
+  left_out = [f"{v['count']} {reason} (first at {v['first']})"
+              for reason, v in examples.skipped.items()]
+  left_out += [f"{n} {reason}" for reason, n in train.dropped.items()]
+  if train.truncated:
+    left_out.append(f"{train.truncated} truncated to train.seq_len+1")
+  packed = f"packed {len(examples) / train.n_rows:.2g} per row" if d.packing else "one per row"
+  return (f"{d.source} ({d.format}): {len(examples):,} examples, {train.n_tokens:,} tokens in "
+          f"{train.n_rows:,} rows ({packed}, {train.fill:.0%} filled)"
+          + (f"; left out: {'; '.join(left_out)}" if left_out else ""))
+
+
+def _held_out_name(d) -> str:
+  return (f"data.eval_fraction={d.eval_fraction}" if d.eval_fraction
+          else f"data.eval_source={d.eval_source!r}")
+
+
+def split(tokens: np.ndarray, data) -> tuple[np.ndarray, np.ndarray | None]:
+  """(training tokens, held-out tokens) of a stream, by data.eval_fraction."""
+  if not data.eval_fraction:
+    return tokens, None
+  held_out = int(tokens.size * data.eval_fraction)
+  return tokens[:tokens.size - held_out], tokens[tokens.size - held_out:]
+
+
+class EvalBatches:
+  """``n_batches`` batches of ``rows`` windows of ``seq_len + 1`` tokens, [N, rows, T+1].
+
+  Window i starts at token ``i * seq_len`` (consecutive windows share one token,
+  so every token but the first is a target once); a split shorter than the
+  batches need is visited again from its start.
+  """
+
+  def __init__(self, tokens: np.ndarray, n_batches: int, rows: int, seq_len: int, what: str):
+    if tokens.size < seq_len + 2:
+      raise DataError(f"{what} leaves {tokens.size} tokens for evaluation, fewer than "
+                      f"train.seq_len+2={seq_len + 2}; hold out more")
+    self.tokens = tokens
+    self.shape = (n_batches, rows, seq_len + 1)
+    self.n_windows = (tokens.size - 1) // seq_len
+
+  @property
+  def n_tokens(self) -> int:
+    return self.tokens.size
+
+  def __call__(self, _step: int = 0, rows: slice = slice(None)) -> np.ndarray:
+    n, batch, window = self.shape
+    index = (np.arange(n)[:, None] * batch + np.arange(batch)[rows]) % self.n_windows
+    starts = index * (window - 1)
+    return np.asarray(self.tokens[starts[..., None] + np.arange(window)], np.int32)
