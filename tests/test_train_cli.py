@@ -47,6 +47,10 @@ def test_print_config_gives_every_key_as_a_set_argument():
      "not a multiple of the 64-value block"),
     (["--config", TINY, "--set", "lora.rank=8", "--set", "lora.init_from=/no/adapter"],
      "lora.init_from=/no/adapter: adapter_config.json is missing"),
+    (["--config", TINY, "--set", "data.format=chat"],
+     "data.format='chat' reads records from .jsonl or .parquet files; set data.source"),
+    (["--config", TINY, "--set", "data.format=sharegpt"],
+     "data.format='sharegpt'; choose one of text, chat, prompt_completion"),
 ])
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path):

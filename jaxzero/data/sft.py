@@ -75,7 +75,7 @@ def open_examples(data, workdir, *, model_vocab_size: int | None = None,
   with tokens_lib.locked(cache / "lock"):
     index = _read_index(cache)
     if not tokens_lib.reusable(index, want):
-      index = _tokenize(files, tokenizer, template, data.format, cache, want, progress)
+      index = _tokenize(files, tokenizer, template, data, cache, want, progress)
   if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
     raise DataError(f"data.tokenizer={data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
                     f"model.vocab_size={model_vocab_size}")
@@ -168,7 +168,7 @@ class _Writer:
         self.starts.append(self.starts[-1] + ids.size)
 
 
-def _tokenize(files, tokenizer, template, fmt: str, cache: pathlib.Path, header: dict,
+def _tokenize(files, tokenizer, template, data, cache: pathlib.Path, header: dict,
               progress: bool) -> dict:
   """Writes the token, mask and offset files, then the index (each by atomic rename)."""
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
@@ -181,7 +181,7 @@ def _tokenize(files, tokenizer, template, fmt: str, cache: pathlib.Path, header:
         try:
           if isinstance(record, chat.Skip):
             raise record
-          pending.append((where, *chat.record_text(record, fmt, template)))
+          pending.append((where, *chat.record_text(record, data.format, template)))
         except chat.Skip as reason:
           writer.skip(where, str(reason))
         if len(pending) == tokens_lib.ENCODE_BATCH:
@@ -192,7 +192,7 @@ def _tokenize(files, tokenizer, template, fmt: str, cache: pathlib.Path, header:
   if not n_examples:
     reasons = "; ".join(f"{k} ({v['count']}, first at {v['first']})"
                         for k, v in writer.skipped.items())
-    raise DataError(f"data.source={header['files'][0]['path']!r}...: no usable example "
+    raise DataError(f"data.source={data.source!r} holds no usable {data.format} example "
                     f"({reasons or 'no records'})")
   for name, path in partial.items():
     path.replace(cache / name)

@@ -1,0 +1,260 @@
+"""Fine-tuning data: records rendered as transformers renders them, targets where TRL puts
+them (assistant-only, completion-only), rows packed without changing any example's loss,
+bad records counted rather than fatal, and a fine-tuning run equal on 1 and 8 devices."""
+
+import dataclasses
+import json
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxzero import config
+from jaxzero.config.sections import DataConfig
+from jaxzero.data import batches as batches_lib
+from jaxzero.data import chat, sft
+from jaxzero.models import trainable
+from jaxzero.models.interface import Hooks
+from jaxzero.models.llama import LlamaConfig
+
+# A ChatML-like template; {% generation %} marks what transformers' assistant mask covers.
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>\n' }}"
+            "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|end|>\n' }}"
+            "{% endgeneration %}{% else %}{{ m['content'] + '<|end|>\n' }}{% endif %}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHATS = [
+    [{"role": "user", "content": "what is two and three"},
+     {"role": "assistant", "content": "five"}],
+    [{"role": "system", "content": "answer briefly"},
+     {"role": "user", "content": "and three and three"},
+     {"role": "assistant", "content": "six it is"},
+     {"role": "user", "content": "again"},
+     {"role": "assistant", "content": "six"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+  """A byte-level BPE tokenizer with chat special tokens, saved as transformers saves one."""
+  tokenizers = pytest.importorskip("tokenizers")
+  transformers = pytest.importorskip("transformers")
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  text = [m["content"] for c in CHATS for m in c] * 20
+  tok.train_from_iterator(text, tokenizers.trainers.BpeTrainer(
+      vocab_size=300, special_tokens=SPECIALS,
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                            eos_token="</s>", unk_token="<unk>")
+  hf.chat_template = TEMPLATE
+  path = tmp_path_factory.mktemp("chat_tokenizer")
+  hf.save_pretrained(path)
+  return path
+
+
+def write_jsonl(path, records):
+  path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+  return path
+
+
+def test_chat_targets_are_transformers_assistant_tokens(tokenizer_dir, tmp_path):
+  from transformers import AutoTokenizer
+  hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+  source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS])
+  examples = sft.open_examples(DataConfig(source=str(source), format="chat",
+                                          tokenizer=str(tokenizer_dir)), tmp_path, progress=False)
+  assert len(examples) == len(CHATS) and not examples.skipped
+  for i, messages in enumerate(CHATS):
+    want = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    start, stop = examples.starts[i], examples.starts[i + 1]
+    np.testing.assert_array_equal(examples.tokens[start:stop], want["input_ids"])
+    np.testing.assert_array_equal(examples.mask[start:stop], want["assistant_masks"])
+  # The rendering itself is transformers' (the generation prompt included).
+  template = chat.load_template(DataConfig(tokenizer=str(tokenizer_dir)))
+  assert template.render(CHATS[1][:2], True) == hf.apply_chat_template(
+      CHATS[1][:2], tokenize=False, add_generation_prompt=True)
+
+
+def test_prompt_completion_targets_are_the_completion_then_end_of_text(tmp_path):
+  source = write_jsonl(tmp_path / "pc.jsonl", [
+      {"prompt": "2+3=", "completion": " 5"},
+      {"prompt": [{"role": "user", "content": "hi"}],
+       "completion": [{"role": "assistant", "content": "yo"}]}])
+  examples = sft.open_examples(DataConfig(source=str(source), format="prompt_completion",
+                                          chat_template=str(write_template(tmp_path))),
+                               tmp_path, progress=False)
+  plain = bytes(np.asarray(examples.tokens[:examples.starts[1]]))
+  assert plain == b"2+3= 5\0"
+  np.testing.assert_array_equal(examples.mask[:examples.starts[1]], [0, 0, 0, 0, 1, 1, 1])
+  chat_tokens = bytes(np.asarray(examples.tokens[examples.starts[1]:]))
+  chat_mask = np.asarray(examples.mask[examples.starts[1]:], bool)
+  assert chat_tokens == b"<|user|>\nhi<|end|>\n<|assistant|>\nyo<|end|>\n"
+  assert bytes(np.frombuffer(chat_tokens, np.uint8)[chat_mask]) == b"yo<|end|>\n"
+
+
+def write_template(tmp_path):
+  path = tmp_path / "template.jinja"
+  path.write_text(TEMPLATE.replace("{{ bos_token }}", ""))
+  return path
+
+
+def test_bad_records_are_counted_with_their_first_place(tmp_path):
+  good = {"messages": CHATS[0]}
+  source = write_jsonl(tmp_path / "chat.jsonl", [
+      good, "{not json", {"messages": [{"role": "bot", "content": "x"}]}, good,
+      {"messages": [{"role": "user", "content": "no answer"}]}, {"text": "x"},
+      {"messages": [{"role": "user", "content": 3}]}, good])
+  examples = sft.open_examples(DataConfig(source=str(source), format="chat",
+                                          chat_template=str(write_template(tmp_path))),
+                               tmp_path, progress=False)
+  assert len(examples) == 3
+  assert {k: (v["count"], v["first"]) for k, v in examples.skipped.items()} == {
+      "not valid JSON (JSONDecodeError)": (1, "chat.jsonl:2"),
+      "unknown role 'bot' (roles: system, user, assistant, tool)": (1, "chat.jsonl:3"),
+      "no assistant message": (1, "chat.jsonl:5"),
+      "no 'messages' list": (1, "chat.jsonl:6"),
+      "a message without string 'content' in 'messages'": (1, "chat.jsonl:7")}
+
+
+def synthetic(lengths) -> sft.Examples:
+  """Examples of the given lengths, token values distinct per example, targets from
+  their third token on."""
+  tokens = np.concatenate([(np.arange(n) * 7 + 31 * i) % 250 + 1 for i, n in enumerate(lengths)])
+  mask = np.concatenate([np.arange(n) >= 2 for n in lengths]).astype(np.uint8)
+  return sft.Examples(tokens.astype(np.uint8), mask, np.cumsum([0, *lengths]), 256, {})
+
+
+def test_overlong_examples_are_truncated_or_dropped_and_counted():
+  examples = synthetic([5, 20, 9, 3])
+  late = dataclasses.replace(examples, mask=examples.mask.copy())
+  late.mask[5:5 + 12] = 0  # example 1's targets begin at its 13th token
+  truncated = sft.ExampleBatches(late, 9, 1, 2, 0, packing=False, overlong="truncate")
+  assert truncated.truncated == 1  # cut to 10 tokens, it has no target left: dropped too
+  assert truncated.dropped == {"no target within train.seq_len+1": 1}
+  assert truncated.n_rows == 3
+  dropped = sft.ExampleBatches(examples, 9, 1, 2, 0, packing=False, overlong="drop")
+  assert dropped.dropped == {"longer than train.seq_len+1": 1} and dropped.n_rows == 3
+  kept = sft.ExampleBatches(examples, 9, 1, 2, 0, packing=False, overlong="truncate")
+  assert kept.n_rows == 4 and kept.truncated == 1
+
+
+def test_packing_fills_rows_with_whole_examples_each_visited_once_an_epoch():
+  lengths = [9, 4, 3, 6, 3, 8, 5, 7, 3, 4]
+  batches = sft.ExampleBatches(synthetic(lengths), 9, 2, 3, seed=4, packing=True)
+  assert sorted(i for row in batches.rows for i in row) == list(range(len(lengths)))
+  assert all(sum(lengths[i] for i in row) <= 10 for row in batches.rows)
+  assert batches.n_rows == 6  # 52 tokens in rows of 10: best-fit decreasing needs 6
+  seen = []
+  for step in range(batches.n_rows // 6 + 1):  # 6 rows a step
+    batch = batches(step)
+    assert set(batch) == {"tokens", "loss_mask", "segment_ids"}
+    seen += [tuple(row[row > 0]) for row in batch["tokens"].reshape(-1, 10)]
+  assert len(set(seen[:batches.n_rows])) == batches.n_rows  # the first epoch: each row once
+  # Process-local rows are the same rows, and a new instance (a resumed run) agrees.
+  again = sft.ExampleBatches(synthetic(lengths), 9, 2, 3, seed=4, packing=True)
+  np.testing.assert_array_equal(again(1, slice(1, 3))["segment_ids"],
+                                batches(1)["segment_ids"][:, 1:3])
+
+
+CFG = LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64,
+                  rope_theta=10_000.0)
+
+
+def test_each_example_has_the_same_loss_packed_as_alone():
+  lengths = [7, 12, 5, 9, 3]
+  examples = synthetic(lengths)
+  packed = sft.ExampleBatches(examples, 23, 1, 3, 0, packing=True, order="fixed")(0)
+  alone = sft.ExampleBatches(examples, 23, 1, 5, 0, packing=False, order="fixed")(0)
+  model = trainable.llama(CFG)
+  params = model.init(jax.random.key(0))
+
+  def example_loss(batch, example):
+    """The loss of `example`'s targets only, wherever its row holds it."""
+    tokens = batch["tokens"][0]
+    part = (np.arange(lengths[example]) * 7 + 31 * example) % 250 + 1
+    row, start = next((r, i) for r in range(tokens.shape[0])
+                      for i in range(tokens.shape[1] - part.size + 1)
+                      if np.array_equal(tokens[r, i:i + part.size], part))
+    only = np.zeros_like(tokens)
+    only[row, start:start + part.size] = 1
+    one = {k: v[0] for k, v in batch.items()}
+    one["loss_mask"] = one["loss_mask"] * only
+    return model.loss(params, jax.tree.map(jnp.asarray, one), Hooks())
+
+  for example in range(len(lengths)):
+    np.testing.assert_allclose(example_loss(packed, example), example_loss(alone, example),
+                               rtol=1e-5)
+
+
+def test_global_batch_places_every_field(tmp_path):
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  batches = sft.ExampleBatches(synthetic([5, 6, 7, 8, 9, 4, 3, 2]), 9, 2, 4, 0, packing=True)
+  sharding = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("data",)), P(None, "data"))
+  placed = batches_lib.global_batch(batches, sharding, 3)
+  chex.assert_trees_all_equal(jax.device_get(placed), batches(3))
+  assert all(a.sharding == sharding for a in placed.values())
+
+
+def sft_config(tmp_path, *overrides):
+  source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS * 12])
+  cfg = config.base()
+  data = dataclasses.replace(cfg.data, source=str(source), format="chat", packing=True,
+                             chat_template=str(write_template(tmp_path)),
+                             cache_dir=str(tmp_path / "cache"), eval_fraction=0.25)
+  return config.apply_overrides(dataclasses.replace(cfg, data=data), [
+      "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+      "model.mlp_dim=64", "train.seq_len=64", "train.global_batch=8", "train.grad_accum=1",
+      "train.steps=2", "eval.every=2", "eval.batches=1", *overrides])
+
+
+def test_a_packed_chat_run_at_stage_3_on_8_devices_equals_one_device(tmp_path):
+  from jaxzero.training import loop
+  one = loop.train(sft_config(tmp_path, "mesh.fsdp=1"), tmp_path / "one",
+                   devices=jax.devices()[:1], progress=False)
+  eight = loop.train(sft_config(tmp_path, "zero.stage=3"), tmp_path / "eight",
+                     devices=jax.devices()[:8], progress=False)
+  for a, b in zip(one, eight):
+    for key in ("loss", "eval_loss"):
+      if key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5)
+  assert "eval_loss" in one[-1]
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"chat_template": ""}, "data.format='chat' needs a chat template: data.tokenizer='byte' "
+                            "has none beside it; set data.chat_template"),
+    ({"chat_template": "/no/template.jinja"}, "data.chat_template='/no/template.jinja': no such "
+                                              "file"),
+    ({"rows": ["{bad", {"messages": []}]}, "holds no usable chat example (not valid JSON "
+                                           "(JSONDecodeError) (1, first at chat.jsonl:1);"),
+    ({"suffix": ".txt"}, "data.format='chat' reads records from .jsonl or .parquet files"),
+])
+def test_bad_fine_tuning_data_is_one_line(setting, message, tmp_path):
+  from jaxzero.errors import DataError
+  rows = setting.get("rows", [{"messages": CHATS[0]}])
+  source = write_jsonl(tmp_path / f"chat{setting.get('suffix', '.jsonl')}", rows)
+  data = DataConfig(source=str(source), format="chat",
+                    chat_template=setting.get("chat_template", str(write_template(tmp_path))))
+  with pytest.raises(DataError) as error:
+    sft.open_examples(data, tmp_path, progress=False)
+  assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.packing=true"], "data.packing packs fine-tuning examples"),
+    (["data.format=chat", "data.source=x.jsonl", "data.overlong=wrap"],
+     "data.overlong='wrap'; choose 'truncate' or 'drop'"),
+    (["data.format=chat", "data.source=x.jsonl", "data.packing=true", "mesh.pipeline=2",
+      "train.grad_accum=4"],
+     "data.packing with mesh.pipeline > 1 is not supported yet"),
+    (["data.format=chat", "data.source=x.jsonl", "model_factory=m:f"],
+     "model_factory's loss takes token windows"),
+])
+def test_fine_tuning_settings_that_do_not_go_together_are_one_line(overrides, message):
+  with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    config.validate(config.apply_overrides(config.base(), overrides))
