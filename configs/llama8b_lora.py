@@ -6,6 +6,10 @@ adapters on all seven projections (PEFT's all-linear), 4096-token sequences.
       --set data.tokenizer=/models/Meta-Llama-3.1-8B --set "data.source=/data/*.jsonl"
     python -m jaxzero.export --workdir runs/llama8b-lora --out runs/llama8b-lora/adapter --peft
 
+For chat records ({"messages": [...]}), the loss on the assistant's tokens, add
+--set data.format=chat --set data.packing=true (the Instruct model's chat template is
+read from data.tokenizer's directory; docs/training.md, fine-tuning records).
+
 On N GPUs: --set train.grad_accum=16/N. The plan: python -m jaxzero.plan --config
 configs/llama8b_lora.py --hbm-gb 40 (docs/lora.md).
 """
