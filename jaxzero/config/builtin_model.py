@@ -14,5 +14,5 @@ def builtin_model(cfg: Config) -> Model:
   if cfg.lora.rank:
     return lora.lora_llama(cfg.model, cfg.lora.rank, cfg.lora.alpha,
                            lora.resolve_targets(cfg.lora.targets), cfg.zero.min_shard_size,
-                           cfg.lora.base_dtype)
-  return trainable.llama(cfg.model)
+                           cfg.lora.base_dtype, cfg.precision.matmul)
+  return trainable.llama(cfg.model, cfg.precision.matmul)

@@ -100,6 +100,7 @@ def validate(cfg: Config) -> None:
     raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
   _validate_eval(cfg)
   _validate_data_format(cfg)
+  _validate_matmul(cfg)
   _validate_loss_scale(cfg.precision)
   _validate_operations(cfg)
   if cfg.model_factory and (":" not in cfg.model_factory or cfg.init.hf_checkpoint):
@@ -265,6 +266,18 @@ def _validate_operations(cfg: Config) -> None:
   if d.stall_s < 0 or d.stall_exit_s < 0:
     raise ConfigError(f"distributed.stall_s={d.stall_s:g} and distributed.stall_exit_s="
                       f"{d.stall_exit_s:g} must not be negative (0 = the default)")
+
+
+def _validate_matmul(cfg: Config) -> None:
+  p = cfg.precision
+  if p.matmul != "fp8":
+    return
+  if p.compute == "float16":
+    raise ConfigError("precision.matmul=fp8 with precision.compute=float16: FP8 matmuls run "
+                      "around bfloat16 (or float32) compute; set precision.compute=bfloat16")
+  if cfg.model_factory:
+    raise ConfigError("precision.matmul=fp8 sets the built-in models' projections; a "
+                      "model_factory model chooses its own matmuls")
 
 
 def _validate_data_format(cfg: Config) -> None:

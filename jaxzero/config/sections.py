@@ -121,6 +121,9 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
   compute: Dtype = "bfloat16"  # dtype of the compute copy of the weights
+  # The built-in models' seven projections: "default" (in `compute`) or "fp8": e4m3
+  # operands, e5m2 gradients, per-tensor current scaling (jaxzero.models.fp8).
+  matmul: Literal["default", "fp8"] = "default"
   # float16 only, with DeepSpeed's fp16 keys and meanings: the loss is scaled
   # before the backward pass. 0 = dynamic: from 2**initial_scale_power, halved
   # after `hysteresis` overflowing steps (each skipped), doubled after

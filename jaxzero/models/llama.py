@@ -200,14 +200,16 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
                     shard: ShardFn | None = None, gather: ShardFn | None = None,
                     remat: RematFn | None = None, scan: Callable | None = None,
                     layer_axes: dict | None = None, lora_scale: float = 1.0,
-                    segment_ids_BxT: Array | None = None) -> tuple[Array, Array]:
+                    segment_ids_BxT: Array | None = None,
+                    einsum: Callable = jnp.einsum) -> tuple[Array, Array]:
   """:meth:`Llama.forward` on a pure params dict, whose ``layers`` may hold more than
   the layers' weights: LoRA adapters (``lora_{target}_a``/``_b``, jaxzero.models.lora),
   each adding ``lora_scale * x @ A @ B`` to its projection, or weights stored
   quantized (jaxzero.models.quantize) that `gather` turns into arrays. `layer_axes`
   gives the per-layer logical axes of those extra leaves (what `gather` is told).
   `segment_ids_BxT`: packed sequences, each a run of equal ids: attention stays within
-  one, and positions (RoPE) start from 0 at each."""
+  one, and positions (RoPE) start from 0 at each. `einsum` computes the seven
+  projections (jaxzero.models.fp8's for FP8 matmuls)."""
   shard, gather = shard or _no_shard, gather or _no_shard
   T = tokens_BxT.shape[1]
 
@@ -228,7 +230,7 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   def layer(x_BxTxD, weights):
     weights = {n: gather(w, axes[n]) for n, w in weights.items()}
     x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard, lora_scale,
-                            segment_ids_BxT)
+                            segment_ids_BxT, einsum)
     return shard(x_BxTxD, RESIDUAL_AXES), None
 
   if remat is not None:
@@ -258,11 +260,12 @@ RESIDUAL_AXES = ("batch", "seq", "embed")
 
 def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE: Array,
                   sin_TxE: Array, shard: ShardFn = _no_shard, lora_scale: float = 1.0,
-                  segment_ids_BxT: Array | None = None) -> Array:
+                  segment_ids_BxT: Array | None = None,
+                  einsum: Callable = jnp.einsum) -> Array:
   """One pre-norm transformer block: attention then SwiGLU MLP, both residual. A
   projection with LoRA adapters in `w` (``lora_{target}_a``/``_b``) adds theirs."""
   def proj(spec, h, weight, axes, name, bias=None):
-    y = jnp.einsum(spec, h, weight)
+    y = einsum(spec, h, weight)
     target = LORA_TARGET_OF.get(name)
     if f"lora_{target}_a" in w:
       y = y + lora_scale * lora_delta(spec, h, w[f"lora_{target}_a"], w[f"lora_{target}_b"])

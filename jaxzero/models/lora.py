@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.models import quantize, trainable
+from jaxzero.models import fp8, quantize, trainable
 from jaxzero.models.interface import Hooks, Model, split_like
 from jaxzero.models.llama import LlamaConfig, ParamSpec, decoder_forward, is_param_spec, param_specs
 from jaxzero.models.loss import cross_entropy
@@ -111,12 +111,13 @@ def init_adapters(specs: dict, key: jax.Array) -> dict:
 
 
 def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ...],
-               min_shard_size: int = 0, base_dtype: str = "") -> Model:
+               min_shard_size: int = 0, base_dtype: str = "", matmul: str = "default") -> Model:
   """The Llama-family Model (jaxzero.models.trainable.llama) with its weights frozen and
   rank-`rank` adapters on `targets` trained, scaled by alpha / rank. `base_dtype` "nf4"
   or "int8" stores the seven projections of the base quantized (jaxzero.models.quantize),
-  each dequantized into the compute dtype where its layer uses it."""
-  base_model = trainable.llama(cfg)
+  each dequantized into the compute dtype where its layer uses it. `matmul` as
+  trainable.llama's (the adapters' own small matmuls stay in the compute dtype)."""
+  base_model = trainable.llama(cfg, matmul)
   specs = adapter_specs(cfg, rank, targets, min_shard_size)
   layer_axes = {n: s.logical_axes[1:] for n, s in specs["layers"].items()}
   kind = base_dtype if base_dtype in quantize.KINDS else None
@@ -144,7 +145,7 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
     x_BxTxD, head_DxV = decoder_forward(
         cfg, params, tokens_BxT1[:, :-1], shard=hooks.shard, gather=gather,
         remat=hooks.remat, scan=hooks.scan, layer_axes=layer_axes, lora_scale=alpha / rank,
-        segment_ids_BxT=segment_ids_BxT)
+        segment_ids_BxT=segment_ids_BxT, einsum=fp8.EINSUMS[matmul])
     return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=trainable.LOSS_CHUNK,
                          shard=hooks.shard, weights_BxT=weights_BxT)
 

@@ -15,6 +15,7 @@ import jax
 from flax import nnx
 
 from jaxzero.models.interface import Hooks, Model
+from jaxzero.models import fp8
 from jaxzero.models.llama import Llama, LlamaConfig, decoder_forward, param_specs
 from jaxzero.models.loss import cross_entropy
 
@@ -47,8 +48,9 @@ def unpack_batch(batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   return batch["tokens"], segment_ids, weights
 
 
-def llama(cfg: LlamaConfig) -> Model:
-  """A Llama-family decoder (Llama, Mistral, Qwen2) trained on token windows [B, T+1]."""
+def llama(cfg: LlamaConfig, matmul: str = "default") -> Model:
+  """A Llama-family decoder (Llama, Mistral, Qwen2) trained on token windows [B, T+1];
+  `matmul` "fp8" runs its seven projections in FP8 (jaxzero.models.fp8)."""
   def init(key: jax.Array):
     model = Llama(cfg, rngs=nnx.Rngs(params=key))
     return nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
@@ -57,7 +59,8 @@ def llama(cfg: LlamaConfig) -> Model:
     tokens_BxT1, segment_ids_BxT, weights_BxT = unpack_batch(batch)
     x_BxTxD, head_DxV = decoder_forward(cfg, params, tokens_BxT1[:, :-1], shard=hooks.shard,
                                         gather=hooks.gather, remat=hooks.remat,
-                                        scan=hooks.scan, segment_ids_BxT=segment_ids_BxT)
+                                        scan=hooks.scan, segment_ids_BxT=segment_ids_BxT,
+                                        einsum=fp8.EINSUMS[matmul])
     return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=LOSS_CHUNK,
                          shard=hooks.shard, weights_BxT=weights_BxT)
 

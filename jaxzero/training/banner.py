@@ -99,7 +99,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
       f"  ZeRO      stage {stage} ({config_lib.strategy_name(stage, hybrid)}), state sharded "
       f"over {layout.shard_size} devices{_whole_text(kept_whole(run.program))}; "
       f"remat {cfg.remat.policy}; offload {offload}; "
-      f"compute {cfg.precision.compute}{_loss_scaling(cfg.precision)}, grads "
+      f"compute {cfg.precision.compute}{_loss_scaling(cfg.precision)}"
+      f"{' with fp8 matmuls' if cfg.precision.matmul == 'fp8' else ''}, grads "
       f"{cfg.zero.grad_dtype}",
       f"  batch     micro-batch {micro} x grad_accum {t.grad_accum} x {dp} data-parallel = "
       f"global batch {t.global_batch} sequences of {t.seq_len} = {tokens_per_step:,} tokens "
