@@ -12,7 +12,8 @@
 #   4. scripts/infinity_bench.py on a 0.55 B Llama (width 2048, 8 layers, vocab 32000, seq
 #      4096), its 8.8 GB of state on the largest local disk and the device capped below it
 #      (XLA_PYTHON_CLIENT_MEM_FRACTION=0.04);
-#   5. scripts/bench.py on configs/llama1b_bench.py: attention "auto" (cuDNN), then "xla";
+#   5. scripts/bench.py on configs/llama1b_bench.py: attention "auto" (cuDNN), then "xla",
+#      then FP8 matmuls (precision.matmul=fp8) against the first;
 #   6. the 1B step with the weights in pinned host memory too;
 #   7. the 1B step with --torch, where time is left.
 #
@@ -77,6 +78,8 @@ step bench1b_cudnn 110 $python scripts/bench.py --config configs/llama1b_bench.p
   --json "$out/bench1b_cudnn.json"
 step bench1b_xla 110 $python scripts/bench.py --config configs/llama1b_bench.py --steps 10 --warmup 3 \
   --set model.attention=xla --json "$out/bench1b_xla.json"
+step bench1b_fp8 110 $python scripts/bench.py --config configs/llama1b_bench.py --steps 10 --warmup 3 \
+  --set precision.matmul=fp8 --json "$out/bench1b_fp8.json"
 step bench1b_offload_all 90 $python scripts/bench.py --config configs/llama1b_bench.py --steps 5 --warmup 2 \
   --set offload.optimizer=pinned_host --set offload.params=pinned_host --json "$out/bench1b_offload_all.json"
 step bench1b_torch 200 $python scripts/bench.py --config configs/llama1b_bench.py --steps 10 --warmup 3 \

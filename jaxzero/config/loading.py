@@ -298,6 +298,9 @@ def _validate_data_format(cfg: Config) -> None:
   if cfg.model_factory:
     raise ConfigError(f"data.format={d.format!r} gives the built-in models' batches "
                       "(tokens, loss_mask, segment_ids); model_factory's loss takes token windows")
+  if d.packing and cfg.model.attention == "cudnn":
+    raise ConfigError("data.packing with model.attention=cudnn: cuDNN's attention takes no "
+                      "segment ids here; use model.attention=auto (blockwise for packed rows)")
   if d.packing and cfg.mesh.pipeline > 1:
     raise ConfigError("data.packing with mesh.pipeline > 1 is not supported yet: a packed "
                       "row's segment ids do not travel between stages; set data.packing=false")

@@ -75,6 +75,12 @@ def epoch_order(step: int, accum: int, batch: int, rows: slice, n: int, seed: in
   return items
 
 
+def fixed_order(n_batches: int, batch: int, rows: slice, n: int) -> np.ndarray:
+  """Items of fixed [n_batches, batch] batches (the `rows` slice of each): the first
+  ``n_batches x batch`` items in order, from the start again if there are fewer."""
+  return (np.arange(n_batches)[:, None] * batch + np.arange(batch)[rows]) % n
+
+
 def global_batch(batches, sharding: jax.sharding.NamedSharding, step: int):
   """The batch of `step` (an array, or a dict of arrays of one shape) as global arrays
   laid out by `sharding`.

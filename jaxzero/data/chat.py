@@ -5,14 +5,18 @@ A record is one JSON line (or Parquet row): ``messages`` (``data.format=chat``) 
 message lists rendered as one chat). It becomes one string and the character spans of
 its targets: the assistant's messages, or the completion. Chat templates are the
 tokenizer's own Jinja (``chat_template.jinja`` or ``tokenizer_config.json``), rendered
-in a sandbox with transformers' filters and globals. Assistant spans are found by
-rendering prefixes, as TRL does: the conversation up to message i with the generation
-prompt must begin the whole rendering, and message i ends where ``messages[:i+1]``'s
-rendering ends. A record that cannot be used raises :class:`Skip` (counted, not fatal).
+in a sandbox with transformers' settings, filters and arguments. A template that marks
+assistant text with ``{% generation %}`` gives the spans itself, as transformers'
+``assistant_masks`` takes them. Otherwise they are found by rendering prefixes, as TRL
+does: the conversation up to message i with the generation prompt must begin the whole
+rendering, and message i ends where ``messages[:i+1]``'s rendering ends; a record for
+which it does not (a template that rewrites earlier turns) is skipped. A record that
+cannot be used raises :class:`Skip` (counted, not fatal).
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -21,9 +25,10 @@ import pathlib
 
 from jaxzero.errors import DataError
 
-FORMATS = ("chat", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
+# (rendered pieces so far, spans found) while a rendering tracks {% generation %} blocks.
+_TRACKING: contextvars.ContextVar = contextvars.ContextVar("generation_spans", default=None)
 
 
 class Skip(Exception):
@@ -42,18 +47,38 @@ class ChatTemplate:
     return hashlib.sha256(json.dumps([self.text, self.bos_token, self.eos_token]).encode()
                           ).hexdigest()
 
-  def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
+  @property
+  def marks_generation(self) -> bool:
+    """Whether the template marks the assistant's text with {% generation %} blocks."""
+    return "generation" in _compile(self.text).environment.extensions[_EXTENSION].seen
+
+  def render(self, messages: list[dict], generation_prompt: bool = False
+             ) -> tuple[str, list[tuple[int, int]]]:
+    """(the text, the character spans of its {% generation %} blocks)."""
+    pieces: list[str] = []
+    spans: list[tuple[int, int]] = []
+    token = _TRACKING.set((pieces, spans))
     try:
-      return _compile(self.text).render(messages=messages, bos_token=self.bos_token,
-                                        eos_token=self.eos_token,
-                                        add_generation_prompt=generation_prompt)
+      for piece in _compile(self.text).generate(
+          messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
+          add_generation_prompt=generation_prompt, tools=None, documents=None):
+        pieces.append(piece)
     except Exception as e:  # raise_exception() and a template's own errors
       raise Skip(f"the chat template refused it ({e})") from None
+    finally:
+      _TRACKING.reset(token)
+    return "".join(pieces), spans
 
 
 def load_template(data) -> ChatTemplate | None:
   """The chat template of data.chat_template (a .jinja file, a tokenizer_config.json or
-  a directory holding one), else of data.tokenizer's directory; None if there is none."""
+  a directory holding one), else of data.tokenizer's directory; None if there is none.
+  Its bos_token and eos_token come from the tokenizer_config.json beside it, else from
+  data.tokenizer's."""
+  tokenizer_dir = None
+  if data.tokenizer != "byte":
+    tokenizer_dir = pathlib.Path(data.tokenizer).expanduser()
+    tokenizer_dir = tokenizer_dir if tokenizer_dir.is_dir() else tokenizer_dir.parent
   if data.chat_template:
     where = pathlib.Path(data.chat_template).expanduser()
     candidates = [where / name for name in TEMPLATE_FILES] if where.is_dir() else [where]
@@ -61,38 +86,57 @@ def load_template(data) -> ChatTemplate | None:
     if not found:
       raise DataError(f"data.chat_template={data.chat_template!r}: no such file; give a "
                       ".jinja file, a tokenizer_config.json or a directory holding one")
-    return _read_template(found[0], required=True)
-  if data.tokenizer == "byte":
-    return None
-  folder = pathlib.Path(data.tokenizer).expanduser()
-  folder = folder if folder.is_dir() else folder.parent
-  for name in TEMPLATE_FILES:
-    if (folder / name).is_file() and (template := _read_template(folder / name, False)):
+    template = _read_template(found[0], tokenizer_dir)
+    if template is None:
+      raise DataError(f"data.chat_template={data.chat_template!r} holds no chat template")
+    return template
+  for name in TEMPLATE_FILES if tokenizer_dir else ():
+    if (tokenizer_dir / name).is_file() and (
+        template := _read_template(tokenizer_dir / name, tokenizer_dir)):
       return template
   return None
 
 
-def _read_template(path: pathlib.Path, required: bool) -> ChatTemplate | None:
-  config = {}
-  tokenizer_config = path.with_name("tokenizer_config.json")
-  if tokenizer_config.is_file():
-    try:
-      config = json.loads(tokenizer_config.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-      raise DataError(f"{tokenizer_config}: not valid JSON ({e})") from None
+def _read_json(path: pathlib.Path) -> dict:
+  try:
+    config = json.loads(path.read_text(encoding="utf-8"))
+  except (ValueError, UnicodeDecodeError) as e:
+    raise DataError(f"{path}: not valid JSON ({e})") from None
+  if not isinstance(config, dict):
+    raise DataError(f"{path}: not a JSON object")
+  return config
+
+
+def _read_template(path: pathlib.Path, tokenizer_dir: pathlib.Path | None) -> ChatTemplate | None:
   if path.suffix == ".json":
-    text = config.get("chat_template")
+    text = _read_json(path).get("chat_template")
     if isinstance(text, list):  # named templates: the default one
-      text = next((t.get("template") for t in text if t.get("name") == "default"), None)
+      text = next((t.get("template") for t in text
+                   if isinstance(t, dict) and t.get("name") == "default"), None)
   else:
-    text = path.read_text()
+    try:
+      text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+      raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
   if not isinstance(text, str) or not text:
-    if required:
-      raise DataError(f"data.chat_template={str(path)!r} holds no chat template")
     return None
+  config = {}
+  for folder in (path.parent, tokenizer_dir):
+    if folder is not None and (folder / "tokenizer_config.json").is_file():
+      config = _read_json(folder / "tokenizer_config.json")
+      break
   token = lambda key: (config.get(key) or {}).get("content", "") if isinstance(
       config.get(key), dict) else config.get(key) or ""
-  return ChatTemplate(str(path.resolve()), text, token("bos_token"), token("eos_token"))
+  template = ChatTemplate(str(path.resolve()), text, token("bos_token"), token("eos_token"))
+  _compile(text)  # a syntax error is one line now, not a skip per record
+  for key in ("bos_token", "eos_token"):
+    if key in text and not getattr(template, key):
+      raise DataError(f"the chat template ({path}) uses {key} but no tokenizer_config.json "
+                      "beside it or data.tokenizer names one")
+  return template
+
+
+_EXTENSION = "jaxzero.data.chat.Generation"
 
 
 @functools.lru_cache(maxsize=8)
@@ -101,17 +145,29 @@ def _compile(text: str):
   from jinja2 import ext, sandbox  # pylint: disable=import-outside-toplevel
 
   class Generation(ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (templates that mark assistant text for
-    transformers' tracker) renders its body: spans come from prefix renderings here."""
+    """``{% generation %}...{% endgeneration %}``: renders its body and, while a
+    rendering tracks them, records the body's character span (transformers'
+    AssistantTracker)."""
     tags = {"generation"}
+    identifier = _EXTENSION
+
+    def __init__(self, environment):
+      super().__init__(environment)
+      self.seen = set()
 
     def parse(self, parser):
       lineno = next(parser.stream).lineno
+      self.seen.add("generation")
       body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
       return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller):
-      return caller()
+      text = caller()
+      if (tracking := _TRACKING.get()) is not None:
+        pieces, spans = tracking
+        start = len("".join(pieces))
+        spans.append((start, start + len(text)))
+      return text
 
   def raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
@@ -139,7 +195,10 @@ def record_text(record, fmt: str, template: ChatTemplate | None
   if not isinstance(record, dict):
     raise Skip(f"a {type(record).__name__}, not an object")
   if fmt == "chat":
-    return _chat(_messages(record, "messages"), template)
+    messages = _messages(record, "messages")
+    if not any(m["role"] == "assistant" for m in messages):
+      raise Skip("no assistant message")
+    return (*_chat(messages, _needs(template), len(messages)), False)
   for key in ("prompt", "completion"):
     if key not in record:
       raise Skip(f"no {key!r} field")
@@ -149,32 +208,31 @@ def record_text(record, fmt: str, template: ChatTemplate | None
       raise Skip("an empty completion")
     return prompt + completion, [(len(prompt), len(prompt) + len(completion))], True
   prompt, completion = _messages(record, "prompt"), _messages(record, "completion")
-  template = _needs(template)
-  start = template.render(prompt, generation_prompt=True)
-  text = template.render(prompt + completion)
-  if not text.startswith(start):
-    raise DataError(f"the chat template ({template.path}) does not begin a chat's rendering "
-                    "with its prompt's; the completion's tokens cannot be found")
-  return text, [(len(start), len(text))], False
+  return (*_chat(prompt + completion, _needs(template), len(completion)), False)
 
 
-def _chat(messages: list[dict], template: ChatTemplate | None):
-  template = _needs(template)
-  text = template.render(messages)
-  spans = []
-  for i, message in enumerate(messages):
-    if message["role"] != "assistant":
-      continue
-    start = template.render(messages[:i], generation_prompt=True)
-    end = template.render(messages[:i + 1])
-    if not (text.startswith(start) and text.startswith(end)):
-      raise DataError(f"the chat template ({template.path}) does not render a conversation's "
-                      "beginning as the beginning of the whole; the assistant's tokens cannot "
-                      "be found")
-    spans.append((len(start), len(end)))
+def _chat(messages: list[dict], template: ChatTemplate, last: int):
+  """(text, spans) of a chat whose targets are the assistant's messages among the
+  `last` ones."""
+  text, marked = template.render(messages)
+  first = len(messages) - last
+  if template.marks_generation:  # the template's own spans, of the last messages only
+    before = len(template.render(messages[:first], generation_prompt=True)[0]) if first else 0
+    spans = [span for span in marked if span[0] >= before]
+  else:
+    spans = []
+    for i in range(first, len(messages)):
+      if messages[i]["role"] != "assistant":
+        continue
+      start = template.render(messages[:i], generation_prompt=True)[0]
+      end = template.render(messages[:i + 1])[0]
+      if not (text.startswith(start) and text.startswith(end)):
+        raise Skip("the chat template renders a conversation's beginning differently from "
+                   "the whole, so its assistant tokens cannot be found")
+      spans.append((len(start), len(end)))
   if not spans:
     raise Skip("no assistant message")
-  return text, spans, False
+  return text, spans
 
 
 def _messages(record: dict, key: str) -> list[dict]:

@@ -107,6 +107,5 @@ class EvalBatches:
 
   def __call__(self, _step: int = 0, rows: slice = slice(None)) -> np.ndarray:
     n, batch, window = self.shape
-    index = (np.arange(n)[:, None] * batch + np.arange(batch)[rows]) % self.n_windows
-    starts = index * (window - 1)
+    starts = batches_lib.fixed_order(n, batch, rows, self.n_windows) * (window - 1)
     return np.asarray(self.tokens[starts[..., None] + np.arange(window)], np.int32)

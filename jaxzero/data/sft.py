@@ -33,7 +33,8 @@ from jaxzero.utils.files import write_json_atomic
 
 MASK_FILE, STARTS_FILE = "mask.bin", "starts.bin"
 SUFFIXES = (".jsonl", ".parquet")
-OVERLONG = ("truncate", "drop")
+# Bump when the rendering, the targets or the files change: caches are then rebuilt.
+CACHE_FORMAT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +69,9 @@ def open_examples(data, workdir, *, model_vocab_size: int | None = None,
                     f"{data.tokenizer!r} has none beside it; set data.chat_template")
   digest = template.digest if template else ""
   cache = (tokens_lib.cache_root(data, workdir) /
-           tokens_lib.cache_name(data, tokenizer, data.format, digest))
+           tokens_lib.cache_name(data, tokenizer, data.format, digest, f"sft{CACHE_FORMAT}"))
   want = dict(tokens_lib.index_header(files, tokenizer, data.text_field),
-              data_format=data.format, template_sha256=digest)
+              data_format=data.format, template_sha256=digest, sft_format=CACHE_FORMAT)
   cache.mkdir(parents=True, exist_ok=True)
   with tokens_lib.locked(cache / "lock"):
     index = _read_index(cache)
@@ -118,12 +119,8 @@ def _records(path: pathlib.Path) -> Iterator[tuple[str, object]]:
           except (json.JSONDecodeError, UnicodeDecodeError) as e:
             yield f"{path.name}:{line_no}", chat.Skip(f"not valid JSON ({e.__class__.__name__})")
     return
-  try:
-    import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
   row = 0
-  for batch in pq.ParquetFile(path).iter_batches(batch_size=tokens_lib.ENCODE_BATCH):
+  for batch in tokens_lib.open_parquet(path).iter_batches(batch_size=tokens_lib.ENCODE_BATCH):
     for record in batch.to_pylist():
       row += 1
       yield f"{path.name}:row {row}", record
@@ -143,29 +140,33 @@ class _Writer:
     kind["count"] += 1
 
   def add(self, pending: list[tuple[str, str, list, bool]]) -> None:
-    """Tokenizes (place, text, spans, plain) records and appends the usable ones."""
+    """Tokenizes (place, text, spans, plain) records and appends the usable ones, in
+    their order."""
+    encoded = [None] * len(pending)
     for plain in (True, False):
-      chosen = [p for p in pending if p[3] == plain]
-      encoded = self.tokenizer.encode_spans([p[1] for p in chosen], plain)
-      for (where, _text, spans, _), (ids, offsets) in zip(chosen, encoded):
-        ids = np.asarray(ids, self.tokenizer.dtype)
-        offsets = np.asarray(offsets).reshape(-1, 2)
-        target = np.zeros(ids.size, bool)
-        for start, end in spans:
-          target |= (offsets[:, 0] >= start) & (offsets[:, 0] < end) & (
-              offsets[:, 1] > offsets[:, 0])
-        if plain:  # the end-of-text token ends the completion, and is learned
-          sep = np.asarray(self.tokenizer.separator, ids.dtype)
-          if not np.array_equal(ids[-sep.size:], sep):
-            ids, target = np.concatenate([ids, sep]), np.concatenate([target, np.ones(sep.size,
-                                                                                      bool)])
-          target[-sep.size:] = True
-        if not target[1:].any():
-          self.skip(where, "no target token after tokenization")
-          continue
-        self.tokens.write(ids.tobytes())
-        self.mask.write(target.astype(np.uint8).tobytes())
-        self.starts.append(self.starts[-1] + ids.size)
+      chosen = [i for i, p in enumerate(pending) if p[3] == plain]
+      for i, result in zip(chosen, self.tokenizer.encode_spans([pending[i][1] for i in chosen],
+                                                               plain)):
+        encoded[i] = result
+    for (where, _text, spans, plain), (ids, offsets, added) in zip(pending, encoded):
+      ids = np.asarray(ids, self.tokenizer.dtype)
+      starts = np.asarray(offsets).reshape(-1, 2)[:, 0]
+      target = np.zeros(ids.size, bool)
+      for start, end in spans:
+        target |= (starts >= start) & (starts < end)
+      target &= ~np.asarray(added, bool)  # a start token the tokenizer adds is not a target
+      if plain:  # the end-of-text token ends the completion, and is learned
+        sep = np.asarray(self.tokenizer.separator, ids.dtype)
+        if not np.array_equal(ids[-sep.size:], sep):
+          ids, target = np.concatenate([ids, sep]), np.concatenate([target, np.ones(sep.size,
+                                                                                    bool)])
+        target[-sep.size:] = True
+      if not target[1:].any():
+        self.skip(where, "no target token after tokenization")
+        continue
+      self.tokens.write(ids.tobytes())
+      self.mask.write(target.astype(np.uint8).tobytes())
+      self.starts.append(self.starts[-1] + ids.size)
 
 
 def _tokenize(files, tokenizer, template, data, cache: pathlib.Path, header: dict,
@@ -273,7 +274,7 @@ class ExampleBatches:
     if self.order == "epochs":
       index = batches_lib.epoch_order(step, accum, batch, rows, self.n_rows, self.seed)
     else:
-      index = (np.arange(accum)[:, None] * batch + np.arange(batch)[rows]) % self.n_rows
+      index = batches_lib.fixed_order(accum, batch, rows, self.n_rows)
     out = {key: np.zeros((*index.shape, window), np.int32) for key in self.keys}
     for (a, b), row in np.ndenumerate(index):
       position = 0

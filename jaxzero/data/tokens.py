@@ -176,15 +176,20 @@ def _json_text(line: bytes, field: str, path: pathlib.Path, line_no: int) -> str
   return text
 
 
-def _parquet_pieces(path: pathlib.Path, column: str) -> Iterator[_Piece]:
+def open_parquet(path: pathlib.Path):
+  """A pyarrow ParquetFile, or one line naming what is wrong."""
   try:
     import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
   try:
-    table = pq.ParquetFile(path)
+    return pq.ParquetFile(path)
   except Exception as e:  # pyarrow raises several types for a bad file
     raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def _parquet_pieces(path: pathlib.Path, column: str) -> Iterator[_Piece]:
+  table = open_parquet(path)
   names = table.schema_arrow.names
   if column not in names:
     raise DataError(f"{path}: no column {column!r} (columns: {', '.join(names)}); "
@@ -209,8 +214,8 @@ class TextTokenizer:
   separator: tuple[int, ...]  # appended to every document
   # (texts, whether to add the start tokens) -> token ids per text
   encode: Callable[[list[str], bool], list]
-  # The same, as (ids, each token's [start, end) characters in its text) per text; a
-  # token the tokenizer adds (a start token) spans no characters.
+  # The same, as (ids, each token's [start, end) characters in its text, whether the
+  # tokenizer added it (a start token)) per text.
   encode_spans: Callable[[list[str], bool], list] | None = None
 
   @property
@@ -247,18 +252,19 @@ def load_tokenizer(name: str, eos_token: str = "") -> TextTokenizer:
     return [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=start)]
 
   def encode_spans(texts: list[str], start: bool) -> list[tuple[list[int], np.ndarray]]:
-    return [(e.ids, np.asarray(e.offsets, np.int64).reshape(-1, 2))
+    return [(e.ids, np.asarray(e.offsets, np.int64).reshape(-1, 2),
+             np.asarray(e.special_tokens_mask, bool))
             for e in tokenizer.encode_batch(texts, add_special_tokens=start)]
 
   return TextTokenizer(str(path.resolve()), hashlib.sha256(blob).hexdigest(),
                        max(vocab.values()) + 1, (eos,), encode, encode_spans)
 
 
-def _byte_spans(text: str) -> tuple[np.ndarray, np.ndarray]:
+def _byte_spans(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """A text's bytes with each one's character span (a character's bytes share it)."""
   ids = np.frombuffer(text.encode(), np.uint8)
   char = np.cumsum((ids & 0xC0) != 0x80) - 1  # UTF-8 continuation bytes are 10xxxxxx
-  return ids, np.stack([char, char + 1], axis=1)
+  return ids, np.stack([char, char + 1], axis=1), np.zeros(ids.size, bool)
 
 
 def _eos_id(tokenizer, eos_token: str, name: str) -> int:

@@ -19,10 +19,11 @@ from jaxzero.models import trainable
 from jaxzero.models.interface import Hooks
 from jaxzero.models.llama import LlamaConfig
 
-# A ChatML-like template; {% generation %} marks what transformers' assistant mask covers.
+# A ChatML-like template; {% generation %} marks what transformers' assistant mask covers
+# (the message and its end token, not the newline after it).
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>\n' }}"
-            "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|end|>\n' }}"
-            "{% endgeneration %}{% else %}{{ m['content'] + '<|end|>\n' }}{% endif %}"
+            "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|end|>' }}"
+            "{% endgeneration %}{{ '\n' }}{% else %}{{ m['content'] + '<|end|>\n' }}{% endif %}"
             "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
 SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHATS = [
@@ -76,7 +77,7 @@ def test_chat_targets_are_transformers_assistant_tokens(tokenizer_dir, tmp_path)
     np.testing.assert_array_equal(examples.mask[start:stop], want["assistant_masks"])
   # The rendering itself is transformers' (the generation prompt included).
   template = chat.load_template(DataConfig(tokenizer=str(tokenizer_dir)))
-  assert template.render(CHATS[1][:2], True) == hf.apply_chat_template(
+  assert template.render(CHATS[1][:2], True)[0] == hf.apply_chat_template(
       CHATS[1][:2], tokenize=False, add_generation_prompt=True)
 
 
@@ -84,22 +85,27 @@ def test_prompt_completion_targets_are_the_completion_then_end_of_text(tmp_path)
   source = write_jsonl(tmp_path / "pc.jsonl", [
       {"prompt": "2+3=", "completion": " 5"},
       {"prompt": [{"role": "user", "content": "hi"}],
-       "completion": [{"role": "assistant", "content": "yo"}]}])
+       "completion": [{"role": "assistant", "content": "yo"}]},
+      {"prompt": "1+1=", "completion": " 2"}])  # kept in file order, whatever its kind
   examples = sft.open_examples(DataConfig(source=str(source), format="prompt_completion",
                                           chat_template=str(write_template(tmp_path))),
                                tmp_path, progress=False)
   plain = bytes(np.asarray(examples.tokens[:examples.starts[1]]))
   assert plain == b"2+3= 5\0"
   np.testing.assert_array_equal(examples.mask[:examples.starts[1]], [0, 0, 0, 0, 1, 1, 1])
-  chat_tokens = bytes(np.asarray(examples.tokens[examples.starts[1]:]))
-  chat_mask = np.asarray(examples.mask[examples.starts[1]:], bool)
+  chat_tokens = bytes(np.asarray(examples.tokens[examples.starts[1]:examples.starts[2]]))
+  chat_mask = np.asarray(examples.mask[examples.starts[1]:examples.starts[2]], bool)
+  assert bytes(np.asarray(examples.tokens[examples.starts[2]:])) == b"1+1= 2\0"
   assert chat_tokens == b"<|user|>\nhi<|end|>\n<|assistant|>\nyo<|end|>\n"
   assert bytes(np.frombuffer(chat_tokens, np.uint8)[chat_mask]) == b"yo<|end|>\n"
 
 
-def write_template(tmp_path):
+def write_template(tmp_path, text=None):
+  """TEMPLATE without its BOS and its generation marks: assistant text is then found by
+  rendering prefixes (and takes the newline after the end token too)."""
   path = tmp_path / "template.jinja"
-  path.write_text(TEMPLATE.replace("{{ bos_token }}", ""))
+  path.write_text(text or TEMPLATE.replace("{{ bos_token }}", "").replace(
+      "{% generation %}", "").replace("{% endgeneration %}", ""))
   return path
 
 
@@ -119,6 +125,19 @@ def test_bad_records_are_counted_with_their_first_place(tmp_path):
       "no assistant message": (1, "chat.jsonl:5"),
       "no 'messages' list": (1, "chat.jsonl:6"),
       "a message without string 'content' in 'messages'": (1, "chat.jsonl:7")}
+
+
+def test_a_template_that_rewrites_earlier_turns_skips_the_record(tmp_path):
+  # Earlier assistant turns rendered shorter (as templates that drop past reasoning do).
+  rewrites = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+              "[earlier]{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+  source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHATS[0]}, {"messages": CHATS[1]}])
+  examples = sft.open_examples(
+      DataConfig(source=str(source), format="chat",
+                 chat_template=str(write_template(tmp_path, rewrites))), tmp_path, progress=False)
+  assert len(examples) == 1 and [v["first"] for v in examples.skipped.values()] == [
+      "chat.jsonl:2"]
+  assert "renders a conversation's beginning differently" in next(iter(examples.skipped))
 
 
 def synthetic(lengths) -> sft.Examples:
@@ -233,13 +252,17 @@ def test_a_packed_chat_run_at_stage_3_on_8_devices_equals_one_device(tmp_path):
     ({"rows": ["{bad", {"messages": []}]}, "holds no usable chat example (not valid JSON "
                                            "(JSONDecodeError) (1, first at chat.jsonl:1);"),
     ({"suffix": ".txt"}, "data.format='chat' reads records from .jsonl or .parquet files"),
+    ({"template": "{{ bos_token }}{{ messages[0]['content'] }}"},
+     "uses bos_token but no tokenizer_config.json beside it or data.tokenizer names one"),
+    ({"template": "{% for m in messages %}"}, "the chat template is not valid Jinja"),
 ])
 def test_bad_fine_tuning_data_is_one_line(setting, message, tmp_path):
   from jaxzero.errors import DataError
   rows = setting.get("rows", [{"messages": CHATS[0]}])
   source = write_jsonl(tmp_path / f"chat{setting.get('suffix', '.jsonl')}", rows)
+  template = str(write_template(tmp_path, setting.get("template")))
   data = DataConfig(source=str(source), format="chat",
-                    chat_template=setting.get("chat_template", str(write_template(tmp_path))))
+                    chat_template=setting.get("chat_template", template))
   with pytest.raises(DataError) as error:
     sft.open_examples(data, tmp_path, progress=False)
   assert message in str(error.value) and "\n" not in str(error.value)
