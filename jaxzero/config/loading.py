@@ -96,6 +96,7 @@ def validate(cfg: Config) -> None:
     raise ConfigError("mesh.replica and mesh.fsdp cannot both be -1")
   _check_tensor(cfg.mesh.tensor, cfg.model)
   _check_pipeline(cfg)
+  _check_context(cfg)
   if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
     raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
   _validate_eval(cfg)
@@ -221,6 +222,20 @@ def _check_pipeline(cfg) -> None:
       raise ConfigError(f"mesh.pipeline={stages} with {key}={value} is not supported; "
                         "pipeline runs keep the weights on the device and the optimizer on "
                         "the device or in pinned_host")
+
+
+def _check_context(cfg) -> None:
+  """mesh.context splits each sequence of train.seq_len tokens into equal parts."""
+  context, seq = cfg.mesh.context, cfg.train.seq_len
+  if context < 1:
+    raise ConfigError(f"mesh.context={context} must be a positive device count (1 = off)")
+  if seq % context:
+    valid = ", ".join(str(d) for d in range(1, min(seq, 64) + 1) if seq % d == 0)
+    raise ConfigError(f"mesh.context={context} does not divide train.seq_len={seq} into equal "
+                      f"parts; valid values: {valid}")
+  if context > 1 and cfg.model_factory:
+    raise ConfigError(f"mesh.context={context}: the context axis splits the Llama family's "
+                      "sequence; a model_factory model trains with mesh.context=1")
 
 
 def _check_tensor(tensor: int, model) -> None:

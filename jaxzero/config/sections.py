@@ -66,6 +66,10 @@ class MeshConfig:
   # layers, one per device along the `pipeline` axis (outside `fsdp`: across hosts).
   # Divides the layers; the step's grad_accum micro-batches flow through the stages.
   pipeline: int = 1
+  # Context parallelism: every activation's sequence split over this many devices,
+  # which share their rows of the batch; attention gathers keys and values over them.
+  # ZeRO shards the state over them too. Divides train.seq_len.
+  context: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

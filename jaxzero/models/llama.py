@@ -254,6 +254,9 @@ def _no_shard(x: Array, _logical_axes: tuple) -> Array:
 
 HEADS_AXES = ("batch", "seq", "heads", "head_dim")
 KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
+# Keys and values as attention reads them: every position, whatever splits the sequence
+# (context parallelism gathers them here).
+KV_ATTEND_AXES = ("batch", "kv_seq", "kv_heads", "head_dim")
 MLP_AXES = ("batch", "seq", "mlp")
 RESIDUAL_AXES = ("batch", "seq", "embed")
 
@@ -279,7 +282,8 @@ def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE
   v_BxTxKxE = proj("btd,dke->btke", h_BxTxD, w["wv_LxDxKxE"], KV_AXES, "v_proj",
                    w.get("bv_LxKxE"))
   q_BxTxHxE = apply_rope(q_BxTxHxE, cos_TxE, sin_TxE)
-  k_BxTxKxE = apply_rope(k_BxTxKxE, cos_TxE, sin_TxE)
+  k_BxTxKxE = shard(apply_rope(k_BxTxKxE, cos_TxE, sin_TxE), KV_ATTEND_AXES)
+  v_BxTxKxE = shard(v_BxTxKxE, KV_ATTEND_AXES)
   # Grouped-query attention is native here: K may divide H.
   ctx_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, implementation=cfg.attention,
                           window=cfg.sliding_window, segment_ids_BxT=segment_ids_BxT)

@@ -1,13 +1,18 @@
-"""The named device mesh ``(replica, fsdp, tensor)``, or ``(replica, pipeline, fsdp,
-tensor)`` with pipeline stages: how many devices, their shape and order, the batch
-arithmetic over them, and virtual CPU devices for laptops.
+"""The named device mesh ``(replica, fsdp, tensor)``, with ``pipeline`` after
+``replica`` and ``context`` before ``tensor`` when they are larger than 1: how many
+devices, their shape and order, the batch arithmetic over them, and virtual CPU
+devices for laptops.
 
 ``replica`` and ``fsdp`` are the data axes: the batch is split over them and
 ZeRO shards the state over them. ``tensor`` is innermost (it stays inside a
 host, on NVLink): Megatron-style tensor and sequence parallelism (zero.py).
 ``pipeline`` (present only when larger than 1) splits the layer stack into stages
 (jaxzero.parallel.pipeline); it lies outside ``fsdp``, so that stages span hosts and
-only activations cross the slower links.
+only activations cross the slower links. ``context`` (present only when larger than 1)
+splits every activation's sequence; its devices share their rows of the batch, and
+ZeRO shards the state over it as over the data axes (jaxzero.parallel.zero). It lies
+inside ``fsdp``, next to ``tensor``: attention gathers keys and values over it every
+layer.
 
 Importing this module does not start JAX, so the command-line tools can ask
 for virtual devices first.
@@ -23,6 +28,7 @@ from jaxzero.errors import ConfigError
 AXES = ("replica", "fsdp")  # the data-parallel axes
 TENSOR = "tensor"
 PIPELINE = "pipeline"
+CONTEXT = "context"
 MESH_AXES = (*AXES, TENSOR)
 DEFAULT_DEVICES = 8  # one GPU node, when a mesh takes "all remaining" devices
 ENV_CPU_DEVICES = "JAX_NUM_CPU_DEVICES"
@@ -51,13 +57,17 @@ def use_virtual_cpu_devices(n: int, *, exact: bool = False) -> None:
 def devices_needed(mesh_cfg) -> int:
   """Devices a MeshConfig asks for, or 0 when it takes 'all remaining'."""
   replica, fsdp = mesh_cfg.replica, mesh_cfg.fsdp
-  return (replica * fsdp * mesh_cfg.tensor * mesh_cfg.pipeline
-          if replica > 0 and fsdp > 0 else 0)
+  return (replica * fsdp * _inner(mesh_cfg) if replica > 0 and fsdp > 0 else 0)
+
+
+def _inner(mesh_cfg) -> int:
+  """Devices per data-parallel position: tensor x pipeline x context."""
+  return mesh_cfg.tensor * mesh_cfg.pipeline * mesh_cfg.context
 
 
 def data_parallel_needed(mesh_cfg) -> int:
   """Data-parallel devices (replica x fsdp) a MeshConfig asks for, or 0 for 'all remaining'."""
-  return devices_needed(mesh_cfg) // (mesh_cfg.tensor * mesh_cfg.pipeline)
+  return devices_needed(mesh_cfg) // _inner(mesh_cfg)
 
 
 def devices_for(mesh_cfg, environ=None) -> int:
@@ -89,21 +99,23 @@ def divisors(n: int) -> list[int]:
 def resolve_shape(mesh_cfg, n_devices: int) -> tuple[int, int, int]:
   """(replica, fsdp, tensor) for `n_devices`, resolving -1; raises if they do not fit."""
   replica, fsdp, tensor = mesh_cfg.replica, mesh_cfg.fsdp, mesh_cfg.tensor
-  for key, size in (("mesh.tensor", tensor), ("mesh.pipeline", mesh_cfg.pipeline)):
+  for key, size in (("mesh.tensor", tensor), ("mesh.pipeline", mesh_cfg.pipeline),
+                    ("mesh.context", mesh_cfg.context)):
     if n_devices % size:
       raise ConfigError(f"{key}={size} does not divide the {n_devices} devices; "
                         f"valid values: {', '.join(map(str, divisors(n_devices)))}")
-  if n_devices % (tensor * mesh_cfg.pipeline):
-    raise ConfigError(f"mesh.tensor={tensor} x mesh.pipeline={mesh_cfg.pipeline} does not "
-                      f"divide the {n_devices} devices")
-  n_data = n_devices // (tensor * mesh_cfg.pipeline)
+  if n_devices % _inner(mesh_cfg):
+    raise ConfigError(f"mesh.tensor={tensor} x mesh.pipeline={mesh_cfg.pipeline} x "
+                      f"mesh.context={mesh_cfg.context} does not divide the {n_devices} devices")
+  n_data = n_devices // _inner(mesh_cfg)
   if replica == -1:
     replica = n_data // fsdp if n_data % fsdp == 0 else 0
   if fsdp == -1:
     fsdp = n_data // replica if n_data % replica == 0 else 0
   if replica * fsdp != n_data or replica < 1 or fsdp < 1:
     tensor_part = (f" x mesh.tensor={tensor}" if tensor > 1 else "") + (
-        f" x mesh.pipeline={mesh_cfg.pipeline}" if mesh_cfg.pipeline > 1 else "")
+        f" x mesh.pipeline={mesh_cfg.pipeline}" if mesh_cfg.pipeline > 1 else "") + (
+        f" x mesh.context={mesh_cfg.context}" if mesh_cfg.context > 1 else "")
     raise ConfigError(
         f"mesh.replica={mesh_cfg.replica} x mesh.fsdp={mesh_cfg.fsdp}{tensor_part} does not fit "
         f"{n_devices} devices; the product must equal the device count (use -1 for 'all "
@@ -122,9 +134,18 @@ def micro_batch(train_cfg, n_data_parallel: int) -> int:
   return train_cfg.global_batch // per_step
 
 
-def make_mesh(replica: int, fsdp: int, devices=None, tensor: int = 1, pipeline: int = 1):
-  """A mesh ``(replica, fsdp, tensor)``, or ``(replica, pipeline, fsdp, tensor)`` with
-  `pipeline` > 1, over `devices` (default: all), ordered by the hardware's topology.
+def mesh_for(mesh_cfg, devices):
+  """The mesh a MeshConfig asks for over `devices` (resolving -1); raises if it does
+  not fit them."""
+  replica, fsdp, tensor = resolve_shape(mesh_cfg, len(devices))
+  return make_mesh(replica, fsdp, devices, tensor, mesh_cfg.pipeline, mesh_cfg.context)
+
+
+def make_mesh(replica: int, fsdp: int, devices=None, tensor: int = 1, pipeline: int = 1,
+              context: int = 1):
+  """A mesh ``(replica, fsdp, tensor)``, with ``pipeline`` after ``replica`` and
+  ``context`` before ``tensor`` where they are larger than 1, over `devices` (default:
+  all), ordered by the hardware's topology.
 
   ``jax.make_mesh`` puts devices that share the fast links (a node's NVLink)
   next to each other along the innermost axes, ``tensor`` then ``fsdp``. A
@@ -136,9 +157,9 @@ def make_mesh(replica: int, fsdp: int, devices=None, tensor: int = 1, pipeline: 
   from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
 
   devices = list(jax.devices() if devices is None else devices)
-  shape, names = (replica, fsdp, tensor), MESH_AXES
-  if pipeline > 1:
-    shape, names = (replica, pipeline, fsdp, tensor), (AXES[0], PIPELINE, AXES[1], TENSOR)
+  axes = [(AXES[0], replica), (PIPELINE, pipeline), (AXES[1], fsdp), (CONTEXT, context),
+          (TENSOR, tensor)]
+  names, shape = zip(*[(n, size) for n, size in axes if size > 1 or n in MESH_AXES])
   if math.prod(shape) != len(devices):
     raise ConfigError(f"mesh {'x'.join(map(str, shape))} needs {math.prod(shape)} devices, "
                       f"got {len(devices)}")

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxzero.errors import ConfigError
-from jaxzero.parallel.mesh import AXES, PIPELINE, TENSOR, divisors
+from jaxzero.parallel.mesh import AXES, CONTEXT, PIPELINE, TENSOR, divisors
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,16 @@ class Layout:
 
   @property
   def shard_axes(self) -> tuple[str, ...]:
-    return ("fsdp",) if self.hybrid else AXES
+    """The axes ZeRO shards the state over: the data axes (``fsdp`` alone when hybrid)
+    and ``context``, whose devices would otherwise hold the same state (as torchtitan
+    shards over dp_shard x cp)."""
+    data = ("fsdp",) if self.hybrid else AXES
+    return (*data, CONTEXT) if CONTEXT in self.mesh.shape else data
+
+  @property
+  def context_size(self) -> int:
+    """Devices the sequence of every activation is split over."""
+    return self.mesh.shape.get(CONTEXT, 1)
 
   @property
   def pipeline_size(self) -> int:
@@ -199,15 +208,24 @@ class Layout:
 
   def activation_spec(self, shape: tuple[int, ...], logical_axes: tuple[str, ...],
                       batch_axes: tuple[str, ...] = AXES) -> P:
-    """Where an activation lives: its batch over `batch_axes` (the data axes); over
-    `tensor`, its Megatron dimension if it has one (e.g. q by heads, logits by
-    vocabulary), else its sequence (the residual stream: sequence parallelism)."""
-    axes = [(batch_axes or None) if a == "batch" else None for a in logical_axes]
-    t = self.tensor_size
+    """Where an activation lives: its batch over `batch_axes` (the data axes); its
+    sequence over ``context``; over `tensor`, its Megatron dimension if it has one
+    (e.g. q by heads, logits by vocabulary), else its sequence (the residual stream:
+    sequence parallelism). ``kv_seq`` (keys and values as attention reads them) is
+    never split: attention gathers it over ``context``."""
+    axes: list = [(batch_axes or None) if a == "batch" else None for a in logical_axes]
+    c, t = self.context_size, self.tensor_size
+    seq = logical_axes.index("seq") if "seq" in logical_axes else None
+    if c > 1 and seq is not None and shape[seq] % c == 0:
+      axes[seq] = CONTEXT
     megatron = [a for a in TENSOR_DIMS if a in logical_axes]
     split = megatron[0] if megatron else "seq"
-    if t > 1 and split in logical_axes and shape[logical_axes.index(split)] % t == 0:
-      axes[logical_axes.index(split)] = TENSOR
+    if t > 1 and split in logical_axes:
+      i = logical_axes.index(split)
+      if axes[i] == CONTEXT and shape[i] % (c * t) == 0:
+        axes[i] = (CONTEXT, TENSOR)
+      elif axes[i] is None and shape[i] % t == 0:
+        axes[i] = TENSOR
     return P(*axes)
 
 

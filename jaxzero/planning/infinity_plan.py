@@ -164,14 +164,13 @@ def _tier(cfg, n_devices: int):
   from jaxzero.parallel.zero import Layout  # pylint: disable=import-outside-toplevel
   from jaxzero.runners.choose import make_runner  # pylint: disable=import-outside-toplevel
 
-  replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, n_devices)
   # On a GPU with the devices asked for, the programs are XLA:GPU's: the ones that run.
   local = jax.local_devices()
   if jax.default_backend() != "cpu" and len(local) >= n_devices:
     devices = local[:n_devices]
   else:
     cfg, devices = planner.for_cpu(cfg), planner.cpu_devices(n_devices)
-  mesh = mesh_lib.make_mesh(replica, fsdp, devices, tensor)
+  mesh = mesh_lib.mesh_for(cfg.mesh, devices)
   program = TrainProgram(cfg, Layout.from_config(cfg, mesh), builtin_model(cfg))
   # Planned only: nothing is opened or written under the store's directory.
   return make_runner(program, check=False)

@@ -327,7 +327,7 @@ def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant]
   cfg = for_cpu(cfg)
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, n_devices)
   cfg, notes = fit_batch_arithmetic(cfg, replica * fsdp)
-  mesh = mesh_lib.make_mesh(replica, fsdp, devices, tensor, cfg.mesh.pipeline)
+  mesh = mesh_lib.mesh_for(cfg.mesh, devices)
   rows, compiles, n_trained = [], 0, None
   for variant in variants(cfg, sweep, replica) if isinstance(sweep, str) else sweep:
     variant_cfg = variant.apply(cfg)

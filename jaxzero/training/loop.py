@@ -78,9 +78,7 @@ def prepare(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None
   chooses, its targets checked (one line for one it cannot use) unless `check` is
   False. Reads and writes nothing; `workdir` names the NVMe store's directory."""
   devices = list(jax.devices() if devices is None else devices)
-  replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, len(devices))
-  layout = Layout.from_config(cfg, mesh_lib.make_mesh(replica, fsdp, devices, tensor,
-                                                      cfg.mesh.pipeline))
+  layout = Layout.from_config(cfg, mesh_lib.mesh_for(cfg.mesh, devices))
   program = engine_lib.TrainProgram(cfg, layout, adapters.model_for(cfg, layout.shard_size))
   return make_runner(program, workdir, check=check)
 
