@@ -17,11 +17,17 @@ from typing import Callable
 
 import jax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxzero.models.interface import Hooks, Model
-from jaxzero.parallel.mesh import AXES
+from jaxzero.parallel.mesh import AXES, CONTEXT, TENSOR
 from jaxzero.parallel.padding import padded_shape
 from jaxzero.parallel.zero import Layout
+
+
+# The layouts Hooks.context's attention inputs have (jaxzero.models.llama's names).
+Q_AXES = ("batch", "seq", "heads", "head_dim")
+KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 
 
 def traced_mesh(layout: Layout):
@@ -39,7 +45,39 @@ class LayoutHooks:
 
   def hooks(self, remat: Callable, scan: Callable | None = None) -> Hooks:
     hooks = Hooks(shard=self.shard, gather=self.gather, remat=remat)
+    if self.layout.context_size > 1:
+      hooks = dataclasses.replace(hooks, context=self.context)
     return hooks if scan is None else dataclasses.replace(hooks, scan=scan)
+
+  def context(self, attend: Callable) -> Callable:
+    """`attend` on each device's part of the sequence (context parallelism's all-gather
+    strategy): its queries, and the keys and values gathered from the whole ``context``
+    axis. A shard_map because XLA cannot get there alone: partitioning the blockwise
+    kernel's loop over query blocks, it gathers every query to every device and runs
+    the whole attention on each (the compiled program shows the all-gather). Every axis
+    that splits the inputs is manual inside, so rows and heads stay where they are."""
+    mesh = traced_mesh(self.layout)
+    batch_axes = tuple(a for a in AXES if a not in self.vmapped_axes)
+    place = lambda x, axes: self.layout.activation_spec(x.shape, axes, batch_axes)
+
+    def local(q, k, v, *segment_ids):
+      gather = lambda x: jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+      seg = segment_ids[0] if segment_ids else None
+      return attend(q, gather(k), gather(v), segment_ids_BxT=seg,
+                    kv_segment_ids_BxS=None if seg is None else gather(seg),
+                    q_offset=jax.lax.axis_index(CONTEXT) * q.shape[1])
+
+    def run(q, k, v, segment_ids=None):
+      args = (q, k, v) + (() if segment_ids is None else (segment_ids,))
+      specs = (place(q, Q_AXES), place(k, KV_AXES), place(v, KV_AXES)) + (
+          () if segment_ids is None else (place(segment_ids, ("batch", "seq")),))
+      if specs[0][2] != specs[1][2]:  # KV heads replicated over `tensor`: it stays XLA's
+        specs = tuple(P(*[None if e == TENSOR else e for e in spec]) for spec in specs)
+      manual = {a for spec in specs for e in spec if e for a in ((e,) if isinstance(e, str)
+                                                                 else e)}
+      return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0],
+                           axis_names=frozenset(manual | {CONTEXT}), check_vma=False)(*args)
+    return run
 
   def shard(self, x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
     """An activation in its place: batch over the data axes the vmap leaves."""

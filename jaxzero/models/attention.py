@@ -7,6 +7,10 @@ materialises the B×H×T×T scores (the reference); ``"cudnn"`` is cuDNN flash a
 only); ``"blockwise"`` is flash attention in plain JAX, one block × block tile of scores per
 head at a time; ``"auto"`` picks ``"cudnn"`` where the default backend is a GPU and cuDNN
 accepts the shapes, dtypes and window, otherwise ``"blockwise"``, at trace time.
+
+Keys and values may cover more positions than the queries: with context parallelism a
+device's T queries are positions ``q_offset .. q_offset + T - 1`` of the S keys gathered
+from every device (``"xla"`` and ``"blockwise"``; ``"auto"`` takes ``"blockwise"``).
 """
 
 from __future__ import annotations
@@ -35,50 +39,72 @@ def check_implementation(name: str, key: str = "attention implementation") -> No
     raise ValueError(f"{key}={name!r} is unknown; choose one of: " + ", ".join(IMPLEMENTATIONS))
 
 
-def attention(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, *,
+def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
               implementation: str = "auto", block: int = DEFAULT_BLOCK, window: int = 0,
-              segment_ids_BxT: Array | None = None) -> Array:
+              segment_ids_BxT: Array | None = None, kv_segment_ids_BxS: Array | None = None,
+              q_offset: Array | int = 0) -> Array:
   """Causal softmax(q kᵀ / √E) v, [B, T, H, E] in the dtype of q.
 
   Args:
     q_BxTxHxE: queries.
-    k_BxTxKxE: keys; K divides H.
-    v_BxTxKxE: values.
+    k_BxSxKxE: keys; K divides H. S = T, or S > T with `q_offset`.
+    v_BxSxKxE: values.
     implementation: one of IMPLEMENTATIONS (see the module docstring).
     block: query and key tile length of "blockwise" (capped at T).
     window: sliding window W (query i sees keys i - W < j <= i); 0, or W >= T, is full
       causal attention.
     segment_ids_BxT: packed sequences: a query sees only keys of its own segment id
       ("xla" and "blockwise"; "auto" takes "blockwise" for them).
+    kv_segment_ids_BxS: the keys' segment ids where S > T (default `segment_ids_BxT`).
+    q_offset: the position of the first query among the keys (an int or a traced
+      scalar): query t is at position q_offset + t.
 
   Raises:
     ValueError: for an unknown implementation, K not dividing H, a negative window,
       or segment ids with "cudnn".
   """
   check_implementation(implementation)
-  if q_BxTxHxE.shape[2] % k_BxTxKxE.shape[2]:
+  if q_BxTxHxE.shape[2] % k_BxSxKxE.shape[2]:
     raise ValueError(f"query heads {q_BxTxHxE.shape[2]} are not a multiple of key/value heads "
-                     f"{k_BxTxKxE.shape[2]}")
+                     f"{k_BxSxKxE.shape[2]}")
   if window < 0:
     raise ValueError(f"attention window {window} must not be negative (0 = full causal)")
-  T = q_BxTxHxE.shape[1]
-  window = 0 if window >= T else window  # a window as long as the sequence masks nothing
+  T, S = q_BxTxHxE.shape[1], k_BxSxKxE.shape[1]
+  offset = S != T or not (isinstance(q_offset, int) and q_offset == 0)
+  if kv_segment_ids_BxS is None:
+    kv_segment_ids_BxS = segment_ids_BxT
+  window = 0 if window >= S else window  # a window as long as the sequence masks nothing
   if implementation == "auto":
-    implementation = ("blockwise" if segment_ids_BxT is not None
-                      else _resolve_auto(q_BxTxHxE, k_BxTxKxE, window))
+    implementation = ("blockwise" if segment_ids_BxT is not None or offset
+                      else _resolve_auto(q_BxTxHxE, k_BxSxKxE, window))
   if implementation == "blockwise":
-    return _flash(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, segment_ids_BxT, min(block, T), window)
+    block = _dividing_block(T, block) if offset else min(block, T)
+    return _flash(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxT, kv_segment_ids_BxS,
+                  q_offset // block if offset else 0, block, window)
+  if (segment_ids_BxT is not None or offset) and implementation == "cudnn":
+    raise ValueError("attention over packed sequences (segment ids) or over a part of the "
+                     "sequence (q_offset) is not supported with 'cudnn'; use 'blockwise' or "
+                     "'auto'")
   mask = None
   if segment_ids_BxT is not None:
-    if implementation == "cudnn":
-      raise ValueError("attention over packed sequences (segment ids) is not supported with "
-                       "'cudnn'; use 'blockwise' or 'auto'")
-    mask = (segment_ids_BxT[:, None, :, None] == segment_ids_BxT[:, None, None, :])
+    mask = (segment_ids_BxT[:, None, :, None] == kv_segment_ids_BxS[:, None, None, :])
+  if offset:  # causal by position, the queries' starting at q_offset
+    distance_TxS = q_offset + jnp.arange(T)[:, None] - jnp.arange(S)[None, :]
+    visible_TxS = (distance_TxS >= 0) & ((distance_TxS < window) if window else True)
+    mask = visible_TxS if mask is None else mask & visible_TxS
+    return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask,
+                                       implementation=implementation)
   # jax's (left, right) local window counts the keys besides the query's own.
-  return jax.nn.dot_product_attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, mask=mask,
+  return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask,
                                      is_causal=True,
                                      local_window_size=(window - 1, 0) if window else None,
                                      implementation=implementation)
+
+
+def _dividing_block(T: int, block: int) -> int:
+  """The largest tile length up to `block` that divides T: a part of the sequence is
+  whole blocks of it, so that block indices count positions."""
+  return max(d for d in range(1, min(block, T) + 1) if T % d == 0)
 
 
 def _resolve_auto(q_BxTxHxE: Array, k_BxTxKxE: Array, window: int) -> str:
@@ -124,20 +150,23 @@ def _cudnn_refusal(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
 # probabilities from those.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _flash(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array, seg_BxT: Array | None,
-           block: int, window: int) -> Array:
-  return _flash_forward(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, block, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _flash(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, seg_BxT: Array | None,
+           seg_BxS: Array | None, q_block0: Array | int, block: int, window: int) -> Array:
+  """Blockwise attention of queries whose first block is key block `q_block0`."""
+  return _flash_forward(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0, block,
+                        window)[0]
 
 
-def _flash_fwd(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, block, window):
-  out_BxTxHxE, lse_NxBxKxGxC = _flash_forward(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, block,
-                                              window)
+def _flash_fwd(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0, block, window):
+  out_BxTxHxE, lse_NxBxKxGxC = _flash_forward(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT,
+                                              seg_BxS, q_block0, block, window)
   # Named like the output, so that a remat policy saving "attention" keeps
   # these residuals instead of rerunning the whole forward in the backward.
   lse_NxBxKxGxC = checkpoint_name(lse_NxBxKxGxC, "attention")
   out_BxTxHxE = checkpoint_name(out_BxTxHxE, "attention")
-  return out_BxTxHxE, (q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, out_BxTxHxE, lse_NxBxKxGxC)
+  return out_BxTxHxE, (q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0,
+                       out_BxTxHxE, lse_NxBxKxGxC)
 
 
 def _blocks(x_BxTxS: Array, block: int) -> Array:
@@ -163,13 +192,14 @@ def _visible_CxC(i: Array, j: Array, block: int, window: int) -> Array:
   return visible_CxC & (distance_CxC < window) if window else visible_CxC
 
 
-def _visible(i: Array, j: Array, block: int, window: int, seg_NxBxC: Array | None) -> Array:
-  """`_visible_CxC`, and with segment ids only within a segment: [C, C] or [B, 1, 1, C, C]
-  (to mask scores [B, K, G, C, C])."""
+def _visible(i: Array, j: Array, block: int, window: int, seg_q_BxC: Array | None,
+             seg_k_BxC: Array | None) -> Array:
+  """`_visible_CxC` (i the query block's position among the key blocks), and with segment
+  ids only within a segment: [C, C] or [B, 1, 1, C, C] (to mask scores [B, K, G, C, C])."""
   visible_CxC = _visible_CxC(i, j, block, window)
-  if seg_NxBxC is None:
+  if seg_q_BxC is None:
     return visible_CxC
-  same_BxCxC = seg_NxBxC[i][:, :, None] == seg_NxBxC[j][:, None, :]
+  same_BxCxC = seg_q_BxC[:, :, None] == seg_k_BxC[:, None, :]
   return (visible_CxC & same_BxCxC)[:, None, None]
 
 
@@ -195,29 +225,32 @@ def _segment_blocks(seg_BxT: Array | None, block: int) -> Array | None:
   return _blocks(seg_BxT[..., None] + 1, block)[..., 0] - 1
 
 
-def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array,
-                   seg_BxT: Array | None, block: int, window: int) -> tuple[Array, Array]:
-  """Online softmax over key blocks 0..i for each query block i (later ones are masked;
-  with a window, from the first block the window reaches)."""
+def _flash_forward(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array,
+                   seg_BxT: Array | None, seg_BxS: Array | None, q_block0: Array | int,
+                   block: int, window: int) -> tuple[Array, Array]:
+  """Online softmax over key blocks 0..q_block0 + i for each query block i (later ones are
+  masked; with a window, from the first block the window reaches)."""
   B, T, H, E = q_BxTxHxE.shape
-  K = k_BxTxKxE.shape[2]
+  K = k_BxSxKxE.shape[2]
   G, scale = H // K, 1.0 / math.sqrt(E)
   q_NxBxCxKxGxE = _blocks(_grouped(q_BxTxHxE, K), block)
-  k_NxBxCxKxE, v_NxBxCxKxE = _blocks(k_BxTxKxE, block), _blocks(v_BxTxKxE, block)
+  k_MxBxCxKxE, v_MxBxCxKxE = _blocks(k_BxSxKxE, block), _blocks(v_BxSxKxE, block)
   n, f32 = q_NxBxCxKxGxE.shape[0], jnp.float32
-  seg_NxBxC = _segment_blocks(seg_BxT, block)
+  seg_NxBxC, seg_MxBxC = _segment_blocks(seg_BxT, block), _segment_blocks(seg_BxS, block)
   # A row may see nothing of a key block (outside its window or its segment).
   may_see_nothing = bool(window) or seg_BxT is not None
 
   def query_block(args):
     i, q_BxCxKxGxE = args
+    at = q_block0 + i  # the query block's place among the key blocks
 
     def key_block(j, carry):
       o_BxKxGxCxE, m_BxKxGxC, l_BxKxGxC = carry
-      s_BxKxGxCxC = scale * jnp.einsum("bqkge,bske->bkgqs", q_BxCxKxGxE, k_NxBxCxKxE[j],
+      s_BxKxGxCxC = scale * jnp.einsum("bqkge,bske->bkgqs", q_BxCxKxGxE, k_MxBxCxKxE[j],
                                        preferred_element_type=f32)
-      s_BxKxGxCxC = jnp.where(_visible(i, j, block, window, seg_NxBxC), s_BxKxGxCxC,
-                              -jnp.inf)
+      visible = _visible(at, j, block, window, None if seg_NxBxC is None else seg_NxBxC[i],
+                         None if seg_MxBxC is None else seg_MxBxC[j])
+      s_BxKxGxCxC = jnp.where(visible, s_BxKxGxCxC, -jnp.inf)
       # Without a window or segments key 0 (block 0) is visible to every query: the max
       # is finite from j = 0 on.
       m_new_BxKxGxC = jnp.maximum(m_BxKxGxC, s_BxKxGxCxC.max(axis=-1))
@@ -228,14 +261,14 @@ def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array,
       p_BxKxGxCxC = jnp.exp(s_BxKxGxCxC - shift_BxKxGxC[..., None])
       rescale_BxKxGxC = jnp.exp(m_BxKxGxC - shift_BxKxGxC)
       l_BxKxGxC = l_BxKxGxC * rescale_BxKxGxC + p_BxKxGxCxC.sum(axis=-1)
-      pv_BxKxGxCxE = jnp.einsum("bkgqs,bske->bkgqe", p_BxKxGxCxC.astype(v_NxBxCxKxE.dtype),
-                                v_NxBxCxKxE[j], preferred_element_type=f32)
+      pv_BxKxGxCxE = jnp.einsum("bkgqs,bske->bkgqe", p_BxKxGxCxC.astype(v_MxBxCxKxE.dtype),
+                                v_MxBxCxKxE[j], preferred_element_type=f32)
       return o_BxKxGxCxE * rescale_BxKxGxC[..., None] + pv_BxKxGxCxE, m_new_BxKxGxC, l_BxKxGxC
 
     init = (jnp.zeros((B, K, G, block, E), f32), jnp.full((B, K, G, block), -jnp.inf, f32),
             jnp.zeros((B, K, G, block), f32))
     o_BxKxGxCxE, m_BxKxGxC, l_BxKxGxC = jax.lax.fori_loop(
-        _first_key_block(i, block, window), i + 1, key_block, init)
+        _first_key_block(at, block, window), at + 1, key_block, init)
     out_BxCxKxGxE = jnp.einsum("bkgqe->bqkge", o_BxKxGxCxE / l_BxKxGxC[..., None])
     return out_BxCxKxGxE.astype(q_BxTxHxE.dtype), m_BxKxGxC + jnp.log(l_BxKxGxC)
 
@@ -244,12 +277,13 @@ def _flash_forward(q_BxTxHxE: Array, k_BxTxKxE: Array, v_BxTxKxE: Array,
 
 
 def _flash_bwd(block, window, residuals, dout_BxTxHxE):
-  """FlashAttention-2's backward: for each key block j, query blocks j..N-1 (with a window,
-  up to the last that sees block j)."""
-  q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, seg_BxT, out_BxTxHxE, lse_NxBxKxGxC = residuals
-  seg_NxBxC = _segment_blocks(seg_BxT, block)
+  """FlashAttention-2's backward: for each key block j, the query blocks that see it (from
+  block j on; with a window, up to the last that sees block j)."""
+  q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0, out_BxTxHxE, lse_NxBxKxGxC = (
+      residuals)
+  seg_NxBxC, seg_MxBxC = _segment_blocks(seg_BxT, block), _segment_blocks(seg_BxS, block)
   B, T, H, E = q_BxTxHxE.shape
-  K = k_BxTxKxE.shape[2]
+  S, K = k_BxSxKxE.shape[1:3]
   scale, f32 = 1.0 / math.sqrt(E), jnp.float32
   q_NxBxCxKxGxE = _blocks(_grouped(q_BxTxHxE, K), block)
   do_NxBxCxKxGxE = _blocks(_grouped(dout_BxTxHxE.astype(q_BxTxHxE.dtype), K), block)
@@ -257,8 +291,8 @@ def _flash_bwd(block, window, residuals, dout_BxTxHxE):
   delta_BxTxKxG = jnp.einsum("btkge,btkge->btkg", _grouped(dout_BxTxHxE, K).astype(f32),
                              _grouped(out_BxTxHxE, K).astype(f32))
   delta_NxBxKxGxC = jnp.einsum("nbqkg->nbkgq", _blocks(delta_BxTxKxG, block))
-  k_NxBxCxKxE, v_NxBxCxKxE = _blocks(k_BxTxKxE, block), _blocks(v_BxTxKxE, block)
-  n = k_NxBxCxKxE.shape[0]
+  k_MxBxCxKxE, v_MxBxCxKxE = _blocks(k_BxSxKxE, block), _blocks(v_BxSxKxE, block)
+  n, m = q_NxBxCxKxGxE.shape[0], k_MxBxCxKxE.shape[0]
 
   def key_block(dq_NxBxCxKxGxE, args):
     j, k_BxCxKxE, v_BxCxKxE = args
@@ -268,8 +302,10 @@ def _flash_bwd(block, window, residuals, dout_BxTxHxE):
       q_BxCxKxGxE, do_BxCxKxGxE = q_NxBxCxKxGxE[i], do_NxBxCxKxGxE[i]
       s_BxKxGxCxC = scale * jnp.einsum("bqkge,bske->bkgqs", q_BxCxKxGxE, k_BxCxKxE,
                                        preferred_element_type=f32)
-      p_BxKxGxCxC = jnp.where(_visible(i, j, block, window, seg_NxBxC),
-                              jnp.exp(s_BxKxGxCxC - lse_NxBxKxGxC[i][..., None]), 0.0)
+      visible = _visible(q_block0 + i, j, block, window,
+                         None if seg_NxBxC is None else seg_NxBxC[i],
+                         None if seg_MxBxC is None else seg_MxBxC[j])
+      p_BxKxGxCxC = jnp.where(visible, jnp.exp(s_BxKxGxCxC - lse_NxBxKxGxC[i][..., None]), 0.0)
       dv_BxCxKxE += jnp.einsum("bkgqs,bqkge->bske", p_BxKxGxCxC.astype(do_BxCxKxGxE.dtype),
                                do_BxCxKxGxE, preferred_element_type=f32)
       dp_BxKxGxCxC = jnp.einsum("bqkge,bske->bkgqs", do_BxCxKxGxE, v_BxCxKxE,
@@ -283,17 +319,19 @@ def _flash_bwd(block, window, residuals, dout_BxTxHxE):
       return dk_BxCxKxE, dv_BxCxKxE, dq_NxBxCxKxGxE.at[i].add(dq_BxCxKxGxE)
 
     zeros = jnp.zeros((B, block, K, E), f32)
+    # This device's query blocks that see key block j (none: its gradient here is 0).
+    first = jnp.maximum(j - q_block0, 0)
+    last = jnp.minimum(n - 1, _last_query_block(j, block, window, m) - q_block0)
     dk_BxCxKxE, dv_BxCxKxE, dq_NxBxCxKxGxE = jax.lax.fori_loop(
-        j, _last_query_block(j, block, window, n) + 1, query_block,
-        (zeros, zeros, dq_NxBxCxKxGxE))
+        first, last + 1, query_block, (zeros, zeros, dq_NxBxCxKxGxE))
     return dq_NxBxCxKxGxE, (dk_BxCxKxE, dv_BxCxKxE)
 
-  dq_NxBxCxKxGxE, (dk_NxBxCxKxE, dv_NxBxCxKxE) = jax.lax.scan(
+  dq_NxBxCxKxGxE, (dk_MxBxCxKxE, dv_MxBxCxKxE) = jax.lax.scan(
       key_block, jnp.zeros(q_NxBxCxKxGxE.shape, f32),
-      (jnp.arange(n), k_NxBxCxKxE, v_NxBxCxKxE))
+      (jnp.arange(m), k_MxBxCxKxE, v_MxBxCxKxE))
   dq_BxTxHxE = _unblock(dq_NxBxCxKxGxE, T).reshape(B, T, H, E).astype(q_BxTxHxE.dtype)
-  return (dq_BxTxHxE, _unblock(dk_NxBxCxKxE, T).astype(k_BxTxKxE.dtype),
-          _unblock(dv_NxBxCxKxE, T).astype(v_BxTxKxE.dtype), None)
+  return (dq_BxTxHxE, _unblock(dk_MxBxCxKxE, S).astype(k_BxSxKxE.dtype),
+          _unblock(dv_MxBxCxKxE, S).astype(v_BxSxKxE.dtype), None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -34,16 +34,25 @@ def _plain_scan(layer, carry, stacked):
   return jax.lax.scan(layer, carry, stacked)[0]
 
 
+def _whole_sequence(attend):
+  return lambda q, k, v, segment_ids=None: attend(q, k, v, segment_ids_BxT=segment_ids)
+
+
 @dataclasses.dataclass(frozen=True)
 class Hooks:
   """The engine's hooks: `shard(x, logical_axes)` on an activation, `gather(w,
   logical_axes)` on a weight where it is used, `remat(fn)` on a layer's function,
-  and `scan(layer, carry, stacked) -> carry`, ``jax.lax.scan(layer, carry,
-  stacked)[0]`` over a model's stacked layers (see `Model.layers_key`)."""
+  `scan(layer, carry, stacked) -> carry`, ``jax.lax.scan(layer, carry,
+  stacked)[0]`` over a model's stacked layers (see `Model.layers_key`), and
+  `context(attend)` on an attention function ``attend(q, k, v, segment_ids_BxT=,
+  kv_segment_ids_BxS=, q_offset=)`` (jaxzero.models.attention.attention's
+  signature), giving ``(q, k, v, segment_ids=None) -> out`` over [B, T, ...] inputs:
+  with context parallelism the engine runs it on each device's part of the sequence."""
   shard: Callable[[Array, tuple], Array] = _same
   gather: Callable[[Array, tuple], Array] = _same
   remat: Callable[[Callable], Callable] = _no_remat
   scan: Callable[[Callable, Any, Any], Any] = _plain_scan
+  context: Callable[[Callable], Callable] = _whole_sequence
 
 
 class Leaf(NamedTuple):

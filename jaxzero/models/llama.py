@@ -14,6 +14,7 @@ dim, F mlp hidden, V vocab, L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from typing import Callable, Literal, NamedTuple
@@ -24,6 +25,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxzero.models.attention import Implementation, attention, check_implementation
+from jaxzero.models.interface import Hooks
 
 Array = jax.Array
 ShardFn = Callable[[Array, tuple], Array]  # also the type of `gather`
@@ -201,7 +203,8 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
                     remat: RematFn | None = None, scan: Callable | None = None,
                     layer_axes: dict | None = None, lora_scale: float = 1.0,
                     segment_ids_BxT: Array | None = None,
-                    einsum: Callable = jnp.einsum) -> tuple[Array, Array]:
+                    einsum: Callable = jnp.einsum,
+                    context: Callable = Hooks.context) -> tuple[Array, Array]:
   """:meth:`Llama.forward` on a pure params dict, whose ``layers`` may hold more than
   the layers' weights: LoRA adapters (``lora_{target}_a``/``_b``, jaxzero.models.lora),
   each adding ``lora_scale * x @ A @ B`` to its projection, or weights stored
@@ -209,7 +212,8 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   gives the per-layer logical axes of those extra leaves (what `gather` is told).
   `segment_ids_BxT`: packed sequences, each a run of equal ids: attention stays within
   one, and positions (RoPE) start from 0 at each. `einsum` computes the seven
-  projections (jaxzero.models.fp8's for FP8 matmuls)."""
+  projections (jaxzero.models.fp8's for FP8 matmuls); `context` is the Hooks.context
+  hook attention runs under."""
   shard, gather = shard or _no_shard, gather or _no_shard
   T = tokens_BxT.shape[1]
 
@@ -230,7 +234,7 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   def layer(x_BxTxD, weights):
     weights = {n: gather(w, axes[n]) for n, w in weights.items()}
     x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard, lora_scale,
-                            segment_ids_BxT, einsum)
+                            segment_ids_BxT, einsum, context)
     return shard(x_BxTxD, RESIDUAL_AXES), None
 
   if remat is not None:
@@ -254,9 +258,6 @@ def _no_shard(x: Array, _logical_axes: tuple) -> Array:
 
 HEADS_AXES = ("batch", "seq", "heads", "head_dim")
 KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
-# Keys and values as attention reads them: every position, whatever splits the sequence
-# (context parallelism gathers them here).
-KV_ATTEND_AXES = ("batch", "kv_seq", "kv_heads", "head_dim")
 MLP_AXES = ("batch", "seq", "mlp")
 RESIDUAL_AXES = ("batch", "seq", "embed")
 
@@ -264,7 +265,8 @@ RESIDUAL_AXES = ("batch", "seq", "embed")
 def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE: Array,
                   sin_TxE: Array, shard: ShardFn = _no_shard, lora_scale: float = 1.0,
                   segment_ids_BxT: Array | None = None,
-                  einsum: Callable = jnp.einsum) -> Array:
+                  einsum: Callable = jnp.einsum,
+                  context: Callable = Hooks.context) -> Array:
   """One pre-norm transformer block: attention then SwiGLU MLP, both residual. A
   projection with LoRA adapters in `w` (``lora_{target}_a``/``_b``) adds theirs."""
   def proj(spec, h, weight, axes, name, bias=None):
@@ -282,11 +284,10 @@ def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE
   v_BxTxKxE = proj("btd,dke->btke", h_BxTxD, w["wv_LxDxKxE"], KV_AXES, "v_proj",
                    w.get("bv_LxKxE"))
   q_BxTxHxE = apply_rope(q_BxTxHxE, cos_TxE, sin_TxE)
-  k_BxTxKxE = shard(apply_rope(k_BxTxKxE, cos_TxE, sin_TxE), KV_ATTEND_AXES)
-  v_BxTxKxE = shard(v_BxTxKxE, KV_ATTEND_AXES)
+  k_BxTxKxE = apply_rope(k_BxTxKxE, cos_TxE, sin_TxE)
   # Grouped-query attention is native here: K may divide H.
-  ctx_BxTxHxE = attention(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, implementation=cfg.attention,
-                          window=cfg.sliding_window, segment_ids_BxT=segment_ids_BxT)
+  attend = functools.partial(attention, implementation=cfg.attention, window=cfg.sliding_window)
+  ctx_BxTxHxE = context(attend)(q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, segment_ids_BxT)
   ctx_BxTxHxE = checkpoint_name(shard(ctx_BxTxHxE, HEADS_AXES), "attention")
   attn_BxTxD = proj("bthe,hed->btd", ctx_BxTxHxE, w["wo_LxHxExD"], RESIDUAL_AXES, "o_proj")
   x_BxTxD = x_BxTxD + attn_BxTxD

@@ -145,7 +145,7 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
     x_BxTxD, head_DxV = decoder_forward(
         cfg, params, tokens_BxT1[:, :-1], shard=hooks.shard, gather=gather,
         remat=hooks.remat, scan=hooks.scan, layer_axes=layer_axes, lora_scale=alpha / rank,
-        segment_ids_BxT=segment_ids_BxT, einsum=fp8.EINSUMS[matmul])
+        segment_ids_BxT=segment_ids_BxT, einsum=fp8.EINSUMS[matmul], context=hooks.context)
     return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=trainable.LOSS_CHUNK,
                          shard=hooks.shard, weights_BxT=weights_BxT)
 

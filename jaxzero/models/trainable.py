@@ -60,7 +60,7 @@ def llama(cfg: LlamaConfig, matmul: str = "default") -> Model:
     x_BxTxD, head_DxV = decoder_forward(cfg, params, tokens_BxT1[:, :-1], shard=hooks.shard,
                                         gather=hooks.gather, remat=hooks.remat,
                                         scan=hooks.scan, segment_ids_BxT=segment_ids_BxT,
-                                        einsum=fp8.EINSUMS[matmul])
+                                        einsum=fp8.EINSUMS[matmul], context=hooks.context)
     return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=LOSS_CHUNK,
                          shard=hooks.shard, weights_BxT=weights_BxT)
 

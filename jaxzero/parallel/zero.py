@@ -220,11 +220,11 @@ class Layout:
       axes[seq] = CONTEXT
     megatron = [a for a in TENSOR_DIMS if a in logical_axes]
     split = megatron[0] if megatron else "seq"
+    # (With context parallelism the residual stream is not split over `tensor` too:
+    # XLA then reshards it between the layers' halves through the whole batch.)
     if t > 1 and split in logical_axes:
       i = logical_axes.index(split)
-      if axes[i] == CONTEXT and shape[i] % (c * t) == 0:
-        axes[i] = (CONTEXT, TENSOR)
-      elif axes[i] is None and shape[i] % t == 0:
+      if axes[i] is None and shape[i] % t == 0:
         axes[i] = TENSOR
     return P(*axes)
 
