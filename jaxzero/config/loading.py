@@ -236,10 +236,6 @@ def _check_context(cfg) -> None:
   if context > 1 and cfg.model_factory:
     raise ConfigError(f"mesh.context={context}: the context axis splits the Llama family's "
                       "sequence; a model_factory model trains with mesh.context=1")
-  if context > 1 and cfg.mesh.pipeline > 1 and cfg.pipeline.schedule != "1f1b":
-    raise ConfigError(f"mesh.context={context} with pipeline.schedule="
-                      f"{cfg.pipeline.schedule} is not supported yet (its stages run under a "
-                      "vmap that the context attention cannot enter); use pipeline.schedule=1f1b")
 
 
 def _check_tensor(tensor: int, model) -> None:

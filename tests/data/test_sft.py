@@ -231,11 +231,13 @@ def sft_config(tmp_path, *overrides):
       "train.steps=2", "eval.every=2", "eval.batches=1", *overrides])
 
 
-def test_a_packed_chat_run_at_stage_3_on_8_devices_equals_one_device(tmp_path):
+@pytest.mark.parametrize("mesh", [["zero.stage=3"], ["mesh.fsdp=4", "mesh.context=2"]])
+def test_a_packed_chat_run_on_8_devices_equals_one_device(mesh, tmp_path):
+  # (mesh.context: segment ids cross the devices that split each row.)
   from jaxzero.training import loop
   one = loop.train(sft_config(tmp_path, "mesh.fsdp=1"), tmp_path / "one",
                    devices=jax.devices()[:1], progress=False)
-  eight = loop.train(sft_config(tmp_path, "zero.stage=3"), tmp_path / "eight",
+  eight = loop.train(sft_config(tmp_path, *mesh), tmp_path / "eight",
                      devices=jax.devices()[:8], progress=False)
   for a, b in zip(one, eight):
     for key in ("loss", "eval_loss"):
