@@ -141,8 +141,11 @@ def format_table(plan_, title: str) -> str:
       + f" on {r0.devices} virtual CPU devices "
       f"(mesh replica {r0.mesh[0]} x fsdp {r0.mesh[1]}"
       f"{f' x tensor {r0.tensor}' if r0.tensor > 1 else ''}"
-      f"{f' x pipeline {r0.pipeline}' if r0.pipeline > 1 else ''}); micro-batch {r0.micro_batch} x "
-      f"{r0.seq_len} tokens, grad_accum {r0.grad_accum}; budget {plan_.hbm_bytes / 1e9:g} GB",
+      f"{f' x pipeline {r0.pipeline}' if r0.pipeline > 1 else ''}"
+      f"{f' x context {r0.context}' if r0.context > 1 else ''}); micro-batch {r0.micro_batch} x "
+      f"{r0.seq_len} tokens"
+      f"{f' (split {r0.context} ways)' if r0.context > 1 else ''}, grad_accum {r0.grad_accum}; "
+      f"budget {plan_.hbm_bytes / 1e9:g} GB",
       f"per device, in {unit}; state = params + grads + optimizer (fp32 master + Adam m, v), "
       f"N = sharding devices; activations = XLA temporaries less the gradient buffers "
       f"(activations, gathered weights, workspace); XLA total = state + activations; "

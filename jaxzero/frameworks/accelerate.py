@@ -48,7 +48,8 @@ TOP_KEYS = {"distributed_type", "fsdp_config", "mixed_precision", "log_with",
 # Accelerate's ParallelismConfig (it has no pipeline size): key -> mesh key.
 PARALLELISM_SIZES = {"parallelism_config_dp_replicate_size": "mesh.replica",
                      "parallelism_config_dp_shard_size": "mesh.fsdp",
-                     "parallelism_config_tp_size": "mesh.tensor"}
+                     "parallelism_config_tp_size": "mesh.tensor",
+                     "parallelism_config_cp_size": "mesh.context"}
 PARALLELISM_KEYS = {*PARALLELISM_SIZES, "parallelism_config_cp_size",
                     "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend"}
 
@@ -73,14 +74,16 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
   precision = acc.get("mixed_precision", None)
   if precision is False:  # YAML reads an unquoted `no` as false
     precision = "no"
-  if precision == "fp8":
-    raise tr.error("mixed_precision=fp8: jaxzero has no fp8 training; use bf16 or fp16")
-  if precision not in (None, "no", "bf16", "fp16"):
-    raise tr.error(f"mixed_precision={precision!r} is not valid; choose one of: no, bf16, fp16")
+  if precision not in (None, "no", "bf16", "fp16", "fp8"):
+    raise tr.error(f"mixed_precision={precision!r} is not valid; choose one of: no, bf16, fp16, "
+                   "fp8")
   # fp16: with dynamic loss scaling at DeepSpeed's defaults, as Accelerate's GradScaler does.
-  tr.set("precision.compute", {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32"),
-         "mixed_precision" if precision is not None
+  # fp8: FP8 matmuls around bf16 compute, as Accelerate's (Transformer Engine, torchao) are.
+  tr.set("precision.compute", {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}.get(
+      precision, "float32"), "mixed_precision" if precision is not None
          else "no mixed_precision: Accelerate's default, no (fp32)")
+  if precision == "fp8":
+    tr.set("precision.matmul", "fp8", "mixed_precision")
   trackers = acc.get("log_with")
   trackers = [trackers] if isinstance(trackers, str) else list(trackers or [])
   for tracker in trackers:
@@ -124,20 +127,24 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
 
 
 def _parallelism(tr: Translation, block: dict) -> None:
-  """ParallelismConfig's sizes as the mesh (over the hybrid strategy's), its context
-  parallelism refused."""
+  """ParallelismConfig's sizes as the mesh (over the hybrid strategy's): cp_size is
+  mesh.context, whose attention gathers keys and values whatever cp_comm_strategy says."""
   block = tr.check_keys(block, "parallelism_config.", PARALLELISM_KEYS)
   for key, target in PARALLELISM_SIZES.items():
     if key in block:
       tr.set(target, number(tr, block[key], f"parallelism_config.{key}", int, 1),
              f"parallelism_config.{key}")
-  if number(tr, block.get("parallelism_config_cp_size", 1),
-            "parallelism_config.parallelism_config_cp_size", int, 1) > 1:
-    raise tr.error("parallelism_config.parallelism_config_cp_size > 1: context parallelism is "
-                   "not available (mesh.tensor splits the sequence between layers)")
-  tr.unneeded.update({f"parallelism_config.{k}": "no context parallelism" for k in block
-                      if k in ("parallelism_config_cp_comm_strategy",
-                               "parallelism_config_cp_backend")})
+  strategy = block.get("parallelism_config_cp_comm_strategy", "allgather")
+  if strategy not in ("allgather", "alltoall"):
+    raise tr.error(f"parallelism_config.parallelism_config_cp_comm_strategy={strategy!r}; "
+                   "Accelerate's choices are allgather and alltoall")
+  if "parallelism_config_cp_comm_strategy" in block:
+    tr.unneeded["parallelism_config.parallelism_config_cp_comm_strategy"] = (
+        "mesh.context's attention gathers keys and values (allgather)"
+        + (", the nearest to alltoall's head exchange" if strategy == "alltoall" else ""))
+  if "parallelism_config_cp_backend" in block:
+    tr.unneeded["parallelism_config.parallelism_config_cp_backend"] = (
+        "XLA's collectives, placed by the mesh")
 
 
 def _strategy(tr: Translation, fsdp: dict) -> str | None:

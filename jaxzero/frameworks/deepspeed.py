@@ -58,7 +58,7 @@ TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
             "steps_per_print", "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16",
             "bfloat16", "zero_optimization", "activation_checkpointing", "data_types",
             "communication_data_type", "sparse_gradients", "wandb", *UNNEEDED_TOP,
-            "pipeline", "tensor_parallel", *REFUSED_WHEN_ENABLED}
+            "pipeline", "tensor_parallel", "sequence_parallel_size", *REFUSED_WHEN_ENABLED}
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
              "fp16_master_weights_and_grads"}

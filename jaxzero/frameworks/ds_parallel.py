@@ -1,4 +1,5 @@
-"""A ds_config's parallelism blocks, ``tensor_parallel`` and ``pipeline``, as mesh settings.
+"""A ds_config's parallelism blocks, ``tensor_parallel`` and ``pipeline``, and its
+``sequence_parallel_size``, as mesh settings.
 
 DeepSpeed's AutoTP training takes its group size from ``tensor_parallel.autotp_size``:
 here ``mesh.tensor``. Its pipeline engine takes the stage count from the model's code
@@ -8,6 +9,9 @@ config's ``mesh.pipeline`` (``--set mesh.pipeline=S`` gives it). Stages hold equ
 counts here (``partition: "uniform"``, which for alike layers is also "parameters" and
 "best"); a ``type:`` partition is refused. DeepSpeed's pipeline engine trains with 1F1B
 (its ``TrainSchedule``), so a ``pipeline`` block sets ``pipeline.schedule=1f1b``.
+``sequence_parallel_size`` (DeepSpeed-Ulysses: an all-to-all from sequence to heads
+around attention) is ``mesh.context``, the nearest strategy here: attention gathers keys
+and values over it.
 """
 
 from __future__ import annotations
@@ -40,7 +44,13 @@ def translate(tr: Translation, ds: dict, base: config_lib.Config) -> None:
     _tensor_parallel(tr, ds["tensor_parallel"])
   if "pipeline" in ds:
     _pipeline(tr, ds["pipeline"], base)
-  axes = [k for k in ("mesh.tensor", "mesh.pipeline") if k in tr.settings]
+  if "sequence_parallel_size" in ds:
+    size = number(tr, ds["sequence_parallel_size"], "sequence_parallel_size", int, 1)
+    tr.set("mesh.context", size, "sequence_parallel_size")
+    if size > 1:
+      tr.unneeded["sequence_parallel_size (Ulysses' all-to-all)"] = (
+          "mesh.context's attention gathers keys and values instead: the nearest strategy")
+  axes = [k for k in ("mesh.tensor", "mesh.pipeline", "mesh.context") if k in tr.settings]
   if axes and base.mesh.replica == 1:  # DeepSpeed's data-parallel group: what is left
     tr.set("mesh.fsdp", -1, " and ".join(tr.settings[k][1] for k in axes))
 

@@ -127,6 +127,7 @@ class Row:
   comm_report: object = dataclasses.field(default=None, repr=False, compare=False)
   tensor: int = 1  # mesh.tensor: `devices` = replica x fsdp x tensor x pipeline
   pipeline: int = 1  # mesh.pipeline: stages, each device holding its stage's layers
+  context: int = 1  # devices each sequence is split over (mesh.context)
   # Host memory of one process: the offloaded state, its update's workspace and XLA's
   # pinned pool (the runner's plan); what the host's update reads and writes a step.
   host_process_bytes: int = 0
@@ -382,7 +383,7 @@ def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int,
   return Row(
       strategy=variant.strategy, stage=variant.stage, hybrid=variant.hybrid,
       devices=layout.mesh.size, mesh=(layout.mesh.shape["replica"], layout.mesh.shape["fsdp"]),
-      tensor=layout.tensor_size, pipeline=layout.pipeline_size,
+      tensor=layout.tensor_size, pipeline=layout.pipeline_size, context=layout.context_size,
       micro_batch=micro, grad_accum=cfg.train.grad_accum, seq_len=cfg.train.seq_len,
       remat=variant.remat, offload_optimizer=variant.offload_optimizer,
       offload_params=variant.offload_params,

@@ -133,10 +133,16 @@ def test_the_parallelism_config_sizes_are_the_mesh():
   cfg = from_yaml("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 4\n"
                   "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
                   "  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n"
-                  "  parallelism_config_cp_size: 1\n"
-                  "  parallelism_config_cp_comm_strategy: allgather\n")
-  assert (cfg.zero.strategy, cfg.mesh.replica, cfg.mesh.fsdp, cfg.mesh.tensor) == (
-      "HYBRID_SHARD", 2, 2, 2)
+                  "  parallelism_config_cp_size: 2\n"
+                  "  parallelism_config_cp_comm_strategy: alltoall\n")
+  assert (cfg.zero.strategy, cfg.mesh.replica, cfg.mesh.fsdp, cfg.mesh.tensor,
+          cfg.mesh.context) == ("HYBRID_SHARD", 2, 2, 2, 2)
+
+
+def test_fp8_mixed_precision_is_fp8_matmuls_around_bf16():
+  cfg = from_yaml(ACCELERATE_FSDP.format(strategy=1).replace("mixed_precision: bf16",
+                                                             "mixed_precision: fp8"))
+  assert (cfg.precision.compute, cfg.precision.matmul) == ("bfloat16", "fp8")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -144,12 +150,12 @@ def test_the_parallelism_config_sizes_are_the_mesh():
      "unknown key 'fsdp_config.fsdp_forward_prefech': jaxzero does not know it; did you mean "
      "'fsdp_config.fsdp_forward_prefetch'?"),
     (ACCELERATE_FSDP.format(strategy=7), "fsdp_config.fsdp_sharding_strategy=7 is not valid"),
-    (ACCELERATE_FSDP.format(strategy=1).replace("mixed_precision: bf16", "mixed_precision: fp8"),
-     "mixed_precision=fp8: jaxzero has no fp8 training; use bf16 or fp16"),
+    (ACCELERATE_FSDP.format(strategy=1).replace("mixed_precision: bf16", "mixed_precision: fp4"),
+     "mixed_precision='fp4' is not valid; choose one of: no, bf16, fp16, fp8"),
     ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: [1\n  x: 2\n",
      "not valid YAML at line 4 column 4"),
-    ("parallelism_config:\n  parallelism_config_cp_size: 2\n",
-     "parallelism_config_cp_size > 1: context parallelism is not available"),
+    ("parallelism_config:\n  parallelism_config_cp_size: 3\n",
+     "mesh.context=3 does not divide"),
 ])
 def test_bad_accelerate_config_is_one_line_and_exit_code_2(text, message, tmp_path, capsys):
   path = tmp_path / "fsdp.yaml"

@@ -243,6 +243,14 @@ def test_tensor_parallel_and_pipeline_blocks_are_the_mesh_axes():
   assert from_ds({"pipeline": {"stages": "auto"}}).mesh.pipeline == 1
 
 
+def test_ulysses_sequence_parallel_size_is_the_context_axis():
+  ds = {"sequence_parallel_size": 4, "train_batch_size": 8, "gradient_accumulation_steps": 1}
+  cfg = from_ds(ds, devices=8)
+  assert (cfg.mesh.context, cfg.mesh.fsdp) == (4, -1)
+  assert mesh_lib.resolve_shape(cfg.mesh, 8) == (1, 2, 1)  # DeepSpeed's data group: 8 / 4
+  assert "sequence_parallel_size (Ulysses' all-to-all)" in deepspeed.translate(ds, base()).unneeded
+
+
 def test_auto_fields_take_the_base_values():
   # The Hugging Face Trainer's ds_config: every size and hyperparameter "auto".
   ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
