@@ -25,7 +25,7 @@ from jaxzero.parallel.padding import padded_shape
 from jaxzero.parallel.zero import Layout
 
 
-# The layouts Hooks.context's attention inputs have (jaxzero.models.llama's names).
+# The layouts of Hooks.context's attention inputs, [B, T, heads, E] and [B, T, kv heads, E].
 Q_AXES = ("batch", "seq", "heads", "head_dim")
 KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 
