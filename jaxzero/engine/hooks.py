@@ -6,7 +6,8 @@ layout. Constraints name the mesh being traced: the layout's, or inside a
 ``shard_map`` over some of its axes (1F1B's, over ``pipeline``) the traced one, where
 those axes are Manual. Under a vmap over groups of data axes (jaxzero.engine.groups),
 `vmapped_axes` are already split by the vmap: activations are not split over them
-again, and gradients are not reduced over them inside it.
+again, and gradients are not reduced over them inside it. With ``mesh.context``,
+`context` runs attention on each device's part of the sequence (context parallelism).
 """
 
 from __future__ import annotations
