@@ -224,6 +224,11 @@ def _check_pipeline(cfg) -> None:
                         "the device or in pinned_host")
 
 
+# Attention's largest tile (jaxzero.models.attention.DEFAULT_BLOCK), and the granule a
+# device's part of a longer sequence must come in for tiles of a useful size.
+ATTENTION_TILE, CONTEXT_TILE = 512, 128
+
+
 def _check_context(cfg) -> None:
   """mesh.context splits each sequence of train.seq_len tokens into equal parts."""
   context, seq = cfg.mesh.context, cfg.train.seq_len
@@ -236,6 +241,14 @@ def _check_context(cfg) -> None:
   if context > 1 and cfg.model_factory:
     raise ConfigError(f"mesh.context={context}: the context axis splits the Llama family's "
                       "sequence; a model_factory model trains with mesh.context=1")
+  part = seq // context
+  if context > 1 and part > ATTENTION_TILE and part % CONTEXT_TILE:
+    raise ConfigError(f"mesh.context={context} leaves {part} positions of train.seq_len={seq} "
+                      f"a device; attention tiles them whole, so make that at most "
+                      f"{ATTENTION_TILE} or a multiple of {CONTEXT_TILE}")
+  if context > 1 and cfg.model.attention == "cudnn":
+    raise ConfigError(f"mesh.context={context} with model.attention=cudnn: cuDNN's attention "
+                      "takes no query offset here; use model.attention=auto (blockwise)")
 
 
 def _check_tensor(tensor: int, model) -> None:

@@ -72,6 +72,8 @@ class LayoutHooks:
       args = (q, k, v) + (() if segment_ids is None else (segment_ids,))
       specs = (place(q, Q_AXES), place(k, KV_AXES), place(v, KV_AXES)) + (
           () if segment_ids is None else (place(segment_ids, ("batch", "seq")),))
+      if CONTEXT not in str(specs[0][1]):  # (config validation keeps the parts equal)
+        raise ValueError(f"queries {q.shape} are not split over {CONTEXT} by sequence")
       if specs[0][2] != specs[1][2]:  # KV heads replicated over `tensor`: so is attention
         specs = tuple(P(*[None if e == TENSOR else e for e in spec]) for spec in specs)
       # Every axis is manual inside: the ones no spec names hold copies. (XLA:CPU fails

@@ -57,7 +57,8 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
       ("xla" and "blockwise"; "auto" takes "blockwise" for them).
     kv_segment_ids_BxS: the keys' segment ids where S > T (default `segment_ids_BxT`).
     q_offset: the position of the first query among the keys (an int or a traced
-      scalar): query t is at position q_offset + t.
+      scalar): query t is at position q_offset + t. "blockwise" needs it to be a
+      multiple of its tile (a part of the sequence is whole tiles), e.g. c * T.
 
   Raises:
     ValueError: for an unknown implementation, K not dividing H, a negative window,
@@ -79,6 +80,9 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
                       else _resolve_auto(q_BxTxHxE, k_BxSxKxE, window))
   if implementation == "blockwise":
     block = _dividing_block(T, block) if offset else min(block, T)
+    if isinstance(q_offset, int) and q_offset % block:
+      raise ValueError(f"q_offset={q_offset} is not a multiple of the {block}-position tile "
+                       f"of {T} queries (a part of the sequence is whole tiles)")
     return _flash(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxT, kv_segment_ids_BxS,
                   q_offset // block if offset else 0, block, window)
   if (segment_ids_BxT is not None or offset) and implementation == "cudnn":

@@ -5,10 +5,13 @@ float8_e4m3fn in the forward pass and the incoming gradient into float8_e5m2 in
 the backward pass, the recipe of Transformer Engine and torchtitan's tensorwise
 Float8. Each tensor's scale is ``fp8 max / amax`` of that tensor in this step
 ("current" scaling: no amax history, so no state to checkpoint). The result and
-the gradients are in the operands' compute dtype; masters stay fp32.
+the gradients are in the operands' compute dtype; masters stay fp32. The amax is of
+the array the step sees: the whole micro-batch at stages 2-3; at stages 0-1 and
+under HYBRID each data-parallel group's (the step runs per group there), as
+per-rank scaling is in PyTorch.
 
-The operands are quantized then dequantized (``convert(f8) * 1/scale``) right
-before an ordinary einsum: XLA:GPU's GEMM rewriter turns that pattern into an
+The operands are quantized then dequantized (``convert(f8) * 1/scale``, in the
+compute dtype) right before an ordinary einsum: XLA:GPU's GEMM rewriter turns that pattern into an
 FP8 cuBLASLt GEMM on Hopper and later; XLA:CPU runs it as written, which
 emulates the rounding exactly but not the speed. A ``custom_vjp`` is needed
 because the backward pass quantizes what autodiff would not: the cotangent, to
@@ -35,7 +38,9 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-  return (q.astype(jnp.float32) / scale).astype(dtype)
+  # convert(f8) * scale straight in the compute dtype: the pattern XLA:GPU's GEMM
+  # rewriter folds into an FP8 GEMM (a convert after the multiply would stop it).
+  return q.astype(dtype) * (1.0 / scale).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -114,6 +114,9 @@ def test_a_checkpoint_moves_between_context_sizes(one_device, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["mesh.context=3"], "mesh.context=3 does not divide train.seq_len=64 into equal parts"),
     (["mesh.context=2", "model_factory=m:f"], "a model_factory model trains with mesh.context=1"),
+    (["mesh.context=2", "model.attention=cudnn"], "mesh.context=2 with model.attention=cudnn"),
+    (["mesh.context=2", "train.seq_len=4098"],
+     "mesh.context=2 leaves 2049 positions of train.seq_len=4098 a device"),
 ])
 def test_bad_context_settings_are_one_line(overrides, message):
   with pytest.raises(config.ConfigError, match=re.escape(message)):
