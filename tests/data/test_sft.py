@@ -231,19 +231,25 @@ def sft_config(tmp_path, *overrides):
       "train.steps=2", "eval.every=2", "eval.batches=1", *overrides])
 
 
+@pytest.fixture(scope="module")
+def one_device_sft(tmp_path_factory):
+  from jaxzero.training import loop
+  tmp_path = tmp_path_factory.mktemp("sft_one")
+  return loop.train(sft_config(tmp_path, "mesh.fsdp=1"), tmp_path / "one",
+                    devices=jax.devices()[:1], progress=False)
+
+
 @pytest.mark.parametrize("mesh", [["zero.stage=3"], ["mesh.fsdp=4", "mesh.context=2"]])
-def test_a_packed_chat_run_on_8_devices_equals_one_device(mesh, tmp_path):
+def test_a_packed_chat_run_on_8_devices_equals_one_device(mesh, one_device_sft, tmp_path):
   # (mesh.context: segment ids cross the devices that split each row.)
   from jaxzero.training import loop
-  one = loop.train(sft_config(tmp_path, "mesh.fsdp=1"), tmp_path / "one",
-                   devices=jax.devices()[:1], progress=False)
   eight = loop.train(sft_config(tmp_path, *mesh), tmp_path / "eight",
                      devices=jax.devices()[:8], progress=False)
-  for a, b in zip(one, eight):
+  for a, b in zip(one_device_sft, eight):
     for key in ("loss", "eval_loss"):
       if key in a:
         np.testing.assert_allclose(a[key], b[key], rtol=1e-5)
-  assert "eval_loss" in one[-1]
+  assert "eval_loss" in one_device_sft[-1]
 
 
 @pytest.mark.parametrize("setting, message", [
