@@ -72,11 +72,9 @@ def open_examples(data, workdir, *, model_vocab_size: int | None = None,
            tokens_lib.cache_name(data, tokenizer, data.format, digest, f"sft{CACHE_FORMAT}"))
   want = dict(tokens_lib.index_header(files, tokenizer, data.text_field),
               data_format=data.format, template_sha256=digest, sft_format=CACHE_FORMAT)
-  cache.mkdir(parents=True, exist_ok=True)
-  with tokens_lib.locked(cache / "lock"):
-    index = _read_index(cache)
-    if not tokens_lib.reusable(index, want):
-      index = _tokenize(files, tokenizer, template, data, cache, want, progress)
+  index = tokens_lib.cached(cache, want, _read_index,
+                            lambda: _tokenize(files, tokenizer, template, data, cache, want,
+                                              progress))
   if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
     raise DataError(f"data.tokenizer={data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
                     f"model.vocab_size={model_vocab_size}")

@@ -287,12 +287,8 @@ def _open_files(data, workdir, progress: bool) -> TokenSource:
   tokenizer = load_tokenizer(data.tokenizer, data.eos_token)
   cache = cache_root(data, workdir) / cache_name(data, tokenizer)
   want = index_header(files, tokenizer, data.text_field)
-  cache.mkdir(parents=True, exist_ok=True)
-  # One process tokenizes; others started at the same time wait, then reuse.
-  with locked(cache / "lock"):
-    index = read_index(cache)
-    if not reusable(index, want):
-      index = _tokenize(files, tokenizer, data.text_field, cache, want, progress)
+  index = cached(cache, want, read_index,
+                 lambda: _tokenize(files, tokenizer, data.text_field, cache, want, progress))
   tokens = np.memmap(cache / TOKENS_FILE, dtype=index["dtype"], mode="r",
                      shape=(index["tokens"],))
   return TokenSource(tokens, tokenizer.vocab_size, "epochs", cache)
@@ -345,6 +341,16 @@ def read_index(cache: pathlib.Path) -> dict | None:
     return index if size == index["tokens"] * np.dtype(index["dtype"]).itemsize else None
   except (OSError, ValueError, KeyError, TypeError):
     return None
+
+
+def cached(cache: pathlib.Path, want: dict, read: Callable[[pathlib.Path], dict | None],
+           build: Callable[[], dict]) -> dict:
+  """The index of `cache` if `read` finds one matching `want` (reusable), else `build()`'s.
+  One process builds; others started at the same time wait, then reuse."""
+  cache.mkdir(parents=True, exist_ok=True)
+  with locked(cache / "lock"):
+    index = read(cache)
+    return index if reusable(index, want) else build()
 
 
 @contextlib.contextmanager
