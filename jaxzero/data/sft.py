@@ -255,7 +255,13 @@ class ExampleBatches:
     self.starts, self.lengths = starts[keep], lengths[keep]
     ids = np.arange(keep.sum())
     self.rows = pack(self.lengths, window) if packing else [[i] for i in ids]
-    self.n_rows = self.rows_per_epoch = len(self.rows)
+
+  @property
+  def n_rows(self) -> int:
+    """Rows in an epoch."""
+    return len(self.rows)
+
+  rows_per_epoch = n_rows  # (jaxzero.data.batches.Batches' name for it)
 
   @property
   def n_tokens(self) -> int:

@@ -44,6 +44,11 @@ class LayoutHooks:
   layout: Layout
   vmapped_axes: tuple[str, ...] = ()
 
+  @property
+  def batch_axes(self) -> tuple[str, ...]:
+    """The data axes an activation's batch is split over: those the vmap leaves."""
+    return tuple(a for a in AXES if a not in self.vmapped_axes)
+
   def hooks(self, remat: Callable, scan: Callable | None = None) -> Hooks:
     hooks = Hooks(shard=self.shard, gather=self.gather, remat=remat)
     if self.layout.context_size > 1:
@@ -58,8 +63,7 @@ class LayoutHooks:
     the whole attention on each (the compiled program shows the all-gather). Rows and
     heads stay where the activations have them."""
     mesh = traced_mesh(self.layout)
-    batch_axes = tuple(a for a in AXES if a not in self.vmapped_axes)
-    place = lambda x, axes: self.layout.activation_spec(x.shape, axes, batch_axes)
+    place = lambda x, axes: self.layout.activation_spec(x.shape, axes, self.batch_axes)
 
     def local(q, k, v, *segment_ids):
       gather = lambda x: jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
@@ -86,8 +90,7 @@ class LayoutHooks:
 
   def shard(self, x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
     """An activation in its place: batch over the data axes the vmap leaves."""
-    batch_axes = tuple(a for a in AXES if a not in self.vmapped_axes)
-    spec = self.layout.activation_spec(x.shape, logical_axes, batch_axes)
+    spec = self.layout.activation_spec(x.shape, logical_axes, self.batch_axes)
     return jax.lax.with_sharding_constraint(x, NamedSharding(traced_mesh(self.layout), spec))
 
   def gather(self, w: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
