@@ -9,7 +9,8 @@ many virtual CPU devices to create before JAX starts.
 from jaxzero.config.loading import load, validate, validate_offload
 from jaxzero.config.overrides import (MOVED_KEYS, apply_overrides, as_dotted, check_literals,
                                       override)
-from jaxzero.config.sections import (STRATEGIES, CheckpointConfig, Config, DataConfig,
+from jaxzero.config.sections import (STRATEGIES, CheckpointConfig, Config, ContextConfig,
+                                     DataConfig,
                                      DistributedConfig, Dtype, EvalConfig, InitConfig, LogConfig,
                                      LoraConfig,
                                      MemoryKind, MeshConfig, OffloadConfig, PipelineConfig,
@@ -17,7 +18,8 @@ from jaxzero.config.sections import (STRATEGIES, CheckpointConfig, Config, DataC
                                      ZeroConfig, base, strategy_name)
 from jaxzero.errors import ConfigError
 
-__all__ = ["MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+__all__ = ["MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", "ConfigError",
+           "ContextConfig", "DataConfig",
            "DistributedConfig", "Dtype", "EvalConfig", "InitConfig", "LogConfig", "LoraConfig", "MemoryKind",
            "MeshConfig", "OffloadConfig", "PipelineConfig", "PrecisionConfig", "ProfileConfig",
            "RematConfig", "TrainConfig", "ZeroConfig", "apply_overrides", "as_dotted", "base",

@@ -241,11 +241,19 @@ def _check_context(cfg) -> None:
   if context > 1 and cfg.model_factory:
     raise ConfigError(f"mesh.context={context}: the context axis splits the Llama family's "
                       "sequence; a model_factory model trains with mesh.context=1")
-  part = seq // context
+  balanced = context > 1 and cfg.context.load_balance
+  if balanced and seq % (2 * context):
+    raise ConfigError(f"context.load_balance needs train.seq_len={seq} cut into "
+                      f"2 x mesh.context={2 * context} equal chunks; make seq_len a multiple "
+                      f"of {2 * context}, or set context.load_balance=False")
+  # The piece of the sequence attention tiles whole: a device's part, or half of it.
+  part = seq // context // (2 if balanced else 1)
   if context > 1 and part > ATTENTION_TILE and part % CONTEXT_TILE:
-    raise ConfigError(f"mesh.context={context} leaves {part} positions of train.seq_len={seq} "
-                      f"a device; attention tiles them whole, so make that at most "
-                      f"{ATTENTION_TILE} or a multiple of {CONTEXT_TILE}")
+    raise ConfigError(f"mesh.context={context} leaves attention pieces of {part} positions "
+                      f"of train.seq_len={seq} (a device's part"
+                      f"{', halved by context.load_balance' if balanced else ''}); it tiles "
+                      f"them whole, so make that at most {ATTENTION_TILE} or a multiple "
+                      f"of {CONTEXT_TILE}")
   if context > 1 and cfg.model.attention == "cudnn":
     raise ConfigError(f"mesh.context={context} with model.attention=cudnn: cuDNN's attention "
                       "takes no query offset here; use model.attention=auto (blockwise)")

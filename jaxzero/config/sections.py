@@ -73,6 +73,18 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ContextConfig:
+  # How attention reaches the keys and values of the other devices of mesh.context.
+  # "all_gather": each device gathers them all (one collective a layer; the whole
+  # sequence's keys and values on each device while it attends). "ring": they travel
+  # round the devices one part a hop, each hop's attention overlapping the next hop.
+  strategy: Literal["all_gather", "ring"] = "all_gather"
+  # Lay the sequence out in 2 x mesh.context chunks, device c holding chunks c and
+  # 2C-1-c, so that each does the same causal attention work (MaxText's default).
+  load_balance: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineConfig:
   # How the micro-batches flow through the stages (mesh.pipeline > 1). "gpipe": every
   # micro-batch forward, then every one backward (the backward is the forward's
@@ -290,6 +302,7 @@ class Config:
   init: InitConfig = InitConfig()
   zero: ZeroConfig = ZeroConfig()
   mesh: MeshConfig = MeshConfig()
+  context: ContextConfig = ContextConfig()
   pipeline: PipelineConfig = PipelineConfig()
   train: TrainConfig = TrainConfig()
   precision: PrecisionConfig = PrecisionConfig()

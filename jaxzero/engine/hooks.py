@@ -7,7 +7,8 @@ layout. Constraints name the mesh being traced: the layout's, or inside a
 those axes are Manual. Under a vmap over groups of data axes (jaxzero.engine.groups),
 `vmapped_axes` are already split by the vmap: activations are not split over them
 again, and gradients are not reduced over them inside it. With ``mesh.context``,
-`context` runs attention on each device's part of the sequence (context parallelism).
+`context` runs attention on each device's part of the sequence (context parallelism),
+and `sequence_order` says how the sequence is laid out over those devices.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxzero.engine import context as context_parallel
 from jaxzero.models.interface import Hooks, Model
 from jaxzero.parallel.mesh import AXES, CONTEXT, TENSOR
 from jaxzero.parallel.padding import padded_shape
@@ -52,25 +54,25 @@ class LayoutHooks:
   def hooks(self, remat: Callable, scan: Callable | None = None) -> Hooks:
     hooks = Hooks(shard=self.shard, gather=self.gather, remat=remat)
     if self.layout.context_size > 1:
-      hooks = dataclasses.replace(hooks, context=self.context)
+      hooks = dataclasses.replace(hooks, context=self.context,
+                                  sequence_order=self.sequence_order)
     return hooks if scan is None else dataclasses.replace(hooks, scan=scan)
 
+  def sequence_order(self, T: int):
+    """The order of a sequence's positions over ``context`` (jaxzero.engine.context)."""
+    return context_parallel.sequence_order(T, self.layout.context_size, self.layout.context_balance)
+
   def context(self, attend: Callable) -> Callable:
-    """`attend` on each device's part of the sequence (context parallelism's all-gather
-    strategy): its queries, and the keys and values gathered from the whole ``context``
-    axis. A shard_map because XLA cannot get there alone: partitioning the blockwise
-    kernel's loop over query blocks, it gathers every query to every device and runs
-    the whole attention on each (the compiled program shows the all-gather). Rows and
-    heads stay where the activations have them."""
+    """`attend` on each device's part of the sequence, by the layout's context strategy
+    (jaxzero.engine.context). A shard_map because XLA cannot get there alone:
+    partitioning the blockwise kernel's loop over query blocks, it gathers every query
+    to every device and runs the whole attention on each (the compiled program shows
+    the all-gather), and it has no ring. Rows and heads stay where the activations
+    have them."""
     mesh = traced_mesh(self.layout)
     place = lambda x, axes: self.layout.activation_spec(x.shape, axes, self.batch_axes)
-
-    def local(q, k, v, *segment_ids):
-      gather = lambda x: jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
-      seg = segment_ids[0] if segment_ids else None
-      return attend(q, gather(k), gather(v), segment_ids_BxT=seg,
-                    kv_segment_ids_BxS=None if seg is None else gather(seg),
-                    q_offset=jax.lax.axis_index(CONTEXT) * q.shape[1])
+    local = functools.partial(context_parallel.ATTENTION[self.layout.context_strategy], attend,
+                              C=self.layout.context_size, balanced=self.layout.context_balance)
 
     def run(q, k, v, segment_ids=None):
       args = (q, k, v) + (() if segment_ids is None else (segment_ids,))
@@ -83,7 +85,8 @@ class LayoutHooks:
       # Every axis is manual inside: the ones no spec names hold copies. (XLA:CPU fails
       # to compile a bfloat16 gather's transpose in a partly manual region.)
       outer = set(getattr(mesh, "manual_axes", ()))
-      return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0],
+      return jax.shard_map(lambda q, k, v, *seg: local(q, k, v, seg[0] if seg else None),
+                           mesh=mesh, in_specs=specs, out_specs=specs[0],
                            axis_names=frozenset(set(mesh.axis_names) - outer),
                            check_vma=False)(*args)
     return run

@@ -8,9 +8,12 @@ only); ``"blockwise"`` is flash attention in plain JAX, one block × block tile 
 head at a time; ``"auto"`` picks ``"cudnn"`` where the default backend is a GPU and cuDNN
 accepts the shapes, dtypes and window, otherwise ``"blockwise"``, at trace time.
 
-Keys and values may cover more positions than the queries: with context parallelism a
-device's T queries are positions ``q_offset .. q_offset + T - 1`` of the S keys gathered
-from every device (``"xla"`` and ``"blockwise"``; ``"auto"`` takes ``"blockwise"``).
+Keys and values may be another part of the sequence than the queries: with context
+parallelism a device's T queries are positions ``q_offset .. q_offset + T - 1`` of the S
+keys gathered from every device, or (ring attention) of a block of keys from another
+device, whose position is subtracted (a negative offset: keys after every query). With
+``return_lse`` the result is partial, to be merged with other blocks' results by their
+log-sum-exp (``"xla"`` and ``"blockwise"``; ``"auto"`` takes ``"blockwise"``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def check_implementation(name: str, key: str = "attention implementation") -> No
 def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
               implementation: str = "auto", block: int = DEFAULT_BLOCK, window: int = 0,
               segment_ids_BxT: Array | None = None, kv_segment_ids_BxS: Array | None = None,
-              q_offset: Array | int = 0) -> Array:
+              q_offset: Array | int = 0, return_lse: bool = False
+              ) -> Array | tuple[Array, Array]:
   """Causal softmax(q kᵀ / √E) v, [B, T, H, E] in the dtype of q.
 
   Args:
@@ -58,7 +62,11 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
     kv_segment_ids_BxS: the keys' segment ids where S > T (default `segment_ids_BxT`).
     q_offset: the position of the first query among the keys (an int or a traced
       scalar): query t is at position q_offset + t. "blockwise" needs it to be a
-      multiple of its tile (a part of the sequence is whole tiles), e.g. c * T.
+      multiple of its tile (a part of the sequence is whole tiles), e.g. c * T. It may
+      be negative, or past the keys: then no query, or every query, sees every key.
+    return_lse: also return each query's log-sum-exp of its visible scores, [B, T, H]
+      float32 (-inf, with a zero output, where a query sees no key): the pair to merge
+      attention over several blocks of keys ("xla" and "blockwise").
 
   Raises:
     ValueError: for an unknown implementation, K not dividing H, a negative window,
@@ -72,19 +80,26 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
     raise ValueError(f"attention window {window} must not be negative (0 = full causal)")
   T, S = q_BxTxHxE.shape[1], k_BxSxKxE.shape[1]
   offset = S != T or not (isinstance(q_offset, int) and q_offset == 0)
+  if return_lse and implementation == "cudnn":
+    raise ValueError("attention with return_lse (a part to be merged) is not supported with "
+                     "'cudnn'; use 'blockwise' or 'auto'")
   if kv_segment_ids_BxS is None:
     kv_segment_ids_BxS = segment_ids_BxT
   window = 0 if window >= S else window  # a window as long as the sequence masks nothing
   if implementation == "auto":
-    implementation = ("blockwise" if segment_ids_BxT is not None or offset
+    implementation = ("blockwise" if segment_ids_BxT is not None or offset or return_lse
                       else _resolve_auto(q_BxTxHxE, k_BxSxKxE, window))
   if implementation == "blockwise":
     block = _dividing_block(T, block) if offset else min(block, T)
     if isinstance(q_offset, int) and q_offset % block:
       raise ValueError(f"q_offset={q_offset} is not a multiple of the {block}-position tile "
                        f"of {T} queries (a part of the sequence is whole tiles)")
-    return _flash(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxT, kv_segment_ids_BxS,
-                  q_offset // block if offset else 0, block, window)
+    # A whole attention's residuals are the layer's "attention" (a remat policy may
+    # keep them); a part's are recomputed: merged, the parts give that output once.
+    out, lse = _flash(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxT, kv_segment_ids_BxS,
+                      q_offset // block if offset else 0, block, window,
+                      "attention_part" if return_lse else "attention")
+    return (out, lse) if return_lse else out
   if (segment_ids_BxT is not None or offset) and implementation == "cudnn":
     raise ValueError("attention over packed sequences (segment ids) or over a part of the "
                      "sequence (q_offset) is not supported with 'cudnn'; use 'blockwise' or "
@@ -92,10 +107,12 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
   mask = None
   if segment_ids_BxT is not None:
     mask = (segment_ids_BxT[:, None, :, None] == kv_segment_ids_BxS[:, None, None, :])
-  if offset:  # causal by position, the queries' starting at q_offset
+  if offset or return_lse:  # causal by position, the queries' starting at q_offset
     distance_TxS = q_offset + jnp.arange(T)[:, None] - jnp.arange(S)[None, :]
     visible_TxS = (distance_TxS >= 0) & ((distance_TxS < window) if window else True)
     mask = visible_TxS if mask is None else mask & visible_TxS
+    if return_lse:
+      return _reference_with_lse(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask)
     return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask,
                                        implementation=implementation)
   # jax's (left, right) local window counts the keys besides the query's own.
@@ -103,6 +120,31 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
                                      is_causal=True,
                                      local_window_size=(window - 1, 0) if window else None,
                                      implementation=implementation)
+
+
+def _reference_with_lse(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array,
+                        mask: Array) -> tuple[Array, Array]:
+  """"xla"'s attention and log-sum-exp in plain JAX, the scores materialised; `mask` is
+  [T, S] or [B, 1, T, S]. A query that sees no key gets 0 and -inf (no NaN, nor in
+  the gradient)."""
+  B, T, H, E = q_BxTxHxE.shape
+  K = k_BxSxKxE.shape[2]
+  f32 = jnp.float32
+  s_BxKxGxTxS = jnp.einsum("btkge,bske->bkgts", _grouped(q_BxTxHxE, K), k_BxSxKxE,
+                           preferred_element_type=f32) / math.sqrt(E)
+  visible = mask if mask.ndim == 2 else mask[:, :, None]
+  s_BxKxGxTxS = jnp.where(visible, s_BxKxGxTxS, -jnp.inf)
+  m_BxKxGxT = jax.lax.stop_gradient(s_BxKxGxTxS.max(axis=-1))
+  m_BxKxGxT = jnp.where(m_BxKxGxT == -jnp.inf, 0.0, m_BxKxGxT)
+  p_BxKxGxTxS = jnp.where(visible, jnp.exp(s_BxKxGxTxS - m_BxKxGxT[..., None]), 0.0)
+  l_BxKxGxT = p_BxKxGxTxS.sum(axis=-1)
+  sees_nothing = l_BxKxGxT == 0
+  l_BxKxGxT = jnp.where(sees_nothing, 1.0, l_BxKxGxT)
+  out_BxTxKxGxE = jnp.einsum("bkgts,bske->btkge", p_BxKxGxTxS / l_BxKxGxT[..., None],
+                             v_BxSxKxE.astype(f32))
+  lse_BxKxGxT = jnp.where(sees_nothing, -jnp.inf, m_BxKxGxT + jnp.log(l_BxKxGxT))
+  return (out_BxTxKxGxE.reshape(B, T, H, E).astype(q_BxTxHxE.dtype),
+          jnp.einsum("bkgt->btkg", lse_BxKxGxT).reshape(B, T, H))
 
 
 def _dividing_block(T: int, block: int) -> int:
@@ -154,23 +196,34 @@ def _cudnn_refusal(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
 # probabilities from those.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _flash(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, seg_BxT: Array | None,
-           seg_BxS: Array | None, q_block0: Array | int, block: int, window: int) -> Array:
-  """Blockwise attention of queries whose first block is key block `q_block0`."""
-  return _flash_forward(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0, block,
-                        window)[0]
+           seg_BxS: Array | None, q_block0: Array | int, block: int, window: int,
+           name: str) -> tuple[Array, Array]:
+  """Blockwise attention of queries whose first block is key block `q_block0`, and its
+  log-sum-exp [B, T, H]; `name` names the residuals for remat policies."""
+  out_BxTxHxE, lse_NxBxKxGxC = _flash_forward(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT,
+                                              seg_BxS, q_block0, block, window)
+  return out_BxTxHxE, _lse_rows(lse_NxBxKxGxC, q_BxTxHxE.shape)
 
 
-def _flash_fwd(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0, block, window):
+def _flash_fwd(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0, block, window,
+               name):
   out_BxTxHxE, lse_NxBxKxGxC = _flash_forward(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT,
                                               seg_BxS, q_block0, block, window)
   # Named like the output, so that a remat policy saving "attention" keeps
   # these residuals instead of rerunning the whole forward in the backward.
-  lse_NxBxKxGxC = checkpoint_name(lse_NxBxKxGxC, "attention")
-  out_BxTxHxE = checkpoint_name(out_BxTxHxE, "attention")
-  return out_BxTxHxE, (q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0,
-                       out_BxTxHxE, lse_NxBxKxGxC)
+  lse_NxBxKxGxC = checkpoint_name(lse_NxBxKxGxC, name)
+  out_BxTxHxE = checkpoint_name(out_BxTxHxE, name)
+  return ((out_BxTxHxE, _lse_rows(lse_NxBxKxGxC, q_BxTxHxE.shape)),
+          (q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0, out_BxTxHxE,
+           lse_NxBxKxGxC))
+
+
+def _lse_rows(lse_NxBxKxGxC: Array, q_shape: tuple[int, ...]) -> Array:
+  """The kernel's log-sum-exp by blocks as [B, T, H], each query's."""
+  B, T, H, _ = q_shape
+  return _unblock(jnp.einsum("nbkgq->nbqkg", lse_NxBxKxGxC), T).reshape(B, T, H)
 
 
 def _blocks(x_BxTxS: Array, block: int) -> Array:
@@ -212,9 +265,10 @@ def _first_key_block(i: Array, block: int, window: int) -> Array:
   return jnp.maximum(0, (i * block - window + 1) // block) if window else 0
 
 
-def _last_query_block(j: Array, block: int, window: int, n: int) -> Array:
-  """The last query block that sees key block j (the last block without a window)."""
-  return jnp.minimum(n - 1, ((j + 1) * block + window - 2) // block) if window else n - 1
+def _last_query_block(j: Array, block: int, window: int) -> Array:
+  """The last query block (counted from key block 0) that a window of W > 0 lets see key
+  block j (without a window every later one sees it)."""
+  return ((j + 1) * block + window - 2) // block
 
 
 def _grouped(q_BxTxHxE: Array, K: int) -> Array:
@@ -233,13 +287,14 @@ def _flash_forward(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array,
                    seg_BxT: Array | None, seg_BxS: Array | None, q_block0: Array | int,
                    block: int, window: int) -> tuple[Array, Array]:
   """Online softmax over key blocks 0..q_block0 + i for each query block i (later ones are
-  masked; with a window, from the first block the window reaches)."""
+  masked; with a window, from the first block the window reaches; none where q_block0 + i
+  is negative). A row that sees no key gets 0, and -inf for its log-sum-exp."""
   B, T, H, E = q_BxTxHxE.shape
   K = k_BxSxKxE.shape[2]
   G, scale = H // K, 1.0 / math.sqrt(E)
   q_NxBxCxKxGxE = _blocks(_grouped(q_BxTxHxE, K), block)
   k_MxBxCxKxE, v_MxBxCxKxE = _blocks(k_BxSxKxE, block), _blocks(v_BxSxKxE, block)
-  n, f32 = q_NxBxCxKxGxE.shape[0], jnp.float32
+  (n, m), f32 = (q_NxBxCxKxGxE.shape[0], k_MxBxCxKxE.shape[0]), jnp.float32
   seg_NxBxC, seg_MxBxC = _segment_blocks(seg_BxT, block), _segment_blocks(seg_BxS, block)
   # A row may see nothing of a key block (outside its window or its segment).
   may_see_nothing = bool(window) or seg_BxT is not None
@@ -272,17 +327,21 @@ def _flash_forward(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array,
     init = (jnp.zeros((B, K, G, block, E), f32), jnp.full((B, K, G, block), -jnp.inf, f32),
             jnp.zeros((B, K, G, block), f32))
     o_BxKxGxCxE, m_BxKxGxC, l_BxKxGxC = jax.lax.fori_loop(
-        _first_key_block(at, block, window), at + 1, key_block, init)
-    out_BxCxKxGxE = jnp.einsum("bkgqe->bqkge", o_BxKxGxCxE / l_BxKxGxC[..., None])
+        _first_key_block(at, block, window), jnp.minimum(at + 1, m), key_block, init)
+    seen_BxKxGxC = jnp.where(l_BxKxGxC == 0, 1.0, l_BxKxGxC)  # (o is 0 where l is)
+    out_BxCxKxGxE = jnp.einsum("bkgqe->bqkge", o_BxKxGxCxE / seen_BxKxGxC[..., None])
     return out_BxCxKxGxE.astype(q_BxTxHxE.dtype), m_BxKxGxC + jnp.log(l_BxKxGxC)
 
   out_NxBxCxKxGxE, lse_NxBxKxGxC = jax.lax.map(query_block, (jnp.arange(n), q_NxBxCxKxGxE))
   return _unblock(out_NxBxCxKxGxE, T).reshape(B, T, H, E), lse_NxBxKxGxC
 
 
-def _flash_bwd(block, window, residuals, dout_BxTxHxE):
+def _flash_bwd(block, window, name, residuals, cotangents):
   """FlashAttention-2's backward: for each key block j, the query blocks that see it (from
-  block j on; with a window, up to the last that sees block j)."""
+  block j on; with a window, up to the last that sees block j). The log-sum-exp's
+  cotangent adds to each score's: d lse / d s = p."""
+  del name
+  dout_BxTxHxE, dlse_BxTxH = cotangents
   q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0, out_BxTxHxE, lse_NxBxKxGxC = (
       residuals)
   seg_NxBxC, seg_MxBxC = _segment_blocks(seg_BxT, block), _segment_blocks(seg_BxS, block)
@@ -294,6 +353,7 @@ def _flash_bwd(block, window, residuals, dout_BxTxHxE):
   # delta = rowsum(dO * O), the softmax Jacobian's correction term.
   delta_BxTxKxG = jnp.einsum("btkge,btkge->btkg", _grouped(dout_BxTxHxE, K).astype(f32),
                              _grouped(out_BxTxHxE, K).astype(f32))
+  delta_BxTxKxG = delta_BxTxKxG - dlse_BxTxH.reshape(delta_BxTxKxG.shape).astype(f32)
   delta_NxBxKxGxC = jnp.einsum("nbqkg->nbkgq", _blocks(delta_BxTxKxG, block))
   k_MxBxCxKxE, v_MxBxCxKxE = _blocks(k_BxSxKxE, block), _blocks(v_BxSxKxE, block)
   n, m = q_NxBxCxKxGxE.shape[0], k_MxBxCxKxE.shape[0]
@@ -325,7 +385,8 @@ def _flash_bwd(block, window, residuals, dout_BxTxHxE):
     zeros = jnp.zeros((B, block, K, E), f32)
     # This device's query blocks that see key block j (none: its gradient here is 0).
     first = jnp.maximum(j - q_block0, 0)
-    last = jnp.minimum(n - 1, _last_query_block(j, block, window, m) - q_block0)
+    last = (jnp.minimum(n - 1, _last_query_block(j, block, window) - q_block0)
+            if window else n - 1)
     dk_BxCxKxE, dv_BxCxKxE, dq_NxBxCxKxGxE = jax.lax.fori_loop(
         first, last + 1, query_block, (zeros, zeros, dq_NxBxCxKxGxE))
     return dq_NxBxCxKxGxE, (dk_BxCxKxE, dv_BxCxKxE)

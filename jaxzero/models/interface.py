@@ -34,6 +34,10 @@ def _plain_scan(layer, carry, stacked):
   return jax.lax.scan(layer, carry, stacked)[0]
 
 
+def _in_order(_T):
+  return None
+
+
 def _whole_sequence(attend):
   return lambda q, k, v, segment_ids=None: attend(q, k, v, segment_ids_BxT=segment_ids)
 
@@ -47,12 +51,16 @@ class Hooks:
   `context(attend)` on an attention function ``attend(q, k, v, segment_ids_BxT=,
   kv_segment_ids_BxS=, q_offset=)`` (jaxzero.models.attention.attention's
   signature), giving ``(q, k, v, segment_ids=None) -> out`` over [B, T, ...] inputs:
-  with context parallelism the engine runs it on each device's part of the sequence."""
+  with context parallelism the engine runs it on each device's part of the sequence;
+  and `sequence_order(T)`, the order the engine lays a sequence's T positions out in (a
+  numpy permutation, or None for 0..T-1): the model takes its inputs, targets and
+  positions in that order, and attention receives q, k and v in it."""
   shard: Callable[[Array, tuple], Array] = _same
   gather: Callable[[Array, tuple], Array] = _same
   remat: Callable[[Callable], Callable] = _no_remat
   scan: Callable[[Callable, Any, Any], Any] = _plain_scan
   context: Callable[[Callable], Callable] = _whole_sequence
+  sequence_order: Callable[[int], Any] = _in_order
 
 
 class Leaf(NamedTuple):

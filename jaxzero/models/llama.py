@@ -204,7 +204,8 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
                     layer_axes: dict | None = None, lora_scale: float = 1.0,
                     segment_ids_BxT: Array | None = None,
                     einsum: Callable = jnp.einsum,
-                    context: Callable = Hooks.context) -> tuple[Array, Array]:
+                    context: Callable = Hooks.context,
+                    positions: Array | None = None) -> tuple[Array, Array]:
   """:meth:`Llama.forward` on a pure params dict, whose ``layers`` may hold more than
   the layers' weights: LoRA adapters (``lora_{target}_a``/``_b``, jaxzero.models.lora),
   each adding ``lora_scale * x @ A @ B`` to its projection, or weights stored
@@ -213,7 +214,9 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   `segment_ids_BxT`: packed sequences, each a run of equal ids: attention stays within
   one, and positions (RoPE) start from 0 at each. `einsum` computes the seven
   projections (jaxzero.models.fp8's for FP8 matmuls); `context` is the Hooks.context
-  hook attention runs under."""
+  hook attention runs under. `positions` ([T] or [B, T]) are the tokens' positions for
+  RoPE where they are not 0..T-1 (nor restart with each segment): a sequence laid out in
+  another order (Hooks.sequence_order)."""
   shard, gather = shard or _no_shard, gather or _no_shard
   T = tokens_BxT.shape[1]
 
@@ -223,7 +226,9 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   if cfg.tie_embeddings:
     embed_VxD = gather(embed_VxD, EMBED_AXES)
   x_BxTxD = shard(jnp.take(embed_VxD, tokens_BxT, axis=0), RESIDUAL_AXES)
-  if segment_ids_BxT is None:
+  if positions is not None:
+    cos_TxE, sin_TxE = rope_tables(cfg, T, positions)
+  elif segment_ids_BxT is None:
     cos_TxE, sin_TxE = rope_tables(cfg, T)
   else:  # [B, T, E]: each row's positions restart at each of its segments
     cos_TxE, sin_TxE = rope_tables(cfg, T, segment_positions(segment_ids_BxT))

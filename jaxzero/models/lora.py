@@ -131,7 +131,7 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
                                     spec.shape[1:], spec.logical_axes[1:])
 
   def loss(params, batch, hooks: Hooks) -> jax.Array:
-    tokens_BxT1, segment_ids_BxT, weights_BxT = trainable.unpack_batch(batch)
+    seqs = trainable.sequences(batch, hooks)
     compute = jax.tree.leaves(split_like(params, specs)[0])[0].dtype  # the adapters'
 
     def gather(w, axes):
@@ -143,11 +143,12 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
       return hooks.gather(quantize.dequantize(parts, axes.shape, compute), axes.axes)
 
     x_BxTxD, head_DxV = decoder_forward(
-        cfg, params, tokens_BxT1[:, :-1], shard=hooks.shard, gather=gather,
+        cfg, params, seqs.inputs, shard=hooks.shard, gather=gather,
         remat=hooks.remat, scan=hooks.scan, layer_axes=layer_axes, lora_scale=alpha / rank,
-        segment_ids_BxT=segment_ids_BxT, einsum=fp8.EINSUMS[matmul], context=hooks.context)
-    return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=trainable.LOSS_CHUNK,
-                         shard=hooks.shard, weights_BxT=weights_BxT)
+        segment_ids_BxT=seqs.segment_ids, einsum=fp8.EINSUMS[matmul], context=hooks.context,
+        positions=seqs.positions)
+    return cross_entropy(x_BxTxD, head_DxV, seqs.targets, chunk=trainable.LOSS_CHUNK,
+                         shard=hooks.shard, weights_BxT=seqs.weights)
 
   def frozen_init(key):
     return store_base(base_model.init(key), kind)

@@ -10,13 +10,16 @@ windows [B, T+1], taken over vocabulary chunks (jaxzero.models.loss) so that no
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxzero.models.interface import Hooks, Model
 from jaxzero.models import fp8
-from jaxzero.models.llama import Llama, LlamaConfig, decoder_forward, param_specs
+from jaxzero.models.llama import (Llama, LlamaConfig, decoder_forward, param_specs,
+                                  segment_positions)
 from jaxzero.models.loss import cross_entropy
 
 # Vocabulary entries per chunk of the loss: V = 128256 gives 16 chunks of 8016,
@@ -48,6 +51,32 @@ def unpack_batch(batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   return batch["tokens"], segment_ids, weights
 
 
+class Sequences(NamedTuple):
+  """A batch as the model reads it, in the engine's sequence order (Hooks.sequence_order):
+  inputs and targets [B, T], and where they apply segment ids, loss weights and
+  positions (None: 0..T-1, or restarting at each segment)."""
+  inputs: jax.Array
+  targets: jax.Array
+  segment_ids: jax.Array | None
+  weights: jax.Array | None
+  positions: jax.Array | None
+
+
+def sequences(batch, hooks: Hooks) -> Sequences:
+  """`batch` (see :func:`unpack_batch`) laid out in `hooks`' sequence order: every
+  per-position array permuted alike, so that a mean loss over them is unchanged."""
+  tokens_BxT1, segment_ids_BxT, weights_BxT = unpack_batch(batch)
+  order = hooks.sequence_order(tokens_BxT1.shape[1] - 1)
+  plain = Sequences(tokens_BxT1[:, :-1], tokens_BxT1[:, 1:], segment_ids_BxT, weights_BxT,
+                    None)
+  if order is None:
+    return plain
+  positions = (jnp.arange(len(order), dtype=jnp.int32) if segment_ids_BxT is None
+               else segment_positions(segment_ids_BxT))
+  return Sequences(*(None if x is None else x[..., order]
+                     for x in (*plain[:4], positions)))
+
+
 def llama(cfg: LlamaConfig, matmul: str = "default") -> Model:
   """A Llama-family decoder (Llama, Mistral, Qwen2) trained on token windows [B, T+1];
   `matmul` "fp8" runs its seven projections in FP8 (jaxzero.models.fp8)."""
@@ -56,13 +85,14 @@ def llama(cfg: LlamaConfig, matmul: str = "default") -> Model:
     return nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
 
   def loss(params, batch, hooks: Hooks) -> jax.Array:
-    tokens_BxT1, segment_ids_BxT, weights_BxT = unpack_batch(batch)
-    x_BxTxD, head_DxV = decoder_forward(cfg, params, tokens_BxT1[:, :-1], shard=hooks.shard,
+    seqs = sequences(batch, hooks)
+    x_BxTxD, head_DxV = decoder_forward(cfg, params, seqs.inputs, shard=hooks.shard,
                                         gather=hooks.gather, remat=hooks.remat,
-                                        scan=hooks.scan, segment_ids_BxT=segment_ids_BxT,
-                                        einsum=fp8.EINSUMS[matmul], context=hooks.context)
-    return cross_entropy(x_BxTxD, head_DxV, tokens_BxT1[:, 1:], chunk=LOSS_CHUNK,
-                         shard=hooks.shard, weights_BxT=weights_BxT)
+                                        scan=hooks.scan, segment_ids_BxT=seqs.segment_ids,
+                                        einsum=fp8.EINSUMS[matmul], context=hooks.context,
+                                        positions=seqs.positions)
+    return cross_entropy(x_BxTxD, head_DxV, seqs.targets, chunk=LOSS_CHUNK,
+                         shard=hooks.shard, weights_BxT=seqs.weights)
 
   # No weight decay on norm gains or on Qwen2's q/k/v biases (as transformers' Trainer).
   decay = lambda path: "norm" not in path and not re.search(r"\['b[qkv]_", path)

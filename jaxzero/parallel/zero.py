@@ -72,6 +72,11 @@ class Layout:
   params_memory: str = "device"  # the compute copy at rest: device or pinned_host (stage 3)
   # The dtype gradients are reduced in across devices (FSDP's reduce_dtype).
   reduce_dtype: str = "float32"
+  # With a ``context`` axis: how attention reaches the other devices' keys and values
+  # ("all_gather" or "ring"), and whether the sequence is laid out load balanced
+  # (jaxzero.engine.context).
+  context_strategy: str = "all_gather"
+  context_balance: bool = True
 
   def __post_init__(self):
     if self.stage not in SHARDED_ROLES:
@@ -93,7 +98,9 @@ class Layout:
     # layer's weights are on the device while its program runs.
     params = "device" if cfg.offload.params == "nvme" else cfg.offload.params
     return cls(mesh, stage, hybrid, params_memory=params,
-               reduce_dtype=cfg.zero.reduce_dtype or cfg.zero.grad_dtype)
+               reduce_dtype=cfg.zero.reduce_dtype or cfg.zero.grad_dtype,
+               context_strategy=cfg.context.strategy,
+               context_balance=cfg.context.load_balance)
 
   @property
   def shard_axes(self) -> tuple[str, ...]:

@@ -1,8 +1,9 @@
 """Context parallelism (mesh.context): a device's queries against keys and values gathered
-over the context axis give the attention of the whole sequence; training at context 2, 4
-and 8, alone and with fsdp x tensor at ZeRO-3, GPipe stages or stage 1 in bf16, equals one
-device; the compiled step gathers keys and values, never queries; checkpoints move
-between context sizes."""
+over the context axis, or coming round the ring, give the attention of the whole sequence,
+load balanced or not, packed sequences crossing devices; training at context 2, 4 and 8,
+alone and with fsdp x tensor at ZeRO-3, GPipe stages or stage 1 in bf16, equals one
+device; the compiled step gathers keys and values (or passes them round), never queries;
+checkpoints move between context sizes."""
 
 import collections
 import contextlib
@@ -48,6 +49,52 @@ def test_attention_of_each_part_of_the_sequence_is_that_of_the_whole(implementat
                               jax.grad(loss(whole), argnums=(0, 1, 2))(q, k, v), atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy, balanced, implementation, window, packed", [
+    ("all_gather", True, "blockwise", 0, True), ("all_gather", False, "xla", 6, False),
+    ("ring", True, "blockwise", 0, True), ("ring", True, "xla", 0, True),
+    ("ring", False, "blockwise", 6, False), ("ring", True, "blockwise", 6, True)])
+def test_each_strategy_attends_as_the_whole_sequence(strategy, balanced, implementation, window,
+                                                     packed):
+  import functools
+  from jaxzero.engine.hooks import LayoutHooks
+  from jaxzero.parallel.mesh import make_mesh
+  from jaxzero.parallel.zero import Layout
+  rng = np.random.default_rng(1)
+  B, T, H, K, E, C = 2, 64, 4, 2, 8, 4
+  q, k, v = (jnp.asarray(rng.standard_normal((B, T, n, E)), jnp.float32) for n in (H, K, K))
+  # Segments that cross the devices' parts (and, balanced, their chunks).
+  seg = jnp.asarray(np.repeat(np.arange(4), [5, 30, 20, 9])[None].repeat(B, 0)) if packed \
+      else None
+  attend = functools.partial(attention, implementation=implementation, block=4,
+                             window=window)
+  layout = Layout(make_mesh(1, 1, jax.devices()[:C], context=C), 3,
+                  context_strategy=strategy, context_balance=balanced)
+  hooks = LayoutHooks(layout)
+  order = hooks.sequence_order(T)
+  assert (order is not None) == balanced
+  order = np.arange(T) if order is None else order
+  inverse = np.argsort(order)
+
+  def split(q, k, v):  # in the devices' order, and back
+    out = hooks.context(attend)(q[:, order], k[:, order], v[:, order],
+                                None if seg is None else seg[:, order])
+    return out[:, inverse]
+
+  def whole(q, k, v):
+    return attention(q, k, v, implementation="xla", window=window, segment_ids_BxT=seg)
+
+  chex.assert_trees_all_close(jax.jit(split)(q, k, v), whole(q, k, v), atol=1e-6)
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+  chex.assert_trees_all_close(jax.jit(jax.grad(loss(split), argnums=(0, 1, 2)))(q, k, v),
+                              jax.grad(loss(whole), argnums=(0, 1, 2))(q, k, v), atol=1e-5)
+
+
+def test_a_balanced_device_holds_a_chunk_and_its_mirror():
+  from jaxzero.engine.context import sequence_order
+  np.testing.assert_array_equal(sequence_order(8, 2, True), [0, 1, 6, 7, 2, 3, 4, 5])
+  assert sequence_order(8, 2, False) is None and sequence_order(8, 1, True) is None
+
+
 def tiny(*overrides):
   return config.load(TINY, ["model.n_layers=2", "train.seq_len=64", "train.log_every=1",
                             "data.max_bytes=200000", "train.steps=10", *overrides])
@@ -73,11 +120,12 @@ def one_device_bf16(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh", [
-    ["mesh.fsdp=1", "mesh.context=8"],
+    ["mesh.fsdp=1", "mesh.context=8", "context.strategy=ring"],
     ["mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", "zero.stage=3"],
-    ["mesh.fsdp=2", "mesh.context=2", "mesh.pipeline=2", "train.grad_accum=2"],
+    ["mesh.fsdp=2", "mesh.context=2", "mesh.pipeline=2", "train.grad_accum=2",
+     "context.strategy=ring"],
     ["mesh.replica=2", "mesh.fsdp=2", "mesh.context=2", "zero.stage=1",
-     "precision.compute=bfloat16"],
+     "precision.compute=bfloat16", "context.load_balance=False"],
 ])
 def test_ten_steps_at_context_c_equal_one_device(mesh, one_device, one_device_bf16, tmp_path):
   want = one_device_bf16 if "precision.compute=bfloat16" in mesh else one_device
@@ -85,20 +133,27 @@ def test_ten_steps_at_context_c_equal_one_device(mesh, one_device, one_device_bf
                              rtol=1e-5 if want is one_device else 2e-3)
 
 
-def test_the_step_gathers_keys_and_values_over_context_never_queries():
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_the_step_moves_keys_and_values_over_context_never_queries(strategy):
   from jaxzero.training import loop
   cfg = config.load(TINY, ["model.n_layers=1", "train.seq_len=2048", "train.global_batch=8",
-                           "train.grad_accum=1", "mesh.fsdp=4", "mesh.context=2",
-                           "model.attention=blockwise", "data.max_bytes=200000"])
+                           "train.grad_accum=1", "mesh.fsdp=2", "mesh.context=4",
+                           f"context.strategy={strategy}", "model.attention=blockwise",
+                           "data.max_bytes=200000"])
   runner = loop.prepare(cfg, devices=jax.devices()[:8])
   program = runner.program
   text = runner.lower(program.abstract_state(), program.abstract_batch(2)).compile().as_text()
-  ops = collections.Counter(re.findall(r"= (\S+?)\{[^}]*\} (all-gather|reduce-scatter)\(",
-                                       text))
-  # 2 rows a device, 2 KV heads of 32: k and v gathered from 1024 positions to 2048,
-  # dk and dv reduce-scattered back; the 4 query heads never gathered.
-  assert ops[("f32[2,2048,2,32]", "all-gather")] == 2
-  assert ops[("f32[2,1024,2,32]", "reduce-scatter")] == 2
+  ops = collections.Counter(re.findall(
+      r"= (\S+?)\{[^}]*\} (all-gather|reduce-scatter|collective-permute)(?:-start)?\(", text))
+  # 2 rows a device, 2 KV heads of 32, 512 of the 2048 positions a device.
+  if strategy == "all_gather":  # k and v gathered whole, dk and dv reduce-scattered back
+    assert ops[("f32[2,2048,2,32]", "all-gather")] == 2
+    assert ops[("f32[2,512,2,32]", "reduce-scatter")] == 2
+    assert not ops[("f32[2,512,2,32]", "collective-permute")]
+  else:  # k and v 3 hops forward; dk and dv 3 hops back; nothing gathered whole
+    assert ops[("f32[2,512,2,32]", "collective-permute")] == 2 * 3 * 2
+    assert not [shape for shape, _ in ops if ",2048," in shape]
+  # The 4 query heads never gathered.
   assert not [shape for shape, _ in ops if re.match(r"f32\[\d+,2048,4,32\]", shape)]
 
 
@@ -114,7 +169,13 @@ def test_a_checkpoint_moves_between_context_sizes(one_device, tmp_path):
     (["mesh.context=2", "model_factory=m:f"], "a model_factory model trains with mesh.context=1"),
     (["mesh.context=2", "model.attention=cudnn"], "mesh.context=2 with model.attention=cudnn"),
     (["mesh.context=2", "train.seq_len=4098"],
-     "mesh.context=2 leaves 2049 positions of train.seq_len=4098 a device"),
+     "context.load_balance needs train.seq_len=4098 cut into 2 x mesh.context=4 equal chunks"),
+    (["mesh.context=2", "train.seq_len=4100"],
+     "mesh.context=2 leaves attention pieces of 1025 positions of train.seq_len=4100"),
+    (["mesh.context=2", "train.seq_len=4098", "context.load_balance=False"],
+     "mesh.context=2 leaves attention pieces of 2049 positions of train.seq_len=4098"),
+    (["mesh.context=2", "context.strategy=tree"],
+     "context.strategy='tree' is not valid; choose one of: all_gather, ring"),
 ])
 def test_bad_context_settings_are_one_line(overrides, message):
   with pytest.raises(config.ConfigError, match=re.escape(message)):
