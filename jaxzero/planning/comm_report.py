@@ -65,6 +65,11 @@ class CommReport:
   pipeline_bytes: int = 0
   pipeline_permute_bytes: int = 0
   pipeline_formula_bytes: int | None = None
+  # With a context axis: what crosses it alone (attention's keys and values), and the
+  # formula's bytes for the strategy (see `report`).
+  context_bytes: int = 0
+  context_formula_bytes: int | None = None
+  context_formula: str = ""
 
 
 def hlo_text(compiled_or_text: Any) -> str:
@@ -76,7 +81,9 @@ def hlo_text(compiled_or_text: Any) -> str:
 
 def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int = 2, *,
            stage: int | None = None, grad_accum: int = 1, tensor: int = 1,
-           activation_bytes: int | None = None) -> CommReport:
+           activation_bytes: int | None = None, kv_bytes: int | None = None,
+           context: int = 1, context_strategy: str = "all_gather",
+           kv_runs: int = 0) -> CommReport:
   """Every collective of a compiled step, and the bytes per device per step.
 
   Args:
@@ -88,6 +95,14 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
       paper's figure (for the data axes) is divided by it.
     activation_bytes: with a ``pipeline`` axis, one micro-batch's activations at a stage
       boundary on one device: the pipeline sends are set beside 2 x grad_accum x them.
+    kv_bytes, context, context_strategy, kv_runs: with a ``context`` axis of `context`
+      devices, the keys and values of one layer's whole sequence for a device's rows, and
+      how many times a step attends (layers x micro-batches): what crosses `context` is
+      set beside 3 x kv_runs x kv_bytes for "all_gather" (gathered whole, counted as
+      above), or 3 x kv_runs x (context - 1) / context x kv_bytes for "ring" (C - 1 hops
+      of one part): 3 passes, the forward, its recomputation in the backward (every remat
+      policy recomputes the gathered keys and values rather than keep the whole
+      sequence's), and their gradients back.
   """
   module = HloModule(hlo_text(compiled_or_text))
   found = list(module.collectives())
@@ -119,13 +134,25 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
     notes.append("across `pipeline`: each tick's sends, the bubble's too; with GPipe and "
                  "interleaved also the last stage's outputs to all stages and the input "
                  "gradients back (the embedding and head run on every stage)")
+  context_formula, context_formula_bytes = "", None
+  if kv_bytes is not None and context > 1:
+    share = 1.0 if context_strategy == "all_gather" else (context - 1) / context
+    context_formula_bytes = int(3 * kv_runs * share * kv_bytes)
+    context_formula = ("3 passes x attentions x K,V of the whole sequence" if share == 1 else
+                       f"3 passes x attentions x {context - 1}/{context} x K,V of the whole "
+                       "sequence")
+    notes.append("across `context`: the keys and values go forward, again when the "
+                 "backward pass recomputes the layer (they are not kept), and their "
+                 "gradients back; packed sequences' segment ids go with them")
   return CommReport(
       rows, found, total, total / (n_params * unit_bytes_per_param),
       {a: sum(r.counted_bytes for r in rows if a in r.axes) for a in getattr(mesh, "axis_names", ())},
       n_params, unit_bytes_per_param,
       None if stage is None else zero_paper_units(stage, grad_accum) / tensor, notes,
       sum(r.counted_bytes for r in alone),
-      sum(r.counted_bytes for r in alone if r.op == "collective-permute"), formula)
+      sum(r.counted_bytes for r in alone if r.op == "collective-permute"), formula,
+      sum(r.counted_bytes for r in rows if r.axes == ("context",)), context_formula_bytes,
+      context_formula)
 
 
 def as_json(rep: CommReport) -> dict:
@@ -159,4 +186,7 @@ def format_table(rep: CommReport) -> str:
     lines.append(f"across pipeline alone: {size(rep.pipeline_bytes)} (collective-permutes "
                  f"{size(rep.pipeline_permute_bytes)}); the formula, 2 x micro-batches x "
                  f"activations per stage boundary: {size(rep.pipeline_formula_bytes)}")
+  if rep.context_formula_bytes is not None:
+    lines.append(f"across context alone: {size(rep.context_bytes)}; the formula, "
+                 f"{rep.context_formula}: {size(rep.context_formula_bytes)}")
   return "\n".join(lines + [f"note: {n}" for n in rep.notes])

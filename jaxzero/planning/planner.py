@@ -357,7 +357,11 @@ def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
     row.comm_report = comm_lib.report(
         compile_step(runner, micro), program.layout.mesh, count_params(program.cfg.model),
         stage=program.layout.stage, grad_accum=program.cfg.train.grad_accum,
-        tensor=program.layout.tensor_size, activation_bytes=_boundary_bytes(program, micro))
+        tensor=program.layout.tensor_size, activation_bytes=_boundary_bytes(program, micro),
+        kv_bytes=_kv_bytes(program, micro), context=program.layout.context_size,
+        context_strategy=program.layout.context_strategy,
+        kv_runs=(program.cfg.model.n_layers // program.layout.pipeline_size
+                 * program.cfg.train.grad_accum))
   if search:
     def total_at(micro_batch: int) -> int:
       nonlocal compiles
@@ -414,6 +418,16 @@ def _boundary_bytes(program: engine_lib.TrainProgram, micro: int) -> int | None:
   itemsize = np.dtype(dtype_of(cfg.precision.compute)).itemsize
   return (micro * cfg.train.seq_len * cfg.model.dim * itemsize // layout.tensor_size
           * cfg.pipeline.virtual_stages)
+
+
+def _kv_bytes(program: engine_lib.TrainProgram, micro: int) -> int:
+  """One layer's keys and values for the whole sequence of a device's `micro` rows, in
+  the compute dtype (the KV heads split over `tensor` where it divides them)."""
+  cfg, layout = program.cfg, program.layout
+  heads = cfg.model.n_kv_heads
+  heads //= layout.tensor_size if heads % layout.tensor_size == 0 else 1
+  itemsize = np.dtype(dtype_of(cfg.precision.compute)).itemsize
+  return 2 * micro * cfg.train.seq_len * heads * cfg.model.head_dim * itemsize
 
 
 def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:

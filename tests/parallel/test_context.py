@@ -180,3 +180,20 @@ def test_a_checkpoint_moves_between_context_sizes(one_device, tmp_path):
 def test_bad_context_settings_are_one_line(overrides, message):
   with pytest.raises(config.ConfigError, match=re.escape(message)):
     config.validate(config.apply_overrides(config.load(TINY, ["train.seq_len=64"]), overrides))
+
+
+def test_plan_comm_sets_what_crosses_context_beside_the_formula():
+  from jaxzero.planning import comm_report, planner
+  cfg = config.load(TINY, ["model.n_layers=2", "train.seq_len=1024", "mesh.fsdp=2",
+                           "mesh.context=4", "context.strategy=ring"])
+  plan = planner.plan(cfg, 8, 80e9, sweep=[planner.Variant(3, False, cfg.remat.policy)],
+                      search=False, comm=True)
+  rep = plan.rows[0].comm_report
+  # One layer's K and V for the whole sequence of a device's 8 rows: 2 x 8 x 1024 x 2 KV
+  # heads x 32 x 4 bytes; 2 layers x 2 micro-batches; 3 passes of 3 hops of a quarter.
+  kv_bytes = 2 * 8 * 1024 * 2 * 32 * 4
+  assert rep.context_formula_bytes == 3 * 4 * 3 * kv_bytes // 4
+  permutes = [r for r in rep.rows if r.op == "collective-permute" and r.axes == ("context",)]
+  assert sum(r.counted_bytes for r in permutes) == rep.context_formula_bytes
+  assert ("across context alone: 38.28 MB; the formula, 3 passes x attentions x 3/4 x K,V of "
+          "the whole sequence: 37.75 MB") in comm_report.format_table(rep)
