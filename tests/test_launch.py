@@ -142,6 +142,17 @@ def test_two_processes_train_like_one_with_a_stage_each(tmp_path, reference, lau
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_two_processes_train_like_one_with_the_ring_across_them(tmp_path, reference,
+                                                               launch_env):
+  # context=8 over both processes' devices: the keys and values pass between processes
+  # on two of the ring's hops (issue 43), load balanced.
+  launch(launch_env, tmp_path, "--steps", "3",
+         sets=["mesh.fsdp=1", "mesh.context=8", "context.strategy=ring"])
+  np.testing.assert_allclose(logged_losses(tmp_path), reference[:3], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_checkpoints_move_between_process_counts(two_process_stage3, reference, tmp_path,
                                                 launch_env):
   workdir = tmp_path / "run"

@@ -128,7 +128,8 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
 
 def _parallelism(tr: Translation, block: dict) -> None:
   """ParallelismConfig's sizes as the mesh (over the hybrid strategy's): cp_size is
-  mesh.context, whose attention gathers keys and values whatever cp_comm_strategy says."""
+  mesh.context; cp_comm_strategy allgather is context.strategy=all_gather, and alltoall
+  (torch's ring rotation of key/value shards) context.strategy=ring."""
   block = tr.check_keys(block, "parallelism_config.", PARALLELISM_KEYS)
   for key, target in PARALLELISM_SIZES.items():
     if key in block:
@@ -139,9 +140,8 @@ def _parallelism(tr: Translation, block: dict) -> None:
     raise tr.error(f"parallelism_config.parallelism_config_cp_comm_strategy={strategy!r}; "
                    "Accelerate's choices are allgather and alltoall")
   if "parallelism_config_cp_comm_strategy" in block:
-    tr.unneeded["parallelism_config.parallelism_config_cp_comm_strategy"] = (
-        "mesh.context's attention gathers keys and values (allgather)"
-        + (", the nearest to alltoall's head exchange" if strategy == "alltoall" else ""))
+    tr.set("context.strategy", {"allgather": "all_gather", "alltoall": "ring"}[strategy],
+           "parallelism_config.parallelism_config_cp_comm_strategy")
   if "parallelism_config_cp_backend" in block:
     tr.unneeded["parallelism_config.parallelism_config_cp_backend"] = (
         "XLA's collectives, placed by the mesh")

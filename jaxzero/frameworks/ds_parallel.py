@@ -10,8 +10,8 @@ counts here (``partition: "uniform"``, which for alike layers is also "parameter
 "best"); a ``type:`` partition is refused. DeepSpeed's pipeline engine trains with 1F1B
 (its ``TrainSchedule``), so a ``pipeline`` block sets ``pipeline.schedule=1f1b``.
 ``sequence_parallel_size`` (DeepSpeed-Ulysses: an all-to-all from sequence to heads
-around attention) is ``mesh.context``, the nearest strategy here: attention gathers keys
-and values over it.
+around attention) is ``mesh.context`` with ``context.strategy=all_gather``, the nearest
+strategy here: each device sees every position's keys and values, as Ulysses' heads do.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def translate(tr: Translation, ds: dict, base: config_lib.Config) -> None:
     size = number(tr, ds["sequence_parallel_size"], "sequence_parallel_size", int, 1)
     tr.set("mesh.context", size, "sequence_parallel_size")
     if size > 1:
-      tr.unneeded["sequence_parallel_size (Ulysses' all-to-all)"] = (
-          "mesh.context's attention gathers keys and values instead: the nearest strategy")
+      tr.set("context.strategy", "all_gather",
+             "sequence_parallel_size: Ulysses' all-to-all over heads, whose nearest here is "
+             "gathering keys and values")
   axes = [k for k in ("mesh.tensor", "mesh.pipeline", "mesh.context") if k in tr.settings]
   if axes and base.mesh.replica == 1:  # DeepSpeed's data-parallel group: what is left
     tr.set("mesh.fsdp", -1, " and ".join(tr.settings[k][1] for k in axes))

@@ -137,6 +137,8 @@ def test_the_parallelism_config_sizes_are_the_mesh():
                   "  parallelism_config_cp_comm_strategy: alltoall\n")
   assert (cfg.zero.strategy, cfg.mesh.replica, cfg.mesh.fsdp, cfg.mesh.tensor,
           cfg.mesh.context) == ("HYBRID_SHARD", 2, 2, 2, 2)
+  # torch's alltoall rotation passes key/value shards round the ring.
+  assert cfg.context.strategy == "ring"
 
 
 def test_fp8_mixed_precision_is_fp8_matmuls_around_bf16():

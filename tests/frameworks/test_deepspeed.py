@@ -248,7 +248,9 @@ def test_ulysses_sequence_parallel_size_is_the_context_axis():
   cfg = from_ds(ds, devices=8)
   assert (cfg.mesh.context, cfg.mesh.fsdp) == (4, -1)
   assert mesh_lib.resolve_shape(cfg.mesh, 8) == (1, 2, 1)  # DeepSpeed's data group: 8 / 4
-  assert "sequence_parallel_size (Ulysses' all-to-all)" in deepspeed.translate(ds, base()).unneeded
+  assert cfg.context.strategy == "all_gather"
+  assert "Ulysses' all-to-all over heads" in deepspeed.translate(ds, base()).settings[
+      "context.strategy"][1]
 
 
 def test_auto_fields_take_the_base_values():
