@@ -168,7 +168,8 @@ class PendingMetrics:
 
   `add` waits for the step before the one just dispatched, so the device
   always has work queued and the wait costs nothing; the time it returns is
-  that step's end.
+  that step's end. A step whose metrics are ready when it returns (a runner that
+  finishes the step before returning, as the host-memory optimizer does) ends then.
   """
 
   def __init__(self, logger: MetricsLogger, tokens_per_step: int, flops_per_token: float,
@@ -194,8 +195,10 @@ class PendingMetrics:
 
   def add(self, metrics) -> None:
     self._pending.append(metrics)
-    if len(self._pending) >= 2:
+    if len(self._pending) - len(self._ends) >= 2:  # the step before has no end yet
       jax.block_until_ready(self._pending[-2])
+      self._ends.append(time.perf_counter())
+    if all(x.is_ready() for x in jax.tree.leaves(metrics) if isinstance(x, jax.Array)):
       self._ends.append(time.perf_counter())
 
   def log(self, done: int, evaluate=None) -> list[dict]:
@@ -207,7 +210,8 @@ class PendingMetrics:
     if not self._pending:
       return []
     fetched = jax.device_get(self._pending)
-    self._ends.append(time.perf_counter())
+    if len(self._ends) < len(self._pending):
+      self._ends.append(time.perf_counter())
     extra = evaluate() if evaluate is not None else {}
     records = []
     previous = self._last_end

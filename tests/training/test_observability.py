@@ -112,3 +112,25 @@ def test_a_ds_config_wandb_block_and_accelerates_log_with_translate():
   assert deepspeed.translate({"wandb": {"enabled": False}}, base).apply(base).log == base.log
   yaml = "distributed_type: FSDP\nlog_with: wandb\n"
   assert accelerate.translate(__import__("yaml").safe_load(yaml), base).apply(base).log.wandb
+
+
+def test_a_step_that_returns_when_done_is_timed_as_itself(monkeypatch):
+  # A runner that finishes each step before returning (the host-memory optimizer): step 1
+  # takes 1 s, step 2 takes 2 s; both are logged at once. Each step's time is its own (the
+  # last of a logging window was once ~0 s, and each other step had its successor's).
+  from jaxzero.training import metrics as metrics_lib
+
+  class Records:
+    def log(self, records):
+      self.records = records
+
+  now = [0.0]
+  monkeypatch.setattr(metrics_lib.time, "perf_counter", lambda: now[0])
+  logger = Records()
+  pending = metrics_lib.PendingMetrics(logger, 100, 6.0, jax.devices()[:1])
+  for step_end in (1.0, 3.0):
+    now[0] = step_end  # the step ran until now, and returns its metrics ready
+    pending.add({"loss": jax.block_until_ready(jax.numpy.float32(2.0))})
+  pending.log(2)
+  assert [r["step_time_s"] for r in logger.records] == [1.0, 2.0]
+  assert [r["tokens_per_sec"] for r in logger.records] == [100.0, 50.0]
