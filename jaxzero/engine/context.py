@@ -13,7 +13,8 @@ Two strategies, both exact:
   by their log-sum-exp (online softmax). XLA may overlap a hop with the attention to the
   part in hand (on GPU the collective-permutes are asynchronous). The backward pass is the
   forward's gradient: the keys' and values' gradients travel the ring back the other way
-  (ppermute's transpose), each partial attention's from its saved residuals.
+  (ppermute's transpose); each hop's attention is recomputed from the part it had and
+  the merged result before it, so that no hop's partial results are kept.
 
 Both run inside a ``shard_map`` (jaxzero.engine.hooks.LayoutHooks.context), where
 ``axis_index(context)`` says which part a device holds.
@@ -80,8 +81,9 @@ def all_gather_attention(attend: Callable, q, k, v, segment_ids, *, C: int,
 
 
 def _merge(a, b):
-  """Two partial attentions (output, log-sum-exp) over disjoint keys -> over both. A row
-  that has seen no key yet (-inf) takes weight 0, without NaN."""
+  """Two partial attentions (output, log-sum-exp) over disjoint keys -> over both. `a`'s
+  log-sum-exp is finite (every query has seen a key); a row of `b` that sees no key
+  (-inf) takes weight 0. (Both -inf would make the gradient NaN.)"""
   (o1, l1), (o2, l2) = a, b
   lse = jnp.logaddexp(l1, l2)
   finite = jnp.where(jnp.isneginf(lse), 0.0, lse)
@@ -97,21 +99,42 @@ def ring_attention(attend: Callable, q, k, v, segment_ids, *, C: int,
   q_parts = _parts(q, device, C, balanced)
   q_segs = (_parts(segment_ids, device, C, balanced) if segment_ids is not None
             else [(None, None)] * len(q_parts))
-  merged = [None] * len(q_parts)
-  in_hand = (k, v) if segment_ids is None else (k, v, segment_ids)
-  for hop in range(C):
-    source = (device - hop) % C  # whose part is in hand
-    k_parts = _parts(in_hand[0], source, C, balanced)
-    v_parts = _parts(in_hand[1], source, C, balanced)
+
+  def attend_part(merged, in_hand, hop):
+    """`merged` with the attention to the part in hand (device `device - hop`'s). At hop
+    0 (`merged` None) each query part starts with its own chunk, where every query sees
+    at least itself: a merged log-sum-exp is then never -inf."""
+    source = (device - hop) % C
+    k_parts, v_parts = (_parts(x, source, C, balanced) for x in in_hand[:2])
     kv_segs = (_parts(in_hand[2], source, C, balanced) if segment_ids is not None
                else [(None, None)] * len(k_parts))
+    pairs, first = list(zip(k_parts, v_parts, kv_segs)), merged is None
+    merged = [None] * len(q_parts) if first else list(merged)
     for i, ((q_part, q_at), (q_seg, _)) in enumerate(zip(q_parts, q_segs)):
-      for (k_part, k_at), (v_part, _), (kv_seg, _) in zip(k_parts, v_parts, kv_segs):
-        part = attend(q_part, k_part, v_part, segment_ids_BxT=q_seg,
-                      kv_segment_ids_BxS=kv_seg, q_offset=q_at - k_at, return_lse=True)
-        merged[i] = part if merged[i] is None else _merge(merged[i], part)
-    if hop < C - 1:
-      in_hand = tuple(jax.lax.ppermute(x, CONTEXT, ring) for x in in_hand)
+      for (k_part, k_at), (v_part, _), (kv_seg, _) in (
+          [pairs[i]] + pairs[:i] + pairs[i + 1:] if first else pairs):
+        o, lse = attend(q_part, k_part, v_part, segment_ids_BxT=q_seg,
+                        kv_segment_ids_BxS=kv_seg, q_offset=q_at - k_at, return_lse=True)
+        merged[i] = ((o.astype(jnp.float32), lse) if merged[i] is None
+                     else _merge(merged[i], (o, lse)))
+    return merged
+
+  # Each hop's partial attentions are recomputed in the backward pass from what the hop
+  # started with (the part in hand, and one float32 result for this device's queries):
+  # kept, they and their merges would be several such results a hop.
+  attend_part = jax.checkpoint(attend_part)
+  pass_on = lambda in_hand: tuple(jax.lax.ppermute(x, CONTEXT, ring) for x in in_hand)
+
+  def hop(carry, n):
+    # Passing the part on does not wait for attending to it: XLA may overlap the two.
+    merged, in_hand = carry
+    return (attend_part(merged, in_hand, n), pass_on(in_hand)), None
+
+  in_hand = (k, v) if segment_ids is None else (k, v, segment_ids)
+  carry = (attend_part(None, in_hand, 0), pass_on(in_hand))
+  # A loop, not C - 2 copies of the hop: the program does not grow with C.
+  (merged, in_hand), _ = jax.lax.scan(hop, carry, jnp.arange(1, C - 1))
+  merged = attend_part(merged, in_hand, C - 1)
   return jnp.concatenate([o.astype(q.dtype) for o, _ in merged], axis=1)
 
 

@@ -63,7 +63,8 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
     q_offset: the position of the first query among the keys (an int or a traced
       scalar): query t is at position q_offset + t. "blockwise" needs it to be a
       multiple of its tile (a part of the sequence is whole tiles), e.g. c * T. It may
-      be negative, or past the keys: then no query, or every query, sees every key.
+      be negative (the keys after the queries: with q_offset <= -S no query sees any), or
+      past the keys (with q_offset >= S and no window every query sees every key).
     return_lse: also return each query's log-sum-exp of its visible scores, [B, T, H]
       float32 (-inf, with a zero output, where a query sees no key): the pair to merge
       attention over several blocks of keys ("xla" and "blockwise").
@@ -85,7 +86,10 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
                      "'cudnn'; use 'blockwise' or 'auto'")
   if kv_segment_ids_BxS is None:
     kv_segment_ids_BxS = segment_ids_BxT
-  window = 0 if window >= S else window  # a window as long as the sequence masks nothing
+  # A window longer than every query-key distance masks nothing. (With a traced offset
+  # the distances are not known: the window stays, which is always exact.)
+  if window >= (S if not offset else q_offset + T if isinstance(q_offset, int) else math.inf):
+    window = 0
   if implementation == "auto":
     implementation = ("blockwise" if segment_ids_BxT is not None or offset or return_lse
                       else _resolve_auto(q_BxTxHxE, k_BxSxKxE, window))
@@ -353,7 +357,10 @@ def _flash_bwd(block, window, name, residuals, cotangents):
   # delta = rowsum(dO * O), the softmax Jacobian's correction term.
   delta_BxTxKxG = jnp.einsum("btkge,btkge->btkg", _grouped(dout_BxTxHxE, K).astype(f32),
                              _grouped(out_BxTxHxE, K).astype(f32))
-  delta_BxTxKxG = delta_BxTxKxG - dlse_BxTxH.reshape(delta_BxTxKxG.shape).astype(f32)
+  # (A row that sees no key has lse -inf and no gradient, whatever its cotangent.)
+  lse_BxTxH = _lse_rows(lse_NxBxKxGxC, q_BxTxHxE.shape)
+  dlse_BxTxH = jnp.where(lse_BxTxH == -jnp.inf, 0.0, dlse_BxTxH.astype(f32))
+  delta_BxTxKxG = delta_BxTxKxG - dlse_BxTxH.reshape(delta_BxTxKxG.shape)
   delta_NxBxKxGxC = jnp.einsum("nbqkg->nbkgq", _blocks(delta_BxTxKxG, block))
   k_MxBxCxKxE, v_MxBxCxKxE = _blocks(k_BxSxKxE, block), _blocks(v_BxSxKxE, block)
   n, m = q_NxBxCxKxGxE.shape[0], k_MxBxCxKxE.shape[0]

@@ -2,7 +2,8 @@
 
 Every collective of the step (jaxzero.planning.collectives) grouped into rows of alike ops,
 with the total per device, what crosses each mesh axis, and the ZeRO paper's figure to set
-beside it; as JSON (``jaxzero.plan --json``) or as a table (``jaxzero.plan --comm``).
+beside it (and the formulas for what crosses ``pipeline`` and ``context`` alone); as JSON
+(``jaxzero.plan --json``) or as a table (``jaxzero.plan --comm``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxzero.engine.state import dtype_of
+from jaxzero.models.llama import count_params
 from jaxzero.planning.collectives import Collective, Groups, HloModule
 from jaxzero.utils.formatting import format_bytes
 
@@ -153,6 +156,41 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
       sum(r.counted_bytes for r in alone if r.op == "collective-permute"), formula,
       sum(r.counted_bytes for r in rows if r.axes == ("context",)), context_formula_bytes,
       context_formula)
+
+
+def for_program(compiled: Any, program, micro: int) -> CommReport:
+  """`report` for a train program's (jaxzero.engine.TrainProgram's) compiled step at
+  `micro` rows a device: the ZeRO paper's figure for its stage, and the formulas for
+  what crosses ``pipeline`` and ``context``."""
+  cfg, layout = program.cfg, program.layout
+  return report(compiled, layout.mesh, count_params(cfg.model), stage=layout.stage,
+                grad_accum=cfg.train.grad_accum, tensor=layout.tensor_size,
+                activation_bytes=boundary_bytes(program, micro),
+                kv_bytes=kv_bytes(program, micro), context=layout.context_size,
+                context_strategy=layout.context_strategy,
+                kv_runs=cfg.model.n_layers // layout.pipeline_size * cfg.train.grad_accum)
+
+
+def boundary_bytes(program, micro: int) -> int | None:
+  """With pipeline stages: one micro-batch's activations at a stage boundary on one
+  device (its rows x sequence x width, in the compute dtype, split over `tensor` by
+  sequence parallelism; interleaved, V times: it goes round V times); else None."""
+  layout, cfg = program.layout, program.cfg
+  if layout.pipeline_size == 1:
+    return None
+  itemsize = np.dtype(dtype_of(cfg.precision.compute)).itemsize
+  return (micro * cfg.train.seq_len * cfg.model.dim * itemsize // layout.tensor_size
+          * cfg.pipeline.virtual_stages)
+
+
+def kv_bytes(program, micro: int) -> int:
+  """One layer's keys and values for the whole sequence of a device's `micro` rows, in
+  the compute dtype (the KV heads split over `tensor` where it divides them)."""
+  cfg, layout = program.cfg, program.layout
+  heads = cfg.model.n_kv_heads
+  heads //= layout.tensor_size if heads % layout.tensor_size == 0 else 1
+  itemsize = np.dtype(dtype_of(cfg.precision.compute)).itemsize
+  return 2 * micro * cfg.train.seq_len * heads * cfg.model.head_dim * itemsize
 
 
 def as_json(rep: CommReport) -> dict:

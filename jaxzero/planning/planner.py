@@ -16,13 +16,11 @@ import time
 from typing import Callable
 
 import jax
-import numpy as np
 
 from jaxzero import config as config_lib
 from jaxzero import engine as engine_lib
 from jaxzero.config import Config
 from jaxzero.engine.remat import POLICY_NAMES
-from jaxzero.engine.state import dtype_of
 from jaxzero.errors import ConfigError
 from jaxzero.config.builtin_model import builtin_model
 from jaxzero.models.llama import count_params
@@ -354,14 +352,7 @@ def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
   compiles = 1
   if comm:
     compiles += 1
-    row.comm_report = comm_lib.report(
-        compile_step(runner, micro), program.layout.mesh, count_params(program.cfg.model),
-        stage=program.layout.stage, grad_accum=program.cfg.train.grad_accum,
-        tensor=program.layout.tensor_size, activation_bytes=_boundary_bytes(program, micro),
-        kv_bytes=_kv_bytes(program, micro), context=program.layout.context_size,
-        context_strategy=program.layout.context_strategy,
-        kv_runs=(program.cfg.model.n_layers // program.layout.pipeline_size
-                 * program.cfg.train.grad_accum))
+    row.comm_report = comm_lib.for_program(compile_step(runner, micro), program, micro)
   if search:
     def total_at(micro_batch: int) -> int:
       nonlocal compiles
@@ -406,28 +397,6 @@ def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int,
           state.get("pinned_pool", state["host"]) or variant.remat in OFFLOADING_POLICIES),
       host_process_bytes=state.get("host_process", state["host"] * len(layout.mesh.local_devices)),
       host_update_bytes=state.get("host_update", 0), seconds=seconds, step_s=step_s, bound=bound)
-
-
-def _boundary_bytes(program: engine_lib.TrainProgram, micro: int) -> int | None:
-  """With pipeline stages: one micro-batch's activations at a stage boundary on one
-  device (its rows x sequence x width, in the compute dtype, split over `tensor` by
-  sequence parallelism; interleaved, V times: it goes round V times); else None."""
-  layout, cfg = program.layout, program.cfg
-  if layout.pipeline_size == 1:
-    return None
-  itemsize = np.dtype(dtype_of(cfg.precision.compute)).itemsize
-  return (micro * cfg.train.seq_len * cfg.model.dim * itemsize // layout.tensor_size
-          * cfg.pipeline.virtual_stages)
-
-
-def _kv_bytes(program: engine_lib.TrainProgram, micro: int) -> int:
-  """One layer's keys and values for the whole sequence of a device's `micro` rows, in
-  the compute dtype (the KV heads split over `tensor` where it divides them)."""
-  cfg, layout = program.cfg, program.layout
-  heads = cfg.model.n_kv_heads
-  heads //= layout.tensor_size if heads % layout.tensor_size == 0 else 1
-  itemsize = np.dtype(dtype_of(cfg.precision.compute)).itemsize
-  return 2 * micro * cfg.train.seq_len * heads * cfg.model.head_dim * itemsize
 
 
 def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:

@@ -349,7 +349,8 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
   profiler = profiling.StepProfiler(cfg.profile.window, workdir)
   metrics = PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len,
                            model_flops_per_token(cfg, run.program.n_params, run.program.n_frozen),
-                           run.devices)
+                           run.devices,
+                           returns_when_done=run.runner.device_program == "gradients")
   guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_nonfinite, checkpoints)
   done = start
   try:

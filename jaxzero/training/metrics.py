@@ -168,18 +168,20 @@ class PendingMetrics:
 
   `add` waits for the step before the one just dispatched, so the device
   always has work queued and the wait costs nothing; the time it returns is
-  that step's end. A step whose metrics are ready when it returns (a runner that
-  finishes the step before returning, as the host-memory optimizer does) ends then.
+  that step's end. With `returns_when_done` (a runner whose update runs outside the
+  device program, on the host or from files, and is finished when the step returns)
+  each step ends when it returns.
   """
 
   def __init__(self, logger: MetricsLogger, tokens_per_step: int, flops_per_token: float,
-               devices):
+               devices, returns_when_done: bool = False):
     self._logger = logger
     self._tokens_per_step = tokens_per_step
     self._flops_per_step = flops_per_token * tokens_per_step
     peak = throughput.device_peak_tflops(devices[0])
     self._peak_flops = peak * 1e12 * len(devices) if peak else None
     self._local_devices = [d for d in devices if d.process_index == jax.process_index()]
+    self._returns_when_done = returns_when_done
     self._pending: list = []
     self._ends: list[float] = []
     self._extra: dict[int, dict] = {}
@@ -195,10 +197,10 @@ class PendingMetrics:
 
   def add(self, metrics) -> None:
     self._pending.append(metrics)
-    if len(self._pending) - len(self._ends) >= 2:  # the step before has no end yet
-      jax.block_until_ready(self._pending[-2])
+    if self._returns_when_done:
       self._ends.append(time.perf_counter())
-    if all(x.is_ready() for x in jax.tree.leaves(metrics) if isinstance(x, jax.Array)):
+    elif len(self._pending) >= 2:
+      jax.block_until_ready(self._pending[-2])
       self._ends.append(time.perf_counter())
 
   def log(self, done: int, evaluate=None) -> list[dict]:

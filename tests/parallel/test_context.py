@@ -51,8 +51,8 @@ def test_attention_of_each_part_of_the_sequence_is_that_of_the_whole(implementat
 
 @pytest.mark.parametrize("strategy, balanced, implementation, window, packed", [
     ("all_gather", True, "blockwise", 0, True), ("all_gather", False, "xla", 6, False),
-    ("ring", True, "blockwise", 0, True), ("ring", True, "xla", 0, True),
-    ("ring", False, "blockwise", 6, False), ("ring", True, "blockwise", 6, True)])
+    ("ring", True, "blockwise", 0, True), ("ring", True, "xla", 12, True),
+    ("ring", False, "blockwise", 20, False), ("ring", True, "blockwise", 6, True)])
 def test_each_strategy_attends_as_the_whole_sequence(strategy, balanced, implementation, window,
                                                      packed):
   import functools
@@ -60,6 +60,7 @@ def test_each_strategy_attends_as_the_whole_sequence(strategy, balanced, impleme
   from jaxzero.parallel.mesh import make_mesh
   from jaxzero.parallel.zero import Layout
   rng = np.random.default_rng(1)
+  # Parts of 16 positions, chunks of 8 balanced: some windows are longer than a piece.
   B, T, H, K, E, C = 2, 64, 4, 2, 8, 4
   q, k, v = (jnp.asarray(rng.standard_normal((B, T, n, E)), jnp.float32) for n in (H, K, K))
   # Segments that cross the devices' parts (and, balanced, their chunks).
@@ -150,8 +151,12 @@ def test_the_step_moves_keys_and_values_over_context_never_queries(strategy):
     assert ops[("f32[2,2048,2,32]", "all-gather")] == 2
     assert ops[("f32[2,512,2,32]", "reduce-scatter")] == 2
     assert not ops[("f32[2,512,2,32]", "collective-permute")]
-  else:  # k and v 3 hops forward; dk and dv 3 hops back; nothing gathered whole
-    assert ops[("f32[2,512,2,32]", "collective-permute")] == 2 * 3 * 2
+  else:  # k and v 3 hops forward, dk and dv 3 hops back (and the forward's hops again
+    # where the backward recomputes them, 3 passes at most); nothing gathered whole
+    from jaxzero.planning.collectives import HloModule
+    hops = [c for c in HloModule(text).collectives() if c.op == "collective-permute"]
+    assert {c.shape for c in hops} == {"f32[2,512,2,32]"}
+    assert 2 * 3 * 2 <= sum(c.runs for c in hops) <= 3 * 3 * 2
     assert not [shape for shape, _ in ops if ",2048," in shape]
   # The 4 query heads never gathered.
   assert not [shape for shape, _ in ops if re.match(r"f32\[\d+,2048,4,32\]", shape)]

@@ -115,7 +115,7 @@ def test_a_ds_config_wandb_block_and_accelerates_log_with_translate():
 
 
 def test_a_step_that_returns_when_done_is_timed_as_itself(monkeypatch):
-  # A runner that finishes each step before returning (the host-memory optimizer): step 1
+  # A runner that finishes each step before returning (the update on the host): step 1
   # takes 1 s, step 2 takes 2 s; both are logged at once. Each step's time is its own (the
   # last of a logging window was once ~0 s, and each other step had its successor's).
   from jaxzero.training import metrics as metrics_lib
@@ -127,7 +127,8 @@ def test_a_step_that_returns_when_done_is_timed_as_itself(monkeypatch):
   now = [0.0]
   monkeypatch.setattr(metrics_lib.time, "perf_counter", lambda: now[0])
   logger = Records()
-  pending = metrics_lib.PendingMetrics(logger, 100, 6.0, jax.devices()[:1])
+  pending = metrics_lib.PendingMetrics(logger, 100, 6.0, jax.devices()[:1],
+                                       returns_when_done=True)
   for step_end in (1.0, 3.0):
     now[0] = step_end  # the step ran until now, and returns its metrics ready
     pending.add({"loss": jax.block_until_ready(jax.numpy.float32(2.0))})
