@@ -67,7 +67,8 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
       past the keys (with q_offset >= S and no window every query sees every key).
     return_lse: also return each query's log-sum-exp of its visible scores, [B, T, H]
       float32 (-inf, with a zero output, where a query sees no key): the pair to merge
-      attention over several blocks of keys ("xla" and "blockwise").
+      attention over several blocks of keys ("xla" and "blockwise"). The output is then
+      float32, so that merging loses nothing to rounding.
 
   Raises:
     ValueError: for an unknown implementation, K not dividing H, a negative window,
@@ -98,11 +99,8 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
     if isinstance(q_offset, int) and q_offset % block:
       raise ValueError(f"q_offset={q_offset} is not a multiple of the {block}-position tile "
                        f"of {T} queries (a part of the sequence is whole tiles)")
-    # A whole attention's residuals are the layer's "attention" (a remat policy may
-    # keep them); a part's are recomputed: merged, the parts give that output once.
     out, lse = _flash(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxT, kv_segment_ids_BxS,
-                      q_offset // block if offset else 0, block, window,
-                      "attention_part" if return_lse else "attention")
+                      q_offset // block if offset else 0, block, window, return_lse)
     return (out, lse) if return_lse else out
   if (segment_ids_BxT is not None or offset) and implementation == "cudnn":
     raise ValueError("attention over packed sequences (segment ids) or over a part of the "
@@ -128,8 +126,8 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
 
 def _reference_with_lse(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array,
                         mask: Array) -> tuple[Array, Array]:
-  """"xla"'s attention and log-sum-exp in plain JAX, the scores materialised; `mask` is
-  [T, S] or [B, 1, T, S]. A query that sees no key gets 0 and -inf (no NaN, nor in
+  """"xla"'s attention (float32) and log-sum-exp in plain JAX, the scores materialised;
+  `mask` is [T, S] or [B, 1, T, S]. A query that sees no key gets 0 and -inf (no NaN, nor in
   the gradient)."""
   B, T, H, E = q_BxTxHxE.shape
   K = k_BxSxKxE.shape[2]
@@ -147,7 +145,7 @@ def _reference_with_lse(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array,
   out_BxTxKxGxE = jnp.einsum("bkgts,bske->btkge", p_BxKxGxTxS / l_BxKxGxT[..., None],
                              v_BxSxKxE.astype(f32))
   lse_BxKxGxT = jnp.where(sees_nothing, -jnp.inf, m_BxKxGxT + jnp.log(l_BxKxGxT))
-  return (out_BxTxKxGxE.reshape(B, T, H, E).astype(q_BxTxHxE.dtype),
+  return (out_BxTxKxGxE.reshape(B, T, H, E),
           jnp.einsum("bkgt->btkg", lse_BxKxGxT).reshape(B, T, H))
 
 
@@ -203,20 +201,22 @@ def _cudnn_refusal(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], dtype,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _flash(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, seg_BxT: Array | None,
            seg_BxS: Array | None, q_block0: Array | int, block: int, window: int,
-           name: str) -> tuple[Array, Array]:
+           part: bool) -> tuple[Array, Array]:
   """Blockwise attention of queries whose first block is key block `q_block0`, and its
-  log-sum-exp [B, T, H]; `name` names the residuals for remat policies."""
+  log-sum-exp [B, T, H]. A `part`, to be merged with others, is float32."""
   out_BxTxHxE, lse_NxBxKxGxC = _flash_forward(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT,
-                                              seg_BxS, q_block0, block, window)
+                                              seg_BxS, q_block0, block, window, part)
   return out_BxTxHxE, _lse_rows(lse_NxBxKxGxC, q_BxTxHxE.shape)
 
 
 def _flash_fwd(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0, block, window,
-               name):
+               part):
   out_BxTxHxE, lse_NxBxKxGxC = _flash_forward(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT,
-                                              seg_BxS, q_block0, block, window)
+                                              seg_BxS, q_block0, block, window, part)
   # Named like the output, so that a remat policy saving "attention" keeps
-  # these residuals instead of rerunning the whole forward in the backward.
+  # these residuals instead of rerunning the whole forward in the backward. A part's
+  # are recomputed: merged, the parts give that output once.
+  name = "attention_part" if part else "attention"
   lse_NxBxKxGxC = checkpoint_name(lse_NxBxKxGxC, name)
   out_BxTxHxE = checkpoint_name(out_BxTxHxE, name)
   return ((out_BxTxHxE, _lse_rows(lse_NxBxKxGxC, q_BxTxHxE.shape)),
@@ -289,10 +289,12 @@ def _segment_blocks(seg_BxT: Array | None, block: int) -> Array | None:
 
 def _flash_forward(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array,
                    seg_BxT: Array | None, seg_BxS: Array | None, q_block0: Array | int,
-                   block: int, window: int) -> tuple[Array, Array]:
+                   block: int, window: int, part: bool = False) -> tuple[Array, Array]:
   """Online softmax over key blocks 0..q_block0 + i for each query block i (later ones are
   masked; with a window, from the first block the window reaches; none where q_block0 + i
-  is negative). A row that sees no key gets 0, and -inf for its log-sum-exp."""
+  is negative). A row that sees no key gets 0, and -inf for its log-sum-exp. A `part`'s
+  output is float32, else in the dtype of q."""
+  out_dtype = jnp.float32 if part else q_BxTxHxE.dtype
   B, T, H, E = q_BxTxHxE.shape
   K = k_BxSxKxE.shape[2]
   G, scale = H // K, 1.0 / math.sqrt(E)
@@ -334,17 +336,17 @@ def _flash_forward(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array,
         _first_key_block(at, block, window), jnp.minimum(at + 1, m), key_block, init)
     seen_BxKxGxC = jnp.where(l_BxKxGxC == 0, 1.0, l_BxKxGxC)  # (o is 0 where l is)
     out_BxCxKxGxE = jnp.einsum("bkgqe->bqkge", o_BxKxGxCxE / seen_BxKxGxC[..., None])
-    return out_BxCxKxGxE.astype(q_BxTxHxE.dtype), m_BxKxGxC + jnp.log(l_BxKxGxC)
+    return out_BxCxKxGxE.astype(out_dtype), m_BxKxGxC + jnp.log(l_BxKxGxC)
 
   out_NxBxCxKxGxE, lse_NxBxKxGxC = jax.lax.map(query_block, (jnp.arange(n), q_NxBxCxKxGxE))
   return _unblock(out_NxBxCxKxGxE, T).reshape(B, T, H, E), lse_NxBxKxGxC
 
 
-def _flash_bwd(block, window, name, residuals, cotangents):
+def _flash_bwd(block, window, part, residuals, cotangents):
   """FlashAttention-2's backward: for each key block j, the query blocks that see it (from
   block j on; with a window, up to the last that sees block j). The log-sum-exp's
   cotangent adds to each score's: d lse / d s = p."""
-  del name
+  del part
   dout_BxTxHxE, dlse_BxTxH = cotangents
   q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, seg_BxT, seg_BxS, q_block0, out_BxTxHxE, lse_NxBxKxGxC = (
       residuals)
