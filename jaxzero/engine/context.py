@@ -45,7 +45,9 @@ def sequence_order(T: int, C: int, balanced: bool) -> np.ndarray | None:
 
 def _parts(x: jax.Array | None, device, C: int, balanced: bool) -> list:
   """Device `device`'s part of the sequence (axis 1) as (piece, position of its first
-  entry) pairs: two chunks when balanced, else one."""
+  entry) pairs: two chunks when balanced, else one (pieces None where `x` is)."""
+  if x is None:
+    return [(None, None)] * (2 if balanced else 1)
   T = x.shape[1]
   if not balanced:
     return [(x, device * T)]
@@ -71,12 +73,10 @@ def all_gather_attention(attend: Callable, q, k, v, segment_ids, *, C: int,
   device = jax.lax.axis_index(CONTEXT)
   k_all, v_all = gather(k), gather(v)
   seg_all = None if segment_ids is None else gather(segment_ids)
-  seg_parts = (_parts(segment_ids, device, C, balanced) if segment_ids is not None
-               else [(None, None)] * (2 if balanced else 1))
   outs = [attend(q_part, k_all, v_all, segment_ids_BxT=seg_part, kv_segment_ids_BxS=seg_all,
                  q_offset=offset)
           for (q_part, offset), (seg_part, _) in zip(_parts(q, device, C, balanced),
-                                                     seg_parts)]
+                                                     _parts(segment_ids, device, C, balanced))]
   return jnp.concatenate(outs, axis=1)
 
 
@@ -97,18 +97,17 @@ def ring_attention(attend: Callable, q, k, v, segment_ids, *, C: int,
   device = jax.lax.axis_index(CONTEXT)
   ring = [(d, (d + 1) % C) for d in range(C)]
   q_parts = _parts(q, device, C, balanced)
-  q_segs = (_parts(segment_ids, device, C, balanced) if segment_ids is not None
-            else [(None, None)] * len(q_parts))
+  q_segs = _parts(segment_ids, device, C, balanced)
 
   def attend_part(merged, in_hand, hop):
     """`merged` with the attention to the part in hand (device `device - hop`'s). At hop
     0 (`merged` None) each query part starts with its own chunk, where every query sees
     at least itself: a merged log-sum-exp is then never -inf."""
     source = (device - hop) % C
-    k_parts, v_parts = (_parts(x, source, C, balanced) for x in in_hand[:2])
-    kv_segs = (_parts(in_hand[2], source, C, balanced) if segment_ids is not None
-               else [(None, None)] * len(k_parts))
-    pairs, first = list(zip(k_parts, v_parts, kv_segs)), merged is None
+    k_hand, v_hand, *seg_hand = in_hand  # (the segment ids travel where there are some)
+    pairs = list(zip(*(_parts(x, source, C, balanced)
+                       for x in (k_hand, v_hand, seg_hand[0] if seg_hand else None))))
+    first = merged is None
     merged = [None] * len(q_parts) if first else list(merged)
     for i, ((q_part, q_at), (q_seg, _)) in enumerate(zip(q_parts, q_segs)):
       for (k_part, k_at), (v_part, _), (kv_seg, _) in (
