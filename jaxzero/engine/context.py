@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxzero.parallel.mesh import CONTEXT
 
+
 def sequence_order(T: int, C: int, balanced: bool) -> np.ndarray | None:
   """The positions of a sequence of T, in the order the devices of ``context`` hold them
   (device c's part is entries c*T/C .. (c+1)*T/C - 1); None for 0..T-1 (unbalanced)."""

@@ -60,7 +60,8 @@ class LayoutHooks:
 
   def sequence_order(self, T: int):
     """The order of a sequence's positions over ``context`` (jaxzero.engine.context)."""
-    return context_parallel.sequence_order(T, self.layout.context_size, self.layout.context_balance)
+    layout = self.layout
+    return context_parallel.sequence_order(T, layout.context_size, layout.context_balance)
 
   def context(self, attend: Callable) -> Callable:
     """`attend` on each device's part of the sequence, by the layout's context strategy
