@@ -121,7 +121,10 @@ def summary(outcome, workdir: pathlib.Path, steps: int | None, train_steps: int)
                  f"{last['loss']:.4f}; metrics in {workdir / 'metrics.jsonl'}, TensorBoard: "
                  f"tensorboard --logdir {workdir} (pip install 'jaxzero[tensorboard]')")
   stopped = f"stopped by {outcome.stopped_by} at step {outcome.step}; " if outcome.stopped_by else ""
-  lines.append(f"{stopped}checkpoint of step {outcome.step} in {outcome.checkpoint}")
+  if outcome.checkpoint is None:
+    lines.append(f"{stopped}step {outcome.step} not saved (checkpoint.at_end=false)")
+  else:
+    lines.append(f"{stopped}checkpoint of step {outcome.step} in {outcome.checkpoint}")
   return "\n".join(lines)
 
 

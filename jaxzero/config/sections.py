@@ -211,6 +211,9 @@ class LoraConfig:
 class CheckpointConfig:
   every: int = 0  # 0 = only at the end and on preemption
   keep: int = 3
+  # False: nothing is saved when the run reaches its last step (a benchmark's or a
+  # smoke test's run, whose state is not worth the disk); a preempted run still saves.
+  at_end: bool = True
   # A latest checkpoint that fails verification: "fallback" resumes from the
   # newest one that verifies (moving the damaged one to checkpoints.damaged/),
   # "refuse" stops with the error and changes nothing.

@@ -101,7 +101,7 @@ class Outcome:
   history: list[dict]  # the metrics this call logged
   start_step: int  # 0, or the checkpoint step it resumed from
   step: int  # the step the state reached
-  checkpoint: pathlib.Path  # where the state of `step` is saved
+  checkpoint: pathlib.Path | None  # where the state of `step` is saved; None: not saved
   stopped_by: str | None = None  # the signal that stopped it early, e.g. "SIGTERM"
   finished: bool = False  # the workdir was already at (or past) the step asked for
 
@@ -181,8 +181,10 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
         state, history = _train_steps(run, compiled, state, start, total, workdir, checkpoints,
                                       stop, progress, evaluator, tracker, memory)
     step = int(state.step)
-    peerwatch.phase(f"save {step}")
-    saved = run.runner.save(checkpoints, step, state, wait=True)
+    saved = None
+    if cfg.checkpoint.at_end or stop.received or start >= total:
+      peerwatch.phase(f"save {step}")
+      saved = run.runner.save(checkpoints, step, state, wait=True)
     peerwatch.phase("done")
   finally:
     checkpoints.close()  # waits for saves still in flight
