@@ -190,6 +190,7 @@ class NvmeRunner:
     if frozen is not None or self.program.model.frozen_specs is not None:
       raise ValueError("the NVMe runner keeps no frozen weights (LoRA): offload must be device")
     sh = self.program.shardings
+    started = time.perf_counter()
     store = self.open_store()
     master_sh = jax.tree.leaves(on_device(sh.master))
     random = master is None
@@ -212,9 +213,13 @@ class NvmeRunner:
       for i in batch:  # each fp32 weight dropped once written
         self._write_first(store, self.leaves[i], weights[i])
         weights[i] = None
+    written = time.perf_counter()
+    log.info("step 0 of the store (%s) written in %.1f s",
+             self.holds, written - started)
     # The compute copy is read back, so that it never sits beside a weight
     # being drawn (whose random bits take three times its size).
     params = self._compute_copy(store)
+    log.info("the compute copy read back in %.1f s", time.perf_counter() - written)
     # The optimizer's scalars do not depend on the weights' shapes: initialised
     # over one-element stand-ins.
     stand_ins = jax.tree.map(lambda _: jnp.zeros((1,), jnp.float32), self.program.abstract.master)
