@@ -59,11 +59,11 @@ class HostStore:
     update would then write its result into a second one."""
     if self.on_device(leaf, starts):
       shards = {s.device: s.data for s in self._on_devices[leaf.name, starts].addressable_shards}
-      chunk = np.array(shards[region.devices[0]])
+      chunk = np.array(shards[region.devices[0]][:copies])
     else:
-      chunk = np.stack([np.asarray(c) for c in self.get(leaf, region, starts)])
+      chunk = np.stack([np.asarray(c) for c in self.get(leaf, region, starts)[:copies]])
     done = concurrent.futures.Future()
-    done.set_result(chunk if copies is None else chunk[:copies])
+    done.set_result(chunk)
     return done
 
   def write(self, leaf: nvme_store.Leaf, region: nvme_store.Region, starts: tuple[int, ...],

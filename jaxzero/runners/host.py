@@ -19,6 +19,7 @@ other's.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 from typing import Any
 
@@ -35,6 +36,8 @@ from jaxzero.runners.nvme import NvmeState
 
 log = logging.getLogger(__name__)
 
+GRADIENTS_AHEAD = 4  # chunks whose gradient boxes are on their way down ahead of the update
+
 
 class HostRunner(nvme.NvmeRunner):
   """ZeRO-Offload of one run: the host store, its initialisation and its update."""
@@ -50,6 +53,7 @@ class HostRunner(nvme.NvmeRunner):
     self.n_layers = stacked[0].shape[0] if stacked else 0
     self.device_layers = self.n_layers - round(self.fraction * self.n_layers)
     self._host_units: dict[str, Any] = {}
+    self._first_units: dict[str, Any] = {}
     self._device_fns: dict[str, Any] = {}
     self._pending: concurrent.futures.Future | None = None  # DPU: the update in flight
     self._thread = concurrent.futures.ThreadPoolExecutor(1, "jaxzero-host-update")
@@ -127,6 +131,68 @@ class HostRunner(nvme.NvmeRunner):
       self.store.close()
       self.store = None
 
+  # -- step 0 --------------------------------------------------------------------------
+
+  def _write_first(self, store, leaf: nvme_store.Leaf, weight: jax.Array) -> None:
+    """Step 0's chunks of one weight: each box comes down once to its CPU device, where
+    XLA:CPU makes the optimizer's initial leaves beside it (the cores at once, one device
+    each). Built in numpy, every chunk's K copies were stacked, cast and copied twice on
+    one core: minutes at 8B."""
+    shards = {s.device: s.data for s in weight.addressable_shards}
+    for region in leaf.regions:
+      data = shards[region.devices[0]]
+      for starts in leaf.starts():
+        box = leaf.chunk_box(region, starts)
+        w = data[tuple(slice(a - r, b - r) for (a, b), (r, _) in zip(box, region.box))]
+        if self.keeps_on_device(leaf, starts):
+          store.write(leaf, region, starts, self._first_copies(leaf, np.asarray(w)))
+        else:
+          w = jax.device_put(w, store.device_of(leaf, region, starts))
+          store.write(leaf, region, starts, self._first_unit(leaf)(w))
+
+  def _first_unit(self, leaf: nvme_store.Leaf):
+    """Jitted on the host: a master box (donated: it stays the chunk's first copy) -> the
+    chunk's K copies (the box, then the optimizer's initial per-weight leaves)."""
+    if leaf.name not in self._first_units:
+      inner = self._inner
+
+      def first(w):
+        state = inner.init(nvme_chunks.nest(leaf.name, w))
+        flags = nvme_chunks.weight_flags(inner, state)
+        return (w, *(x.astype(jnp.float32)
+                     for x, is_weight in zip(jax.tree.leaves(state), flags) if is_weight))
+
+      self._first_units[leaf.name] = jax.jit(first, donate_argnums=0)
+    return self._first_units[leaf.name]
+
+  def _compute_copy(self, store) -> Any:
+    """The compute-dtype weights: each chunk's master box cast on its CPU device (the
+    cores at once) and sent up into its weight, as the update sends its new boxes."""
+    compute = engine_lib.dtype_of(self.cfg.precision.compute)
+    cast = jax.jit(lambda w: w.astype(compute))
+    sh = self.program.shardings
+    params = []
+    for leaf, weight_sh in zip(self.leaves, jax.tree.leaves(on_device(sh.params))):
+      weight = jax.jit(lambda: jnp.zeros(leaf.shape, compute), out_shardings=weight_sh)()
+      for starts in leaf.starts():
+        if self.keeps_on_device(leaf, starts):
+          masters = [np.asarray(store.read(leaf, r, starts, copies=1).result()[0])
+                     for r in leaf.regions]
+        else:
+          masters = [store.get(leaf, r, starts)[0] for r in leaf.regions]
+        weight = self._write_box(leaf, starts, weight, [cast(m) for m in masters])
+      params.append(weight)
+    return jax.device_put(jax.tree.unflatten(self._master_def, params), sh.params)
+
+  def _write_box(self, leaf: nvme_store.Leaf, starts, weight: jax.Array,
+                 boxes: list) -> jax.Array:
+    """`weight` (donated) with its chunk at `starts` replaced by `boxes` (one per region,
+    on the host): each goes up to its region's devices."""
+    up = [jax.device_put(box, d) for region, box in zip(leaf.regions, boxes)
+          for d in region.devices]
+    new = jax.make_array_from_single_device_arrays(leaf.chunk, leaf.sharding, up)
+    return self._device_fns_of(leaf)["write"](weight, new, starts)
+
   # -- the step ------------------------------------------------------------------------
 
   def step(self, state: NvmeState, batch: jax.Array, grad_step=None):
@@ -180,10 +246,22 @@ class HostRunner(nvme.NvmeRunner):
 
   def _gradient_down(self, store, leaf, starts, grad) -> list[jax.Array]:
     """One chunk's gradient box, cut on the device, on each region's host device."""
+    return self._down(store, leaf, starts, self._cut(leaf, starts, grad))
+
+  def _cut(self, leaf, starts, grad) -> list[jax.Array]:
+    """One chunk's gradient box, cut on the device (per region), already on its way to
+    the host: the copy runs while earlier chunks are brought down and updated."""
     box = self._device_fns_of(leaf)["grad_box"](grad, starts)
     shards = {s.device: s.data for s in box.addressable_shards}
-    return [jax.device_put(shards[region.devices[0]], store.device_of(leaf, region, starts))
-            for region in leaf.regions]
+    cut = [shards[region.devices[0]] for region in leaf.regions]
+    for shard in cut:
+      shard.copy_to_host_async()
+    return cut
+
+  @staticmethod
+  def _down(store, leaf, starts, cut: list[jax.Array]) -> list[jax.Array]:
+    return [jax.device_put(shard, store.device_of(leaf, region, starts))
+            for region, shard in zip(leaf.regions, cut)]
 
   def _update(self, state: NvmeState, grads: Any, grad_norm: jax.Array, scale=None,
               sent: dict | None = None):
@@ -198,6 +276,17 @@ class HostRunner(nvme.NvmeRunner):
     host_args = {d: (lambda v: (v[:-2], v[-2], v[-1]))(jax.device_put(local, d))
                  for d in host_store.host_devices()}
     new_scalars = None
+    # The next chunks' gradient boxes are cut and on their way down while one is updated.
+    ahead = iter([] if sent is not None else [
+        u for u in self._forward_order() if not self.keeps_on_device(u[1], u[2])])
+    cut = {}
+
+    def cut_next():
+      for i, leaf, starts in itertools.islice(ahead, 1):
+        cut[leaf.name, starts] = self._cut(leaf, starts, grads[i])
+
+    for _ in range(GRADIENTS_AHEAD):
+      cut_next()
     for i, leaf, starts in self._forward_order():
       if self.keeps_on_device(leaf, starts):
         params[i], chunk, out = self._unit(leaf)(params[i], grads[i],
@@ -206,7 +295,8 @@ class HostRunner(nvme.NvmeRunner):
         store.put_device_chunk(leaf, starts, chunk)
       else:
         down = (sent.pop((leaf.name, starts)) if sent is not None
-                else self._gradient_down(store, leaf, starts, grads[i]))
+                else self._down(store, leaf, starts, cut.pop((leaf.name, starts))))
+        cut_next()
         params[i], out = self._host_update(store, leaf, starts, params[i], down, host_args)
       new_scalars = new_scalars or out
     params = jax.device_put(jax.tree.unflatten(jax.tree.structure(state.params), params),
@@ -225,9 +315,8 @@ class HostRunner(nvme.NvmeRunner):
       chunk, new_box, out = self.host_unit(leaf)(g, store.take(leaf, region, starts),
                                                  *host_args[host])
       store.write(leaf, region, starts, chunk)
-      boxes += [jax.device_put(new_box, d) for d in region.devices]
-    new = jax.make_array_from_single_device_arrays(leaf.chunk, leaf.sharding, boxes)
-    return self._device_fns_of(leaf)["write"](weight, new, starts), out
+      boxes.append(new_box)
+    return self._write_box(leaf, starts, weight, boxes), out
 
   def host_unit(self, leaf: nvme_store.Leaf):
     """Jitted on the host: (gradient box, the chunk's K copies (donated), scalars, norm,
