@@ -20,6 +20,7 @@ from jaxzero.checkpoint import read_errors
 from jaxzero.checkpoint.directory import checkpoint_dir
 from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.errors import CheckpointError
+from jaxzero import train as train_cli
 from jaxzero.hf import export as hf_export
 from jaxzero.training import loop
 from jaxzero.training.workdir import LOCK_FILE
@@ -250,3 +251,16 @@ def test_an_export_directory_gets_the_mode_mkdir_would_give(two_runs, tmp_path):
   finally:
     os.umask(previous)
   assert (done.out.stat().st_mode & 0o777) == 0o750
+
+
+def test_checkpoint_at_end_false_saves_nothing_at_the_last_step(tmp_path):
+  """checkpoint.at_end=false (a benchmark's run): the last step is not saved, and the
+  summary says so; checkpoint.every still saves on its own steps."""
+  settings = [*SETTINGS, "checkpoint.at_end=false", "checkpoint.every=2"]
+  outcome = loop.run_training(config.load(TINY, settings), tmp_path / "w", steps=3,
+                              progress=False)
+  assert outcome.step == 3 and outcome.checkpoint is None
+  saved = sorted(int(p.name) for p in checkpoint_dir(tmp_path / "w").iterdir() if p.name.isdigit())
+  assert saved == [2]
+  assert "step 3 not saved (checkpoint.at_end=false)" in train_cli.summary(
+      outcome, tmp_path / "w", 3, 10000)
