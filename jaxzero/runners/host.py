@@ -125,7 +125,7 @@ class HostRunner(nvme.NvmeRunner):
     return self.store
 
   def close(self) -> None:
-    self._finish()
+    self.finish_update()
     self._thread.shutdown()
     if self.store is not None:
       self.store.close()
@@ -202,9 +202,9 @@ class HostRunner(nvme.NvmeRunner):
 
   def save(self, checkpoints, step: int, state: NvmeState, wait: bool = False):
     """Saves the state after the update in flight (DPU), whose result the next step uses."""
-    return super().save(checkpoints, step, self._finish(state), wait)
+    return super().save(checkpoints, step, self.finish_update(state), wait)
 
-  def _finish(self, state: NvmeState | None = None) -> NvmeState | None:
+  def finish_update(self, state: NvmeState | None = None) -> NvmeState | None:
     """`state` with the delayed update in flight applied (it stays the next step's)."""
     if self._pending is None:
       return state
@@ -215,7 +215,7 @@ class HostRunner(nvme.NvmeRunner):
     """DPU: the gradient of `state`'s weights (those before the last update), while the
     last update finishes; then this step's update starts on a thread."""
     grads, loss, grad_norm = self._gradients(state, batch, None, grad_step)
-    latest = self._finish(state)  # the weights and scalars after the last update
+    latest = self.finish_update(state)  # the weights and scalars after the last update
     finite = bool(np.isfinite(float(loss)) and np.isfinite(float(grad_norm)))
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": jnp.int32(not finite),
                "lr": self._lr(state.step)}

@@ -112,6 +112,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
       f"grads {_b(budget.grads)}, optimizer {_b(budget.optimizer)}) + "
       f"{budget.activations_text} = {_b(budget.needed)}{available}; {budget.where}",
   ]
+  if host_line(budget):
+    lines.append(host_line(budget))
   if run.eval_batches is not None:
     n, rows, window = run.eval_batches.shape
     held_out = (f"the last {cfg.data.eval_fraction:g} of the data" if cfg.data.eval_fraction
@@ -123,3 +125,13 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
   lines.append(f"  workdir   {workdir} ({CONFIG_FILE}, metrics.jsonl, tb/, checkpoints/)")
   return "\n".join(lines)
 
+
+def host_line(budget: Budget) -> str:
+  """Host memory of an offloaded run on a GPU machine ("" elsewhere: on a CPU, host memory
+  is the devices' and the memory line counts it)."""
+  if budget.platform == "cpu" or not budget.host_process:
+    return ""
+  ram = f" of {_b(budget.host_ram)} RAM" if budget.host_ram else " (RAM unknown)"
+  return (f"  host      per process: {_b(budget.host_process)} (offloaded state, the update's "
+          f"workspace, XLA's pinned pool) x {budget.host_processes} on this host = "
+          f"{_b(budget.host_process * budget.host_processes)}{ram}")

@@ -24,6 +24,8 @@ from jaxzero import train as train_cli
 from jaxzero.errors import UserError
 from jaxzero.models import trainable
 from jaxzero.data import pipeline
+from jaxzero.planning import memory_check
+from jaxzero.training import banner
 from jaxzero.planning import memory_check, planner
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.training import evaluation, loop
@@ -149,6 +151,18 @@ def test_banner_and_config_json(run):
   saved = json.loads((workdir / "config.json").read_text())
   assert saved == json.loads(json.dumps(dataclasses.asdict(small())))
   assert saved["eval"] == {"every": 2, "batches": 2}
+
+
+def test_the_banner_states_the_host_memory_of_an_offloaded_run_on_a_gpu():
+  budget = memory_check.Budget(params=16 << 30, grads=16 << 30, optimizer=96 << 30,
+                               host=96 << 30, activations=4 << 30, available=112 << 30,
+                               where="", devices=1, platform="gpu", host_process=97 << 30,
+                               host_processes=2, host_ram=256 << 30)
+  assert banner.host_line(budget) == (
+      "  host      per process: 104.2 GB (offloaded state, the update's workspace, XLA's "
+      "pinned pool) x 2 on this host = 208.3 GB of 274.9 GB RAM")
+  assert banner.host_line(dataclasses.replace(budget, platform="cpu")) == ""
+  assert banner.host_line(dataclasses.replace(budget, host_process=0)) == ""
 
 
 def test_print_config_prints_the_resolved_config_and_exits(capsys):
