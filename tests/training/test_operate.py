@@ -24,11 +24,9 @@ from jaxzero import train as train_cli
 from jaxzero.errors import UserError
 from jaxzero.models import trainable
 from jaxzero.data import pipeline
-from jaxzero.planning import memory_check
-from jaxzero.training import banner
 from jaxzero.planning import memory_check, planner
 from jaxzero.parallel import mesh as mesh_lib
-from jaxzero.training import evaluation, loop
+from jaxzero.training import banner, evaluation, loop
 
 from processes import ROOT, TINY, child_env, run_python
 
