@@ -225,7 +225,7 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   embed_VxD = params["embed_VxD"]
   if cfg.tie_embeddings:
     embed_VxD = gather(embed_VxD, EMBED_AXES)
-  x_BxTxD = shard(jnp.take(embed_VxD, tokens_BxT, axis=0), RESIDUAL_AXES)
+  x_BxTxD = shard(shard(jnp.take(embed_VxD, tokens_BxT, axis=0), LOOKUP_AXES), RESIDUAL_AXES)
   if positions is not None:
     cos_TxE, sin_TxE = rope_tables(cfg, T, positions)
   elif segment_ids_BxT is None:
@@ -265,6 +265,9 @@ HEADS_AXES = ("batch", "seq", "heads", "head_dim")
 KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
 MLP_AXES = ("batch", "seq", "mlp")
 RESIDUAL_AXES = ("batch", "seq", "embed")
+# The embedding lookup's result on its way to the residual stream (see the engine's
+# activation_spec): one mesh axis moves at a time.
+LOOKUP_AXES = ("lookup_batch", "seq", "embed")
 
 
 def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE: Array,

@@ -219,9 +219,13 @@ class Layout:
     sequence over ``context``; over `tensor`, its Megatron dimension if it has one
     (e.g. q by heads, logits by vocabulary), else its sequence (the residual stream:
     sequence parallelism). ``kv_seq`` (keys and values as attention reads them) is
-    never split: attention gathers it over ``context``."""
-    axes: list = [(batch_axes or None) if a == "batch" else None for a in logical_axes]
+    never split: attention gathers it over ``context``. ``lookup_batch`` is the batch of
+    an embedding lookup's result, split as ``batch`` except under context parallelism:
+    there the lookup first moves its model dimension's split to the sequence alone, as
+    XLA cannot move two mesh axes at once (it would replicate the whole result)."""
     c, t = self.context_size, self.tensor_size
+    batch = ("batch",) if c > 1 else ("batch", "lookup_batch")
+    axes: list = [(batch_axes or None) if a in batch else None for a in logical_axes]
     seq = logical_axes.index("seq") if "seq" in logical_axes else None
     if c > 1 and seq is not None and shape[seq] % c == 0:
       axes[seq] = CONTEXT

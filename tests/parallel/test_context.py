@@ -162,6 +162,23 @@ def test_the_step_moves_keys_and_values_over_context_never_queries(strategy):
   assert not [shape for shape, _ in ops if re.match(r"f32\[\d+,2048,4,32\]", shape)]
 
 
+def test_the_embedding_lookup_reaches_its_rows_without_a_whole_sequence_copy():
+  """The lookup's result leaves the embedding's split (model dimension over fsdp x
+  context) for the residual stream's (rows over fsdp, sequence over context) one mesh axis
+  at a time: XLA moving both at once replicated it, the whole sequence on each device."""
+  from jaxzero.training import loop
+  cfg = config.load(TINY, ["model.n_layers=1", "model.dim=256", "model.vocab_size=32000",
+                           "model.mlp_dim=512", "model.n_heads=4", "model.n_kv_heads=2",
+                           "train.seq_len=4096", "train.global_batch=8", "train.grad_accum=1",
+                           "mesh.fsdp=2", "mesh.context=4", "model.attention=blockwise",
+                           "data.max_bytes=200000"])
+  runner = loop.prepare(cfg, devices=jax.devices()[:8])
+  program = runner.program
+  text = runner.lower(program.abstract_state(), program.abstract_batch(2)).compile().as_text()
+  gathered = re.findall(r"= \S+?(\[\d+,\d+,256\])\{[^}]*\} all-gather(?:-start)?\(", text)
+  assert gathered and not [shape for shape in gathered if ",4096," in shape], gathered
+
+
 def test_a_checkpoint_moves_between_context_sizes(one_device, tmp_path):
   # (Context 2 and 4, the second with the XLA attention kernel: 10 steps in all.)
   first = losses(tiny("mesh.fsdp=4", "mesh.context=2"), tmp_path, 8, steps=4)
