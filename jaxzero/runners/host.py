@@ -18,6 +18,7 @@ other's.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -37,6 +38,7 @@ from jaxzero.runners.nvme import NvmeState
 log = logging.getLogger(__name__)
 
 GRADIENTS_AHEAD = 4  # chunks whose gradient boxes are on their way down ahead of the update
+UPDATES_IN_FLIGHT = 8  # chunks the host updates at once (at most one per CPU device)
 
 
 class HostRunner(nvme.NvmeRunner):
@@ -88,9 +90,12 @@ class HostRunner(nvme.NvmeRunner):
     return int(total)
 
   def workspace_bytes(self) -> int:
-    """Host bytes of the update beside the store: the largest chunk, in and out, with its
-    gradient and compute-dtype boxes (the chunk's own buffer is reused)."""
-    return int(max((4 * len(leaf.kinds) + 8) * np.prod(leaf.chunk) for leaf in self.leaves))
+    """Host bytes of the update beside the store: the largest chunk, in and out, and the
+    gradient and compute-dtype boxes of the chunks in flight (each chunk's own buffers are
+    reused)."""
+    largest = max(np.prod(leaf.chunk) for leaf in self.leaves)
+    in_flight = min(len(host_store.host_devices()), UPDATES_IN_FLIGHT) + 1
+    return int((4 * len(self.leaves[0].kinds) + 8 * in_flight) * largest)
 
   def check(self) -> None:
     targets.check_offload(self.cfg, list(self.program.layout.mesh.devices.flat))
@@ -287,6 +292,15 @@ class HostRunner(nvme.NvmeRunner):
 
     for _ in range(GRADIENTS_AHEAD):
       cut_next()
+    # Taking a host array to the device waits for it, so each chunk's new weights go up
+    # only once `behind` later chunks are dispatched: the host's devices update that many
+    # chunks at once, and the uploads run while they do.
+    behind = min(len(host_store.host_devices()), UPDATES_IN_FLIGHT)
+    updated = collections.deque()  # (leaf index, leaf, start, new boxes), oldest first
+
+    def upload(i, leaf, starts, boxes):
+      params[i] = self._write_box(leaf, starts, params[i], boxes)
+
     for i, leaf, starts in self._forward_order():
       if self.keeps_on_device(leaf, starts):
         params[i], chunk, out = self._unit(leaf)(params[i], grads[i],
@@ -297,18 +311,23 @@ class HostRunner(nvme.NvmeRunner):
         down = (sent.pop((leaf.name, starts)) if sent is not None
                 else self._down(store, leaf, starts, cut.pop((leaf.name, starts))))
         cut_next()
-        params[i], out = self._host_update(store, leaf, starts, params[i], down, host_args)
+        boxes, out = self._host_update(store, leaf, starts, down, host_args)
+        updated.append((i, leaf, starts, boxes))
+        while len(updated) > behind:
+          upload(*updated.popleft())
       new_scalars = new_scalars or out
+    while updated:
+      upload(*updated.popleft())
     params = jax.device_put(jax.tree.unflatten(jax.tree.structure(state.params), params),
                             sh.params)
     scalar_sh = jax.tree.leaves(self._scalar_sh)
     new_scalars = [_replicated(x, s) for x, s in zip(new_scalars, scalar_sh)]
     return params, self._scalar_def.unflatten(new_scalars)
 
-  def _host_update(self, store, leaf, starts, weight, down: list, host_args: dict):
-    """One chunk on the host, from its gradient boxes there (`down`, per region): the
-    update in the chunk's buffers, the new compute-dtype box up into `weight`: (the new
-    weight, the new scalars)."""
+  def _host_update(self, store, leaf, starts, down: list, host_args: dict):
+    """One chunk on the host, dispatched, from its gradient boxes there (`down`, per
+    region): the update in the chunk's buffers; (its new compute-dtype boxes, per region,
+    on the host; the new scalars)."""
     boxes, out = [], None
     for region, g in zip(leaf.regions, down):
       host = store.device_of(leaf, region, starts)
@@ -316,7 +335,7 @@ class HostRunner(nvme.NvmeRunner):
                                                  *host_args[host])
       store.write(leaf, region, starts, chunk)
       boxes.append(new_box)
-    return self._write_box(leaf, starts, weight, boxes), out
+    return boxes, out
 
   def host_unit(self, leaf: nvme_store.Leaf):
     """Jitted on the host: (gradient box, the chunk's K copies (donated), scalars, norm,
