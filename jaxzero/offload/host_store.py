@@ -30,6 +30,14 @@ def host_devices() -> list:
   return jax.local_devices(backend="cpu")
 
 
+def layer_of(leaf: nvme_store.Leaf, starts: tuple[int, ...]) -> int:
+  """The layer a chunk belongs to (-1: a weight outside the layer stack), by which the
+  update orders its chunks: the forward pass's order."""
+  if leaf.name.startswith("layers/") and 0 in leaf.cut:
+    return starts[leaf.cut.index(0)]
+  return -1
+
+
 _owned = jax.jit(lambda x: x.copy())
 
 
@@ -46,8 +54,11 @@ class HostStore:
     self.leaves, self.derived, self.on_device = leaves, derived, on_device
     self.writes = nvme_store.Writes()  # nothing is written behind: every write is done at once
     devices = host_devices()
+    # Taken in turn in the order the update visits the chunks (the forward pass's, layer
+    # by layer), so that the chunks it has in flight at once are on different devices.
+    in_order = sorted(self.chunks(), key=lambda chunk: layer_of(chunk[0], chunk[2]))
     self._devices = {(leaf.name, region.box, starts): devices[i % len(devices)]
-                     for i, (leaf, region, starts) in enumerate(self.chunks())}
+                     for i, (leaf, region, starts) in enumerate(in_order)}
     self._chunks: dict[tuple, tuple[jax.Array, ...]] = {}
     self._on_devices: dict[tuple, jax.Array] = {}
     self._parts: dict[tuple, dict] = {}  # a device-resident chunk's boxes, until all are written

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import itertools
 import logging
 from typing import Any
@@ -45,6 +46,11 @@ class HostRunner(nvme.NvmeRunner):
   """ZeRO-Offload of one run: the host store, its initialisation and its update."""
 
   holds = "the optimizer state"
+  # Chunks in memory need not be the disk's I/O size: larger ones cost fewer dispatches
+  # and transfers a step (each a synchronising round trip), while a step's chunks still
+  # outnumber the host's devices many times over (one layer of a stacked weight each,
+  # cut where larger).
+  chunk_bytes = 256 << 20
 
   def __init__(self, program: engine_lib.TrainProgram):
     super().__init__(program, directory=None)
@@ -90,12 +96,15 @@ class HostRunner(nvme.NvmeRunner):
     return int(total)
 
   def workspace_bytes(self) -> int:
-    """Host bytes of the update beside the store: the largest chunk, in and out, and the
-    gradient and compute-dtype boxes of the chunks in flight (each chunk's own buffers are
-    reused)."""
+    """Host bytes of the update beside the store, at the largest chunk: one chunk in and
+    out, the gradient and compute-dtype boxes of the chunks in flight, and the gradient
+    boxes on their way down ahead of them (each chunk's own buffers are reused)."""
     largest = max(np.prod(leaf.chunk) for leaf in self.leaves)
+    grad = state_bytes_lib.grad_bytes_per_param(self.program)
+    compute = np.dtype(engine_lib.dtype_of(self.cfg.precision.compute)).itemsize
     in_flight = min(len(host_store.host_devices()), UPDATES_IN_FLIGHT) + 1
-    return int((4 * len(self.leaves[0].kinds) + 8 * in_flight) * largest)
+    return int((4 * len(self.leaves[0].kinds) + (grad + compute) * in_flight
+                + grad * GRADIENTS_AHEAD) * largest)
 
   def check(self) -> None:
     targets.check_offload(self.cfg, list(self.program.layout.mesh.devices.flat))
@@ -177,20 +186,27 @@ class HostRunner(nvme.NvmeRunner):
     cast = jax.jit(lambda w: w.astype(compute))
     sh = self.program.shardings
     params = []
+    behind = min(len(host_store.host_devices()), UPDATES_IN_FLIGHT)
     for leaf, weight_sh in zip(self.leaves, jax.tree.leaves(on_device(sh.params))):
-      weight = jax.jit(lambda: jnp.zeros(leaf.shape, compute), out_shardings=weight_sh)()
+      weight = jax.jit(functools.partial(jnp.zeros, leaf.shape, compute),
+                       out_shardings=weight_sh)()
+      cast_boxes = collections.deque()  # (start, boxes): casts dispatched, not yet sent up
       for starts in leaf.starts():
         if self.keeps_on_device(leaf, starts):
           masters = [np.asarray(store.read(leaf, r, starts, copies=1).result()[0])
                      for r in leaf.regions]
         else:
           masters = [store.get(leaf, r, starts)[0] for r in leaf.regions]
-        weight = self._write_box(leaf, starts, weight, [cast(m) for m in masters])
+        cast_boxes.append((starts, [cast(m) for m in masters]))
+        while len(cast_boxes) > behind:  # (sending one up waits for its cast)
+          weight = self._write_box(leaf, *cast_boxes.popleft(), weight)
+      while cast_boxes:
+        weight = self._write_box(leaf, *cast_boxes.popleft(), weight)
       params.append(weight)
     return jax.device_put(jax.tree.unflatten(self._master_def, params), sh.params)
 
-  def _write_box(self, leaf: nvme_store.Leaf, starts, weight: jax.Array,
-                 boxes: list) -> jax.Array:
+  def _write_box(self, leaf: nvme_store.Leaf, starts, boxes: list,
+                 weight: jax.Array) -> jax.Array:
     """`weight` (donated) with its chunk at `starts` replaced by `boxes` (one per region,
     on the host): each goes up to its region's devices."""
     up = [jax.device_put(box, d) for region, box in zip(leaf.regions, boxes)
@@ -238,9 +254,7 @@ class HostRunner(nvme.NvmeRunner):
     """(leaf index, leaf, chunk start) in the forward pass's order: the weights outside
     the layer stack, then layer by layer."""
     units = [(i, leaf, starts) for i, leaf in enumerate(self.leaves) for starts in leaf.starts()]
-    layer = lambda unit: (unit[2][unit[1].cut.index(0)] if unit[1].name.startswith("layers/")
-                          and 0 in unit[1].cut else -1)
-    return sorted(units, key=layer)
+    return sorted(units, key=lambda unit: host_store.layer_of(unit[1], unit[2]))
 
   def _gradients_down(self, store, grads: Any) -> dict:
     """Every host chunk's gradient box, on its host device: {(leaf, starts): [per region]}."""
@@ -299,7 +313,7 @@ class HostRunner(nvme.NvmeRunner):
     updated = collections.deque()  # (leaf index, leaf, start, new boxes), oldest first
 
     def upload(i, leaf, starts, boxes):
-      params[i] = self._write_box(leaf, starts, params[i], boxes)
+      params[i] = self._write_box(leaf, starts, boxes, params[i])
 
     for i, leaf, starts in self._forward_order():
       if self.keeps_on_device(leaf, starts):

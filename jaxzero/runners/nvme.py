@@ -84,7 +84,7 @@ class NvmeRunner:
         nvme_store.plan_leaf(integrity.leaf_name(path), tuple(a.shape),
                              copies[integrity.leaf_name(path)], s,
                              stacked=integrity.leaf_name(path).startswith("layers/"),
-                             true_shape=true)
+                             chunk_bytes=self.chunk_bytes, true_shape=true)
         for (path, a), s, true in zip(flat, master_sh, true_shapes)]
     self.names = {kind for leaf in self.leaves for kind in leaf.kinds}
     # The optimizer state with None at its per-weight leaves: what memory keeps.
@@ -109,6 +109,7 @@ class NvmeRunner:
 
   holds = "the optimizer state"  # what the store holds, as bad input names it
   device_program = "gradients"  # the update streams outside it
+  chunk_bytes = nvme_store.CHUNK_BYTES  # the most bytes of a chunk (all K copies), where cut
 
   # -- structure ---------------------------------------------------------------------
 

@@ -127,8 +127,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
 
 
 def host_line(budget: Budget) -> str:
-  """Host memory of an offloaded run on a GPU machine ("" elsewhere: on a CPU, host memory
-  is the devices' and the memory line counts it)."""
+  """Host memory of an offloaded run on an accelerator ("" elsewhere: on a CPU, host
+  memory is the devices' and the memory line counts it)."""
   if budget.platform == "cpu" or not budget.host_process:
     return ""
   ram = f" of {_b(budget.host_ram)} RAM" if budget.host_ram else " (RAM unknown)"

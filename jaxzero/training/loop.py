@@ -182,7 +182,9 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
                                       stop, progress, evaluator, tracker, memory)
     step = int(state.step)
     saved = None
-    if cfg.checkpoint.at_end or stop.received or start >= total:
+    # Every process decides alike: a stop agreed between them ends all at one step short
+    # of `total` (only the signalled process has `stop.received`), and they save together.
+    if cfg.checkpoint.at_end or step < total or start >= total:
       peerwatch.phase(f"save {step}")
       saved = run.runner.save(checkpoints, step, state, wait=True)
     peerwatch.phase("done")

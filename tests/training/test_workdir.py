@@ -255,7 +255,7 @@ def test_an_export_directory_gets_the_mode_mkdir_would_give(two_runs, tmp_path):
 
 def test_checkpoint_at_end_false_saves_nothing_at_the_last_step(tmp_path):
   """checkpoint.at_end=false (a benchmark's run): the last step is not saved, and the
-  summary says so; checkpoint.every still saves on its own steps."""
+  summary says so; checkpoint.every still saves its steps before the last."""
   settings = [*SETTINGS, "checkpoint.at_end=false", "checkpoint.every=2"]
   outcome = loop.run_training(config.load(TINY, settings), tmp_path / "w", steps=3,
                               progress=False)
