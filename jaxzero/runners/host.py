@@ -250,7 +250,7 @@ class HostRunner(nvme.NvmeRunner):
       self._pending = None
     return latest._replace(step=self._next_step(state.step)), metrics
 
-  def _forward_order(self) -> list[tuple[int, nvme_store.Leaf, tuple[int, ...]]]:
+  def update_order(self) -> list[tuple[int, nvme_store.Leaf, tuple[int, ...]]]:
     """(leaf index, leaf, chunk start) in the forward pass's order: the weights outside
     the layer stack, then layer by layer."""
     units = [(i, leaf, starts) for i, leaf in enumerate(self.leaves) for starts in leaf.starts()]
@@ -260,7 +260,7 @@ class HostRunner(nvme.NvmeRunner):
     """Every host chunk's gradient box, on its host device: {(leaf, starts): [per region]}."""
     grads = jax.tree.leaves(grads)
     return {(leaf.name, starts): self._gradient_down(store, leaf, starts, grads[i])
-            for i, leaf, starts in self._forward_order()
+            for i, leaf, starts in self.update_order()
             if not self.keeps_on_device(leaf, starts)}
 
   def _gradient_down(self, store, leaf, starts, grad) -> list[jax.Array]:
@@ -297,7 +297,7 @@ class HostRunner(nvme.NvmeRunner):
     new_scalars = None
     # The next chunks' gradient boxes are cut and on their way down while one is updated.
     ahead = iter([] if sent is not None else [
-        u for u in self._forward_order() if not self.keeps_on_device(u[1], u[2])])
+        u for u in self.update_order() if not self.keeps_on_device(u[1], u[2])])
     cut = {}
 
     def cut_next():
@@ -315,7 +315,7 @@ class HostRunner(nvme.NvmeRunner):
     def upload(i, leaf, starts, boxes):
       params[i] = self._write_box(leaf, starts, boxes, params[i])
 
-    for i, leaf, starts in self._forward_order():
+    for i, leaf, starts in self.update_order():
       if self.keeps_on_device(leaf, starts):
         params[i], chunk, out = self._unit(leaf)(params[i], grads[i],
                                                  store.take_device_chunk(leaf, starts), starts,

@@ -21,7 +21,7 @@ from jaxzero import config
 from jaxzero.engine import TrainProgram, update
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig
-from jaxzero.offload import nvme_store
+from jaxzero.offload import host_store, nvme_store
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
 from jaxzero.runners import host
@@ -181,6 +181,21 @@ def test_the_host_update_runs_in_place_and_its_device_program_holds_no_optimizer
   arguments = re.findall(r"%arg\d+: tensor<([^>]*)>", signature)
   assert len(arguments) == len(jax.tree.leaves(e.abstract.params)) + 1
   assert not [a for a in arguments if a.endswith("f32")], arguments
+  runner.close()
+
+
+def test_the_chunks_the_update_has_in_flight_are_on_different_host_devices():
+  """The store deals its chunks to the CPU devices in the update's order (layer by layer),
+  so the chunks of one layer, updated at once, run on different devices (dealt leaf by
+  leaf, a layer's chunks all landed on one device when the layers were a multiple of the
+  devices)."""
+  runner = make_runner(engine(tiny(3, "pinned_host")))
+  store = runner.open_store()
+  devices = [store.device_of(leaf, region, starts) for _, leaf, starts in runner.update_order()
+             for region in leaf.regions if not runner.keeps_on_device(leaf, starts)]
+  n = len(host_store.host_devices())
+  assert n > 1 and len(devices) > n
+  assert all(len(set(devices[i:i + n])) == n for i in range(len(devices) - n + 1))
   runner.close()
 
 
