@@ -23,7 +23,7 @@ import concurrent.futures
 import functools
 import itertools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -185,25 +185,25 @@ class HostRunner(nvme.NvmeRunner):
     compute = engine_lib.dtype_of(self.cfg.precision.compute)
     cast = jax.jit(lambda w: w.astype(compute))
     sh = self.program.shardings
-    params = []
-    behind = min(len(host_store.host_devices()), UPDATES_IN_FLIGHT)
-    for leaf, weight_sh in zip(self.leaves, jax.tree.leaves(on_device(sh.params))):
-      weight = jax.jit(functools.partial(jnp.zeros, leaf.shape, compute),
-                       out_shardings=weight_sh)()
-      cast_boxes = collections.deque()  # (start, boxes): casts dispatched, not yet sent up
+    params = [jax.jit(functools.partial(jnp.zeros, leaf.shape, compute), out_shardings=s)()
+              for leaf, s in zip(self.leaves, jax.tree.leaves(on_device(sh.params)))]
+    uploads = self._uploads(params)
+    for i, leaf in enumerate(self.leaves):
       for starts in leaf.starts():
         if self.keeps_on_device(leaf, starts):
           masters = [np.asarray(store.read(leaf, r, starts, copies=1).result()[0])
                      for r in leaf.regions]
         else:
           masters = [store.get(leaf, r, starts)[0] for r in leaf.regions]
-        cast_boxes.append((starts, [cast(m) for m in masters]))
-        while len(cast_boxes) > behind:  # (sending one up waits for its cast)
-          weight = self._write_box(leaf, *cast_boxes.popleft(), weight)
-      while cast_boxes:
-        weight = self._write_box(leaf, *cast_boxes.popleft(), weight)
-      params.append(weight)
+        uploads.add(i, starts, [cast(m) for m in masters])
+    uploads.flush()
     return jax.device_put(jax.tree.unflatten(self._master_def, params), sh.params)
+
+  def _uploads(self, params: list) -> "_Uploads":
+    """New compute-dtype boxes on the host, written into `params` (by leaf index) late."""
+    def write(i, starts, boxes):
+      params[i] = self._write_box(self.leaves[i], starts, boxes, params[i])
+    return _Uploads(write, min(len(host_store.host_devices()), UPDATES_IN_FLIGHT))
 
   def _write_box(self, leaf: nvme_store.Leaf, starts, boxes: list,
                  weight: jax.Array) -> jax.Array:
@@ -306,15 +306,7 @@ class HostRunner(nvme.NvmeRunner):
 
     for _ in range(GRADIENTS_AHEAD):
       cut_next()
-    # Taking a host array to the device waits for it, so each chunk's new weights go up
-    # only once `behind` later chunks are dispatched: the host's devices update that many
-    # chunks at once, and the uploads run while they do.
-    behind = min(len(host_store.host_devices()), UPDATES_IN_FLIGHT)
-    updated = collections.deque()  # (leaf index, leaf, start, new boxes), oldest first
-
-    def upload(i, leaf, starts, boxes):
-      params[i] = self._write_box(leaf, starts, boxes, params[i])
-
+    uploads = self._uploads(params)
     for i, leaf, starts in self.update_order():
       if self.keeps_on_device(leaf, starts):
         params[i], chunk, out = self._unit(leaf)(params[i], grads[i],
@@ -326,12 +318,9 @@ class HostRunner(nvme.NvmeRunner):
                 else self._down(store, leaf, starts, cut.pop((leaf.name, starts))))
         cut_next()
         boxes, out = self._host_update(store, leaf, starts, down, host_args)
-        updated.append((i, leaf, starts, boxes))
-        while len(updated) > behind:
-          upload(*updated.popleft())
+        uploads.add(i, starts, boxes)
       new_scalars = new_scalars or out
-    while updated:
-      upload(*updated.popleft())
+    uploads.flush()
     params = jax.device_put(jax.tree.unflatten(jax.tree.structure(state.params), params),
                             sh.params)
     scalar_sh = jax.tree.leaves(self._scalar_sh)
@@ -389,6 +378,26 @@ class HostRunner(nvme.NvmeRunner):
                            in_shardings=(params_sh, leaf.sharding, replicated),
                            out_shardings=params_sh)}
     return self._device_fns[leaf.name]
+
+
+class _Uploads:
+  """Boxes on the host sent up (`write(leaf index, start, boxes)`) only once `behind` later
+  ones are dispatched: taking a host array to the device waits for it, so sending each at
+  once would have the host's devices compute one chunk at a time; this way they compute
+  `behind` at once while the uploads run."""
+
+  def __init__(self, write: Callable, behind: int):
+    self._write, self._behind = write, behind
+    self._pending: collections.deque = collections.deque()  # oldest first
+
+  def add(self, i: int, starts, boxes: list) -> None:
+    self._pending.append((i, starts, boxes))
+    while len(self._pending) > self._behind:
+      self._write(*self._pending.popleft())
+
+  def flush(self) -> None:
+    while self._pending:
+      self._write(*self._pending.popleft())
 
 
 def _local(x) -> jax.Array:
