@@ -14,5 +14,5 @@ def builtin_model(cfg: Config) -> Model:
   if cfg.lora.rank:
     return lora.lora_llama(cfg.model, cfg.lora.rank, cfg.lora.alpha,
                            lora.resolve_targets(cfg.lora.targets), cfg.zero.min_shard_size,
-                           cfg.lora.base_dtype, cfg.precision.matmul)
+                           cfg.lora.base_dtype, cfg.precision.matmul, cfg.lora.dropout)
   return trainable.llama(cfg.model, cfg.precision.matmul)

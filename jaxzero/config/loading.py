@@ -123,9 +123,9 @@ def _validate_lora(cfg: Config) -> None:
                       "trains)")
   if lora.alpha <= 0:
     raise ConfigError(f"lora.alpha={lora.alpha:g} must be positive")
-  if lora.dropout != 0:
-    raise ConfigError(f"lora.dropout={lora.dropout:g}: adapter dropout is not supported yet; "
-                      "set lora.dropout=0")
+  if not 0 <= lora.dropout < 1:
+    raise ConfigError(f"lora.dropout={lora.dropout:g} must be in [0, 1) (the probability "
+                      "of dropping each adapter input; PEFT's lora_dropout)")
   try:
     lora_lib.resolve_targets(lora.targets)
   except ValueError as e:

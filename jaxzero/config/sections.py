@@ -193,7 +193,9 @@ class LoraConfig:
   rank: int = 0
   # The adapters' output is scaled by alpha / rank (PEFT's lora_alpha).
   alpha: float = 16.0
-  # Dropout on the adapters' input (PEFT's lora_dropout); only 0 is supported yet.
+  # Dropout on the adapters' input in training (PEFT's lora_dropout): each element
+  # dropped with this probability, from keys drawn per row from the seed and the step
+  # (the same on any mesh and grad_accum).
   dropout: float = 0.0
   # The projections adapted: "all-linear" (q, k, v, o, gate, up, down), comma-separated
   # names (also PEFT's q_proj ... down_proj), or a regex over those names.

@@ -6,7 +6,8 @@ jaxzero.engine.gradients gives the gradient sum of the mode (micro-steps, GPipe,
 (a state kept off the device is updated by its runner: jaxzero.runners). The float16
 loss scale is one explicit argument, read from the state. After each update the master
 weights are cast to the compute dtype and placed by the ``params`` role. A batch is any
-pytree of arrays [A, B, ...]: A micro-steps of B rows.
+pytree of arrays [A, B, ...]: A micro-steps of B rows; for a model that draws
+randomness (Model.keyed_rows) the step adds a key per row (:func:`keyed_batch`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import optax
 from jaxzero.config import Config
 from jaxzero.engine import gradients, loss_scale, update
 from jaxzero.engine.state import TrainState
-from jaxzero.models.interface import Model
+from jaxzero.models.interface import KeyedBatch, Model
 from jaxzero.parallel.zero import Layout, on_device
 
 
@@ -44,6 +45,22 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
   return with_norm(gradients.for_mode(cfg, layout, state_sh, model), state_sh)
 
 
+# The stream of the run's seed that row keys are drawn from (others draw the init).
+ROW_KEYS_STREAM = 1
+
+
+def keyed_batch(batch_Ax, seed: int, step, layout: Layout) -> KeyedBatch:
+  """`batch_Ax` [A, B, ...] with a key per row (Model.keyed_rows): row a B + b's key is
+  the (a B + b)-th of the step's keys, a function of the seed, the step and the row's
+  place in the global batch alone. (With JAX's partitionable threefry, the default, the
+  drawn values do not depend on how the computation is split either.)"""
+  A, B = jax.tree.leaves(batch_Ax)[0].shape[:2]
+  step_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), ROW_KEYS_STREAM), step)
+  keys = jax.random.key_data(jax.random.split(step_key, A * B)).reshape(A, B, -1)
+  return KeyedBatch(batch_Ax, jax.lax.with_sharding_constraint(
+      keys, layout.batch_sharding(leading_dims=1)))
+
+
 def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState, model: Model,
                     unclipped: optax.GradientTransformation, schedule=None):
   """The jitted step: (state, batch [A, B, ...]) -> (state, metrics). `unclipped` is the
@@ -55,6 +72,8 @@ def make_train_step(cfg: Config, layout: Layout, state_sh: TrainState, model: Mo
   def train_step(state: TrainState, batch_Ax):
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     scale = None if state.loss_scale is None else state.loss_scale.scale
+    if model.keyed_rows:
+      batch_Ax = keyed_batch(batch_Ax, cfg.seed, state.step, layout)
     grad_sum, loss, grad_norm = grad_fn(state.params, batch_Ax, scale, state.frozen)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     master, opt_state, params = apply(grad_sum, grad_norm, state.master, state.opt_state,

@@ -35,7 +35,7 @@ def adapter_config(record: dict, base_model: str = "") -> dict:
   """PEFT's adapter_config.json for a run's LoRA record (jaxzero.models.lora.run_record)."""
   return {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": record["rank"],
-      "lora_alpha": record["alpha"], "lora_dropout": 0.0, "bias": "none",
+      "lora_alpha": record["alpha"], "lora_dropout": record.get("dropout", 0.0), "bias": "none",
       "target_modules": [lora_lib.PEFT_MODULES[t].split(".")[-1] for t in record["targets"]],
       "base_model_name_or_path": base_model, "fan_in_fan_out": False,
       "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,

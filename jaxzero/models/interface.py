@@ -95,6 +95,9 @@ class Model:
     frozen_init: key -> the frozen leaves, where `frozen_specs` is given. A frozen
       leaf's spec may carry a `dtype` (e.g. quantized codes); the others are cast to
       the compute dtype.
+    keyed_rows: the loss draws randomness (e.g. dropout): in training the engine passes
+      it a :class:`KeyedBatch`, the batch with a key per row; evaluation passes the
+      batch alone (no randomness, as in PyTorch's eval mode).
   """
   specs: Any
   init: Callable[[Array], Any]
@@ -103,6 +106,16 @@ class Model:
   layers_key: str | None = None
   frozen_specs: Any = None
   frozen_init: Callable[[Array], Any] | None = None
+  keyed_rows: bool = False
+
+
+class KeyedBatch(NamedTuple):
+  """A training batch for a Model with `keyed_rows`: the batch and a PRNG key per row
+  (raw uint32 key data [B, 2]). The engine draws row r's key from the run's seed, the
+  step and r's index in the global batch, so a row's randomness is the same on any
+  mesh and with any grad_accum: splitting the batch moves the keys with their rows."""
+  batch: Any
+  row_keys: Array
 
 
 def merge(trained: Any, frozen: Any) -> Any:

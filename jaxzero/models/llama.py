@@ -205,7 +205,8 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
                     segment_ids_BxT: Array | None = None,
                     einsum: Callable = jnp.einsum,
                     context: Callable = Hooks.context,
-                    positions: Array | None = None) -> tuple[Array, Array]:
+                    positions: Array | None = None, row_keys_Bx2: Array | None = None,
+                    adapter_dropout: Callable | None = None) -> tuple[Array, Array]:
   """:meth:`Llama.forward` on a pure params dict, whose ``layers`` may hold more than
   the layers' weights: LoRA adapters (``lora_{target}_a``/``_b``, jaxzero.models.lora),
   each adding ``lora_scale * x @ A @ B`` to its projection, or weights stored
@@ -216,7 +217,10 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   projections (jaxzero.models.fp8's for FP8 matmuls); `context` is the Hooks.context
   hook attention runs under. `positions` ([T] or [B, T]) are the tokens' positions for
   RoPE where they are not 0..T-1 (nor restart with each segment): a sequence laid out in
-  another order (Hooks.sequence_order)."""
+  another order (Hooks.sequence_order). `row_keys_Bx2` (raw PRNG key data, a key per
+  row) ride through the layers beside the residual stream, each layer's from the one
+  before; ``adapter_dropout(layer_keys_Bx2, target, h)`` is then applied to each
+  adapter's input (LoRA dropout)."""
   shard, gather = shard or _no_shard, gather or _no_shard
   T = tokens_BxT.shape[1]
 
@@ -236,18 +240,28 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   axes = {n: spec.logical_axes[1:] for n, spec in param_specs(cfg)["layers"].items()}
   axes.update(layer_axes or {})
 
-  def layer(x_BxTxD, weights):
+  def layer(carry, weights):
+    x_BxTxD, keys_Bx2 = carry if row_keys_Bx2 is not None else (carry, None)
     weights = {n: gather(w, axes[n]) for n, w in weights.items()}
-    x_BxTxD = decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard, lora_scale,
-                            segment_ids_BxT, einsum, context)
-    return shard(x_BxTxD, RESIDUAL_AXES), None
+    adapter_input = (None if keys_Bx2 is None
+                     else functools.partial(adapter_dropout, keys_Bx2))
+    x_BxTxD = shard(decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard, lora_scale,
+                                  segment_ids_BxT, einsum, context, adapter_input),
+                    RESIDUAL_AXES)
+    if keys_Bx2 is None:
+      return x_BxTxD, None
+    # The carry, not the layer's index, gives each layer its keys: a pipeline stage's
+    # scan runs some of the layers, and the carry moves between stages with the rows.
+    return (x_BxTxD, next_keys(keys_Bx2)), None
 
   if remat is not None:
     layer = remat(layer)
+  carry = x_BxTxD if row_keys_Bx2 is None else (x_BxTxD, row_keys_Bx2)
   if scan is None:
-    x_BxTxD, _ = jax.lax.scan(layer, x_BxTxD, params["layers"])
+    carry, _ = jax.lax.scan(layer, carry, params["layers"])
   else:
-    x_BxTxD = scan(layer, x_BxTxD, params["layers"])
+    carry = scan(layer, carry, params["layers"])
+  x_BxTxD = carry if row_keys_Bx2 is None else carry[0]
   x_BxTxD = rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps)
   head_DxV = embed_VxD.T if cfg.tie_embeddings else gather(params["lm_head_DxV"], HEAD_AXES)
   return x_BxTxD, head_DxV
@@ -274,14 +288,18 @@ def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE
                   sin_TxE: Array, shard: ShardFn = _no_shard, lora_scale: float = 1.0,
                   segment_ids_BxT: Array | None = None,
                   einsum: Callable = jnp.einsum,
-                  context: Callable = Hooks.context) -> Array:
+                  context: Callable = Hooks.context,
+                  adapter_input: Callable | None = None) -> Array:
   """One pre-norm transformer block: attention then SwiGLU MLP, both residual. A
-  projection with LoRA adapters in `w` (``lora_{target}_a``/``_b``) adds theirs."""
+  projection with LoRA adapters in `w` (``lora_{target}_a``/``_b``) adds theirs, on
+  ``adapter_input(target, h)`` where given (dropout), else on its input h."""
   def proj(spec, h, weight, axes, name, bias=None):
     y = einsum(spec, h, weight)
     target = LORA_TARGET_OF.get(name)
     if f"lora_{target}_a" in w:
-      y = y + lora_scale * lora_delta(spec, h, w[f"lora_{target}_a"], w[f"lora_{target}_b"])
+      h_in = h if adapter_input is None else adapter_input(target, h)
+      y = y + lora_scale * lora_delta(spec, h_in, w[f"lora_{target}_a"],
+                                      w[f"lora_{target}_b"])
     return checkpoint_name(shard(y if bias is None else y + bias, axes), name)
 
   h_BxTxD = shard(rms_norm(x_BxTxD, w["attn_norm"], cfg.norm_eps), RESIDUAL_AXES)
@@ -311,6 +329,12 @@ def decoder_layer(cfg: LlamaConfig, w: dict[str, Array], x_BxTxD: Array, cos_TxE
 # A projection's checkpoint name -> its LoRA target (jaxzero.models.lora).
 LORA_TARGET_OF = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
                   "mlp_gate": "gate", "mlp_up": "up", "mlp_down": "down"}
+
+
+def next_keys(keys_Bx2: Array) -> Array:
+  """Each row's key for the next layer (raw key data in, raw key data out)."""
+  step = lambda k: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), 1))
+  return jax.vmap(step)(keys_Bx2)
 
 
 def lora_delta(spec: str, h: Array, a: Array, b: Array) -> Array:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero.models import fp8, quantize, trainable
-from jaxzero.models.interface import Hooks, Model, split_like
+from jaxzero.models.interface import Hooks, KeyedBatch, Model, split_like
 from jaxzero.models.llama import LlamaConfig, ParamSpec, decoder_forward, is_param_spec, param_specs
 from jaxzero.models.loss import cross_entropy
 
@@ -111,12 +111,15 @@ def init_adapters(specs: dict, key: jax.Array) -> dict:
 
 
 def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ...],
-               min_shard_size: int = 0, base_dtype: str = "", matmul: str = "default") -> Model:
+               min_shard_size: int = 0, base_dtype: str = "", matmul: str = "default",
+               dropout: float = 0.0) -> Model:
   """The Llama-family Model (jaxzero.models.trainable.llama) with its weights frozen and
   rank-`rank` adapters on `targets` trained, scaled by alpha / rank. `base_dtype` "nf4"
   or "int8" stores the seven projections of the base quantized (jaxzero.models.quantize),
   each dequantized into the compute dtype where its layer uses it. `matmul` as
-  trainable.llama's (the adapters' own small matmuls stay in the compute dtype)."""
+  trainable.llama's (the adapters' own small matmuls stay in the compute dtype).
+  `dropout` > 0 drops each adapter's input elements with that probability in training
+  (PEFT's lora_dropout), from keys the engine gives each row (Model.keyed_rows)."""
   base_model = trainable.llama(cfg, matmul)
   specs = adapter_specs(cfg, rank, targets, min_shard_size)
   layer_axes = {n: s.logical_axes[1:] for n, s in specs["layers"].items()}
@@ -131,7 +134,11 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
                                     spec.shape[1:], spec.logical_axes[1:])
 
   def loss(params, batch, hooks: Hooks) -> jax.Array:
+    row_keys_Bx2 = None
+    if isinstance(batch, KeyedBatch):
+      batch, row_keys_Bx2 = batch
     seqs = trainable.sequences(batch, hooks)
+    T = seqs.inputs.shape[1]
     compute = jax.tree.leaves(split_like(params, specs)[0])[0].dtype  # the adapters'
 
     def gather(w, axes):
@@ -146,7 +153,8 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
         cfg, params, seqs.inputs, shard=hooks.shard, gather=gather,
         remat=hooks.remat, scan=hooks.scan, layer_axes=layer_axes, lora_scale=alpha / rank,
         segment_ids_BxT=seqs.segment_ids, einsum=fp8.EINSUMS[matmul], context=hooks.context,
-        positions=seqs.positions)
+        positions=seqs.positions, row_keys_Bx2=row_keys_Bx2,
+        adapter_dropout=adapter_dropout(dropout, hooks.sequence_order(T), T))
     return cross_entropy(x_BxTxD, head_DxV, seqs.targets, chunk=trainable.LOSS_CHUNK,
                          shard=hooks.shard, weights_BxT=seqs.weights)
 
@@ -155,7 +163,26 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
 
   return Model(specs=specs, init=lambda key: init_adapters(specs, key), loss=loss,
                decay=lambda path: True, layers_key="layers",
-               frozen_specs=frozen_specs, frozen_init=frozen_init)
+               frozen_specs=frozen_specs, frozen_init=frozen_init, keyed_rows=dropout > 0)
+
+
+def adapter_dropout(rate: float, order, T: int):
+  """``(layer_keys_Bx2, target, h [B, T, in...]) -> h`` with each element dropped with
+  probability `rate` and the rest scaled by 1 / (1 - rate) (PEFT's nn.Dropout on the
+  adapter's input). Element (b, t, i) is decided by row b's key, the target and the
+  position's index in the sequence (`order[t]` where the engine lays the sequence out
+  in another order): the same wherever the row and position are computed."""
+  positions_T = jnp.arange(T, dtype=jnp.int32) if order is None else jnp.asarray(order)
+  target_index = {t: i for i, t in enumerate(TARGETS)}
+
+  def drop(keys_Bx2, target, h):
+    def keep_row(key_data):
+      key = jax.random.fold_in(jax.random.wrap_key_data(key_data), target_index[target])
+      return jax.vmap(lambda p: jax.random.bernoulli(jax.random.fold_in(key, p), 1 - rate,
+                                                     h.shape[2:]))(positions_T)
+    keep = jax.vmap(keep_row)(keys_Bx2)
+    return jnp.where(keep, h / (1 - rate), 0).astype(h.dtype)
+  return drop
 
 
 # The base weights stored quantized under lora.base_dtype=nf4|int8: every projection
@@ -222,14 +249,14 @@ def n_adapter_params(specs: dict) -> int:
 
 
 def run_record(rank: int, alpha: float, targets: str, base_model: str = "",
-               base_dtype: str = "") -> dict | None:
+               base_dtype: str = "", dropout: float = 0.0) -> dict | None:
   """What a checkpoint records of a run's LoRA (None without): rank, alpha, targets,
-  the base model's directory (init.hf_checkpoint) where known, and how the base is
-  stored (lora.base_dtype)."""
+  the base model's directory (init.hf_checkpoint) where known, how the base is stored
+  (lora.base_dtype), and the training's adapter dropout."""
   if not rank:
     return None
   return {"rank": rank, "alpha": alpha, "targets": list(resolve_targets(targets)),
-          "base_model": base_model, "base_dtype": base_dtype}
+          "base_model": base_model, "base_dtype": base_dtype, "dropout": dropout}
 
 
 def target_of(path: tuple[str, ...]) -> str | None:

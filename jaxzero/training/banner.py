@@ -89,7 +89,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
            f"{m.mlp_dim}, vocab {m.vocab_size})")
   if cfg.lora.rank:
     model = (f"{m.family.capitalize()}, {format_count(run.program.n_frozen)} parameters frozen "
-             f"+ LoRA rank {cfg.lora.rank} (alpha {cfg.lora.alpha:g}) on "
+             f"+ LoRA rank {cfg.lora.rank} (alpha {cfg.lora.alpha:g}"
+             + (f", dropout {cfg.lora.dropout:g}" if cfg.lora.dropout else "") + ") on "
              f"{','.join(lora_lib.resolve_targets(cfg.lora.targets))}: "
              f"{format_count(run.program.n_params)} trained (dim {m.dim}, {m.n_layers} layers)")
   lines = [

@@ -45,9 +45,7 @@ def lora_config(**changes) -> config.Config:
 def program(cfg: config.Config, model=None) -> engine_lib.TrainProgram:
   config.validate(cfg)
   devices = jax.devices()[:mesh.devices_needed(cfg.mesh)]
-  replica, fsdp, tensor = mesh.resolve_shape(cfg.mesh, len(devices))
-  layout = Layout.from_config(cfg, mesh.make_mesh(replica, fsdp, devices, tensor,
-                                                  cfg.mesh.pipeline))
+  layout = Layout.from_config(cfg, mesh.mesh_for(cfg.mesh, devices))
   return engine_lib.TrainProgram(cfg, layout, model or model_for(cfg, layout.shard_size))
 
 
@@ -152,7 +150,7 @@ def test_step_zero_is_the_base_model():
     ("lora.targets=embed", "LoRA on the embed is not supported"),
     ("lora.targets=xyz.*", "matches no projection"),
     ("lora.targets=q,(", "neither names nor a valid regex"),
-    ("lora.dropout=0.1", "adapter dropout is not supported yet"),
+    ("lora.dropout=1", "lora.dropout=1 must be in"),
     ("lora.alpha=0", "lora.alpha=0 must be positive"),
 ])
 def test_bad_lora_settings_are_one_line(setting, message):
