@@ -127,9 +127,15 @@ def _validate_lora(cfg: Config) -> None:
     raise ConfigError(f"lora.dropout={lora.dropout:g} must be in [0, 1) (the probability "
                       "of dropping each adapter input; PEFT's lora_dropout)")
   try:
-    lora_lib.resolve_targets(lora.targets)
+    targets = lora_lib.resolve_targets(lora.targets)
   except ValueError as e:
     raise ConfigError(str(e)) from None
+  top = [t for t in targets if t in lora_lib.TOP_TARGETS]
+  if top and cfg.model.tie_embeddings:
+    raise ConfigError(f"lora.targets={lora.targets!r} adapts the {' and '.join(top)}, and "
+                      "this model ties its head to its embedding (model.tie_embeddings): "
+                      "a merged export could not hold the two apart; adapt the "
+                      "projections only (e.g. all-linear)")
   if lora.base_dtype in ("bfloat16", "float32") and lora.base_dtype != cfg.precision.compute:
     raise ConfigError(f"lora.base_dtype={lora.base_dtype} with precision.compute="
                       f"{cfg.precision.compute}: a base that is not quantized is kept in the "

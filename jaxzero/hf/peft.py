@@ -5,8 +5,11 @@ PEFT's ``save_pretrained`` does for a causal LM, so that
 ``peft.PeftModel.from_pretrained(base_model, DIR)`` loads them: per layer and target,
 ``base_model.model.model.layers.{i}.{module}.lora_A.weight`` [r, in] and
 ``lora_B.weight`` [out, r] (jaxzero's A [in..., r] and B [r, out...], flattened and
-transposed, the base weights' own Hugging Face layout). ``read_adapter`` reads such a
-directory into jaxzero's adapters (``lora.init_from``), after ``check_adapter``.
+transposed, the base weights' own Hugging Face layout); for the head
+``base_model.model.lm_head.lora_A.weight`` [r, D] and ``lora_B.weight`` [V, r]; for the
+embedding (PEFT's LoRA Embedding) ``base_model.model.model.embed_tokens.lora_embedding_A``
+[r, V] and ``lora_embedding_B`` [D, r]. ``read_adapter`` reads such a directory into
+jaxzero's adapters (``lora.init_from``), after ``check_adapter``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from jaxzero.offload import nvme_checkpoint
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model.model.layers"
+# The top-level targets' PEFT names of (A, B) and whether PEFT stores them [in, r] / [r, out]
+# (the embedding's) rather than transposed (a Linear's lora_A.weight [r, in]).
+TOP_NAMES = {"embed": ("base_model.model.model.embed_tokens.lora_embedding_A",
+                       "base_model.model.model.embed_tokens.lora_embedding_B"),
+             "head": ("base_model.model.lm_head.lora_A.weight",
+                      "base_model.model.lm_head.lora_B.weight")}
 
 
 def adapter_config(record: dict, base_model: str = "") -> dict:
@@ -36,20 +45,26 @@ def adapter_config(record: dict, base_model: str = "") -> dict:
   return {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": record["rank"],
       "lora_alpha": record["alpha"], "lora_dropout": record.get("dropout", 0.0), "bias": "none",
-      "target_modules": [lora_lib.PEFT_MODULES[t].split(".")[-1] for t in record["targets"]],
+      "target_modules": [lora_lib.peft_name(t) for t in record["targets"]],
       "base_model_name_or_path": base_model, "fan_in_fan_out": False,
       "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
       "use_rslora": False, "use_dora": False,
   }
 
 
-def peft_tensors(adapters: dict[str, np.ndarray], record: dict, n_layers: int
-                 ) -> dict[str, np.ndarray]:
-  """{PEFT name: array} of jaxzero's stacked adapters {lora_{t}_a: [L, in..., r], ...}."""
+def peft_tensors(adapters: dict, record: dict, n_layers: int) -> dict[str, np.ndarray]:
+  """{PEFT name: array} of jaxzero's adapters: {"layers": {lora_{t}_a: [L, in..., r],
+  ...}, lora_embed_a: [V, r], ...}. Both of PEFT's [r, in] and [out, r] layouts are the
+  transposes of jaxzero's [in, r] and [r, out]; its embedding's A is [r, V], B [D, r]."""
   out = {}
   rank = record["rank"]
   for target in record["targets"]:
-    a, b = adapters[lora_lib.adapter_key(target, "a")], adapters[lora_lib.adapter_key(target, "b")]
+    if target in lora_lib.TOP_TARGETS:
+      for which, name in zip("ab", TOP_NAMES[target]):
+        out[name] = np.ascontiguousarray(adapters[lora_lib.adapter_key(target, which)].T)
+      continue
+    layers = adapters["layers"]
+    a, b = layers[lora_lib.adapter_key(target, "a")], layers[lora_lib.adapter_key(target, "b")]
     for i in range(n_layers):
       name = _module_name(i, target)
       out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, rank).T)
@@ -74,8 +89,11 @@ def export_peft(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: i
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
       raise CheckpointError(f"--out {out} already exists and is not an empty directory; "
                             "export writes a new one")
-    specs = lora_lib.adapter_specs(model, record["rank"], tuple(record["targets"]))["layers"]
-    adapters = {n: reader.read(step, ("master", "layers", n), s.shape) for n, s in specs.items()}
+    specs = lora_lib.adapter_specs(model, record["rank"], tuple(record["targets"]))
+    adapters = {n: reader.read(step, ("master", n), s.shape) for n, s in specs.items()
+                if n != "layers"}
+    adapters["layers"] = {n: reader.read(step, ("master", "layers", n), s.shape)
+                          for n, s in specs["layers"].items()}
   out.mkdir(parents=True, exist_ok=True)
   base = record.get("base_model", "")
   (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(record, base), indent=2) + "\n")
@@ -137,13 +155,18 @@ def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) ->
 
 def read_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) -> dict:
   """A checked PEFT adapter (check_adapter) as jaxzero's adapters, float32 on the host:
-  {"layers": {lora_{t}_a: [L, in..., r], lora_{t}_b: [L, r, out...]}}."""
+  {"layers": {lora_{t}_a: [L, in..., r], lora_{t}_b: [L, r, out...]}, and lora_embed_a
+  ... where the embedding or the head are adapted}."""
   check_adapter(path, model, record)
   specs = lora_lib.adapter_specs(model, record["rank"], tuple(record["targets"]))["layers"]
   rank = record["rank"]
-  out = {}
+  out, top = {}, {}
   with safe_open(pathlib.Path(path).expanduser() / ADAPTER_WEIGHTS, "np") as f:
     for target in record["targets"]:
+      if target in lora_lib.TOP_TARGETS:
+        for which, name in zip("ab", TOP_NAMES[target]):
+          top[lora_lib.adapter_key(target, which)] = f.get_tensor(name).astype(np.float32).T
+        continue
       for which, name in (("a", "lora_A"), ("b", "lora_B")):
         key = lora_lib.adapter_key(target, which)
         shape = specs[key].shape
@@ -153,7 +176,7 @@ def read_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) -> 
           out[key] = np.stack([a.T.reshape(*shape[1:-1], rank) for a in layers])
         else:  # [out, r] -> [r, out...]
           out[key] = np.stack([b.T.reshape(rank, *shape[2:]) for b in layers])
-  return {"layers": out}
+  return {"layers": out, **top}
 
 
 def _module_name(layer: int, target: str) -> str:
@@ -167,17 +190,23 @@ def _peft_targets(modules) -> tuple[str, ...]:
   if isinstance(modules, str):
     if modules == lora_lib.ALL_LINEAR:
       return tuple(lora_lib.TARGETS)
-    return tuple(t for t, m in lora_lib.PEFT_MODULES.items()
-                 if re.fullmatch(modules, f"model.layers.0.{m}"))
+    full = {**{t: f"model.layers.0.{m}" for t, m in lora_lib.PEFT_MODULES.items()},
+            **{t: m for t, (_, m) in lora_lib.TOP_TARGETS.items()}}
+    return tuple(t for t in lora_lib.ALL_TARGETS if re.fullmatch(modules, full[t]))
   names = set(modules or [])
-  return tuple(t for t in lora_lib.TARGETS if lora_lib.PEFT_MODULES[t].split(".")[-1] in names)
+  return tuple(t for t in lora_lib.ALL_TARGETS if lora_lib.peft_name(t) in names)
 
 
 def _peft_shapes(model: LlamaConfig, record: dict) -> dict[str, tuple[int, int]]:
   """{PEFT name: shape} of the adapters `record` describes for `model`."""
-  specs = lora_lib.adapter_specs(model, record["rank"], tuple(record["targets"]))["layers"]
+  all_specs = lora_lib.adapter_specs(model, record["rank"], tuple(record["targets"]))
+  specs = all_specs["layers"]
   rank, out = record["rank"], {}
   for target in record["targets"]:
+    if target in lora_lib.TOP_TARGETS:
+      for which, name in zip("ab", TOP_NAMES[target]):
+        out[name] = all_specs[lora_lib.adapter_key(target, which)].shape[::-1]
+      continue
     a = specs[lora_lib.adapter_key(target, "a")].shape
     b = specs[lora_lib.adapter_key(target, "b")].shape
     for i in range(model.n_layers):

@@ -206,7 +206,8 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
                     einsum: Callable = jnp.einsum,
                     context: Callable = Hooks.context,
                     positions: Array | None = None, row_keys_Bx2: Array | None = None,
-                    adapter_dropout: Callable | None = None) -> tuple[Array, Array]:
+                    adapter_dropout: Callable | None = None,
+                    top_axes: dict | None = None) -> tuple[Array, Array]:
   """:meth:`Llama.forward` on a pure params dict, whose ``layers`` may hold more than
   the layers' weights: LoRA adapters (``lora_{target}_a``/``_b``, jaxzero.models.lora),
   each adding ``lora_scale * x @ A @ B`` to its projection, or weights stored
@@ -220,7 +221,9 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   another order (Hooks.sequence_order). `row_keys_Bx2` (raw PRNG key data, a key per
   row) ride through the layers beside the residual stream, each layer's from the one
   before; ``adapter_dropout(layer_keys_Bx2, target, h)`` is then applied to each
-  adapter's input (LoRA dropout)."""
+  adapter's input (LoRA dropout). An embedding adapter (``lora_embed_a`` [V, r],
+  ``lora_embed_b`` [r, D], PEFT's LoRA Embedding) adds ``lora_scale * A[token] @ B`` to
+  the looked-up rows; `top_axes` gives its leaves' logical axes."""
   shard, gather = shard or _no_shard, gather or _no_shard
   T = tokens_BxT.shape[1]
 
@@ -230,6 +233,15 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   if cfg.tie_embeddings:
     embed_VxD = gather(embed_VxD, EMBED_AXES)
   x_BxTxD = shard(shard(jnp.take(embed_VxD, tokens_BxT, axis=0), LOOKUP_AXES), RESIDUAL_AXES)
+  if "lora_embed_a" in params:
+    top_axes = top_axes or {}
+    a_VxR, b_RxD = (gather(params[n], top_axes.get(n, axes))
+                    for n, axes in (("lora_embed_a", EMBED_AXES[:1] + ("none",)),
+                                    ("lora_embed_b", ("none",) + EMBED_AXES[1:])))
+    low_BxTxR = jnp.take(a_VxR, tokens_BxT, axis=0)
+    x_BxTxD = x_BxTxD + shard(lora_scale * jnp.einsum(
+        "btr,rd->btd", low_BxTxR, b_RxD.astype(low_BxTxR.dtype)).astype(x_BxTxD.dtype),
+        RESIDUAL_AXES)
   if positions is not None:
     cos_TxE, sin_TxE = rope_tables(cfg, T, positions)
   elif segment_ids_BxT is None:

@@ -1,13 +1,15 @@
 """LoRA for the Llama family: frozen base weights, trained low-rank adapters.
 
-Each targeted projection W (q, k, v, o, gate, up, down) gains ``x @ A @ B * alpha /
-rank``, PEFT's LoRA: A [in, r] drawn as PEFT draws it (uniform within ±1/sqrt(in)), B
-[r, out] zeros, so that step 0's model is the base model. The adapters are the
-Model's trained parameters (``specs``); the base is its ``frozen_specs``, which the
-engine keeps in the compute dtype with no gradient or optimizer state. Adapters are
-stacked per layer beside the base's layers (``lora_{target}_a``, ``lora_{target}_b``
-under ``layers``), so that the engine's per-layer gradient accumulation and the
-pipeline's stages take them as they take the layers' weights.
+Each targeted projection W (q, k, v, o, gate, up, down, and the head) gains ``x @ A @ B
+* alpha / rank``, PEFT's LoRA: A [in, r] drawn as PEFT draws it (uniform within
+±1/sqrt(in)), B [r, out] zeros, so that step 0's model is the base model. The embedding
+gains ``A[token] @ B``, PEFT's LoRA Embedding: A [V, r] zeros, B [r, D] standard normal.
+The adapters are the Model's trained parameters (``specs``); the base is its
+``frozen_specs``, which the engine keeps in the compute dtype with no gradient or
+optimizer state. The projections' adapters are stacked per layer beside the base's
+layers (``lora_{target}_a``, ``lora_{target}_b`` under ``layers``), so that the engine's
+per-layer gradient accumulation and the pipeline's stages take them as they take the
+layers' weights; the embedding's and the head's are top-level (``lora_embed_a``, ...).
 """
 
 from __future__ import annotations
@@ -36,37 +38,48 @@ PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_att
                 "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
                 "down": "mlp.down_proj"}
 ALL_LINEAR = "all-linear"
-# Targets a user may name that LoRA here does not (yet) adapt.
-NOT_ADAPTED = ("embed", "head")
+# The adapted weights outside the layers: target -> (the base weight, PEFT's module).
+# As PEFT's "all-linear", the default leaves them out.
+TOP_TARGETS: dict[str, tuple[str, str]] = {"embed": ("embed_VxD", "model.embed_tokens"),
+                                           "head": ("lm_head_DxV", "lm_head")}
+ALL_TARGETS = (*TARGETS, *TOP_TARGETS)
+# Each adapter's logical axes where it is split, (A's, B's): the embedding's A is
+# looked up by token, its B adds to the residual stream; the head's as any projection's.
+TOP_AXES = {"embed": (("vocab", "none"), ("none", "embed")),
+            "head": (("embed", "none"), ("none", "vocab"))}
+
+
+def peft_name(target: str) -> str:
+  """PEFT's short name of a target's module (q_proj, ..., embed_tokens, lm_head)."""
+  module = PEFT_MODULES[target] if target in TARGETS else TOP_TARGETS[target][1]
+  return module.split(".")[-1]
 
 
 def resolve_targets(targets: str) -> tuple[str, ...]:
-  """The targets a ``lora.targets`` value names: "all-linear", comma-separated names
-  (q, k, v, o, gate, up, down, or PEFT's q_proj, ..., down_proj), or a regex matched
-  against those names. ValueError names the valid choices."""
-  valid = ", ".join(TARGETS)
+  """The targets a ``lora.targets`` value names: "all-linear" (the seven projections),
+  comma-separated names (q, k, v, o, gate, up, down, embed, head, or PEFT's q_proj, ...,
+  down_proj, embed_tokens, lm_head), or a regex matched against those names. ValueError
+  names the valid choices."""
+  valid = ", ".join(ALL_TARGETS)
   text = targets.strip()
   if text == ALL_LINEAR:
     return tuple(TARGETS)
   names = [n.strip() for n in text.split(",") if n.strip()]
-  by_peft = {m.split(".")[-1]: t for t, m in PEFT_MODULES.items()}
-  if names and all(n in TARGETS or n in by_peft or n in NOT_ADAPTED for n in names):
-    unsupported = [n for n in names if n in NOT_ADAPTED]
-    if unsupported:
-      raise ValueError(f"lora.targets={targets!r}: LoRA on the {' and '.join(unsupported)} "
-                       f"is not supported; choose from {valid} or {ALL_LINEAR}")
+  by_peft = {peft_name(t): t for t in ALL_TARGETS}
+  if names and all(n in ALL_TARGETS or n in by_peft for n in names):
     chosen = {by_peft.get(n, n) for n in names}
-    return tuple(t for t in TARGETS if t in chosen)
+    return tuple(t for t in ALL_TARGETS if t in chosen)
   try:
     pattern = re.compile(text)
   except re.error as e:
     raise ValueError(f"lora.targets={targets!r} is neither names nor a valid regex ({e}); "
                      f"choose from {valid} or {ALL_LINEAR}") from None
-  matched = tuple(t for t in TARGETS if pattern.fullmatch(t)
-                  or pattern.fullmatch(PEFT_MODULES[t].split(".")[-1]))
+  matched = tuple(t for t in ALL_TARGETS if pattern.fullmatch(t)
+                  or pattern.fullmatch(peft_name(t)))
   if not matched:
     raise ValueError(f"lora.targets={targets!r} matches no projection; choose from {valid} "
-                     f"(or their PEFT names q_proj ... down_proj), or {ALL_LINEAR}")
+                     f"(or their PEFT names q_proj ... down_proj, embed_tokens, lm_head), "
+                     f"or {ALL_LINEAR}")
   return matched
 
 
@@ -76,12 +89,24 @@ def adapter_key(target: str, which: str) -> str:
 
 def adapter_specs(cfg: LlamaConfig, rank: int, targets: tuple[str, ...],
                   min_shard_size: int = 0) -> dict:
-  """{"layers": {lora_{t}_a: [L, in..., r], lora_{t}_b: [L, r, out...]}}. An adapter with
-  fewer than `min_shard_size` elements is declared unsplittable ("none"): ZeRO keeps it
+  """{"layers": {lora_{t}_a: [L, in..., r], lora_{t}_b: [L, r, out...]}} for the
+  projections, and for the embedding and the head top-level lora_embed_a [V, r],
+  lora_embed_b [r, D], lora_head_a [D, r], lora_head_b [r, V]. An adapter with fewer
+  than `min_shard_size` elements is declared unsplittable ("none"): ZeRO keeps it
   whole, as it keeps any small parameter."""
   base = param_specs(cfg)["layers"]
-  layers = {}
+  layers, top = {}, {}
   for t in targets:
+    if t in TOP_TARGETS:
+      in_dim, out_dim = ((cfg.vocab_size, cfg.dim) if t == "embed"
+                         else (cfg.dim, cfg.vocab_size))
+      inits = ("zeros", "normal_1") if t == "embed" else ("lora_a", "zeros")
+      for which, shape, logical, init in zip("ab", ((in_dim, rank), (rank, out_dim)),
+                                             TOP_AXES[t], inits):
+        if math.prod(shape) < min_shard_size:
+          logical = ("none", "none")
+        top[adapter_key(t, which)] = ParamSpec(shape, logical, init)
+      continue
     spec = base[TARGETS[t][0]]
     n_in = TARGETS[t][1]
     (L, *dims), (_, *axes) = spec.shape, spec.logical_axes
@@ -92,22 +117,27 @@ def adapter_specs(cfg: LlamaConfig, rank: int, targets: tuple[str, ...],
         logical = ("layers", *["none"] * (len(shape) - 1))
       layers[adapter_key(t, which)] = ParamSpec(shape, logical, "lora_a" if which == "a"
                                                 else "zeros")
-  return {"layers": layers}
+  return {"layers": layers, **top}
 
 
 def init_adapters(specs: dict, key: jax.Array) -> dict:
-  """A as PEFT draws it (kaiming-uniform with a=√5: uniform within ±1/√fan_in), B zeros."""
-  flat = specs["layers"]
+  """As PEFT draws them: a projection's A kaiming-uniform with a=√5 (uniform within
+  ±1/√fan_in), its B zeros; the embedding's A zeros, its B standard normal."""
+  flat = {("layers", n): s for n, s in specs["layers"].items()}
+  flat.update({(n,): s for n, s in specs.items() if n != "layers"})
   keys = dict(zip(flat, jax.random.split(key, len(flat))))
-  out = {}
-  for name, spec in flat.items():
+  out = {"layers": {}}
+  for path, spec in flat.items():
     if spec.init == "zeros":
-      out[name] = jnp.zeros(spec.shape, jnp.float32)
+      value = jnp.zeros(spec.shape, jnp.float32)
+    elif spec.init == "normal_1":
+      value = jax.random.normal(keys[path], spec.shape, jnp.float32)
     else:
-      fan_in = math.prod(spec.shape[1:-1])
+      fan_in = math.prod(spec.shape[len(path) - 1:-1])  # past the layers' axis, if any
       bound = 1.0 / math.sqrt(fan_in)
-      out[name] = jax.random.uniform(keys[name], spec.shape, jnp.float32, -bound, bound)
-  return {"layers": out}
+      value = jax.random.uniform(keys[path], spec.shape, jnp.float32, -bound, bound)
+    (out["layers"] if len(path) == 2 else out)[path[-1]] = value
+  return out
 
 
 def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ...],
@@ -123,6 +153,7 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
   base_model = trainable.llama(cfg, matmul)
   specs = adapter_specs(cfg, rank, targets, min_shard_size)
   layer_axes = {n: s.logical_axes[1:] for n, s in specs["layers"].items()}
+  top_axes = {n: s.logical_axes for n, s in specs.items() if n != "layers"}
   kind = base_dtype if base_dtype in quantize.KINDS else None
   frozen_specs = param_specs(cfg)
   if kind:
@@ -139,6 +170,7 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
       batch, row_keys_Bx2 = batch
     seqs = trainable.sequences(batch, hooks)
     T = seqs.inputs.shape[1]
+    drop = adapter_dropout(dropout, hooks.sequence_order(T), T)
     compute = jax.tree.leaves(split_like(params, specs)[0])[0].dtype  # the adapters'
 
     def gather(w, axes):
@@ -154,9 +186,13 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
         remat=hooks.remat, scan=hooks.scan, layer_axes=layer_axes, lora_scale=alpha / rank,
         segment_ids_BxT=seqs.segment_ids, einsum=fp8.EINSUMS[matmul], context=hooks.context,
         positions=seqs.positions, row_keys_Bx2=row_keys_Bx2,
-        adapter_dropout=adapter_dropout(dropout, hooks.sequence_order(T), T))
+        adapter_dropout=drop, top_axes=top_axes)
+    head_input = (None if row_keys_Bx2 is None or "lora_head_a" not in params
+                  else drop(row_keys_Bx2, "head", x_BxTxD))
     return cross_entropy(x_BxTxD, head_DxV, seqs.targets, chunk=trainable.LOSS_CHUNK,
-                         shard=hooks.shard, weights_BxT=seqs.weights)
+                         shard=hooks.shard, weights_BxT=seqs.weights,
+                         low_rank=head_low_rank(params, x_BxTxD, gather, alpha / rank,
+                                                top_axes, head_input))
 
   def frozen_init(key):
     return store_base(base_model.init(key), kind)
@@ -166,6 +202,18 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
                frozen_specs=frozen_specs, frozen_init=frozen_init, keyed_rows=dropout > 0)
 
 
+def head_low_rank(params: dict, x_BxTxD, gather, scale: float, top_axes: dict,
+                  head_input=None):
+  """A head adapter's term as cross_entropy's `low_rank`: (scale · h @ A [B, T, r], B
+  [r, V]), h the final hidden states (or `head_input`, them with dropout); None
+  without one."""
+  if "lora_head_a" not in params:
+    return None
+  a_DxR, b_RxV = (gather(params[n], top_axes[n]) for n in ("lora_head_a", "lora_head_b"))
+  h_BxTxD = x_BxTxD if head_input is None else head_input
+  return scale * jnp.einsum("btd,dr->btr", h_BxTxD, a_DxR.astype(h_BxTxD.dtype)), b_RxV
+
+
 def adapter_dropout(rate: float, order, T: int):
   """``(layer_keys_Bx2, target, h [B, T, in...]) -> h`` with each element dropped with
   probability `rate` and the rest scaled by 1 / (1 - rate) (PEFT's nn.Dropout on the
@@ -173,7 +221,7 @@ def adapter_dropout(rate: float, order, T: int):
   position's index in the sequence (`order[t]` where the engine lays the sequence out
   in another order): the same wherever the row and position are computed."""
   positions_T = jnp.arange(T, dtype=jnp.int32) if order is None else jnp.asarray(order)
-  target_index = {t: i for i, t in enumerate(TARGETS)}
+  target_index = {t: i for i, t in enumerate(ALL_TARGETS)}
 
   def drop(keys_Bx2, target, h):
     def keep_row(key_data):
@@ -260,9 +308,12 @@ def run_record(rank: int, alpha: float, targets: str, base_model: str = "",
 
 
 def target_of(path: tuple[str, ...]) -> str | None:
-  """The LoRA target of a base weight's path (("layers", "wq_LxDxHxE") -> "q"), or None."""
+  """The LoRA target of a base weight's path (("layers", "wq_LxDxHxE") -> "q",
+  ("lm_head_DxV",) -> "head"), or None."""
+  if path[0] != "layers":
+    return {weight: t for t, (weight, _) in TOP_TARGETS.items()}.get(path[0])
   by_weight = {weight: t for t, (weight, _) in TARGETS.items()}
-  return by_weight.get(path[-1]) if path[0] == "layers" else None
+  return by_weight.get(path[-1])
 
 
 def low_rank_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -280,7 +331,13 @@ def fold_adapters(path: tuple[str, ...], weight: np.ndarray, read, record: dict)
   target = target_of(path)
   if target is None or target not in record["targets"]:
     return weight
-  rank, n_in = record["rank"], TARGETS[target][1]
+  rank = record["rank"]
+  if target in TOP_TARGETS:  # [in, out]: the embedding [V, D] or the head [D, V]
+    a = read(("master", adapter_key(target, "a")), (weight.shape[0], rank))
+    b = read(("master", adapter_key(target, "b")), (rank, weight.shape[1]))
+    return np.asarray(weight, np.float32) + record["alpha"] / rank * (
+        np.asarray(a, np.float32) @ np.asarray(b, np.float32))
+  n_in = TARGETS[target][1]
   a_shape = (*weight.shape[:1 + n_in], rank)
   b_shape = (weight.shape[0], rank, *weight.shape[1 + n_in:])
   a = read(("master", "layers", adapter_key(target, "a")), a_shape)

@@ -147,14 +147,15 @@ def test_step_zero_is_the_base_model():
 
 @pytest.mark.parametrize("setting,message", [
     ("lora.rank=-2", "lora.rank=-2 must be positive"),
-    ("lora.targets=embed", "LoRA on the embed is not supported"),
+    ("lora.targets=q,embed", "this model ties its head to its embedding"),
     ("lora.targets=xyz.*", "matches no projection"),
     ("lora.targets=q,(", "neither names nor a valid regex"),
     ("lora.dropout=1", "lora.dropout=1 must be in"),
     ("lora.alpha=0", "lora.alpha=0 must be positive"),
 ])
 def test_bad_lora_settings_are_one_line(setting, message):
-  cfg = config.apply_overrides(lora_config(), ["lora.rank=4", setting])
+  cfg = config.apply_overrides(lora_config(), ["lora.rank=4", "model.tie_embeddings=true",
+                                               setting])
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".*", r"\.\*")) as e:
     config.validate(cfg)
   assert "\n" not in str(e.value)
@@ -165,6 +166,8 @@ def test_peft_target_modules_as_names_all_linear_or_a_regex():
   assert targets(["q_proj", "v_proj"]) == ("q", "v")
   assert targets("all-linear") == TARGETS
   assert targets(r".*\.(up|down)_proj") == ("up", "down")
+  assert targets(["q_proj", "embed_tokens", "lm_head"]) == ("q", "embed", "head")
+  assert targets(r"lm_head|.*\.v_proj") == ("v", "head")
 
 
 def test_targets_by_name_peft_name_or_pattern():
@@ -173,27 +176,55 @@ def test_targets_by_name_peft_name_or_pattern():
   assert lora_lib.resolve_targets("q_proj,o_proj,down_proj") == ("q", "o", "down")
   assert lora_lib.resolve_targets("gate|up") == ("gate", "up")
   assert lora_lib.resolve_targets(".*_proj") == TARGETS
+  assert lora_lib.resolve_targets("embed_tokens,q,lm_head") == ("q", "embed", "head")
+  assert lora_lib.resolve_targets("head, embed") == ("embed", "head")
+
+
+def test_embedding_and_head_adapters_start_at_the_base_model_and_train_alike_on_8_devices():
+  """PEFT's LoRA Embedding (A zeros, B standard normal) and a LoRA head (B zeros): step 0's
+  loss is the base model's, and a stage-3 run on 8 devices equals one device."""
+  def cfg(**changes):
+    c = lora_config(**changes)
+    return dataclasses.replace(c, lora=dataclasses.replace(c.lora, targets="v,embed,head"))
+  one_losses, one, first = train(cfg(mesh=config.MeshConfig(fsdp=1)))
+  assert not np.any(first.master["lora_embed_a"]) and not np.any(first.master["lora_head_b"])
+  assert abs(np.std(first.master["lora_embed_b"]) - 1) < 0.2
+  plain_losses = train(lora_config(mesh=config.MeshConfig(fsdp=1)), steps=1)[0]
+  assert one_losses[0] == pytest.approx(plain_losses[0], abs=1e-6)
+  assert np.abs(one.master["lora_embed_a"]).max() > 1e-3  # trained
+  losses, eight, _ = train(cfg())
+  np.testing.assert_allclose(losses, one_losses, atol=1e-5)
+  chex.assert_trees_all_close(eight.master, one.master, atol=1e-5)
 
 
 # ---------------------------------------------------------------- PEFT interoperability
 
 
 def jaxzero_lora_logits(model_cfg, frozen, adapters, record, tokens):
-  """The logits of a full-precision base (a pure params dict) with stacked adapters."""
-  params = jax.tree.map(jnp.asarray, frozen)
-  params["layers"] = {**params["layers"], **jax.tree.map(jnp.asarray, adapters)}
+  """The logits of a full-precision base (a pure params dict) with adapters (the
+  master's: stacked under layers, the embedding's and head's top-level)."""
+  from jaxzero.models.interface import merge  # pylint: disable=import-outside-toplevel
+  params = jax.tree.map(jnp.asarray, merge(adapters, frozen))
   specs = lora_lib.adapter_specs(model_cfg, record["rank"], tuple(record["targets"]))
+  top_axes = {n: s.logical_axes for n, s in specs.items() if n != "layers"}
+  scale = record["alpha"] / record["rank"]
   x, head = decoder_forward(model_cfg, params, jnp.asarray(tokens),
                             layer_axes={n: s.logical_axes[1:]
                                         for n, s in specs["layers"].items()},
-                            lora_scale=record["alpha"] / record["rank"])
-  return np.asarray(jnp.einsum("btd,dv->btv", x, head))
+                            lora_scale=scale, top_axes=top_axes)
+  logits = jnp.einsum("btd,dv->btv", x, head)
+  low_rank = lora_lib.head_low_rank(params, x, lambda w, _: w, scale, top_axes)
+  if low_rank is not None:
+    logits = logits + jnp.einsum("btr,rv->btv", *low_rank)
+  return np.asarray(logits)
 
 
 @pytest.mark.slow  # trains, exports twice and runs transformers and PEFT
-@pytest.mark.parametrize("family,window", [("llama", 0), ("mistral", 8), ("qwen2", 0)])
+@pytest.mark.parametrize("family,window,targets", [
+    ("llama", 0, "q,k,v,o,gate,up,down"), ("mistral", 8, "q,k,v,o,gate,up,down"),
+    ("qwen2", 0, "q,k,v,o,gate,up,down"), ("llama", 0, "q,v,embed_tokens,lm_head")])
 def test_a_trained_adapter_loads_into_peft_and_merges_into_transformers(family, window,
-                                                                        tmp_path):
+                                                                        targets, tmp_path):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   peft = pytest.importorskip("peft", reason="pip install peft")
@@ -201,7 +232,7 @@ def test_a_trained_adapter_loads_into_peft_and_merges_into_transformers(family, 
   original.save_pretrained(tmp_path / "base")
   model_cfg = hf_load.read_config(tmp_path / "base")
   cfg = lora_config(model=model_cfg, mesh=config.MeshConfig(fsdp=2),
-                    lora=config.LoraConfig(rank=4, alpha=8.0, targets="q,k,v,o,gate,up,down"),
+                    lora=config.LoraConfig(rank=4, alpha=8.0, targets=targets),
                     train=dataclasses.replace(lora_config().train, lr=5e-2))
   p = program(cfg)
   state = p.init(frozen=hf_load.load_params(tmp_path / "base", model_cfg, p.shardings.frozen))
@@ -219,10 +250,12 @@ def test_a_trained_adapter_loads_into_peft_and_merges_into_transformers(family, 
   adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
   assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 8.0)
 
-  frozen, master = jax.device_get(state.frozen), jax.device_get(state.master)
-  assert np.abs(master["layers"]["lora_o_b"]).max() > 1e-3
+  # (On 2 devices the head adapter's vocabulary of 97 is stored padded.)
+  frozen, master = jax.device_get(state.frozen), p.padding.unpad(jax.device_get(state.master))
+  trained_b = [master["layers"].get("lora_v_b"), master.get("lora_head_b")]
+  assert all(np.abs(b).max() > 1e-3 for b in trained_b if b is not None)
   ids = np.random.default_rng(2).integers(0, 97, (2, 24))
-  want = jaxzero_lora_logits(model_cfg, frozen, master["layers"], record, ids)
+  want = jaxzero_lora_logits(model_cfg, frozen, master, record, ids)
   base = transformers.AutoModelForCausalLM.from_pretrained(
       tmp_path / "base", dtype=torch.float32, attn_implementation="eager")
   with torch.no_grad():
@@ -238,7 +271,7 @@ def test_a_trained_adapter_loads_into_peft_and_merges_into_transformers(family, 
   # The other way: the PEFT adapter read back is the run's adapters.
   record = {**record, "base_model": ""}
   chex.assert_trees_all_close(hf_peft.read_adapter(tmp_path / "peft", model_cfg, record),
-                              {"layers": master["layers"]}, atol=0)
+                              master, atol=0)
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +286,7 @@ def adapter_dir(tmp_path_factory):
   out = tmp_path_factory.mktemp("adapter")
   (out / hf_peft.ADAPTER_CONFIG).write_text(json.dumps(hf_peft.adapter_config(record)))
   hf_export.write_safetensors(out / hf_peft.ADAPTER_WEIGHTS, hf_peft.peft_tensors(
-      adapters["layers"], record, cfg.n_layers), "float32")
+      adapters, record, cfg.n_layers), "float32")
   return out, cfg, record, adapters
 
 

@@ -179,7 +179,7 @@ def test_a_qlora_run_resumes_on_another_mesh_and_exports_merged(tmp_path):
   from flax import traverse_util  # pylint: disable=import-outside-toplevel
   frozen = traverse_util.unflatten_dict(flat)
   ids = np.random.default_rng(2).integers(0, 256, (2, 24))
-  want = jaxzero_lora_logits(model_cfg, frozen, adapters, record, ids)
+  want = jaxzero_lora_logits(model_cfg, frozen, {"layers": adapters}, record, ids)
   merged = transformers.AutoModelForCausalLM.from_pretrained(
       tmp_path / "merged", dtype=torch.float32, attn_implementation="eager")
   with torch.no_grad():
