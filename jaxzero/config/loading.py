@@ -147,10 +147,12 @@ def _validate_lora(cfg: Config) -> None:
     lora_lib.check_base_dtype(cfg.model, lora.base_dtype)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  if cfg.offload.optimizer != "device" or cfg.offload.params != "device":
+  if cfg.offload.optimizer != "device" or cfg.offload.params == "nvme":
     raise ConfigError(f"lora.rank={lora.rank} with offload.optimizer={cfg.offload.optimizer}, "
-                      f"offload.params={cfg.offload.params}: LoRA runs with the state on the "
-                      "device (its optimizer state is the adapters'); set both to device")
+                      f"offload.params={cfg.offload.params}: LoRA keeps its optimizer state "
+                      "(the adapters', a few MB) on the device, and its frozen base on the "
+                      "device or, with offload.params=pinned_host, in host memory; set "
+                      "offload.optimizer=device and offload.params=device or pinned_host")
   if cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b":
     raise ConfigError("lora.rank with pipeline.schedule=1f1b is not supported; use gpipe or "
                       "interleaved")

@@ -111,6 +111,7 @@ def micro_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
                                 layout.tree_shardings(model.specs, "compute"))
   place = _to_device_in_reduce_layout(layout, model) if streams and key is not None else None
   params_on_device = on_device(state_sh.params)
+  frozen_on_device = None if state_sh.frozen is None else on_device(state_sh.frozen)
 
   def add(micro, per_layer, params, scale, carry, batch):
     loss_sum, grad_sum = carry
@@ -128,14 +129,17 @@ def micro_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
   def grad_sum_fn(params, batch_Ax, scale, frozen=None):
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     per_layer = key is not None and accum > 1
-    bound = functools.partial(loss, frozen=frozen)
-    micro = groups.per_group(per_layer_grads(bound, model, place) if per_layer
-                             else whole_grads(bound), per_layer)
     if streams:  # the embedding, head and final norm come over now, the layers in the scan
       params = {k: v if k == key else jax.device_put(v, params_on_device[k])
                 for k, v in params.items()}
+      if frozen is not None:  # likewise a frozen base's (its layers' come in the scan too)
+        frozen = {k: v if k == key else jax.device_put(v, frozen_on_device[k])
+                  for k, v in frozen.items()}
     else:
       params = jax.device_put(params, params_on_device)
+    bound = functools.partial(loss, frozen=frozen)
+    micro = groups.per_group(per_layer_grads(bound, model, place) if per_layer
+                             else whole_grads(bound), per_layer)
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(
         lambda p: jnp.zeros(groups.sum_shape(p), grad_dtype), params), sum_sh)
     (loss_sum, grad_sum), _ = jax.lax.scan(

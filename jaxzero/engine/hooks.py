@@ -108,7 +108,9 @@ class LayoutHooks:
     if layout.params_memory == "pinned_host":
       # Offloaded weights (stage 3): each layer's shard comes to the device here,
       # inside the layer scan, one layer at a time (a no-op for those already there).
-      w = jax.device_put(w, NamedSharding(mesh, layout.spec(shape, logical_axes, "params"),
+      # Placed by its true shape: a transfer's layout must divide it (a frozen leaf is
+      # never stored padded; a small quantization part may divide nothing).
+      w = jax.device_put(w, NamedSharding(mesh, layout.spec(w.shape, logical_axes, "params"),
                                           memory_kind="device"))
     compute = NamedSharding(mesh, layout.spec(shape, logical_axes, "compute"))
     if set(AXES) <= set(self.vmapped_axes):  # a per-device gradient stays whole, unreduced

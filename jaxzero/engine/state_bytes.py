@@ -27,7 +27,8 @@ def state_bytes(program) -> dict[str, int]:
   abstract_grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, grad_dtype),
                                 abstract.master)
   host = sum(_bytes_in_memory(getattr(abstract, name), getattr(sh, name), "pinned_host")
-             for name in ("params", "master", "opt_state"))
+             for name in ("params", "master", "opt_state", "frozen")
+             if getattr(abstract, name) is not None)
   frozen = bytes_per_device(abstract.frozen, sh.frozen) if abstract.frozen is not None else 0
   return {
       "transfer": transfer_bytes(program),
@@ -59,6 +60,10 @@ def transfer_bytes(program) -> int:
     # produces it and comes back up after.
     moved += (params - layers) + cfg.train.grad_accum * 4 * layers
     moved += params  # the updated compute copy goes back down
+    if abstract.frozen is not None:  # a frozen base: up for the forward and the backward
+      frozen = bytes_per_device(abstract.frozen, sh.frozen)
+      frozen_layers = bytes_per_device(abstract.frozen["layers"], sh.frozen["layers"])
+      moved += (frozen - frozen_layers) + cfg.train.grad_accum * 2 * frozen_layers
   return moved
 
 

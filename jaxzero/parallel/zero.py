@@ -12,7 +12,7 @@ the collectives:
   3      sharded sharded sharded    FULL_SHARD       16Φ/N
 
 Frozen weights (``frozen``: a LoRA base) are sharded like stage 3's compute copy at
-every stage.
+every stage, and rest in its memory (pinned_host with offload.params).
 
 Hybrid (HYBRID_SHARD, HYBRID_SHARD_ZERO2) shards over ``fsdp`` only and replicates over
 ``replica``; the batch is always split over both. The ``tensor`` axis adds Megatron's splits
@@ -145,7 +145,8 @@ class Layout:
     return "grads" if self.is_sharded("grads") else "optimizer"
 
   def memory_kind(self, role: str) -> str:
-    return self.params_memory if role == "params" else "device"
+    # Frozen weights (a LoRA base) rest where the compute copy does.
+    return self.params_memory if role in ("params", "frozen") else "device"
 
   def spec(self, shape: tuple[int, ...], logical_axes: tuple[str, ...], role: str,
            name: str = "?") -> P:

@@ -175,9 +175,13 @@ def variants(cfg: Config, sweep: str, replica: int) -> list[Variant]:
     return [Variant(stage, hybrid, name, offload.optimizer, offload.params)
             for name in POLICY_NAMES]
   if sweep == "offload":
-    if cfg.lora.rank:
-      raise ConfigError("--sweep offload with lora.rank: a LoRA run keeps its state on the "
-                        "device (its optimizer state is the adapters'); sweep stages or remat")
+    if cfg.lora.rank:  # the adapters' state stays; the frozen base may rest on the host
+      if stage != 3:
+        raise ConfigError(f"--sweep offload with lora.rank at zero.stage={stage}: a LoRA "
+                          "run's one offload is its frozen base's (offload.params=pinned_host),"
+                          " at stage 3; set zero.stage=3")
+      return [Variant(stage, hybrid, policy, "device", params)
+              for params in ("device", "pinned_host")]
     kinds = [("device", "device"), ("pinned_host", "device")]
     if stage == 3:
       kinds += [("device", "pinned_host"), ("pinned_host", "pinned_host")]

@@ -115,6 +115,25 @@ def test_lora_on_every_mesh_equals_one_device(one_device, name, changes):
   chex.assert_trees_all_close(state.master, want.master, atol=1e-5)
 
 
+def test_with_offload_params_the_frozen_base_rests_in_host_memory_and_trains_the_same(
+    one_device):
+  """offload.params=pinned_host: the base (and the adapters' compute copy) rest in
+  pinned_host, each layer's shard coming to the device inside the layer scan; the
+  training is the same."""
+  cfg = lora_config(offload=config.OffloadConfig(params="pinned_host"))
+  p = program(cfg)
+  kinds = {sh.memory_kind for sh in jax.tree.leaves(p.shardings.frozen)}
+  assert kinds == {"pinned_host"}
+  got = p.state_bytes()
+  assert got["host"] == got["params"]  # the base and the compute copy, per device
+  frozen_layers = sum(a.size * 4 for a in jax.tree.leaves(p.abstract.frozen["layers"])) // 8
+  assert got["transfer"] > cfg.train.grad_accum * 2 * frozen_layers
+  want_losses, want, _ = one_device
+  losses, state, _ = train(cfg)
+  np.testing.assert_allclose(losses, want_losses, atol=1e-5)
+  chex.assert_trees_all_close(state.master, want.master, atol=1e-5)
+
+
 def test_the_frozen_base_is_sharded_at_every_stage_and_counted_in_the_plan():
   p = program(lora_config(zero=config.ZeroConfig(stage=1, min_shard_size=0)))
   abstract, sh = p.abstract, p.shardings

@@ -112,6 +112,19 @@ def test_qlora_on_eight_devices_equals_one_device(nf4_one_device, base_dtype):
   chex.assert_trees_all_close(state.master, want.master, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_a_quantized_base_in_host_memory_trains_the_same(nf4_one_device):
+  """offload.params=pinned_host: the NF4 parts rest in pinned_host and each layer's come
+  to the device in the layer scan, to be dequantized there."""
+  _, want_losses, want, _ = nf4_one_device
+  p, losses, state, first = train(qlora(offload=config.OffloadConfig(params="pinned_host")))
+  codes = p.shardings.frozen["layers"]["w_up_LxDxF"]["codes"]
+  assert codes.memory_kind == "pinned_host"
+  np.testing.assert_allclose(losses, want_losses, atol=1e-5)
+  chex.assert_trees_all_close(state.master, want.master, atol=1e-5)
+  chex.assert_trees_all_equal(state.frozen, first)
+
+
 @pytest.mark.slow  # compiles two more programs
 def test_the_quantized_model_is_close_to_the_base_it_was_made_from():
   """The loss through the NF4 base at step 0 (B = 0) is the full-precision base's,

@@ -248,7 +248,18 @@ def test_llama8b_lora_and_qlora_plan_on_one_device_within_their_budgets(preset, 
   assert row.theory_formula.endswith("Φf/N")
 
 
-def test_a_lora_offload_sweep_is_one_line():
-  cfg = config.load(LLAMA_8B, ["lora.rank=8"])
-  with pytest.raises(config.ConfigError, match="--sweep offload with lora.rank"):
-    planner.plan(cfg, 8, H100, "offload")
+def test_a_lora_offload_sweep_rests_the_frozen_base_in_host_memory():
+  """A LoRA run's one offload: the frozen base in pinned_host (stage 3), streamed up layer
+  by layer for the forward and the backward of each micro-step."""
+  cfg = config.load(str(CONFIGS / "llama8b_qlora.py"), ["mesh.fsdp=1"])
+  plan = planner.plan(cfg, 1, int(40e9), "offload", search=False)
+  on_device, offloaded = plan.rows
+  assert (on_device.host_bytes, offloaded.offload_params) == (0, "pinned_host")
+  assert offloaded.host_bytes == offloaded.params_bytes  # the NF4 base and the adapters' copy
+  # Each of the 16 micro-steps brings the base's layers up twice (forward, backward): the
+  # NF4 layers are 62% of the base, its bf16 embedding and head the rest (they come once).
+  layers = 8.03e9 * 0.87 * (0.5 + 4 / 64 / 2)  # the projections' share; codes and scales
+  assert 16 * 2 * layers < offloaded.transfer_bytes < 16 * 2 * offloaded.params_bytes
+  with pytest.raises(config.ConfigError, match="--sweep offload with lora.rank at "
+                     "zero.stage=1"):
+    planner.plan(config.load(LLAMA_8B, ["lora.rank=8", "zero.stage=1"]), 8, H100, "offload")
