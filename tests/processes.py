@@ -18,8 +18,13 @@ TINY = str(ROOT / "configs" / "tiny_zero3.py")
 # and off they compile the tests' tiny programs about 3x faster. The partitioned
 # program (shardings, collectives and their bytes, argument bytes) is the same,
 # and every run a test compares with another is compiled with the same flags.
+# The CPU collectives' rendezvous waits 600 s, not XLA's 40 s, before it aborts the
+# process: on a loaded 2-core machine two test workers' 16 device threads (and the
+# compiler's) share the cores, and one device of a collective can arrive more than 40 s
+# after the others (seen as "Fatal Python error: Aborted" in a worker mid-step).
 FAST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                  "--xla_cpu_use_fusion_emitters=false")
+                  "--xla_cpu_use_fusion_emitters=false "
+                  "--xla_cpu_collective_call_terminate_timeout_seconds=600")
 
 
 # What would make a child join other processes (jaxzero.runtime.distributed) or size its

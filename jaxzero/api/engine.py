@@ -110,14 +110,8 @@ class Engine:
         model, loss_fn, shard_size=self.layout.shard_size, init_args=init_args, rules=rules,
         min_size=zero.min_shard_size,
         remat_block=remat.block, remat_policy=remat.policy)
-    if self.model.frozen_specs is not None and (offload.optimizer != "device"
-                                                or offload.params == "nvme"):
-      # As jaxzero.train's config check (jaxzero.config.loading): the frozen weights
-      # may rest in pinned_host with the compute copy; the adapters' state stays.
-      raise ConfigError(f"a model with frozen parameters (jaxzero.lora) keeps its optimizer "
-                        f"state on the device, and its frozen weights on the device or in "
-                        f"pinned_host; got offload optimizer={offload.optimizer}, "
-                        f"params={offload.params}")
+    if self.model.frozen_specs is not None:  # the check jaxzero.train's config runs
+      config_lib.validate_frozen_offload(cfg, "a model with frozen parameters (jaxzero.lora)")
     program = engine_lib.TrainProgram(cfg, self.layout, self.model, optimizer=optimizer)
     self.runner = make_runner(program, workdir)  # as jaxzero.train chooses it
     whole, state = state_bytes.kept_whole(program), sum(self.runner.plan()[r] for r in ROLES)

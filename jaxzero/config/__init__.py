@@ -6,7 +6,8 @@ only the sections it needs. Reading a config starts no JAX backend, so the CLI c
 many virtual CPU devices to create before JAX starts.
 """
 
-from jaxzero.config.loading import load, validate, validate_offload
+from jaxzero.config.loading import (load, validate, validate_frozen_offload,
+                                    validate_offload)
 from jaxzero.config.overrides import (MOVED_KEYS, apply_overrides, as_dotted, check_literals,
                                       override)
 from jaxzero.config.sections import (STRATEGIES, CheckpointConfig, Config, ContextConfig,
@@ -23,4 +24,5 @@ __all__ = ["MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", "ConfigErro
            "DistributedConfig", "Dtype", "EvalConfig", "InitConfig", "LogConfig", "LoraConfig", "MemoryKind",
            "MeshConfig", "OffloadConfig", "PipelineConfig", "PrecisionConfig", "ProfileConfig",
            "RematConfig", "TrainConfig", "ZeroConfig", "apply_overrides", "as_dotted", "base",
-           "check_literals", "load", "override", "strategy_name", "validate", "validate_offload"]
+           "check_literals", "load", "override", "strategy_name", "validate",
+           "validate_frozen_offload", "validate_offload"]

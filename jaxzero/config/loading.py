@@ -147,15 +147,23 @@ def _validate_lora(cfg: Config) -> None:
     lora_lib.check_base_dtype(cfg.model, lora.base_dtype)
   except ValueError as e:
     raise ConfigError(str(e)) from None
-  if cfg.offload.optimizer != "device" or cfg.offload.params == "nvme":
-    raise ConfigError(f"lora.rank={lora.rank} with offload.optimizer={cfg.offload.optimizer}, "
-                      f"offload.params={cfg.offload.params}: LoRA keeps its optimizer state "
-                      "(the adapters', a few MB) on the device, and its frozen base on the "
-                      "device or, with offload.params=pinned_host, in host memory; set "
-                      "offload.optimizer=device and offload.params=device or pinned_host")
+  validate_frozen_offload(cfg, f"lora.rank={lora.rank}")
   if cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b":
     raise ConfigError("lora.rank with pipeline.schedule=1f1b is not supported; use gpipe or "
                       "interleaved")
+
+
+def validate_frozen_offload(cfg: Config, what: str) -> None:
+  """The ``offload`` section for a model with frozen weights (`what`: LoRA's, or
+  jaxzero.lora's): the trained adapters' optimizer state (a few MB) stays on the device,
+  and the frozen weights rest on the device or, at stage 3, in pinned_host."""
+  o = cfg.offload
+  if o.optimizer != "device" or o.params == "nvme":
+    raise ConfigError(f"{what} with offload.optimizer={o.optimizer}, offload.params="
+                      f"{o.params}: a model with frozen weights keeps its optimizer state (the "
+                      "adapters', a few MB) on the device, and its frozen weights on the device "
+                      "or, with offload.params=pinned_host, in host memory; set "
+                      "offload.optimizer=device and offload.params=device or pinned_host")
 
 
 def validate_offload(cfg: Config) -> None:
