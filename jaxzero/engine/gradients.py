@@ -186,10 +186,9 @@ def one_f_one_b_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> Gr
   unscaled = lambda params, batch, scan: loss(params, batch, None, scan)[1]
 
   def grad_sum_fn(params, batch_Ax, scale, frozen=None):
-    if frozen is not None:  # (refused earlier, by jaxzero.config.loading)
-      raise ValueError("the 1F1B schedule does not take frozen weights (LoRA): use gpipe")
     grads, mean_loss = one_f_one_b.one_f_one_b(
         unscaled, model.layers_key, layout.pipeline_size, layout.mesh, layer_reduce_specs,
-        grad_dtype, jax.device_put(params, on_device(state_sh.params)), batch_Ax, scale)
+        grad_dtype, jax.device_put(params, on_device(state_sh.params)), batch_Ax, scale,
+        frozen)
     return jax.tree.map(lambda g: g.astype(grad_dtype), grads), mean_loss
   return grad_sum_fn

@@ -19,6 +19,10 @@ it: the embedding and the head run outside, on every stage (only the first's, an
 last's, count), because XLA:CPU's partitioner aborts on gathers whose operands are split
 over the data axes inside a ``shard_map`` (the lookup, the label's logit).
 
+Frozen weights (Model.frozen_specs: a LoRA base) join the trained ones wherever the loss
+runs, the layers' split over stages as theirs are, and get no gradient; like the
+trained layers, a stage's frozen layers are never kept per micro-batch as residuals.
+
 Invariants: the losses and gradients are the unpipelined model's (every row goes
 through every layer in order, once forward and once back); slots outside a stage's
 schedule compute nothing that is kept.
@@ -33,26 +37,33 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxzero.models.interface import merge
 from jaxzero.parallel import layer_cut, pipeline
 from jaxzero.parallel.mesh import AXES, PIPELINE
 
 
 def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, layer_specs, grad_dtype,
-                params, batch_Ax, scale=None):
+                params, batch_Ax, scale=None, frozen=None):
   """1F1B over `stages` stages of ``params[layers_key]``, the micro-batches being
   `batch_Ax`'s leading axis: (the sum of the micro-batches' gradients in `grad_dtype`,
   the layers' laid out by `layer_specs`, and their mean loss). `loss(params, batch, scan)`
   is the model's loss (jaxzero.parallel.layer_cut); `scale`, where not None, multiplies each
-  micro-batch's loss before its gradient."""
+  micro-batch's loss before its gradient. `frozen`: weights used and not trained, a
+  nested dict merged into `params` (jaxzero.models.interface.merge)."""
   n_micro = jax.tree.leaves(batch_Ax)[0].shape[0]
   layers = params[layers_key]
+  frozen = frozen or {}
+  frozen_layers = frozen.get(layers_key, {})
+  frozen_outer = {k: v for k, v in frozen.items() if k != layers_key}
+  # The loss of the trained parameters, the frozen ones merged in wherever it runs.
+  loss = _with_frozen(loss, layers_key, frozen_outer)
   outer = {k: v for k, v in params.items() if k != layers_key}
   n_layers = jax.tree.leaves(layers)[0].shape[0]
   if n_layers % stages or n_micro < stages:
     raise ValueError(f"{n_layers} layers and {n_micro} micro-batches do not fill {stages} "
                      "stages")
   micro = lambda a: _take(batch_Ax, a)
-  with_layers = lambda outer: {**outer, layers_key: layers}
+  with_layers = lambda outer: {**outer, layers_key: merge(layers, frozen_layers)}
   stacked = lambda values: jax.tree.map(lambda *xs: jnp.stack(xs), *values)
   embed = lambda outer, a: layer_cut.before_layers(loss, with_layers(outer), micro(a)).carry
 
@@ -89,17 +100,20 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, layer_specs,
   split_layers = jax.tree.map(lambda _: P(PIPELINE), layers)
   reduce_specs = jax.tree.map(_within_stage, layer_specs, is_leaf=lambda x: isinstance(x, P))
   # One per parity of t: the pairs that swap after the tick are (s, s + 1), s = t mod 2.
+  split_frozen = jax.tree.map(lambda _: P(PIPELINE), frozen_layers)
   stage_ticks = [jax.shard_map(
       _stage_tick(loss, layers_key, stages, grad_dtype, reduce_specs, parity), mesh=mesh,
-      in_specs=(split_layers, *[P(PIPELINE)] * 3, split_layers, *[P(PIPELINE)] * 4, P(), P()),
+      in_specs=(split_layers, *[P(PIPELINE)] * 3, split_layers, *[P(PIPELINE)] * 4, P(), P(),
+                split_frozen),
       out_specs=(*[P(PIPELINE)] * 4, split_layers, P(PIPELINE)),
       axis_names={PIPELINE}, check_vma=False) for parity in (0, 1)]
   # What a stage keeps from a forward for its backward (the layers aside), one micro-batch's.
   residual_shapes = jax.eval_shape(jax.shard_map(
       _stage_residuals(loss, layers_key), mesh=mesh,
-      in_specs=(split_layers, P(PIPELINE), P(PIPELINE), P(), P()), out_specs=P(PIPELINE),
-      axis_names={PIPELINE}, check_vma=False),
-      layers, zeros(carry_shape, (stages,)), _take(float_consts, stage), outer, micro(0))
+      in_specs=(split_layers, P(PIPELINE), P(PIPELINE), P(), P(), split_frozen),
+      out_specs=P(PIPELINE), axis_names={PIPELINE}, check_vma=False),
+      layers, zeros(carry_shape, (stages,)), _take(float_consts, stage), outer, micro(0),
+      frozen_layers)
 
   def tick(loop, t, parity):
     inbox, stash, residuals, layer_sum, outer_sum, ct_floats, loss_sum = loop
@@ -117,7 +131,7 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, layer_specs,
     first_input = per_stage(embeds(outer, i) if parity == 0 else zeros(carry_shape, (stages,)))
     sent, received, stash, residuals, layer_sum, g_floats = stage_ticks[parity](
         layers, inbox, stash, residuals, layer_sum, schedule, first_input,
-        _take(float_consts, i), _take(float_consts, j_next), outer, micro(0))
+        _take(float_consts, i), _take(float_consts, j_next), outer, micro(0), frozen_layers)
     ct_floats = jax.tree.map(
         lambda c, g: c.at[j].add(jnp.where(on_stage(b_ok, g), g, 0)), ct_floats, g_floats)
     if (stages - 1) % 2 == parity:  # the last stage ran a forward, or was idle
@@ -160,19 +174,31 @@ def slot_work(t, stage, stages: int, n_micro: int):
   return scheduled(twice_f), twice_f // 2, scheduled(twice_b), twice_b // 2
 
 
-def _stage_vjp(loss: Callable, layers_key: str, layers, outer, batch):
+def _with_frozen(loss: Callable, layers_key: str, frozen_outer: dict) -> Callable:
+  """`loss` on params whose layers already hold the frozen layers, the frozen leaves
+  outside the layers merged in."""
+  if not frozen_outer:
+    return loss
+  return lambda params, batch, scan: loss(merge(params, frozen_outer), batch, scan)
+
+
+def _stage_vjp(loss: Callable, layers_key: str, layers, outer, batch, frozen_layers):
   """Inside the shard_map: (run, residuals_of, restore). ``run(layers, x, floats)`` is the
-  stage's layers on input x (the layer function traced here, so that its hooks'
-  constraints name the traced mesh; what runs before the layers is traced too, and
-  dropped: nothing uses it). ``residuals_of(x, floats)`` runs it keeping what its
-  backward needs, less the layers themselves; ``restore(residuals)`` is that backward."""
-  stage_cut = layer_cut.before_layers(loss, {**outer, layers_key: layers}, batch)
+  stage's layers (with its `frozen_layers` merged in) on input x (the layer function
+  traced here, so that its hooks' constraints name the traced mesh; what runs before the
+  layers is traced too, and dropped: nothing uses it). ``residuals_of(x, floats)`` runs
+  it keeping what its backward needs, less the layers themselves; ``restore(residuals)``
+  is that backward, giving no gradient to the frozen layers."""
+  stage_cut = layer_cut.before_layers(
+      loss, {**outer, layers_key: merge(layers, frozen_layers)}, batch)
 
   def run(layers, x, floats):  # floats: this micro-batch's (integer values stay `batch`'s)
     consts = layer_cut.with_floats(stage_cut.consts, floats)
-    return jax.lax.scan(lambda h, w: (stage_cut.layer(h, w, *consts)[0], None), x, layers)[0]
+    return jax.lax.scan(lambda h, w: (stage_cut.layer(h, w, *consts)[0], None), x,
+                        merge(layers, frozen_layers))[0]
 
-  weights = jax.tree.leaves(layers)
+  # The same arrays every micro-batch: left out of the residuals and put back.
+  weights = jax.tree.leaves(layers) + jax.tree.leaves(frozen_layers)
   structure = {}
 
   def residuals_of(x, floats):
@@ -193,8 +219,8 @@ def _stage_vjp(loss: Callable, layers_key: str, layers, outer, batch):
 
 def _stage_residuals(loss: Callable, layers_key: str):
   """The residuals' shapes, for a stage's layers (inside the shard_map)."""
-  def body(layers, x, floats, outer, batch):
-    _, residuals_of, _ = _stage_vjp(loss, layers_key, layers, outer, batch)
+  def body(layers, x, floats, outer, batch, frozen_layers):
+    _, residuals_of, _ = _stage_vjp(loss, layers_key, layers, outer, batch, frozen_layers)
     return [r[None] for r in residuals_of(x[0], jax.tree.map(lambda f: f[0], floats))]
   return body
 
@@ -208,9 +234,10 @@ def _stage_tick(loss: Callable, layers_key: str, stages: int, grad_dtype, reduce
   layers' gradient sum, its layers' floating values' gradient)."""
 
   def body(layers, inbox, stash, residuals, layer_sum, schedule, first_input, floats_f,
-           floats_next, outer, batch):
+           floats_next, outer, batch, frozen_layers):
     stage = jax.lax.axis_index(PIPELINE)
-    run, residuals_of, restore = _stage_vjp(loss, layers_key, layers, outer, batch)
+    run, residuals_of, restore = _stage_vjp(loss, layers_key, layers, outer, batch,
+                                            frozen_layers)
     inbox, stash, residuals, schedule, first_input, floats_f, floats_next = (
         jax.tree.map(lambda x: x[0], v)
         for v in (inbox, stash, residuals, schedule, first_input, floats_f, floats_next))

@@ -107,6 +107,8 @@ def test_lora_on_eight_devices_equals_one_device(one_device, name, changes):
     ("fsdp 4 x tensor 2", {"mesh": config.MeshConfig(fsdp=4, tensor=2)}),
     ("stage 2, pipeline 2 x fsdp 4", {"mesh": config.MeshConfig(fsdp=4, pipeline=2),
                                       "zero": config.ZeroConfig(stage=2, min_shard_size=0)}),
+    ("stage 3, 1F1B pipeline 2 x fsdp 4", {"mesh": config.MeshConfig(fsdp=4, pipeline=2),
+                                           "pipeline": config.PipelineConfig(schedule="1f1b")}),
 ])
 def test_lora_on_every_mesh_equals_one_device(one_device, name, changes):
   want_losses, want, _ = one_device

@@ -127,3 +127,10 @@ def test_the_peft_adapter_config_records_the_dropout():
 def test_a_dropout_outside_zero_to_one_is_one_line(rate):
   with pytest.raises(config.ConfigError, match=r"lora.dropout=.* must be in \[0, 1\)"):
     config.validate(dropout_config(rate))
+
+
+def test_dropout_under_1f1b_is_one_line():
+  cfg = dropout_config(mesh=config.MeshConfig(fsdp=4, pipeline=2),
+                       pipeline=config.PipelineConfig(schedule="1f1b"))
+  with pytest.raises(config.ConfigError, match="lora.dropout=0.25 with pipeline.schedule=1f1b"):
+    config.validate(cfg)

@@ -125,6 +125,20 @@ def test_a_quantized_base_in_host_memory_trains_the_same(nf4_one_device):
   chex.assert_trees_all_equal(state.frozen, first)
 
 
+@pytest.mark.slow
+def test_a_quantized_base_with_embedding_and_head_adapters_pipelines_by_1f1b():
+  """The 1F1B schedule takes the frozen NF4 layers stage by stage (never kept per
+  micro-batch) and trains as one device does."""
+  def cfg(**changes):
+    c = qlora(**changes)
+    return dataclasses.replace(c, lora=dataclasses.replace(c.lora, targets="q,v,embed,head"))
+  _, want_losses, want, _ = train(cfg(mesh=config.MeshConfig(fsdp=1)))
+  _, losses, state, _ = train(cfg(mesh=config.MeshConfig(fsdp=4, pipeline=2),
+                                  pipeline=config.PipelineConfig(schedule="1f1b")))
+  np.testing.assert_allclose(losses, want_losses, atol=1e-5)
+  chex.assert_trees_all_close(state.master, want.master, atol=1e-5)
+
+
 @pytest.mark.slow  # compiles two more programs
 def test_the_quantized_model_is_close_to_the_base_it_was_made_from():
   """The loss through the NF4 base at step 0 (B = 0) is the full-precision base's,
