@@ -28,7 +28,7 @@ from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import dtype_of
 from jaxzero.models.interface import Model, is_spec, merge
 from jaxzero.parallel import one_f_one_b, pipeline
-from jaxzero.parallel.zero import Layout, on_device
+from jaxzero.parallel.zero import Layout, on_device, outside_layers_on_device
 
 # (params, batch [A, B, ...], scale or None, frozen or None) -> (gradient sum, mean loss)
 GradSum = Callable[..., tuple[Any, jax.Array]]
@@ -111,7 +111,6 @@ def micro_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
                                 layout.tree_shardings(model.specs, "compute"))
   place = _to_device_in_reduce_layout(layout, model) if streams and key is not None else None
   params_on_device = on_device(state_sh.params)
-  frozen_on_device = None if state_sh.frozen is None else on_device(state_sh.frozen)
 
   def add(micro, per_layer, params, scale, carry, batch):
     loss_sum, grad_sum = carry
@@ -130,11 +129,9 @@ def micro_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     per_layer = key is not None and accum > 1
     if streams:  # the embedding, head and final norm come over now, the layers in the scan
-      params = {k: v if k == key else jax.device_put(v, params_on_device[k])
-                for k, v in params.items()}
-      if frozen is not None:  # likewise a frozen base's (its layers' come in the scan too)
-        frozen = {k: v if k == key else jax.device_put(v, frozen_on_device[k])
-                  for k, v in frozen.items()}
+      params = outside_layers_on_device(params, state_sh.params, key)
+      if frozen is not None:  # likewise a frozen base's
+        frozen = outside_layers_on_device(frozen, state_sh.frozen, key)
     else:
       params = jax.device_put(params, params_on_device)
     bound = functools.partial(loss, frozen=frozen)

@@ -69,7 +69,7 @@ class TrainProgram:
     jaxzero.engine.step.make_grad_fn; divide the sum by A with
     jaxzero.engine.optimizer.mean_grad). `scale`: float16's loss scale, else None;
     `frozen`: the state's frozen leaves, for a model that has them."""
-    if self.model.keyed_rows:  # (the config refuses LoRA dropout with offload)
+    if self.model.keyed_rows:  # (the config refuses LoRA with optimizer offload)
       raise ValueError("a model that draws randomness per row (Model.keyed_rows: LoRA "
                        "dropout) trains through the device step (train_step) only")
     grads_sh = on_device(self.shardings.master)

@@ -50,19 +50,22 @@ def transfer_bytes(program) -> int:
   adds its own: jaxzero.runners.)
   """
   cfg, layout, abstract, sh = program.cfg, program.layout, program.abstract, program.shardings
+  key = program.model.layers_key
+  layers_of = lambda tree, shardings: (bytes_per_device(tree[key], shardings[key])
+                                       if key in tree else 0)
   moved = 0
   if layout.params_memory == "pinned_host":
     params = bytes_per_device(abstract.params, sh.params)
-    layers = bytes_per_device(abstract.params["layers"], sh.params["layers"])
-    # The embedding, head and final norm come up once. Each micro-step, every
-    # layer's shard comes up for the forward pass and again for the backward (no
-    # remat policy keeps it), and its gradient shard goes down as the backward
-    # produces it and comes back up after.
+    layers = layers_of(abstract.params, sh.params)
+    # The rest (the embedding, head and final norm; a model without stacked layers,
+    # whole) comes up once. Each micro-step, every layer's shard comes up for the forward
+    # pass and again for the backward (no remat policy keeps it), and its gradient shard
+    # goes down as the backward produces it and comes back up after.
     moved += (params - layers) + cfg.train.grad_accum * 4 * layers
     moved += params  # the updated compute copy goes back down
-    if abstract.frozen is not None:  # a frozen base: up for the forward and the backward
+    if abstract.frozen is not None:  # frozen weights: up for the forward and the backward
       frozen = bytes_per_device(abstract.frozen, sh.frozen)
-      frozen_layers = bytes_per_device(abstract.frozen["layers"], sh.frozen["layers"])
+      frozen_layers = layers_of(abstract.frozen, sh.frozen)
       moved += (frozen - frozen_layers) + cfg.train.grad_accum * 2 * frozen_layers
   return moved
 

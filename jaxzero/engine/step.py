@@ -45,8 +45,9 @@ def make_grad_fn(cfg: Config, layout: Layout, state_sh: TrainState, model: Model
   return with_norm(gradients.for_mode(cfg, layout, state_sh, model), state_sh)
 
 
-# The stream of the run's seed that row keys are drawn from (others draw the init).
-ROW_KEYS_STREAM = 1
+# The stream of the run's seed that row keys are drawn from: a constant no split of the
+# seed's key (the init's) gives.
+ROW_KEYS_STREAM = 0x524F57
 
 
 def keyed_batch(batch_Ax, seed: int, step, layout: Layout) -> KeyedBatch:

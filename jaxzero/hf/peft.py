@@ -140,7 +140,11 @@ def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) ->
   with safe_open(weights, "np") as f:
     shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
   want_shapes = _peft_shapes(model, record)
-  extra = sorted(set(shapes) - set(want_shapes))
+  # PEFT's save_pretrained also writes the embedding's and the head's own weights when
+  # they are adapted (".base_layer.weight"): the base's, which the run has already.
+  saved_base = {TOP_NAMES[t][0].rsplit(".lora_", 1)[0] + ".base_layer.weight"
+                for t in record["targets"] if t in TOP_NAMES}
+  extra = sorted(set(shapes) - set(want_shapes) - saved_base)
   if extra:
     raise HFCheckpointError(f"lora.init_from={path}: {len(extra)} tensors this run would not "
                             f"read, e.g. {extra[0]}: an adapter for other modules or models")

@@ -226,6 +226,8 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   the looked-up rows; `top_axes` gives its leaves' logical axes."""
   shard, gather = shard or _no_shard, gather or _no_shard
   T = tokens_BxT.shape[1]
+  if (row_keys_Bx2 is None) != (adapter_dropout is None):
+    raise ValueError("row_keys_Bx2 and adapter_dropout are given together, or neither")
 
   # An untied embedding is looked up where it lies; a tied one is gathered
   # once for the lookup and the head.
@@ -343,9 +345,14 @@ LORA_TARGET_OF = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
                   "mlp_gate": "gate", "mlp_up": "up", "mlp_down": "down"}
 
 
+# What a row's key is folded with for the next layer's (no target index is this large).
+NEXT_LAYER = 0x4C4159
+
+
 def next_keys(keys_Bx2: Array) -> Array:
   """Each row's key for the next layer (raw key data in, raw key data out)."""
-  step = lambda k: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), 1))
+  step = lambda k: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k),
+                                                          NEXT_LAYER))
   return jax.vmap(step)(keys_Bx2)
 
 

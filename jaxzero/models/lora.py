@@ -186,7 +186,7 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
         remat=hooks.remat, scan=hooks.scan, layer_axes=layer_axes, lora_scale=alpha / rank,
         segment_ids_BxT=seqs.segment_ids, einsum=fp8.EINSUMS[matmul], context=hooks.context,
         positions=seqs.positions, row_keys_Bx2=row_keys_Bx2,
-        adapter_dropout=drop, top_axes=top_axes)
+        adapter_dropout=None if row_keys_Bx2 is None else drop, top_axes=top_axes)
     head_input = (None if row_keys_Bx2 is None or "lora_head_a" not in params
                   else drop(row_keys_Bx2, "head", x_BxTxD))
     return cross_entropy(x_BxTxD, head_DxV, seqs.targets, chunk=trainable.LOSS_CHUNK,

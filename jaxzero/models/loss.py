@@ -49,6 +49,8 @@ def cross_entropy(x_BxTxD: Array, head_DxV: Array, labels_BxT: Array, *, chunk: 
       w_XxV.shape[0], C, n), 2, 0)
   head_NxDxC = by_chunk(head_DxV)
   xa_BxTxR, b_NxRxC = (None, None) if low_rank is None else (low_rank[0], by_chunk(low_rank[1]))
+  # As x's: the gradient wrt xa sums over the chunks, carried in float32.
+  xa32_BxTxR = None if xa_BxTxR is None else xa_BxTxR.astype(jnp.float32)
   # The gradient wrt x sums over the chunks: carry it in float32, rounded once.
   x32_BxTxD = x_BxTxD.astype(jnp.float32)
 
@@ -59,7 +61,7 @@ def cross_entropy(x_BxTxD: Array, head_DxV: Array, labels_BxT: Array, *, chunk: 
     # gradients then leave the matmul (and are reduced across devices) in it too.
     logits_BxTxC = jnp.einsum("btd,dc->btc", x32_BxTxD.astype(x_BxTxD.dtype), head_DxC)
     if b_RxC is not None:
-      logits_BxTxC = logits_BxTxC + jnp.einsum("btr,rc->btc", xa_BxTxR,
+      logits_BxTxC = logits_BxTxC + jnp.einsum("btr,rc->btc", xa32_BxTxR.astype(xa_BxTxR.dtype),
                                                b_RxC.astype(xa_BxTxR.dtype))
     logits_BxTxC = shard(logits_BxTxC.astype(jnp.float32), ("batch", "seq", "vocab"))
     columns_C = jnp.arange(C) * n + k

@@ -252,6 +252,14 @@ def on_device(shardings: Any) -> Any:
   return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
 
+def outside_layers_on_device(tree: dict, shardings: dict, layers_key: str | None) -> dict:
+  """`tree`'s leaves outside ``tree[layers_key]`` moved to device memory (placed as
+  `shardings` place them); the stacked layers left where they are, for the layer scan to
+  bring each layer's shard in turn (all of `tree` moves where `layers_key` is None)."""
+  return {k: v if k == layers_key else jax.device_put(v, on_device(shardings[k]))
+          for k, v in tree.items()}
+
+
 def _has_logical_axes(x: Any) -> bool:
   return hasattr(x, "logical_axes")
 

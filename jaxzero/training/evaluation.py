@@ -20,7 +20,7 @@ from jaxzero.data import batches as batches_lib
 from jaxzero.engine import hooks as hooks_lib
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.models.interface import merge
-from jaxzero.parallel.zero import on_device
+from jaxzero.parallel.zero import on_device, outside_layers_on_device
 
 
 def make_eval_step(program: engine_lib.TrainProgram):
@@ -32,6 +32,9 @@ def make_eval_step(program: engine_lib.TrainProgram):
   params_on_device = on_device(program.shardings.params)
 
   def eval_loss(params, frozen, batch_Nx):
+    if frozen is not None:  # a frozen base in pinned_host: its layers come in the scan
+      frozen = outside_layers_on_device(frozen, program.shardings.frozen,
+                                        program.model.layers_key)
     params = merge(jax.device_put(params, params_on_device), frozen)
     total, _ = jax.lax.scan(lambda acc, batch: (acc + loss(params, batch), None),
                             jnp.zeros((), jnp.float32), batch_Nx)

@@ -31,7 +31,7 @@ from jaxzero.models import lora as lora_lib
 from jaxzero.models.interface import is_spec
 from jaxzero.models.llama import param_specs
 from jaxzero.parallel import mesh as mesh_lib
-from jaxzero.parallel.zero import Layout
+from jaxzero.parallel.zero import Layout, on_device
 from jaxzero.planning import memory_check, memory_measure
 from jaxzero.planning.flops import model_flops_per_token
 from jaxzero.runners import base as runners_base
@@ -259,6 +259,8 @@ def _load_base(run: Run, path: str):
   kind = cfg.lora.base_dtype if cfg.lora.base_dtype in ("nf4", "int8") else None
   specs = param_specs(cfg.model)
   placed = layout.tree_shardings(specs, "frozen")  # each leaf as read, before quantizing
+  if kind:  # quantized on the device, then stored where the frozen role rests
+    placed = on_device(placed)
 
   def store(leaf_path, leaf):
     target = sh.frozen

@@ -130,6 +130,21 @@ def test_bad_targets_are_one_line(targets, message):
     engine(1, model=jaxzero.lora(MLP, rank=0))
 
 
+def test_frozen_weights_in_host_memory_train_the_same(one_device):
+  """offload.params=pinned_host: the frozen weights and the adapters' compute copy rest
+  in pinned_host, and come to the device whole each step (this model has no stacked
+  layers to stream). (On CPU the transfers compile to nothing: this checks the program
+  and its values, not the copies.)"""
+  e = engine(8, offload=jaxzero.Offload(params="pinned_host"))
+  assert {s.memory_kind for s in jax.tree.leaves(e.shardings.frozen)} == {"pinned_host"}
+  want_losses, want, _ = one_device
+  losses, state, _ = train(e)
+  np.testing.assert_allclose(losses, want_losses, atol=1e-5)
+  true_part = jax.tree.map(lambda a, w: a[tuple(slice(0, n) for n in w.shape)], state.master,
+                           want.master)  # (stored padded on 8 devices)
+  chex.assert_trees_all_close(true_part, want.master, atol=1e-5)
+
+
 def test_lora_with_offload_is_one_line():
   with pytest.raises(ConfigError, match="frozen parameters \\(jaxzero.lora\\) with "
                      "offload.optimizer=pinned_host, offload.params=device: a model with "

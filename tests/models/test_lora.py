@@ -293,6 +293,10 @@ def test_a_trained_adapter_loads_into_peft_and_merges_into_transformers(family, 
   record = {**record, "base_model": ""}
   chex.assert_trees_all_close(hf_peft.read_adapter(tmp_path / "peft", model_cfg, record),
                               master, atol=0)
+  # As PEFT itself saves it (with the embedding's and head's base weights, where adapted).
+  adapted.save_pretrained(tmp_path / "peft_saved")
+  chex.assert_trees_all_close(hf_peft.read_adapter(tmp_path / "peft_saved", model_cfg, record),
+                              master, atol=0)
 
 
 @pytest.fixture(scope="module")
