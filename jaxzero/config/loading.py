@@ -354,9 +354,10 @@ def _validate_data_format(cfg: Config) -> None:
   if d.packing and cfg.model.attention == "cudnn":
     raise ConfigError("data.packing with model.attention=cudnn: cuDNN's attention takes no "
                       "segment ids here; use model.attention=auto (blockwise for packed rows)")
-  if d.packing and cfg.mesh.pipeline > 1:
-    raise ConfigError("data.packing with mesh.pipeline > 1 is not supported yet: a packed "
-                      "row's segment ids do not travel between stages; set data.packing=false")
+  if d.packing and cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b":
+    raise ConfigError("data.packing with pipeline.schedule=1f1b is not supported yet: a "
+                      "packed row's segment ids do not cross its stages; use gpipe or "
+                      "interleaved, or data.packing=false")
 
 
 def _validate_eval(cfg: Config) -> None:

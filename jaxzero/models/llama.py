@@ -244,38 +244,49 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
     x_BxTxD = x_BxTxD + shard(lora_scale * jnp.einsum(
         "btr,rd->btd", low_BxTxR, b_RxD.astype(low_BxTxR.dtype)).astype(x_BxTxD.dtype),
         RESIDUAL_AXES)
-  if positions is not None:
+  # What each row carries through the layers beside its residual stream, where it has
+  # any: a packed row's segment ids and positions (each layer makes its RoPE tables from
+  # them), and LoRA dropout's keys. They travel with their rows, never closed over: a
+  # pipeline stage runs its layers on one micro-batch's rows, and ZeRO-Infinity's driver
+  # reuses one layer program for every batch.
+  per_row = {}
+  if segment_ids_BxT is not None:  # positions restart at each of a row's segments
+    per_row["segment_ids"] = segment_ids_BxT
+    per_row["positions"] = (segment_positions(segment_ids_BxT) if positions is None
+                            else positions)
+  else:  # [T, E], the same for every row
     cos_TxE, sin_TxE = rope_tables(cfg, T, positions)
-  elif segment_ids_BxT is None:
-    cos_TxE, sin_TxE = rope_tables(cfg, T)
-  else:  # [B, T, E]: each row's positions restart at each of its segments
-    cos_TxE, sin_TxE = rope_tables(cfg, T, segment_positions(segment_ids_BxT))
+  if row_keys_Bx2 is not None:
+    per_row["keys"] = row_keys_Bx2
 
   axes = {n: spec.logical_axes[1:] for n, spec in param_specs(cfg)["layers"].items()}
   axes.update(layer_axes or {})
 
   def layer(carry, weights):
-    x_BxTxD, keys_Bx2 = carry if row_keys_Bx2 is not None else (carry, None)
+    x_BxTxD, rows = (carry["x"], carry) if per_row else (carry, {})
     weights = {n: gather(w, axes[n]) for n, w in weights.items()}
-    adapter_input = (None if keys_Bx2 is None
-                     else functools.partial(adapter_dropout, keys_Bx2))
-    x_BxTxD = shard(decoder_layer(cfg, weights, x_BxTxD, cos_TxE, sin_TxE, shard, lora_scale,
-                                  segment_ids_BxT, einsum, context, adapter_input),
+    cos, sin = (rope_tables(cfg, T, rows["positions"]) if "positions" in rows
+                else (cos_TxE, sin_TxE))
+    adapter_input = (functools.partial(adapter_dropout, rows["keys"]) if "keys" in rows
+                     else None)
+    x_BxTxD = shard(decoder_layer(cfg, weights, x_BxTxD, cos, sin, shard, lora_scale,
+                                  rows.get("segment_ids"), einsum, context, adapter_input),
                     RESIDUAL_AXES)
-    if keys_Bx2 is None:
+    if not per_row:
       return x_BxTxD, None
-    # The carry, not the layer's index, gives each layer its keys: a pipeline stage's
-    # scan runs some of the layers, and the carry moves between stages with the rows.
-    return (x_BxTxD, next_keys(keys_Bx2)), None
+    out = {**rows, "x": x_BxTxD}
+    if "keys" in rows:  # the next layer's (the carry, not a layer index, gives them)
+      out["keys"] = next_keys(rows["keys"])
+    return out, None
 
   if remat is not None:
     layer = remat(layer)
-  carry = x_BxTxD if row_keys_Bx2 is None else (x_BxTxD, row_keys_Bx2)
+  carry = {"x": x_BxTxD, **per_row} if per_row else x_BxTxD
   if scan is None:
     carry, _ = jax.lax.scan(layer, carry, params["layers"])
   else:
     carry = scan(layer, carry, params["layers"])
-  x_BxTxD = carry if row_keys_Bx2 is None else carry[0]
+  x_BxTxD = carry["x"] if per_row else carry
   x_BxTxD = rms_norm(x_BxTxD, params["final_norm"], cfg.norm_eps)
   head_DxV = embed_VxD.T if cfg.tie_embeddings else gather(params["lm_head_DxV"], HEAD_AXES)
   return x_BxTxD, head_DxV

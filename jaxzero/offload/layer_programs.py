@@ -117,8 +117,9 @@ class LayerPrograms:
       return reduced(vjp((ct_carry, ct_float_consts))[0])
 
     def post_grad(outer, batch, carry, scale=None):
-      value, (grads, ct_carry) = jax.value_and_grad(post, argnums=(0, 2), has_aux=scales_loss)(
-          outer, batch, carry, scale)
+      # (A carry may hold integers, a packed row's segment ids: their cotangent is float0.)
+      value, (grads, ct_carry) = jax.value_and_grad(post, argnums=(0, 2), has_aux=scales_loss,
+                                                    allow_int=True)(outer, batch, carry, scale)
       return value, (reduced(grads), ct_carry)
 
     self._pre = pre
