@@ -253,7 +253,7 @@ def decoder_forward(cfg: LlamaConfig, params: dict, tokens_BxT: Array, *,
   if segment_ids_BxT is not None:  # positions restart at each of a row's segments
     per_row["segment_ids"] = segment_ids_BxT
     per_row["positions"] = (segment_positions(segment_ids_BxT) if positions is None
-                            else positions)
+                            else jnp.broadcast_to(positions, segment_ids_BxT.shape))
   else:  # [T, E], the same for every row
     cos_TxE, sin_TxE = rope_tables(cfg, T, positions)
   if row_keys_Bx2 is not None:

@@ -97,6 +97,11 @@ def one_f_one_b(loss: Callable, layers_key: str, stages: int, mesh, layer_specs,
   zeros = lambda tree, lead, dtype=None: jax.tree.map(
       lambda x: jnp.zeros((*lead, *x.shape), dtype or x.dtype), tree)
   carry_shape = jax.eval_shape(lambda: embed(outer, 0))
+  if any(not jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in jax.tree.leaves(carry_shape)):
+    # (The config refuses packed rows and LoRA dropout with 1F1B: they carry integers.)
+    raise ValueError("1F1B sends each stage's input and its gradient between stages: a "
+                     "carry with integer leaves (packed rows' segment ids, dropout keys) "
+                     "has none to send; use the gpipe or interleaved schedule")
   split_layers = jax.tree.map(lambda _: P(PIPELINE), layers)
   reduce_specs = jax.tree.map(_within_stage, layer_specs, is_leaf=lambda x: isinstance(x, P))
   # One per parity of t: the pairs that swap after the tick are (s, s + 1), s = t mod 2.

@@ -266,8 +266,10 @@ def _load_base(run: Run, path: str):
     target = sh.frozen
     for key in leaf_path:
       target = target[key]
+    # The leaf read is dropped once quantized (donated where the result shares its memory).
+    same_memory = jax.tree.leaves(target)[0].memory_kind == leaf.sharding.memory_kind
     return jax.jit(lambda w: lora_lib.store_leaf(leaf_path, w, kind), out_shardings=target,
-                   donate_argnums=0)(leaf)
+                   donate_argnums=0 if same_memory else ())(leaf)
   return hf_load.load_params(path, cfg.model, placed,
                              dtype=engine_lib.dtype_of(cfg.precision.compute),
                              each=store if kind else None)
