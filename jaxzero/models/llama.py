@@ -8,7 +8,9 @@ Training takes the loss from ``Llama.hidden`` and ``Llama.head_DxV`` (jaxzero.mo
 never from all the logits. Mistral is Llama with sliding-window attention, Qwen2 with q/k/v
 biases (and optionally the window): ``LlamaConfig.family`` names the Hugging Face architecture.
 Shapes are in names: B batch, T sequence, D embed, H query heads, K key/value heads, E head
-dim, F mlp hidden, V vocab, L layers.
+dim, F mlp hidden, V vocab, L layers. Invariant: what is per row (a packed row's segment ids
+and positions, LoRA dropout's keys) rides through the layer scan in its carry, never closed
+over, so that a scan over some rows or a layer program reused across batches sees its own.
 """
 
 from __future__ import annotations
