@@ -256,8 +256,10 @@ def test_a_packed_chat_run_on_8_devices_equals_one_device(mesh, one_device_sft, 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [
     ["mesh.fsdp=4", "mesh.pipeline=2"],
+    ["mesh.fsdp=4", "mesh.pipeline=2", "pipeline.schedule=interleaved",
+     "pipeline.virtual_stages=2", "model.n_layers=4"],
     ["mesh.fsdp=2", "offload.optimizer=nvme", "offload.params=nvme"]],
-    ids=["gpipe", "zero_infinity"])
+    ids=["gpipe", "interleaved", "zero_infinity"])
 def test_a_packed_chat_run_pipelined_or_layer_by_layer_equals_one_device(mesh, tmp_path):
   """A packed row's segment ids and positions travel with it through the layers: across
   pipeline stages, and through ZeRO-Infinity's one program per layer."""
@@ -265,7 +267,8 @@ def test_a_packed_chat_run_pipelined_or_layer_by_layer_equals_one_device(mesh, t
   (tmp_path / "nvme").mkdir()
   common = ("train.grad_accum=2", "eval.every=0", "train.warmup_steps=0", "train.lr=1e-2",
             "train.steps=3", f"offload.nvme_dir={tmp_path / 'nvme'}")
-  one = loop.train(sft_config(tmp_path, "mesh.fsdp=1", *common), tmp_path / "one",
+  layers = [o for o in mesh if o.startswith("model.n_layers")]
+  one = loop.train(sft_config(tmp_path, "mesh.fsdp=1", *common, *layers), tmp_path / "one",
                    devices=jax.devices()[:1], progress=False)
   n = 8 if "mesh.pipeline=2" in mesh else 2
   got = loop.train(sft_config(tmp_path, *mesh, *common), tmp_path / "got",
