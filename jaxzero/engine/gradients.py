@@ -27,7 +27,7 @@ from jaxzero.engine.hooks import LayoutHooks
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import dtype_of
 from jaxzero.models.interface import Model, is_spec, merge
-from jaxzero.parallel import one_f_one_b, pipeline
+from jaxzero.parallel import layer_cut, one_f_one_b, pipeline
 from jaxzero.parallel.zero import Layout, on_device, outside_layers_on_device
 
 # (params, batch [A, B, ...], scale or None, frozen or None) -> (gradient sum, mean loss)
@@ -148,26 +148,48 @@ def micro_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
 
 
 def gpipe_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
-  """GPipe (interleaved with pipeline.virtual_stages > 1): one pass of A x B rows
-  through the stages (jaxzero.parallel.pipeline), whose mean loss times A has, as its
-  gradient, the sum of the A micro-steps' gradients."""
+  """GPipe (interleaved with pipeline.virtual_stages > 1): the A micro-batches' rows
+  pass the layer stack as one pipelined pass (jaxzero.parallel.pipeline); then the rest
+  of the loss (final norm, head) runs on each micro-batch's rows apart, so that each
+  micro-batch's loss is the mean over its own targets, as on one device (micro-batches
+  with different numbers of target tokens weigh alike). The sum of the A losses has,
+  as its gradient, the sum of the A micro-steps' gradients."""
   loss = model_loss(model, LayoutHooks(layout), remat_wrapper(cfg.remat.policy))
   stages, grad_dtype = layout.pipeline_size, dtype_of(cfg.zero.grad_dtype)
 
-  def rows_loss(params, rows, accum, scale, frozen):
-    scan = pipeline.gpipe_scan(stages, accum, pipeline.stage_constraint(layout.mesh),
-                               cfg.pipeline.virtual_stages)
-    _, value = loss(params, rows, None, scan, frozen)
-    scaled = value * accum
-    return (scaled if scale is None else scaled * scale), value
+  def stack_output(params, rows, accum, frozen):
+    """The layer stack's output for the merged rows; the model's own head on them is
+    traced but unused (XLA drops it)."""
+    pipelined = pipeline.gpipe_scan(stages, accum, pipeline.stage_constraint(layout.mesh),
+                                     cfg.pipeline.virtual_stages)
+    outputs = []
 
-  grad = jax.grad(rows_loss, has_aux=True)
+    def scan(layer, carry, stacked):
+      outputs.append(pipelined(layer, carry, stacked))
+      return outputs[-1]
+    loss(params, rows, None, scan, frozen)
+    if len(outputs) != 1:
+      raise ValueError(f"a pipelined model runs its layers through Hooks.scan once; this "
+                       f"one ran it {len(outputs)} times")
+    return outputs[0]
 
-  def grad_sum_fn(params, batch_Ax, scale, frozen=None):
+  def micro_losses(params, batch_Ax, scale, frozen):
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     # Row b x A + a is micro-batch a's row b (the scan's order): each device keeps its rows.
     rows = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), batch_Ax)
-    grads, mean_loss = grad(jax.device_put(params, on_device(state_sh.params)), rows, accum,
+    out = stack_output(params, rows, accum, frozen)
+    out_Ax = jax.tree.map(lambda y: y.reshape(-1, accum, *y.shape[1:]).swapaxes(0, 1), out)
+    unscaled = lambda p, batch, scan: loss(p, batch, None, scan, frozen)[1]
+    # One micro-batch's head at a time: its logits chunks are one micro-batch's.
+    values = jax.lax.map(lambda micro: layer_cut.after_layers(unscaled, params, *micro),
+                         (batch_Ax, out_Ax))
+    total = values.sum()
+    return (total if scale is None else total * scale), values.mean()
+
+  grad = jax.grad(micro_losses, has_aux=True)
+
+  def grad_sum_fn(params, batch_Ax, scale, frozen=None):
+    grads, mean_loss = grad(jax.device_put(params, on_device(state_sh.params)), batch_Ax,
                             scale, frozen)
     return jax.tree.map(lambda g: g.astype(grad_dtype), grads), mean_loss
   return grad_sum_fn

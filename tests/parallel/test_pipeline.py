@@ -23,7 +23,7 @@ from jaxzero.planning import planner
 from jaxzero.training import loop
 
 import processes
-from tiny import compiled_step, initial_state_and_batches, run_steps
+from tiny import compiled_step, initial_state_and_batches, make_engine, run_steps
 
 TINY = config.load(processes.TINY)
 MODEL = dataclasses.replace(TINY.model, attention="xla")  # 4 layers
@@ -120,6 +120,30 @@ def test_interleaved_over_4_stages_equals_one_device():
   got, _ = run_steps(make_cfg({"stage": 0}, pipeline_=4, schedule="interleaved", model=model),
                      state0, tokens)
   np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "1f1b"])
+def test_micro_batches_with_unequal_targets_weigh_as_on_one_device(schedule, reference):
+  """Each micro-batch's loss is the mean over its own targets, as one device takes it:
+  micro-batch 0 predicts 4 tokens a row, the others 32, so a step-wide token mean
+  would weigh micro-batch 0 8x less."""
+  state0, tokens, _, _ = reference
+  mask = np.ones_like(tokens[:3])
+  mask[:, 0, :, 5:] = 0
+  batches = [{"tokens": t, "loss_mask": m} for t, m in zip(tokens[:3], mask)]
+
+  def losses(cfg):
+    engine = make_engine(cfg)
+    state = jax.device_put(state0, engine.shardings)
+    got = []
+    for batch in batches:
+      state, metrics = engine.train_step(state, jax.device_put(batch, engine.batch_sharding))
+      got.append(float(metrics["loss"]))
+    return got
+  want = losses(make_cfg({"stage": 0}))
+  got = losses(make_cfg({"stage": 0}, pipeline_=2, schedule=schedule))
+  # A step-wide token mean is 4.1e-3 away from the per-micro-batch mean at step 1.
+  np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_1f1b_holds_at_most_s_micro_batches_where_gpipe_holds_all():
