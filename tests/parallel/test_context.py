@@ -20,6 +20,10 @@ from jaxzero import config
 from jaxzero.models.attention import attention
 
 TINY = "configs/tiny_zero3.py"
+# The fast lane keeps each strategy's attention, one 10-step mesh (fsdp x context x tensor)
+# and each strategy's compiled collectives; the rest of the meshes, the resume and the plan
+# are the full suite's.
+SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("implementation", ["xla", "blockwise"])
@@ -51,8 +55,9 @@ def test_attention_of_each_part_of_the_sequence_is_that_of_the_whole(implementat
 
 @pytest.mark.parametrize("strategy, balanced, implementation, window, packed", [
     ("all_gather", True, "blockwise", 0, True), ("all_gather", False, "xla", 6, False),
-    ("ring", True, "blockwise", 0, True), ("ring", True, "xla", 12, True),
-    ("ring", False, "blockwise", 20, False), ("ring", True, "blockwise", 6, True)])
+    pytest.param("ring", True, "blockwise", 0, True, marks=SLOW),
+    ("ring", True, "xla", 12, True), ("ring", False, "blockwise", 20, False),
+    pytest.param("ring", True, "blockwise", 6, True, marks=SLOW)])
 def test_each_strategy_attends_as_the_whole_sequence(strategy, balanced, implementation, window,
                                                      packed):
   import functools
@@ -121,12 +126,12 @@ def one_device_bf16(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh", [
-    ["mesh.fsdp=1", "mesh.context=8", "context.strategy=ring"],
+    pytest.param(["mesh.fsdp=1", "mesh.context=8", "context.strategy=ring"], marks=SLOW),
     ["mesh.fsdp=2", "mesh.context=2", "mesh.tensor=2", "zero.stage=3"],
-    ["mesh.fsdp=2", "mesh.context=2", "mesh.pipeline=2", "train.grad_accum=2",
-     "context.strategy=ring"],
-    ["mesh.replica=2", "mesh.fsdp=2", "mesh.context=2", "zero.stage=1",
-     "precision.compute=bfloat16", "context.load_balance=False"],
+    pytest.param(["mesh.fsdp=2", "mesh.context=2", "mesh.pipeline=2", "train.grad_accum=2",
+                  "context.strategy=ring"], marks=SLOW),
+    pytest.param(["mesh.replica=2", "mesh.fsdp=2", "mesh.context=2", "zero.stage=1",
+                  "precision.compute=bfloat16", "context.load_balance=False"], marks=SLOW),
 ])
 def test_ten_steps_at_context_c_equal_one_device(mesh, one_device, one_device_bf16, tmp_path):
   want = one_device_bf16 if "precision.compute=bfloat16" in mesh else one_device
@@ -179,6 +184,7 @@ def test_the_embedding_lookup_reaches_its_rows_without_a_whole_sequence_copy():
   assert gathered and not [shape for shape in gathered if ",4096," in shape], gathered
 
 
+@SLOW
 def test_a_checkpoint_moves_between_context_sizes(one_device, tmp_path):
   # (Context 2 and 4, the second with the XLA attention kernel: 10 steps in all.)
   first = losses(tiny("mesh.fsdp=4", "mesh.context=2"), tmp_path, 8, steps=4)
@@ -204,6 +210,7 @@ def test_bad_context_settings_are_one_line(overrides, message):
     config.validate(config.apply_overrides(config.load(TINY, ["train.seq_len=64"]), overrides))
 
 
+@SLOW
 def test_plan_comm_sets_what_crosses_context_beside_the_formula():
   from jaxzero.planning import comm_report, planner
   cfg = config.load(TINY, ["model.n_layers=2", "train.seq_len=1024", "mesh.fsdp=2",
