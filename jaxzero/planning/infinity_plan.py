@@ -85,8 +85,11 @@ def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
   micro = cfg.train.global_batch // cfg.train.grad_accum
   compute = np.dtype(dtype_of(cfg.precision.compute))
   grad_dtype = np.dtype(dtype_of(cfg.zero.grad_dtype))
-  batch = jax.ShapeDtypeStruct((micro, cfg.train.seq_len + 1), np.int32,
-                               sharding=layout.batch_sharding())
+  # One micro-batch as the runner feeds it: token windows, or a fine-tuning format's
+  # dict (packed rows carry their segment ids and positions through the layers).
+  batch = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=layout.batch_sharding()),
+      engine.abstract_batch(micro // layout.data_parallel_size))
   outer = {leaf.name: _abstract(leaf.shape, compute, leaf.sharding)
            for leaf in tier.outer_leaves(tier.leaves)}
   pre_in = {name: outer[name] for name in p.outer_names("pre", batch)}
@@ -98,14 +101,16 @@ def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
   carry, consts = _outputs(pre)
   forward = _compile(p.layer_forward, weights, carry, consts)
   post = _compile(p.post_grad, post_in, batch, carry)
+  ct_carry = _outputs(post)[-1][-1]  # (float0 for a carry's integer leaves)
   ct_consts = p.float_consts(consts)
-  backward = _compile(p.layer_backward, weights, carry, consts, carry)
+  backward = _compile(p.layer_backward, weights, carry, consts, ct_carry)
   pre_back = _compile(p.pre_backward, pre_in, batch, carry, ct_consts)
 
   layer_weights = sum(_local_bytes(a) for a in jax.tree.leaves(weights))
   layer_grads = layer_weights // compute.itemsize * grad_dtype.itemsize
   L = tier.n_layers
-  checkpoints = L * _local_bytes(carry) + sum(_local_bytes(c) for c in consts)
+  checkpoints = (L * sum(_local_bytes(a) for a in jax.tree.leaves(carry))
+                 + sum(_local_bytes(c) for c in consts))
   A = cfg.train.grad_accum
   programs = [
       Program("pre (embedding)", A, _bytes(pre), 0),

@@ -141,6 +141,25 @@ def test_the_plan_is_the_compiled_programs_and_the_files_on_disk(nvme_dir, tmp_p
     tier.close()
 
 
+def test_the_plan_of_packed_rows_keeps_their_segment_ids_and_positions_per_layer(nvme_dir):
+  """Packed fine-tuning rows carry their segment ids and positions through the layers
+  beside the residual stream: the plan compiles that carry, so each layer's checkpoint
+  holds two int32 [rows, T] arrays more than for token windows, and the layers close
+  over no RoPE tables (each row's positions give its own)."""
+  import dataclasses
+  cfg = config.load(TINY, [*SETS, "train.grad_accum=2", *infinity_sets(nvme_dir)])
+  packed = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, format="chat",
+                                                              packing=True))
+  plain, rows = (infinity_plan.plan(c, 8) for c in (cfg, packed))
+  per_device_rows = cfg.train.global_batch // cfg.train.grad_accum // 8
+  T, m = cfg.train.seq_len, cfg.model
+  ids_and_positions = m.n_layers * 2 * per_device_rows * T * 4
+  rope_tables = 2 * T * (m.dim // m.n_heads) * 4  # cos, sin [T, head_dim]
+  extra = ids_and_positions - rope_tables
+  forward = lambda found: next(p for p in found.programs if p.name == "layer forward")
+  assert forward(rows).resident_bytes - forward(plain).resident_bytes == extra
+
+
 def test_plan_prints_the_70b_preset_within_20_gb_on_one_device(capsys):
   from jaxzero import plan as plan_cli
   assert plan_cli.main(["--config", str(ROOT / "configs/llama70b_infinity.py"), "--json"]) == 0
