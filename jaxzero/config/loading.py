@@ -232,6 +232,13 @@ def _check_pipeline(cfg) -> None:
     raise ConfigError(f"train.grad_accum={cfg.train.grad_accum} gives fewer micro-batches than "
                       f"mesh.pipeline={stages} stages: use train.grad_accum >= {stages} (the "
                       "step's micro-batches are the pipeline's)")
+  if cfg.pipeline.schedule == "1f1b" and cfg.remat.policy == "offload_matmuls":
+    # (A stage's slot is a lax.cond of forward, backward or idle: the forward's residuals
+    # would be in host memory and the others' on the device, and a cond's branches must
+    # agree.)
+    raise ConfigError("remat.policy=offload_matmuls with pipeline.schedule=1f1b is not "
+                      "supported; use pipeline.schedule=gpipe or interleaved, or another "
+                      "remat.policy (full, save_matmuls, save_attention, none)")
   for key, value, allowed in (("offload.params", cfg.offload.params, ("device",)),
                               ("offload.optimizer", cfg.offload.optimizer,
                                ("device", "pinned_host"))):

@@ -173,6 +173,9 @@ def test_1f1b_holds_at_most_s_micro_batches_where_gpipe_holds_all():
                                                        "pipeline.schedule=gpipe"),
     (["pipeline.schedule=interleaved", "pipeline.virtual_stages=0"],
      "pipeline.virtual_stages=0 with pipeline.schedule=interleaved"),
+    (["mesh.pipeline=2", "pipeline.schedule=1f1b", "remat.policy=offload_matmuls"],
+     "remat.policy=offload_matmuls with pipeline.schedule=1f1b is not supported; use "
+     "pipeline.schedule=gpipe or interleaved, or another remat.policy"),
     (["mesh.pipeline=2", "offload.params=pinned_host"], "mesh.pipeline=2 with "
                                                         "offload.params=pinned_host is not "
                                                         "supported"),
