@@ -29,13 +29,19 @@ def make_eval_step(program: engine_lib.TrainProgram):
   layout = program.layout
   loss = functools.partial(hooks_lib.loss_with_hooks, program.model, layout=layout,
                            remat=remat_wrapper("full"))
-  params_on_device = on_device(program.shardings.params)
+  params_on_device, key = on_device(program.shardings.params), program.model.layers_key
+  streams = layout.params_memory == "pinned_host"
 
   def eval_loss(params, frozen, batch_Nx):
-    if frozen is not None:  # a frozen base in pinned_host: its layers come in the scan
-      frozen = outside_layers_on_device(frozen, program.shardings.frozen,
-                                        program.model.layers_key)
-    params = merge(jax.device_put(params, params_on_device), frozen)
+    # Weights in pinned_host (trained or a frozen base) stream as in the train step: the
+    # embedding, head and final norm come over now, each layer's shards in the scan.
+    if streams:
+      params = outside_layers_on_device(params, program.shardings.params, key)
+    else:
+      params = jax.device_put(params, params_on_device)
+    if frozen is not None:
+      frozen = outside_layers_on_device(frozen, program.shardings.frozen, key)
+    params = merge(params, frozen)
     total, _ = jax.lax.scan(lambda acc, batch: (acc + loss(params, batch), None),
                             jnp.zeros((), jnp.float32), batch_Nx)
     return total / jax.tree.leaves(batch_Nx)[0].shape[0]

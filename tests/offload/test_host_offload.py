@@ -276,6 +276,25 @@ def test_cuda_step_streams_offloaded_weights_one_layer_at_a_time(optimizer):
         assert from_a_loop(fns[name], value), (name, shape, value)
 
 
+def test_evaluation_streams_offloaded_weights_as_the_step_does():
+  """The held-out loss under offload.params=pinned_host brings only the embedding, the
+  head and the final norm over at its start; each layer's shards come in the scan."""
+  from jaxzero.training import evaluation
+  cfg = tiny(3, params="pinned_host", compute="bfloat16")
+  e = engine(cfg)
+  batches = jax.ShapeDtypeStruct((2, *e.abstract_batch(2).shape[1:]), np.int32,
+                                 sharding=e.batch_sharding)
+  state = e.abstract_state()
+  text = evaluation.make_eval_step(e).trace(state.params, None, batches).lower(
+      lowering_platforms=("cuda",)).as_text()
+  fns = functions(text)
+  rest = [tuple(s.shape) for k, s in e.abstract.params.items() if k != "layers"]
+  assert sorted(s for s, _ in device_placements(fns.pop("main").split("\n", 1)[1])) == sorted(
+      rest)
+  layers = {tuple(s.shape[1:]) for s in jax.tree.leaves(e.abstract.params["layers"])}
+  assert layers <= {s for body in fns.values() for s, _ in device_placements(body)}
+
+
 # Two processes of 4 devices each (jaxzero.launch) with offload, against one
 # process without: the optimizer in host memory or in the NVMe tier at stages
 # 1-3, the weights in host memory at stage 3 (the only stage that offloads

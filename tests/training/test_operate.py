@@ -222,14 +222,17 @@ def test_the_tensorboard_writer_loads_without_importing_torch(tmp_path):
 
 @pytest.fixture(scope="module")
 def stage_evals(run):
-  """{layout: eval loss of the run's step-2 checkpoint} for stages 0-2 and
-  HYBRID_SHARD on a 2 x 4 mesh, each read into its own layout."""
+  """{layout: eval loss of the run's step-2 checkpoint} for stages 0-2, HYBRID_SHARD on
+  a 2 x 4 mesh and stage 3 with the weights in pinned_host (streamed a layer at a time),
+  each read into its own layout."""
   from jaxzero.checkpoint import checkpointer as checkpoint_lib
   losses = {}
   for name, sets in (("stage 0", ["zero.stage=0"]), ("stage 1", ["zero.stage=1"]),
                      ("stage 2", ["zero.stage=2"]),
                      ("hybrid 2x4", ["zero.strategy=HYBRID_SHARD", "mesh.replica=2",
-                                     "mesh.fsdp=4"])):
+                                     "mesh.fsdp=4"]),
+                     ("stage 3, weights in pinned_host", ["zero.stage=3",
+                                                          "offload.params=pinned_host"])):
     cfg = small(*sets)
     built = loop.build(cfg, jax.devices()[:8])
     abstract = built.program.abstract_state()
@@ -243,7 +246,7 @@ def stage_evals(run):
 @pytest.mark.slow
 def test_eval_loss_is_the_same_under_every_stage_and_mesh(run, stage_evals):
   records = run.records  # stage 3 on 1 x 8, evaluated in the loop
-  assert len(stage_evals) == 4
+  assert len(stage_evals) == 5
   for name, loss in stage_evals.items():
     np.testing.assert_allclose(loss, records[1]["eval_loss"], rtol=1e-5, err_msg=name)
 
