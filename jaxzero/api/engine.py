@@ -110,6 +110,10 @@ class Engine:
         model, loss_fn, shard_size=self.layout.shard_size, init_args=init_args, rules=rules,
         min_size=zero.min_shard_size,
         remat_block=remat.block, remat_policy=remat.policy)
+    if cfg.mesh.pipeline > 1 and self.model.layers_key is None:  # as the config refuses it
+      raise ConfigError(f"a mesh with pipeline={cfg.mesh.pipeline} runs a model's stacked "
+                        "layers in stages: it needs a jaxzero Model that declares layers_key "
+                        "and runs them through hooks.scan; use pipeline=1 for this model")
     if self.model.frozen_specs is not None:  # the check jaxzero.train's config runs
       config_lib.validate_frozen_offload(cfg, "a model with frozen parameters (jaxzero.lora)")
     program = engine_lib.TrainProgram(cfg, self.layout, self.model, optimizer=optimizer)

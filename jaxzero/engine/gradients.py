@@ -159,7 +159,8 @@ def gpipe_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
 
   def stack_output(params, rows, accum, frozen):
     """The layer stack's output for the merged rows; the model's own head on them is
-    traced but unused (XLA drops it)."""
+    traced but unused (XLA drops it). The output is taken from inside the model's loss:
+    the loss runs Hooks.scan at its top level, under no transform (Model.layers_key)."""
     pipelined = pipeline.gpipe_scan(stages, accum, pipeline.stage_constraint(layout.mesh),
                                      cfg.pipeline.virtual_stages)
     outputs = []
@@ -180,9 +181,10 @@ def gpipe_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
     out = stack_output(params, rows, accum, frozen)
     out_Ax = jax.tree.map(lambda y: y.reshape(-1, accum, *y.shape[1:]).swapaxes(0, 1), out)
     unscaled = lambda p, batch, scan: loss(p, batch, None, scan, frozen)[1]
-    # One micro-batch's head at a time: its logits chunks are one micro-batch's.
-    values = jax.lax.map(lambda micro: layer_cut.after_layers(unscaled, params, *micro),
-                         (batch_Ax, out_Ax))
+    # Vectorised over the micro-batches, not a loop: the head's and the final norm's
+    # gradients are then reduced once a step, not once a micro-batch.
+    values = jax.vmap(lambda batch, out: layer_cut.after_layers(unscaled, params, batch, out)
+                      )(batch_Ax, out_Ax)
     total = values.sum()
     return (total if scale is None else total * scale), values.mean()
 

@@ -88,7 +88,11 @@ class Model:
       per layer (leading axis) and which the loss runs once through `hooks.scan`,
       passing exactly ``params[layers_key]``. The engine then adds each layer's
       gradient into the accumulated sum as the backward pass produces it, so that
-      gradient accumulation holds one gradient-sized buffer, not two.
+      gradient accumulation holds one gradient-sized buffer, not two. The loss calls
+      `hooks.scan` itself, under no transform of its own (``jax.checkpoint``,
+      ``custom_vjp``): the pipeline schedules and the NVMe tier run the layers apart
+      from what comes before and after them, and take the stack's input or output
+      from that call.
     frozen_specs: None, or a nested dict of leaves that are used but not trained
       (with `specs` also a nested dict): the loss receives ``merge(trained,
       frozen)``. Under `layers_key` both may have leaves.

@@ -104,7 +104,7 @@ def plan(cfg, n_devices: int, tflops: float = DEFAULT_TFLOPS,
   ct_carry = _outputs(post)[-1][-1]  # (float0 for a carry's integer leaves)
   ct_consts = p.float_consts(consts)
   backward = _compile(p.layer_backward, weights, carry, consts, ct_carry)
-  pre_back = _compile(p.pre_backward, pre_in, batch, carry, ct_consts)
+  pre_back = _compile(p.pre_backward, pre_in, batch, ct_carry, ct_consts)
 
   layer_weights = sum(_local_bytes(a) for a in jax.tree.leaves(weights))
   layer_grads = layer_weights // compute.itemsize * grad_dtype.itemsize

@@ -173,6 +173,16 @@ def test_every_stage_and_hybrid_train_as_one_device(name, layout):
   np.testing.assert_allclose(losses, one_device(name), rtol=1e-5)
 
 
+def test_a_pipeline_mesh_needs_a_model_with_stacked_layers():
+  model, loss_fn, _, _ = MODELS["mlp_pytree"]
+  from jaxzero.errors import ConfigError
+  with pytest.raises(ConfigError, match=r"a mesh with pipeline=2 runs a model's "
+                     r"stacked layers in stages: it needs a jaxzero Model that declares "
+                     r"layers_key and runs them through hooks.scan; use pipeline=1"):
+    jaxzero.Engine(model, optimizer=optax.sgd(0.1), loss_fn=loss_fn, grad_accum=2,
+                   mesh=jaxzero.mesh(fsdp=2, pipeline=2, devices=jax.devices()[:4]))
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_stage3_state_is_16_phi_over_n_and_placed_leaf_by_leaf(name):
   e = engine(name, "stage3")
