@@ -28,7 +28,7 @@ from jaxzero.engine.remat import remat_wrapper
 from jaxzero.engine.state import dtype_of
 from jaxzero.models.interface import Model, is_spec, merge
 from jaxzero.parallel import layer_cut, one_f_one_b, pipeline
-from jaxzero.parallel.zero import Layout, on_device, outside_layers_on_device
+from jaxzero.parallel.zero import Layout, on_device, weights_for_compute
 
 # (params, batch [A, B, ...], scale or None, frozen or None) -> (gradient sum, mean loss)
 GradSum = Callable[..., tuple[Any, jax.Array]]
@@ -110,7 +110,6 @@ def micro_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
   sum_sh = groups.sum_shardings(on_device(layout.tree_shardings(model.specs, layout.reduce_role)),
                                 layout.tree_shardings(model.specs, "compute"))
   place = _to_device_in_reduce_layout(layout, model) if streams and key is not None else None
-  params_on_device = on_device(state_sh.params)
 
   def add(micro, per_layer, params, scale, carry, batch):
     loss_sum, grad_sum = carry
@@ -128,12 +127,9 @@ def micro_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
   def grad_sum_fn(params, batch_Ax, scale, frozen=None):
     accum = jax.tree.leaves(batch_Ax)[0].shape[0]
     per_layer = key is not None and accum > 1
-    if streams:  # the embedding, head and final norm come over now, the layers in the scan
-      params = outside_layers_on_device(params, state_sh.params, key)
-      if frozen is not None:  # likewise a frozen base's
-        frozen = outside_layers_on_device(frozen, state_sh.frozen, key)
-    else:
-      params = jax.device_put(params, params_on_device)
+    # Streamed: the embedding, head and final norm come over now, the layers in the scan.
+    params = weights_for_compute(layout, params, state_sh.params, key)
+    frozen = weights_for_compute(layout, frozen, state_sh.frozen, key)
     bound = functools.partial(loss, frozen=frozen)
     micro = groups.per_group(per_layer_grads(bound, model, place) if per_layer
                              else whole_grads(bound), per_layer)

@@ -260,6 +260,18 @@ def outside_layers_on_device(tree: dict, shardings: dict, layers_key: str | None
           for k, v in tree.items()}
 
 
+def weights_for_compute(layout: "Layout", tree: dict | None, shardings: dict | None,
+                        layers_key: str | None) -> dict | None:
+  """Trained or frozen weights (`tree`, at rest as `shardings` place them) where a step
+  computes with them: in device memory, except that weights kept in pinned_host stream,
+  only the leaves outside the stacked layers moving now (outside_layers_on_device)."""
+  if tree is None:
+    return None
+  if layout.params_memory == "pinned_host":
+    return outside_layers_on_device(tree, shardings, layers_key)
+  return jax.device_put(tree, on_device(shardings))
+
+
 def _has_logical_axes(x: Any) -> bool:
   return hasattr(x, "logical_axes")
 

@@ -20,7 +20,7 @@ from jaxzero.data import batches as batches_lib
 from jaxzero.engine import hooks as hooks_lib
 from jaxzero.engine.remat import remat_wrapper
 from jaxzero.models.interface import merge
-from jaxzero.parallel.zero import on_device, outside_layers_on_device
+from jaxzero.parallel.zero import weights_for_compute
 
 
 def make_eval_step(program: engine_lib.TrainProgram):
@@ -29,18 +29,13 @@ def make_eval_step(program: engine_lib.TrainProgram):
   layout = program.layout
   loss = functools.partial(hooks_lib.loss_with_hooks, program.model, layout=layout,
                            remat=remat_wrapper("full"))
-  params_on_device, key = on_device(program.shardings.params), program.model.layers_key
-  streams = layout.params_memory == "pinned_host"
+  shardings, key = program.shardings, program.model.layers_key
 
   def eval_loss(params, frozen, batch_Nx):
     # Weights in pinned_host (trained or a frozen base) stream as in the train step: the
     # embedding, head and final norm come over now, each layer's shards in the scan.
-    if streams:
-      params = outside_layers_on_device(params, program.shardings.params, key)
-    else:
-      params = jax.device_put(params, params_on_device)
-    if frozen is not None:
-      frozen = outside_layers_on_device(frozen, program.shardings.frozen, key)
+    params = weights_for_compute(layout, params, shardings.params, key)
+    frozen = weights_for_compute(layout, frozen, shardings.frozen, key)
     params = merge(params, frozen)
     total, _ = jax.lax.scan(lambda acc, batch: (acc + loss(params, batch), None),
                             jnp.zeros((), jnp.float32), batch_Nx)
