@@ -55,17 +55,28 @@ def tiny(*overrides):
                             "train.log_every=1", "data.max_bytes=200000", *overrides])
 
 
-def test_the_compiled_step_runs_the_projections_in_fp8():
+def test_the_compiled_step_runs_the_projections_in_fp8_each_scale_of_the_whole_tensor():
+  from jaxzero.planning.collectives import HloModule
   from jaxzero.training import loop
-  texts = {}
+  texts, max_reductions = {}, {}
   for matmul in ("default", "fp8"):
-    runner = loop.prepare(tiny(f"precision.matmul={matmul}", "precision.compute=bfloat16"),
-                          devices=jax.devices()[:2])
+    runner = loop.prepare(tiny(f"precision.matmul={matmul}", "precision.compute=bfloat16",
+                               "mesh.fsdp=1", "mesh.tensor=2"), devices=jax.devices()[:2])
     program = runner.program
-    texts[matmul] = runner.lower(program.abstract_state(), program.abstract_batch(16)).as_text()
+    lowered = runner.lower(program.abstract_state(), program.abstract_batch(16))
+    texts[matmul] = lowered.as_text()
+    hlo = HloModule(lowered.compile().as_text())
+    max_reductions[matmul] = sum(
+        inst.opcode.startswith("all-reduce")
+        and any(op.opcode == "maximum" for _, comp in hlo.called(inst) for op in hlo.comps[comp])
+        for inst in hlo.insts.values())
   assert "f8E4M3FN" not in texts["default"] and "f8E5M2" not in texts["default"]
   # 7 projections: e4m3 operands forward, e5m2 cotangents backward.
   assert texts["fp8"].count("f8E4M3FN") >= 14 and texts["fp8"].count("f8E5M2") >= 7
+  # Tensor parallelism cuts each projection's weight (and o's and down's input) over
+  # `tensor`: a per-tensor scale is of the whole tensor only if its amax is reduced across
+  # the devices, one all-reduce of maxima at least per weight (XLA may combine them).
+  assert max_reductions["fp8"] >= max_reductions["default"] + 7, max_reductions
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +95,16 @@ def test_fp8_on_a_mesh_equals_fp8_on_one_device(mesh, one_device_losses, tmp_pat
   from jaxzero.training import loop
   history = loop.train(tiny("precision.matmul=fp8", *mesh), tmp_path, progress=False,
                        devices=jax.devices()[:4 if "mesh.pipeline=2" in mesh else 8])
-  np.testing.assert_allclose([r["loss"] for r in history], one_device_losses, rtol=1e-4)
+  # Not ~1e-7 as in float32: a mesh that cuts a contraction (tensor) adds its partial sums
+  # in another order, and a last-bit difference can round an element to the neighbouring
+  # e4m3 or e5m2 value (1/16 or 1/8 apart); Adam's first updates then amplify that in weights
+  # whose gradient is near 0. Measured on an AMD EPYC (2026-11-28) at fsdp 4 x tensor 2:
+  # 1.5e-5 at step 1 and 1.3e-4 at step 3, where FP8 and float32 matmuls differ by 5.3e-4
+  # and 2.8e-4. Step 1 (no update yet) is held to a tenth of FP8's own effect; a scale of
+  # one device's shard rather than the whole tensor's shows there (and in the test above).
+  got = [r["loss"] for r in history]
+  np.testing.assert_allclose(got[0], one_device_losses[0], rtol=5e-5)
+  np.testing.assert_allclose(got, one_device_losses, rtol=5e-4)
 
 
 def test_fp8_settings_that_do_not_go_together_are_one_line():
