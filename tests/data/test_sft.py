@@ -228,7 +228,7 @@ def sft_config(tmp_path, *overrides):
   return config.apply_overrides(dataclasses.replace(cfg, data=data), [
       "model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
       "model.mlp_dim=64", "train.seq_len=64", "train.global_batch=8", "train.grad_accum=1",
-      "precision.compute=float32",
+      "precision.compute=float32", "checkpoint.at_end=false",  # runs compare losses only
       "train.steps=2", "eval.every=2", "eval.batches=1", *overrides])
 
 

@@ -16,6 +16,8 @@ TINY = str(ROOT / "configs" / "tiny_zero3.py")
 SMALL = {"model.dim": "64", "model.n_layers": "2", "model.mlp_dim": "128",
          "train.global_batch": "16", "train.seq_len": "32", "train.steps": "4",
          "train.log_every": "1", "data.max_bytes": "500000"}
+# Runs that only compare losses save no checkpoint at their last step.
+NO_SAVE = {"checkpoint.at_end": "false"}
 
 
 def train_losses(workdir: pathlib.Path, **overrides) -> np.ndarray:
@@ -25,7 +27,8 @@ def train_losses(workdir: pathlib.Path, **overrides) -> np.ndarray:
   (conftest.py): LLVM optimisation off, which triples the speed of this test
   and changes no arithmetic (every run here uses the same flags).
   """
-  cfg = config.load(TINY, [f"{key}={value}" for key, value in {**SMALL, **overrides}.items()])
+  cfg = config.load(TINY, [f"{key}={value}"
+                           for key, value in {**SMALL, **NO_SAVE, **overrides}.items()])
   history = loop.train(cfg, workdir, devices=jax.devices()[:8], progress=False)
   return np.array([h["loss"] for h in history])
 

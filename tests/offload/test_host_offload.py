@@ -313,7 +313,7 @@ def one_process(tmp_path_factory):
 
   def losses(stage):
     if stage not in trained:
-      cfg = config.load(TINY, LAUNCH_SETS + [f"zero.stage={stage}"])
+      cfg = config.load(TINY, LAUNCH_SETS + [f"zero.stage={stage}", "checkpoint.at_end=false"])
       history = loop.train(cfg, tmp_path_factory.mktemp(f"one_stage{stage}"),
                               devices=jax.devices()[:8], progress=False)
       trained[stage] = [h["loss"] for h in history]
