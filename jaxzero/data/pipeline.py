@@ -34,6 +34,8 @@ def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
   d, t = cfg.data, cfg.train
   eval_rows = t.global_batch // t.grad_accum
   held_out_cfg = dataclasses.replace(d, source=d.eval_source)
+  if d.eval_source:
+    check_held_out_apart(d)  # before anything is tokenized
   if d.format == "text":
     source = tokens_lib.open_tokens(d, workdir, model_vocab_size=cfg.model.vocab_size,
                                     progress=progress)
@@ -58,6 +60,19 @@ def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
   evaluation = None if held_out is None else rows_of(held_out, cfg.eval.batches, eval_rows,
                                                      "fixed")
   return RunData(train, evaluation, _describe_examples(d, examples, train))
+
+
+def check_held_out_apart(d) -> None:
+  """Refuses a data.eval_source that names no file, or a file training also reads (its
+  evaluation would then be of trained-on text)."""
+  held_out = tokens_lib.match_files(d.eval_source, "data.eval_source")
+  if d.source == "stdlib":
+    return
+  shared = sorted(set(tokens_lib.match_files(d.source)) & set(held_out))
+  if shared:
+    raise DataError(f"data.eval_source={d.eval_source!r} names {len(shared)} file(s) that "
+                    f"data.source={d.source!r} trains on too (first {shared[0]}); point them "
+                    "at separate files, or hold out data.eval_fraction of data.source")
 
 
 def _describe_examples(d, examples: sft.Examples, train: sft.ExampleBatches) -> str:

@@ -63,6 +63,7 @@ def open_examples(data, workdir, *, model_vocab_size: int | None = None,
       raise DataError(f"data.format={data.format!r} reads records from {' or '.join(SUFFIXES)} "
                       f"files; data.source={data.source!r} includes {path}")
   tokenizer = tokens_lib.load_tokenizer(data.tokenizer, data.eos_token)
+  tokens_lib.check_vocab(data.tokenizer, tokenizer.vocab_size, model_vocab_size)
   template = chat.load_template(data)
   if data.format == "chat" and template is None:
     raise DataError(f"data.format='chat' needs a chat template: data.tokenizer="
@@ -75,9 +76,6 @@ def open_examples(data, workdir, *, model_vocab_size: int | None = None,
   index = tokens_lib.cached(cache, want, _read_index,
                             lambda: _tokenize(files, tokenizer, template, data, cache, want,
                                               progress))
-  if model_vocab_size is not None and tokenizer.vocab_size > model_vocab_size:
-    raise DataError(f"data.tokenizer={data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
-                    f"model.vocab_size={model_vocab_size}")
   n = index["tokens"]
   return Examples(np.memmap(cache / tokens_lib.TOKENS_FILE, index["dtype"], "r", shape=(n,)),
                   np.memmap(cache / MASK_FILE, np.uint8, "r", shape=(n,)),
@@ -255,6 +253,10 @@ class ExampleBatches:
     self.starts, self.lengths = starts[keep], lengths[keep]
     ids = np.arange(keep.sum())
     self.rows = pack(self.lengths, window) if packing else [[i] for i in ids]
+    if order == "fixed":
+      # Held-out rows in the examples' own order, as without packing: pack's rows come
+      # longest example first, and the first rows alone would be the longest examples'.
+      self.rows.sort(key=lambda examples: examples[0])
 
   @property
   def n_rows(self) -> int:

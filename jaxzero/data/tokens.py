@@ -70,14 +70,18 @@ def open_tokens(data, workdir: str | os.PathLike | None, *, model_vocab_size: in
     if data.tokenizer != "byte":
       raise DataError(f"data.source='stdlib' is byte-level; data.tokenizer={data.tokenizer!r} "
                       "needs a source of your own files")
-    source = TokenSource(stdlib_corpus(data.max_bytes), BYTE_VOCAB, "random")
-  else:
-    source = _open_files(data, workdir, progress)
-  if model_vocab_size is not None and source.vocab_size > model_vocab_size:
-    raise DataError(f"data.tokenizer={data.tokenizer!r} has {source.vocab_size} tokens but "
+    check_vocab(data.tokenizer, BYTE_VOCAB, model_vocab_size)
+    return TokenSource(stdlib_corpus(data.max_bytes), BYTE_VOCAB, "random")
+  return _open_files(data, workdir, progress, model_vocab_size)
+
+
+def check_vocab(tokenizer_name: str, vocab_size: int, model_vocab_size: int | None) -> None:
+  """Refuses a tokenizer whose ids do not fit the model's embedding: once the tokenizer
+  is loaded, before any file is tokenized."""
+  if model_vocab_size is not None and vocab_size > model_vocab_size:
+    raise DataError(f"data.tokenizer={tokenizer_name!r} has {vocab_size} tokens but "
                     f"model.vocab_size={model_vocab_size}; the model's vocabulary must be at "
                     "least the tokenizer's")
-  return source
 
 
 @functools.cache
@@ -106,9 +110,9 @@ def stdlib_corpus(max_bytes: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- source files
 
 
-def match_files(source: str) -> list[pathlib.Path]:
-  """The files `data.source` names, sorted: a file, a directory (searched
-  recursively for supported files) or a glob (``**`` recurses)."""
+def match_files(source: str, setting: str = "data.source") -> list[pathlib.Path]:
+  """The files `source` (the value of `setting`) names, sorted: a file, a directory
+  (searched recursively for supported files) or a glob (``**`` recurses)."""
   pattern = os.path.abspath(os.path.expanduser(source))
   if os.path.isdir(pattern):
     found = glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
@@ -117,10 +121,11 @@ def match_files(source: str) -> list[pathlib.Path]:
     files = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
     for path in files:
       if not path.endswith(SUFFIXES):
-        raise DataError(f"data.source={source!r} matches {path}, which is not one of "
+        raise DataError(f"{setting}={source!r} matches {path}, which is not one of "
                         f"{', '.join(SUFFIXES)}")
   if not files:
-    raise DataError(f"data.source={source!r} is neither 'stdlib' nor a file, directory or glob "
+    stdlib = "'stdlib' nor " if setting == "data.source" else ""
+    raise DataError(f"{setting}={source!r} is neither {stdlib}a file, directory or glob "
                     f"matching any {', '.join(SUFFIXES)} file")
   return [pathlib.Path(p) for p in sorted(files)]
 
@@ -290,9 +295,10 @@ def _eos_id(tokenizer, eos_token: str, name: str) -> int:
 # ----------------------------------------------------------------------------- token cache
 
 
-def _open_files(data, workdir, progress: bool) -> TokenSource:
+def _open_files(data, workdir, progress: bool, model_vocab_size: int | None) -> TokenSource:
   files = match_files(data.source)
   tokenizer = load_tokenizer(data.tokenizer, data.eos_token)
+  check_vocab(data.tokenizer, tokenizer.vocab_size, model_vocab_size)
   cache = cache_root(data, workdir) / cache_name(data, tokenizer)
   want = index_header(files, tokenizer, data.text_field)
   index = cached(cache, want, read_index,

@@ -222,3 +222,22 @@ def test_bad_input_is_one_line_naming_the_culprit(case, message, corpus, tokeniz
   with pytest.raises(DataError) as info:
     tokens_lib.open_tokens(cfg, tmp_path / "run", model_vocab_size=vocab, progress=False)
   assert message in str(info.value) and "\n" not in str(info.value)
+  if case == "vocab_too_big":  # refused before a file is tokenized
+    assert not (tmp_path / "run" / "data_cache").exists()
+
+
+@pytest.mark.parametrize("source, eval_source, message", [
+    ("corpus", "corpus/txt/0.txt", "data.eval_source='{root}/txt/0.txt' names 1 file(s) that "
+                                   "data.source='{root}' trains on too (first {root}/txt/0.txt)"),
+    ("corpus/b.jsonl", "corpus/*.jsonl", "names 1 file(s) that data.source='{root}/b.jsonl'"),
+    ("corpus/txt", "corpus/nothing.txt", "data.eval_source='{root}/nothing.txt' is neither a file"),
+])
+def test_a_held_out_source_that_training_reads_or_that_names_nothing_is_one_line(
+    source, eval_source, message, corpus):
+  """Checked before anything is tokenized; the line names data.eval_source."""
+  from jaxzero.data import pipeline
+  place = lambda path: str(corpus.parent / path)
+  with pytest.raises(DataError) as info:
+    pipeline.check_held_out_apart(config(place(source), eval_source=place(eval_source)))
+  assert message.format(root=corpus) in str(info.value) and "\n" not in str(info.value)
+

@@ -180,6 +180,26 @@ def test_packing_fills_rows_with_whole_examples_each_visited_once_an_epoch():
                                 batches(1)["segment_ids"][:, 1:3])
 
 
+def test_held_out_rows_keep_the_examples_order_packed_or_not():
+  """Evaluation reads the first rows: packed, they hold the first examples (packing
+  alone would put the longest first), as they do one example a row."""
+  lengths = [3, 9, 4, 8, 3, 6]
+  packed = sft.ExampleBatches(synthetic(lengths), 9, 1, 2, 0, packing=True, order="fixed")
+  firsts = [row[0] for row in packed.rows]
+  assert firsts == sorted(firsts) and firsts[0] == 0
+  assert sorted(i for row in packed.rows for i in row) == list(range(len(lengths)))
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_before_any_tokenizing(tmp_path):
+  from jaxzero.errors import DataError
+  data = DataConfig(source=str(write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHATS[0]}])),
+                    format="chat", chat_template=str(write_template(tmp_path)),
+                    cache_dir=str(tmp_path / "cache"))
+  with pytest.raises(DataError, match="has 256 tokens but model.vocab_size=100; the model's"):
+    sft.open_examples(data, tmp_path, model_vocab_size=100, progress=False)
+  assert not (tmp_path / "cache").exists()
+
+
 CFG = LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64,
                   rope_theta=10_000.0)
 
