@@ -211,11 +211,12 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
                             f"{checkpoints.directory}; available steps: "
                             f"{', '.join(map(str, steps)) or 'none'}")
     return _restore(run, checkpoints, resume_step)
-  for newer, step in enumerate(reversed(steps)):
+  damaged_newer = []  # set aside only once an older checkpoint verifies
+  for step in reversed(steps):
     try:
       state = _restore(run, checkpoints, step)
     except DamagedCheckpointError as damaged:
-      older = steps[:len(steps) - newer - 1]
+      older = [s for s in steps if s < step]
       if run.cfg.checkpoint.on_damaged == "refuse":
         raise DamagedCheckpointError(
             f"{damaged} (checkpoint.on_damaged=refuse; "
@@ -223,13 +224,15 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
                "there is no earlier checkpoint)")) from damaged
       if not older:
         raise DamagedCheckpointError(
-            f"{damaged}; no earlier checkpoint verifies, and a run with checkpoints is not "
-            "restarted from scratch: move the checkpoints directory away to start over"
+            f"{damaged}; no checkpoint verifies (none was moved), and a run with checkpoints "
+            "is not restarted from scratch: move the checkpoints directory away to start over"
         ) from damaged
-      aside = checkpoints.set_aside(step)
-      log.warning("%s; moved it to %s and trying checkpoint %d", damaged, aside, older[-1])
+      log.warning("%s; trying checkpoint %d", damaged, older[-1])
+      damaged_newer.append(step)
       continue
-    if newer:
+    for newer in damaged_newer:
+      log.warning("moved damaged checkpoint %d to %s", newer, checkpoints.set_aside(newer))
+    if damaged_newer:
       log.warning("resuming from checkpoint %d, the newest that verifies", step)
     return state
   cfg, sh = run.cfg, run.program.shardings
@@ -304,13 +307,16 @@ def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,
   if recast:
     log.info("checkpoint %d was saved with precision.compute=%s: its compute copy is cast to %s",
              step, saved_compute, run.cfg.precision.compute)
-    cast = lambda tree, want: jax.tree.map(lambda w, a: w.astype(a.dtype), tree, want)
     sh, abstract = run.program.shardings, run.program.abstract
-    state = state._replace(
-        params=jax.jit(lambda p: cast(p, abstract.params), out_shardings=sh.params,
-                       donate_argnums=0)(state.params),
-        frozen=jax.jit(lambda f: cast(f, abstract.frozen), out_shardings=sh.frozen,
-                       donate_argnums=0)(state.frozen))
+    # The fields the runner's state holds arrays in: an offload runner's state has no
+    # frozen weights, and ZeRO-Infinity's no compute copy (None at every leaf).
+    held = [f for f in ("params", "frozen") if jax.tree.leaves(getattr(state, f, None))]
+
+    def cast(field):
+      want = getattr(abstract, field)
+      return jax.jit(lambda tree: jax.tree.map(lambda w, a: w.astype(a.dtype), tree, want),
+                     out_shardings=getattr(sh, field), donate_argnums=0)(getattr(state, field))
+    state = state._replace(**{field: cast(field) for field in held})
   if run.cfg.precision.scales_loss and not jax.tree.leaves(state.loss_scale):
     log.info("checkpoint %d has no loss scaler (not saved by a float16 run): it starts afresh",
              step)

@@ -88,6 +88,20 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(damage, t
   assert (directory / "6").is_dir()  # saved anew
 
 
+def test_when_no_checkpoint_verifies_none_is_moved(copy_of):
+  """Every checkpoint unreadable (damage, or a file system failing every read): the run
+  stops, and the checkpoints stay where they were for the next attempt."""
+  directory = checkpoint_dir(copy_of)
+  for step in ("2", "4", "6"):
+    damage_data(directory / step, delete)
+  before = snapshot(copy_of)
+  with pytest.raises(DamagedCheckpointError) as error:
+    loop.run_training(make_config(), copy_of, devices=jax.devices()[:DEVICES], progress=False)
+  assert str(error.value).startswith(f"checkpoint {directory / '2'} is damaged: ")
+  assert "no checkpoint verifies (none was moved)" in str(error.value)
+  assert snapshot(copy_of) == before and not damaged_dir(copy_of).exists()
+
+
 def test_refuse_names_the_damage_and_changes_nothing(copy_of):
   directory = checkpoint_dir(copy_of)
   damage_data(directory / "6", garbage_at_several_offsets, at_least=2)
