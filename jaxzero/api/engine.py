@@ -156,9 +156,17 @@ class Engine:
     return self.runner.step(state, self._micro_batches(batch))
 
   def save(self, state, path: str | pathlib.Path) -> pathlib.Path:
-    """Saves `state` under `path` (orbax, sharded; checksummed); returns its directory."""
+    """Saves `state` under `path` (orbax, sharded; checksummed); returns its directory.
+
+    Every save is kept (as DeepSpeed's save_checkpoint, nothing is pruned), and a step
+    already saved under `path` is not overwritten: that raises ConfigError.
+    """
+    step = int(state.step)
     with self._checkpointer(path) as saver:
-      return self.runner.save(saver, int(state.step), state, wait=True)
+      if step in saver.all_steps():
+        raise ConfigError(f"{path} already holds a checkpoint at step {step} "
+                          f"({saver.step_dir(step)}); save to another path, or move it away")
+      return self.runner.save(saver, step, state, wait=True)
 
   def restore(self, path: str | pathlib.Path, step: int | None = None):
     """The latest (or `step`'s) state saved under `path`, read into this engine's layout."""
@@ -172,7 +180,7 @@ class Engine:
     info = {"model": {"parameters": self.program.n_params},
             "compute_dtype": self.cfg.precision.compute, "seed": self.cfg.seed}
     (pathlib.Path(path) / "checkpoints").mkdir(parents=True, exist_ok=True)
-    return runners_base.checkpointer(path, 3, info)
+    return runners_base.checkpointer(path, None, info)  # keep every save
 
   def plan(self, batch: Any = None) -> dict[str, int]:
     """Per-device bytes: the state by role (from its shardings), the ZeRO paper's

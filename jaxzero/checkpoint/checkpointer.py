@@ -58,10 +58,11 @@ class Checkpointer(CheckpointDirectory):
   run that fails to start leaves the directory exactly as it found it.
   """
 
-  def __init__(self, workdir: str | pathlib.Path, keep: int, info: dict[str, Any],
+  def __init__(self, workdir: str | pathlib.Path, keep: int | None, info: dict[str, Any],
                side: SideItem | None = None):
-    """`info` (see run_info) is saved with every step and checked on restore;
-    `side` saves and reads the leaves a state keeps outside memory."""
+    """The latest `keep` checkpoints are kept (None: all); `info` (see run_info) is saved
+    with every step and checked on restore; `side` saves and reads the leaves a state
+    keeps outside memory."""
     super().__init__(
         workdir, ocp.StandardCheckpointHandler(), side,
         preservation_policy=ocp.checkpoint_managers.LatestN(keep),

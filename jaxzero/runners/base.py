@@ -21,7 +21,8 @@ from jaxzero.offload import nvme_checkpoint, targets
 OPTIONAL_LEAVES = ("loss_scale",)  # a float16 run's scaler: absent from other runs' saves
 
 
-def checkpointer(workdir: str | pathlib.Path, keep: int, info: dict[str, Any]) -> Checkpointer:
+def checkpointer(workdir: str | pathlib.Path, keep: int | None,
+                 info: dict[str, Any]) -> Checkpointer:
   """The checkpoints of a run in `workdir`, whatever its runner: each may resume
   another's (an NVMe runner's leaves are its checkpoints' side item)."""
   return Checkpointer(workdir, keep, info, side=nvme_checkpoint.SIDE_ITEM)

@@ -272,6 +272,23 @@ def test_the_optimizer_state_of_any_pytree_offloads(offload, tmp_path):
     assert np.isfinite(float(metrics["loss"]))
 
 
+def test_engine_save_keeps_every_save_and_overwrites_none(tmp_path):
+  """As DeepSpeed's save_checkpoint: a fourth save prunes nothing; a step already saved
+  under the path is refused, its checkpoint left as it was."""
+  e = engine("mlp_pytree", "stage3")
+  state = e.init(jax.random.key(0))
+  for step in range(1, 5):
+    e.save(state._replace(step=jnp.asarray(step, jnp.int32)), tmp_path)
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [1, 2, 3, 4]
+  before = sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+  from jaxzero.errors import ConfigError
+  with pytest.raises(ConfigError, match="already holds a checkpoint at step 4"):
+    e.save(state._replace(step=jnp.asarray(4, jnp.int32)), tmp_path)
+  assert sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns)
+                for p in tmp_path.rglob("*")) == before
+  assert int(e.restore(tmp_path).step) == 4
+
+
 # ----------------------------------------------------------------------------- every dimension prime
 
 
