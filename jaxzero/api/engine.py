@@ -16,6 +16,7 @@ import pathlib
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -25,7 +26,7 @@ from jaxzero import engine as engine_lib
 from jaxzero.api import adapters
 from jaxzero.checkpoint import checkpointer
 from jaxzero.engine import state_bytes
-from jaxzero.errors import ConfigError
+from jaxzero.errors import CheckpointError, ConfigError
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
 from jaxzero.planning import planner, zero_formula
@@ -159,13 +160,18 @@ class Engine:
     """Saves `state` under `path` (orbax, sharded; checksummed); returns its directory.
 
     Every save is kept (as DeepSpeed's save_checkpoint, nothing is pruned), and a step
-    already saved under `path` is not overwritten: that raises ConfigError.
+    already saved under `path` is not overwritten: that raises CheckpointError.
     """
     step = int(state.step)
     with self._checkpointer(path) as saver:
-      if step in saver.all_steps():
-        raise ConfigError(f"{path} already holds a checkpoint at step {step} "
-                          f"({saver.step_dir(step)}); save to another path, or move it away")
+      # Decided by process 0 for all: a process that saw otherwise would wait in the save.
+      exists = step in saver.all_steps()
+      if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+        exists = bool(multihost_utils.broadcast_one_to_all(np.asarray(exists)))
+      if exists:
+        raise CheckpointError(f"{path} already holds a checkpoint at step {step} "
+                              f"({saver.step_dir(step)}); save to another path, or move it away")
       return self.runner.save(saver, step, state, wait=True)
 
   def restore(self, path: str | pathlib.Path, step: int | None = None):

@@ -41,8 +41,8 @@ def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
                                     progress=progress)
     tokens, held_out = split(source.tokens, d)
     if d.eval_source:
-      held_out = tokens_lib.open_tokens(held_out_cfg, workdir, progress=progress,
-                                        model_vocab_size=cfg.model.vocab_size).tokens
+      held_out = _naming_eval_source(d, lambda: tokens_lib.open_tokens(
+          held_out_cfg, workdir, progress=progress, model_vocab_size=cfg.model.vocab_size)).tokens
     train = batches_lib.Batches(tokens, t.seq_len, t.grad_accum, rows, cfg.seed,
                                 order=source.order)
     evaluation = None if held_out is None else EvalBatches(
@@ -52,8 +52,8 @@ def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
                                progress=progress)
   examples, held_out = sft.split(examples, d.eval_fraction)
   if d.eval_source:
-    held_out = sft.open_examples(held_out_cfg, workdir, model_vocab_size=cfg.model.vocab_size,
-                                 progress=progress)
+    held_out = _naming_eval_source(d, lambda: sft.open_examples(
+        held_out_cfg, workdir, model_vocab_size=cfg.model.vocab_size, progress=progress))
   rows_of = lambda ex, accum, n, order: sft.ExampleBatches(
       ex, t.seq_len, accum, n, cfg.seed, packing=d.packing, overlong=d.overlong, order=order)
   train = rows_of(examples, t.grad_accum, rows, "epochs")
@@ -64,15 +64,33 @@ def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
 
 def check_held_out_apart(d) -> None:
   """Refuses a data.eval_source that names no file, or a file training also reads (its
-  evaluation would then be of trained-on text)."""
-  held_out = tokens_lib.match_files(d.eval_source, "data.eval_source")
+  evaluation would then be of trained-on text), however the paths reach it."""
+  if d.eval_source == "stdlib":
+    if d.source == "stdlib" or d.format != "text":
+      raise DataError("data.eval_source='stdlib' holds the standard library's text: "
+                      + ("data.source='stdlib' trains on it; hold out data.eval_fraction of it"
+                         if d.source == "stdlib" else
+                         f"data.format={d.format!r} reads records; name a file of them"))
+    return
+  held_out = {p.resolve() for p in tokens_lib.match_files(d.eval_source, "data.eval_source")}
   if d.source == "stdlib":
     return
-  shared = sorted(set(tokens_lib.match_files(d.source)) & set(held_out))
+  shared = sorted({p.resolve() for p in tokens_lib.match_files(d.source)} & held_out)
   if shared:
     raise DataError(f"data.eval_source={d.eval_source!r} names {len(shared)} file(s) that "
                     f"data.source={d.source!r} trains on too (first {shared[0]}); point them "
                     "at separate files, or hold out data.eval_fraction of data.source")
+
+
+def _naming_eval_source(d, open_held_out):
+  """open_held_out()'s split, read as data.source is: its errors name data.eval_source,
+  the setting they are about."""
+  try:
+    return open_held_out()
+  except DataError as e:
+    raise DataError(str(e).replace(f"data.source={d.eval_source!r}",
+                                   f"data.eval_source={d.eval_source!r}")
+                    .replace("files of data.source", "files of data.eval_source")) from e
 
 
 def _describe_examples(d, examples: sft.Examples, train: sft.ExampleBatches) -> str:

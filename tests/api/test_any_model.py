@@ -281,8 +281,8 @@ def test_engine_save_keeps_every_save_and_overwrites_none(tmp_path):
     e.save(state._replace(step=jnp.asarray(step, jnp.int32)), tmp_path)
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [1, 2, 3, 4]
   before = sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
-  from jaxzero.errors import ConfigError
-  with pytest.raises(ConfigError, match="already holds a checkpoint at step 4"):
+  from jaxzero.errors import CheckpointError
+  with pytest.raises(CheckpointError, match="already holds a checkpoint at step 4"):
     e.save(state._replace(step=jnp.asarray(4, jnp.int32)), tmp_path)
   assert sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns)
                 for p in tmp_path.rglob("*")) == before

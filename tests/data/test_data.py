@@ -231,13 +231,33 @@ def test_bad_input_is_one_line_naming_the_culprit(case, message, corpus, tokeniz
                                    "data.source='{root}' trains on too (first {root}/txt/0.txt)"),
     ("corpus/b.jsonl", "corpus/*.jsonl", "names 1 file(s) that data.source='{root}/b.jsonl'"),
     ("corpus/txt", "corpus/nothing.txt", "data.eval_source='{root}/nothing.txt' is neither a file"),
+    ("corpus/link", "corpus/b.jsonl", "names 1 file(s) that data.source='{root}/link'"),
+    ("stdlib", "stdlib", "data.source='stdlib' trains on it; hold out data.eval_fraction"),
 ])
 def test_a_held_out_source_that_training_reads_or_that_names_nothing_is_one_line(
     source, eval_source, message, corpus):
   """Checked before anything is tokenized; the line names data.eval_source."""
   from jaxzero.data import pipeline
-  place = lambda path: str(corpus.parent / path)
+  (corpus / "link").symlink_to(corpus)  # the same files, by another path
+  place = lambda path: path if path == "stdlib" else str(corpus.parent / path)
   with pytest.raises(DataError) as info:
     pipeline.check_held_out_apart(config(place(source), eval_source=place(eval_source)))
   assert message.format(root=corpus) in str(info.value) and "\n" not in str(info.value)
 
+
+def test_the_standard_library_as_held_out_text_for_your_own_files_is_allowed(corpus):
+  from jaxzero.data import pipeline
+  pipeline.check_held_out_apart(config(corpus, eval_source="stdlib"))
+
+
+def test_a_held_out_sources_errors_name_data_eval_source(corpus, tmp_path):
+  from jaxzero.data import pipeline
+  empty = tmp_path / "held_out"
+  empty.mkdir()
+  (empty / "a.txt").write_text("")
+  from jaxzero import config as config_lib
+  run = config_lib.apply_overrides(config_lib.base(), [
+      f"data.source={corpus / 'txt'}", f"data.eval_source={empty}",
+      f"data.cache_dir={tmp_path / 'cache'}"])
+  with pytest.raises(DataError, match="files of data.eval_source hold no text"):
+    pipeline.open_data(run, tmp_path, 8, progress=False)
