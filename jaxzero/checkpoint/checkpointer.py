@@ -23,7 +23,7 @@ from jaxzero.checkpoint import integrity, read_errors
 from jaxzero.checkpoint.directory import (CHECKSUMS, STATE, CheckpointDirectory, check_fits,
                                           damaged_dir, saved_array, tree_leaf_shapes)
 from jaxzero.checkpoint.external_leaves import SavedSide, SideItem, SideTarget
-from jaxzero.errors import DamagedCheckpointError
+from jaxzero.errors import CheckpointError, DamagedCheckpointError
 from jaxzero.models.llama import LlamaConfig
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,8 @@ class Checkpointer(CheckpointDirectory):
     shape and padded anew with zeros.
 
     Raises:
-      CheckpointError: naming the first leaf whose shape differs from `target`.
+      CheckpointError: naming the first leaf whose shape differs from `target`, or a
+        LoRA scale (lora.alpha) other than the checkpoint's.
       DamagedCheckpointError: naming the leaf or file that cannot be read, or
         whose values differ from its checksum or are not finite.
     """
@@ -145,6 +146,7 @@ class Checkpointer(CheckpointDirectory):
     check_fits({n: s for n, s in saved.items() if not n.startswith(skipped)},
                {n: s for n, s in wanted.items() if not n.startswith(skipped)}, where,
                "this config", hint)
+    check_same_lora_scale(info.get("lora"), self._info.get("lora"), where)
     if info.get("seed") != self._info["seed"]:
       log.warning("checkpoint %s was trained with seed=%s, this config has seed=%s: the data "
                   "order changes from here on", where, info.get("seed"), self._info["seed"])
@@ -239,6 +241,16 @@ class Checkpointer(CheckpointDirectory):
 
 
 # ----------------------------------------------------------------------------- checks
+
+
+def check_same_lora_scale(saved: dict | None, wanted: dict | None, where: pathlib.Path) -> None:
+  """Refuses to resume adapters under another lora.alpha: the shapes fit, but each
+  adapter's update would be scaled otherwise, a different model from the first step on
+  (a PEFT adapter with another alpha, lora.init_from, is refused likewise)."""
+  if saved and wanted and saved.get("alpha") != wanted.get("alpha"):
+    raise CheckpointError(f"checkpoint {where} was trained with lora.alpha={saved['alpha']:g}, "
+                          f"this config has lora.alpha={wanted['alpha']:g}: the adapters would "
+                          f"be scaled otherwise; set lora.alpha={saved['alpha']:g}")
 
 
 def _without(tree, names) -> Any:

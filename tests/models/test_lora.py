@@ -358,3 +358,22 @@ def test_evaluation_sees_the_frozen_base():
   got = evaluation.make_eval_step(p)(state.params, state.frozen, tokens)
   want = p.train_step(state, tokens)[1]["loss"]
   np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+
+
+def test_a_lora_run_resumes_only_under_its_own_alpha(tmp_path):
+  """A checkpoint's adapters under another lora.alpha fit every shape but are another
+  model: refused in one line, nothing changed; under its own alpha it resumes."""
+  from jaxzero.errors import CheckpointError
+  from jaxzero.training import loop
+  cfg = lora_config(train=dataclasses.replace(lora_config().train, steps=2),
+                    checkpoint=config.CheckpointConfig(every=1))
+  loop.train(cfg, tmp_path, 1, devices=jax.devices()[:8], progress=False)
+  before = sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "checkpoints").rglob("*"))
+  other = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, alpha=16.0))
+  with pytest.raises(CheckpointError, match=r"was trained with lora.alpha=8, this config has "
+                                            r"lora.alpha=16: .*; set lora.alpha=8$"):
+    loop.train(other, tmp_path, 2, devices=jax.devices()[:8], progress=False)
+  assert sorted((p, p.stat().st_mtime_ns)
+                for p in (tmp_path / "checkpoints").rglob("*")) == before
+  assert [r["step"] for r in loop.train(cfg, tmp_path, 2, devices=jax.devices()[:8],
+                                        progress=False)] == [2]
