@@ -53,9 +53,9 @@ def run_info(model: LlamaConfig, compute_dtype: str, seed: int,
 class Checkpointer(CheckpointDirectory):
   """The training loop's checkpoints: asynchronous saves, restores into any layout.
 
-  Keeps the newest `keep` steps (checkpoint.keep). The first save removes the
-  temporary directories of saves that never completed (a killed run's), so a
-  run that fails to start leaves the directory exactly as it found it.
+  Keeps the newest `keep` steps (checkpoint.keep; None keeps all, as jaxzero.Engine.save
+  does). The first save removes the temporary directories of saves that never completed
+  (a killed run's), so a run that fails to start leaves the directory as it found it.
   """
 
   def __init__(self, workdir: str | pathlib.Path, keep: int | None, info: dict[str, Any],

@@ -6,7 +6,8 @@ examples (jaxzero.data.sft) into rows. The held-out split is ``data.eval_fractio
 of the stream or of the examples, cut from the end (training keeps the rest), or the
 separate ``data.eval_source`` read the same way. Held-out batches are ``eval.batches``
 fixed batches of ``train.global_batch / train.grad_accum`` rows from the split's start,
-the same whatever the stage, mesh or process count.
+the same whatever the stage, mesh or process count. A data.eval_source names files
+training does not read; that, and that it names any, is checked before tokenizing.
 """
 
 from __future__ import annotations
