@@ -161,7 +161,7 @@ class Checkpointer(CheckpointDirectory):
         restored = item.with_leaves(restored, target, kept)
     except Exception as e:  # pylint: disable=broad-except
       # orbax and tensorstore report a damaged file as a bare Exception.
-      raise DamagedCheckpointError(read_errors.read_error(where, e)) from e
+      raise read_errors.damaged(where, e) from e
     if int(restored.step) != step:
       raise DamagedCheckpointError(f"checkpoint {where} holds a state at step "
                                    f"{int(restored.step)}, not {step}")
@@ -173,7 +173,7 @@ class Checkpointer(CheckpointDirectory):
       _raise_if_damaged(where, *into.fill(
           recorded, item, lambda kind: saved_array(where / STATE, kind)))
     except read_errors.ReadError as e:
-      raise DamagedCheckpointError(read_errors.read_error(where, e.__cause__)) from e
+      raise read_errors.damaged(where, e.__cause__) from e
     return into.state(restored)
 
   def _restore_fields(self, step: int, target, unwanted: list[str], strict: bool = True):
@@ -208,8 +208,7 @@ class Checkpointer(CheckpointDirectory):
         recorded = self._manager.restore(
             step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))[CHECKSUMS]
       except Exception as e:  # pylint: disable=broad-except
-        raise DamagedCheckpointError(
-            read_errors.read_error(where, e, f"its checksums ({CHECKSUMS}/)")) from e
+        raise read_errors.damaged(where, e, f"its checksums ({CHECKSUMS}/)") from e
     else:
       log.warning("checkpoint %s has no checksums (saved by an older jaxzero): its values are "
                   "only checked to be finite", where)

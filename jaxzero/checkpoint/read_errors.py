@@ -3,12 +3,15 @@
 orbax and tensorstore report a damaged file as a bare Exception whose text
 carries TensorStore's whole spec, and the reads a failed restore abandons
 report themselves again on stderr. :func:`read_error` says what failed in
-words, and :func:`quiet_abandoned_reads` (called before the first read) keeps
-the abandoned reads from saying more.
+words; :func:`damaged` tells damage from this machine's state (memory, file
+handles, permissions, disk space), which is no reason to skip or move a
+checkpoint; and :func:`quiet_abandoned_reads` (called before the first read)
+keeps the abandoned reads from saying more.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import pathlib
@@ -18,6 +21,8 @@ import threading
 import warnings
 from typing import Iterator
 
+from jaxzero.errors import CheckpointError, DamagedCheckpointError
+
 # tensorstore names the array it failed on, e.g. 'Error reading "master.embed_VxD/0.0"'.
 _LEAF_IN_ERROR = re.compile(r'(?:Error reading|Metadata at) "([^"/]+)/')
 _STATE_DIR_IN_ERROR = re.compile(r' in OCDBT database at local file "[^"]*"')
@@ -25,11 +30,39 @@ _STATE_DIR_IN_ERROR = re.compile(r' in OCDBT database at local file "[^"]*"')
 
 def read_error(where: pathlib.Path, error: BaseException, what: str = "") -> str:
   """One line for a failed read: the leaf when tensorstore names it, and why."""
+  return f"checkpoint {where} is damaged: {_what_failed(error, what)} cannot be read: " \
+         f"{reason(error)}"
+
+
+def _what_failed(error: BaseException, what: str) -> str:
   quiet_abandoned_reads()
   leaf = next((m.group(1) for m in map(_LEAF_IN_ERROR.search, map(str, _causes(error))) if m),
               None)
-  what = f"leaf {leaf.replace('.', '/')}" if leaf else what or "a file"
-  return f"checkpoint {where} is damaged: {what} cannot be read: {reason(error)}"
+  return f"leaf {leaf.replace('.', '/')}" if leaf else what or "a file"
+
+
+# What says a read failed for want of a resource or a right, not for what the files hold:
+# XLA's and tensorstore's status codes, and the operating system's words for them.
+_NOT_DAMAGE = re.compile(r"\b(RESOURCE_EXHAUSTED|PERMISSION_DENIED|UNAVAILABLE|DEADLINE_EXCEEDED)\b"
+                         r"|[Oo]ut of memory|Too many open files|Permission denied"
+                         r"|No space left on device|Cannot allocate memory")
+_NOT_DAMAGE_ERRNOS = {errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EPERM,
+                      errno.ENOSPC}
+
+
+def damaged(where: pathlib.Path, error: BaseException, what: str = "") -> CheckpointError:
+  """The error to raise for a failed read of checkpoint `where`: damage
+  (DamagedCheckpointError, which a run may answer by resuming an older checkpoint),
+  or, where the read failed for want of memory, file handles, disk space or a
+  right, a CheckpointError saying so, which stops the run with every checkpoint
+  where it was: resuming the same checkpoint works once that is fixed."""
+  if any(isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in _NOT_DAMAGE_ERRNOS)
+         or _NOT_DAMAGE.search(str(e)) for e in _causes(error)):
+    return CheckpointError(
+        f"checkpoint {where}: {_what_failed(error, what)} could not be read: {reason(error)}; "
+        "that is this machine's state, not damage: no checkpoint was skipped or moved, and "
+        "the run resumes from this one once it is fixed")
+  return DamagedCheckpointError(read_error(where, error, what))
 
 
 def _causes(error: BaseException) -> Iterator[BaseException]:

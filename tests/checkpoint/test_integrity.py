@@ -5,6 +5,7 @@ checkpoint in another way and resumes it.
 """
 
 import dataclasses
+import errno
 import hashlib
 import logging
 import shutil
@@ -17,7 +18,7 @@ import pytest
 from jaxzero import config
 from jaxzero.checkpoint import checkpointer, integrity
 from jaxzero.checkpoint.directory import checkpoint_dir, damaged_dir
-from jaxzero.errors import DamagedCheckpointError
+from jaxzero.errors import CheckpointError, DamagedCheckpointError
 from jaxzero.training import loop
 
 from damage import damage_data, truncate_to
@@ -99,6 +100,30 @@ def test_when_no_checkpoint_verifies_none_is_moved(copy_of):
     loop.run_training(make_config(), copy_of, devices=jax.devices()[:DEVICES], progress=False)
   assert str(error.value).startswith(f"checkpoint {directory / '2'} is damaged: ")
   assert "no checkpoint verifies (none was moved)" in str(error.value)
+  assert snapshot(copy_of) == before and not damaged_dir(copy_of).exists()
+
+
+@pytest.mark.parametrize("failure, reason", [
+    (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                                "1.00GiB."), "RESOURCE_EXHAUSTED: Out of memory"),
+    (ValueError('PERMISSION_DENIED: Error opening file "x/d/0": [OS error: Permission denied]'),
+     "PERMISSION_DENIED"),
+    (OSError(errno.EMFILE, "Too many open files"), "Too many open files")],
+    ids=["device_memory", "permission", "file_handles"])
+def test_a_read_that_fails_for_want_of_memory_or_a_right_stops_and_moves_nothing(
+    copy_of, monkeypatch, failure, reason):
+  """Not damage: falling back would redo steps and set a good checkpoint aside. The run
+  stops in one line naming the checkpoint and why, with every checkpoint in place."""
+  def fail(self, step, *args, **kwargs):
+    raise ValueError("reading the state failed") from failure
+  monkeypatch.setattr(checkpointer.Checkpointer, "_restore_fields", fail)
+  before = snapshot(copy_of)
+  with pytest.raises(CheckpointError) as error:
+    loop.run_training(make_config(), copy_of, devices=jax.devices()[:DEVICES], progress=False)
+  message = str(error.value)
+  assert not isinstance(error.value, DamagedCheckpointError), message
+  assert message.startswith(f"checkpoint {checkpoint_dir(copy_of) / '6'}: ") and reason in message
+  assert "not damage: no checkpoint was skipped or moved" in message and "\n" not in message
   assert snapshot(copy_of) == before and not damaged_dir(copy_of).exists()
 
 
