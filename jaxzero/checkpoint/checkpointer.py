@@ -34,6 +34,8 @@ TRUE_SHAPES = "true_shapes"
 
 # LlamaConfig fields that choose a kernel, not the architecture: not recorded.
 _NOT_ARCHITECTURE = ("attention",)
+# Recorded fields that do not change what restored weights compute: not worth a warning.
+_NOT_ON_RESUME = ("init_std",)
 
 
 def run_info(model: LlamaConfig, compute_dtype: str, seed: int,
@@ -147,6 +149,10 @@ class Checkpointer(CheckpointDirectory):
                {n: s for n, s in wanted.items() if not n.startswith(skipped)}, where,
                "this config", hint)
     check_same_lora_scale(info.get("lora"), self._info.get("lora"), where)
+    changed = _model_difference(info.get("model", {}), self._info["model"], _NOT_ON_RESUME)
+    if changed:  # e.g. a longer context's rope_theta: allowed, but never unawares
+      log.warning("checkpoint %s was trained with another model%s: its weights fit, and compute "
+                  "with this config's settings from here on", where, changed)
     if info.get("seed") != self._info["seed"]:
       log.warning("checkpoint %s was trained with seed=%s, this config has seed=%s: the data "
                   "order changes from here on", where, info.get("seed"), self._info["seed"])
@@ -267,7 +273,7 @@ def _raise_if_damaged(where: pathlib.Path, differ: list[str], nonfinite: list[st
                                    f"{bad[0]}{more} {what}")
 
 
-def _model_difference(saved: dict, current: dict) -> str:
+def _model_difference(saved: dict, current: dict, ignored: tuple[str, ...] = ()) -> str:
   diffs = [f"model.{k}={saved.get(k)} in the checkpoint, {v} here"
-           for k, v in current.items() if saved.get(k) != v]
+           for k, v in current.items() if saved.get(k) != v and k not in ignored]
   return f" ({'; '.join(diffs)})" if diffs else ""

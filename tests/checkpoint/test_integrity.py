@@ -127,6 +127,23 @@ def test_a_read_that_fails_for_want_of_memory_or_a_right_stops_and_moves_nothing
   assert snapshot(copy_of) == before and not damaged_dir(copy_of).exists()
 
 
+def test_resuming_under_another_rope_theta_says_so_and_a_kernel_choice_does_not(copy_of, caplog):
+  """The weights fit, so the run goes on (a longer context's rope_theta is a fine-tune users
+  make), but never unawares; the attention kernel is not the model and passes silently."""
+  cfg = make_config()
+  for model, warned in [(dict(rope_theta=500_000.0), True), (dict(attention="xla"), False)]:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      outcome = loop.run_training(
+          dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model)), copy_of,
+          devices=jax.devices()[:DEVICES], progress=False)
+    assert outcome.start_step == 6
+    assert (f"checkpoint {checkpoint_dir(copy_of) / '6'} was trained with another model "
+            "(model.rope_theta=10000.0 in the checkpoint, 500000.0 here): its weights fit, and "
+            "compute with this config's settings from here on" in caplog.text) == warned
+    assert ("trained with another model" in caplog.text) == warned
+
+
 def test_refuse_names_the_damage_and_changes_nothing(copy_of):
   directory = checkpoint_dir(copy_of)
   damage_data(directory / "6", garbage_at_several_offsets, at_least=2)
