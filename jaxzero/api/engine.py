@@ -31,6 +31,7 @@ from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
 from jaxzero.planning import planner, zero_formula
 from jaxzero.runners import base as runners_base
+from jaxzero.runners import resume
 from jaxzero.runners.choose import make_runner
 from jaxzero.runtime import pinned_pool
 from jaxzero.utils.formatting import format_bytes
@@ -180,7 +181,7 @@ class Engine:
       step = reader.latest_step() if step is None else step
       if step is None:
         raise ConfigError(f"no checkpoint under {path}")
-      return self.runner.restore(reader, step, self.program.abstract_state())
+      return resume.restore(self.runner, reader, step)  # in any precision; verified
 
   def _checkpointer(self, path) -> checkpointer.Checkpointer:
     info = {"model": {"parameters": self.program.n_params},

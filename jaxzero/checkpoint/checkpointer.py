@@ -161,6 +161,9 @@ class Checkpointer(CheckpointDirectory):
     # `into`) are not in `state`, or not read from it.
     kept = set(into.names) if into else set()
     partial = _without(target, kept | set(item.shapes() if item else ()))
+    # An optional field the checkpoint lacks (a float16 run's scaler, resumed from
+    # another precision's save) is not read: the caller makes it afresh.
+    partial = partial._replace(**{f: None for f in unsaved})
     try:
       restored = self._restore_fields(step, partial, unwanted, strict=not repadded)
       if item:  # what the item holds and `into` does not keep: read from the item

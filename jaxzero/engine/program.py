@@ -128,6 +128,15 @@ class TrainProgram:
     """Of a step's tokens [A, B, T+1]: rows over every data-parallel device."""
     return self.layout.batch_sharding(leading_dims=1)
 
+  def compute_copy(self, master: Any) -> Any:
+    """The compute-dtype weights cast from `master` (fp32, placed by ``shardings.master``),
+    as init and every step make them; placed by ``shardings.params``."""
+    compute, sh = dtype_of(self.cfg.precision.compute), self.shardings
+    # Offloaded (pinned_host) master weights are used on the device, as in the step.
+    return jax.jit(lambda master: jax.tree.map(
+        lambda w: w.astype(compute), jax.device_put(master, on_device(sh.master))),
+                   out_shardings=sh.params)(master)
+
   def init(self, master: Any = None, key: jax.Array | None = None,
            frozen: Any = None) -> TrainState:
     """Step 0, created directly into its shards: no device holds a full model.

@@ -67,6 +67,10 @@ class Runner(Protocol):
   def restore(self, checkpoints, step: int, target) -> Any:
     """Checkpoint `step`, read into `target`'s shardings and into what the runner keeps."""
 
+  def compute_copy(self, state) -> Any:
+    """The compute-dtype weights cast from `state`'s float32 masters, as a step makes them
+    (for a checkpoint restored from another precision: jaxzero.runners.resume)."""
+
   def plan(self) -> dict[str, int]:
     """Per-device bytes of the state: by role (params, grads, optimizer), in pinned_host
     (host), in files (nvme), and moved between host and device per step (transfer)."""
@@ -104,6 +108,9 @@ class InMemoryRunner:
   def restore(self, checkpoints, step: int, target):
     return checkpoints.restore(step, target, optional=OPTIONAL_LEAVES,
                                true_shapes=padded_leaves(self.program))
+
+  def compute_copy(self, state):
+    return self.program.compute_copy(state.master)
 
   def plan(self) -> dict[str, int]:
     return {**self.program.state_bytes(), "nvme": 0}

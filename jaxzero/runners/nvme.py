@@ -138,6 +138,9 @@ class NvmeRunner:
     return checkpoints.restore(step, target, into=self, optional=base.OPTIONAL_LEAVES,
                                true_shapes=base.padded_leaves(self.program))
 
+  def compute_copy(self, state: NvmeState) -> Any:
+    return self._compute_copy(state.store)
+
   def plan(self) -> dict[str, int]:
     """The program's bytes, the store's per device (a process stores a replicated
     shard once), read from disk and written back each step."""

@@ -23,12 +23,10 @@ from jaxzero.checkpoint import checkpointer as checkpoint_lib
 from jaxzero.config import Config
 from jaxzero.data import batches as batches_lib
 from jaxzero.data import pipeline
-from jaxzero.engine import loss_scale
 from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
 from jaxzero.hf import load as hf_load
 from jaxzero.hf import peft as hf_peft
 from jaxzero.models import lora as lora_lib
-from jaxzero.models.interface import is_spec
 from jaxzero.models.llama import param_specs
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout, on_device
@@ -36,6 +34,7 @@ from jaxzero.planning import memory_check, memory_measure
 from jaxzero.planning.flops import model_flops_per_token
 from jaxzero.runners import base as runners_base
 from jaxzero.runners.base import Runner
+from jaxzero.runners import resume
 from jaxzero.runners.choose import make_runner
 from jaxzero.runtime import peerwatch
 from jaxzero.training import banner, evaluation, profiling, tracking
@@ -286,42 +285,7 @@ def _lora_record(cfg: Config) -> dict | None:
 
 def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,
              step: int) -> engine_lib.TrainState:
-  # A checkpoint saved in another precision: its compute copy is read as saved
-  # (so that its checksums verify) and cast; the loss scaler is optional both
-  # ways, new for a float16 run that resumes another precision's checkpoint.
-  target = run.program.abstract_state()
-  saved_compute = checkpoints.info(step).get("compute_dtype", run.cfg.precision.compute)
-  recast = saved_compute != run.cfg.precision.compute
-  if recast:
-    # The compute copy, and frozen weights kept in the compute dtype (not a quantized
-    # base's parts, whose dtypes are their own), are read as saved, then cast.
-    saved_dtype = engine_lib.dtype_of(saved_compute)
-    frozen_specs = run.program.model.frozen_specs
-    in_compute = (None if frozen_specs is None else jax.tree.map(
-        lambda s: getattr(s, "dtype", None) is None, frozen_specs, is_leaf=is_spec))
-    target = target._replace(
-        params=jax.tree.map(lambda a: a.update(dtype=saved_dtype), target.params),
-        frozen=None if in_compute is None else jax.tree.map(
-            lambda a, c: a.update(dtype=saved_dtype) if c else a, target.frozen, in_compute))
-  state = run.runner.restore(checkpoints, step, target)  # verified
-  if recast:
-    log.info("checkpoint %d was saved with precision.compute=%s: its compute copy is cast to %s",
-             step, saved_compute, run.cfg.precision.compute)
-    sh, abstract = run.program.shardings, run.program.abstract
-    # The fields the runner's state holds arrays in: an offload runner's state has no
-    # frozen weights, and ZeRO-Infinity's no compute copy (None at every leaf).
-    held = [f for f in ("params", "frozen") if jax.tree.leaves(getattr(state, f, None))]
-
-    def cast(field):
-      want = getattr(abstract, field)
-      return jax.jit(lambda tree: jax.tree.map(lambda w, a: w.astype(a.dtype), tree, want),
-                     out_shardings=getattr(sh, field), donate_argnums=0)(getattr(state, field))
-    state = state._replace(**{field: cast(field) for field in held})
-  if run.cfg.precision.scales_loss and not jax.tree.leaves(state.loss_scale):
-    log.info("checkpoint %d has no loss scaler (not saved by a float16 run): it starts afresh",
-             step)
-    state = state._replace(loss_scale=jax.device_put(loss_scale.init(run.cfg.precision),
-                                                     run.program.shardings.loss_scale))
+  state = resume.restore(run.runner, checkpoints, step)  # in any precision; verified
   log.info("resumed from step %d (%s)", step, checkpoints.step_dir(step))
   return state
 

@@ -230,6 +230,25 @@ def test_an_nnx_checkpoint_resumes_on_another_stage_and_mesh(tmp_path):
   np.testing.assert_allclose(first + rest, one_device("gpt2_nnx"), rtol=1e-5)
 
 
+def test_a_checkpoint_of_another_precision_restores_with_the_compute_copy_from_the_masters(
+    tmp_path):
+  """Saved in bfloat16, restored by a float32 (or float16) engine: verified against its
+  checksums as saved, then the compute copy cast from the float32 masters, as a step makes
+  it (not the bfloat16 copy cast up); a float16 engine's loss scaler starts afresh."""
+  saved = engine("mlp_pytree", "stage3", precision="bfloat16")
+  state = saved.init(jax.random.key(0))
+  for batch in mlp_batches()[:2]:
+    state, _ = saved.step(state, batch)
+  saved.save(state, tmp_path)
+  for precision, dtype in [("float32", jnp.float32), ("float16", jnp.float16)]:
+    restored = engine("mlp_pytree", "stage1", precision=precision).restore(tmp_path)
+    assert int(restored.step) == 2
+    chex.assert_trees_all_equal(restored.master, state.master)
+    chex.assert_trees_all_equal(restored.params,
+                                jax.tree.map(lambda w: w.astype(dtype), state.master))
+    assert bool(jax.tree.leaves(restored.loss_scale)) == (precision == "float16")
+
+
 @pytest.mark.slow
 def test_remat_of_the_models_own_block_class_changes_no_loss():
   plain = train("gpt2_nnx", "stage3", steps=3)[2]

@@ -87,6 +87,19 @@ def test_the_scaler_is_checkpointed_and_restored_exactly(tmp_path):
   assert len({r["loss_scale"] for r in whole}) > 1  # the scale did move
 
 
+def test_a_bfloat16_checkpoint_resumes_in_float16_with_a_fresh_scaler(tmp_path, caplog):
+  """The checkpoint has no scaler to restore: it was refused as damaged. Now the run
+  resumes from it and the scaler starts at precision.initial_scale_power."""
+  train(small("precision.compute=bfloat16"), tmp_path, steps=2)
+  with caplog.at_level("INFO"):
+    resumed = train(small("precision.compute=float16"), tmp_path, steps=4)
+  assert resumed.start_step == 2 and len(resumed.history) == 2
+  assert resumed.history[0]["loss_scale"] == 2.0 ** 16
+  assert np.all(np.isfinite([r["loss"] for r in resumed.history]))
+  assert "checkpoint 2 has no loss scaler (not saved by a float16 run): it starts afresh" \
+      in caplog.text
+
+
 @pytest.mark.parametrize("offload", [["offload.optimizer=pinned_host"],
                                      ["offload.optimizer=nvme"]], ids=["host", "nvme"])
 def test_offloaded_optimizer_trains_as_in_memory(offload, tmp_path):

@@ -184,7 +184,7 @@ def test_a_qlora_run_resumes_on_another_mesh_and_exports_merged(tmp_path):
                       "precision.compute=bfloat16", env=env)
   assert second.returncode == 0, second.stderr
   assert "resumed from step 2" in second.stderr
-  assert "its compute copy is cast to bfloat16" in second.stderr
+  assert "the compute copy is cast from the float32 masters to bfloat16" in second.stderr
   assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "merged"),
                       "--merged", "--dtype", "float32"]) == 0
   # jaxzero's logits: the checkpoint's dequantized base and adapters.
