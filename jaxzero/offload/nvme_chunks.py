@@ -1,8 +1,9 @@
 """One chunk of a weight in the NVMe store: which optimizer leaves mirror a weight, and
 the in-memory step's update of one chunk [K, ...] (its master weight, then the
-optimizer's per-weight leaves). The NVMe and Infinity runners (jaxzero.runners) stream
-these; a chunk's box is cut from a whole weight as raw bits, so no float32 copy of a
-bfloat16 stack is compiled.
+optimizer's per-weight leaves). The NVMe, host and Infinity runners (jaxzero.runners)
+stream these; a chunk's box is cut from a whole weight as raw bits, so no float32 copy of
+a bfloat16 stack is compiled. That is the in-memory update only for an optimizer whose
+update of a box is that box of its update of the whole weight (check_updates_by_box).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import numpy as np
+
 from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import integrity
+from jaxzero.errors import ConfigError
 from jaxzero.offload import nvme_store
 
 
@@ -76,6 +80,36 @@ def update_chunk(cfg, inner: optax.GradientTransformation, name: str, grad_sum: 
   new_copies = [x for x, f in zip(leaves, flags) if f]
   new_scalars = [x for x, f in zip(leaves, flags) if not f]
   return jnp.stack([new_master, *new_copies]), new_scalars
+
+
+def check_updates_by_box(inner: optax.GradientTransformation, name: str, where: str) -> None:
+  """Refuses, in one line, an optimizer whose update of a box of a weight is not that box
+  of its update of the whole weight: one that reduces over a weight or over the model
+  (global-norm clipping, LAMB's trust ratios, Adafactor's factored moments), which an
+  update box by box would compute per box. Probed on a 256 x 256 weight named `name` (so
+  that masks by name apply) cut in two, as the runners cut weights; `where` names the
+  setting that updates box by box."""
+  rng = np.random.default_rng(0)
+  w, g = (jnp.asarray(rng.standard_normal((256, 256)), jnp.float32) for _ in range(2))
+
+  def updates(w, g):
+    params = nest(name, w)
+    return jax.tree.leaves(inner.update(nest(name, g), inner.init(params), params)[0])[0]
+
+  why = ""
+  try:
+    whole = updates(w, g)
+    boxes = jnp.concatenate([updates(w[:128], g[:128]), updates(w[128:], g[128:])])
+    if not np.allclose(whole, boxes, rtol=1e-5, atol=1e-8):
+      why = ("its update of a box of a weight is not that box of its update of the whole "
+             "weight (it reduces over a weight or the model: global-norm clipping, LAMB's "
+             "trust ratios, Adafactor's factored moments)")
+  except Exception as e:  # pylint: disable=broad-except
+    why = f"it fails on one box of one weight: {type(e).__name__}: {str(e).splitlines()[0]}"
+  if why:
+    raise ConfigError(f"{where} updates each weight a box at a time, and this optimizer "
+                      f"cannot be: {why}; use an elementwise optimizer (optax.adamw, sgd, "
+                      "...) with clip_norm= for clipping, or keep the optimizer on the device")
 
 
 def corner(leaf: nvme_store.Leaf, starts) -> list:

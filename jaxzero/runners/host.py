@@ -46,6 +46,7 @@ class HostRunner(nvme.NvmeRunner):
   """ZeRO-Offload of one run: the host store, its initialisation and its update."""
 
   holds = "the optimizer state"
+  updated_by = "offload.optimizer=pinned_host"
   # Chunks in memory need not be the disk's I/O size: larger ones cost fewer dispatches
   # and transfers a step (each a synchronising round trip), while a step's chunks still
   # outnumber the host's devices many times over (one layer of a stacked weight each,
@@ -108,6 +109,7 @@ class HostRunner(nvme.NvmeRunner):
 
   def check(self) -> None:
     targets.check_offload(self.cfg, list(self.program.layout.mesh.devices.flat))
+    nvme_chunks.check_updates_by_box(self._inner, self.leaves[0].name, self.updated_by)
 
   def plan(self) -> dict[str, int]:
     """The program's bytes (weights in pinned_host counted in `host` and `pinned_pool`)

@@ -64,6 +64,7 @@ class InfinityRunner(nvme_runner.NvmeRunner):
     self.io_bytes = self._io_bytes()
 
   holds = "the optimizer state, the master weights and the gradients"
+  updated_by = "offload.params=nvme"
 
   # -- structure ---------------------------------------------------------------------
 

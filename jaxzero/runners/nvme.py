@@ -108,6 +108,7 @@ class NvmeRunner:
     self.step_bytes = sum(leaf.local_bytes for leaf in self.leaves)  # read, and written
 
   holds = "the optimizer state"  # what the store holds, as bad input names it
+  updated_by = "offload.optimizer=nvme"  # the setting whose update streams box by box
   device_program = "gradients"  # the update streams outside it
   chunk_bytes = nvme_store.CHUNK_BYTES  # the most bytes of a chunk (all K copies), where cut
 
@@ -122,6 +123,7 @@ class NvmeRunner:
   def check(self) -> None:
     cfg = self.cfg
     targets.check_offload(cfg, list(self.program.layout.mesh.devices.flat))
+    nvme_chunks.check_updates_by_box(self._inner, self.leaves[0].name, self.updated_by)
     replaced = (nvme_store.directory_bytes(self.directory) if self.directory.exists() else 0)
     targets.check_nvme_room(cfg, self.bytes_needed(), self.holds, replaced)
 

@@ -5,6 +5,7 @@ the stage-3 state at 16Φ/N, and checkpoints that resume on another stage and me
 
 
 import functools
+import re
 
 import chex
 import flax.linen as nn
@@ -17,6 +18,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxzero
+from jaxzero.errors import ConfigError
 
 STEPS = 6
 LAYOUTS = {"one": (jaxzero.Zero(stage=0), 1, 1), "stage0": (jaxzero.Zero(stage=0), 1, 8),
@@ -175,7 +177,6 @@ def test_every_stage_and_hybrid_train_as_one_device(name, layout):
 
 def test_a_pipeline_mesh_needs_a_model_with_stacked_layers():
   model, loss_fn, _, _ = MODELS["mlp_pytree"]
-  from jaxzero.errors import ConfigError
   with pytest.raises(ConfigError, match=r"a mesh with pipeline=2 runs a model's "
                      r"stacked layers in stages: it needs a jaxzero Model that declares "
                      r"layers_key and runs them through hooks.scan; use pipeline=1"):
@@ -261,6 +262,29 @@ def test_remat_of_the_models_own_block_class_changes_no_loss():
   batch = e._micro_batches(gpt2_batches()[0])  # pylint: disable=protected-access
   jaxpr = str(e.program.train_step.trace(e.program.abstract_state(), batch).jaxpr)
   assert jaxpr.count("remat2[") == 2  # one per Block call: the blocks are recomputed
+
+
+@pytest.mark.parametrize("offload", ["pinned_host", "nvme"])
+def test_an_optimizer_that_reduces_over_a_weight_is_refused_where_the_update_goes_by_box(
+    offload, tmp_path):
+  """Offloaded, the update runs a box of a weight at a time: global-norm clipping, LAMB and
+  Adafactor would compute their norms per box and train otherwise than in memory (seen:
+  losses apart from the second step). Refused in one line before anything is allocated;
+  an elementwise optimizer (AdamW with a mask by name, Lion) is not."""
+  where = jaxzero.Offload(offload, nvme_dir=str(tmp_path) if offload == "nvme" else "")
+  mesh = jaxzero.mesh(fsdp=8, devices=jax.devices()[:8])
+  make = lambda optimizer: jaxzero.Engine((mlp_init, mlp_apply), optimizer=optimizer,
+                                          loss_fn=mlp_loss, mesh=mesh, offload=where)
+  for optimizer in (optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1.0)),
+                    optax.lamb(1e-2), optax.adafactor(1e-2)):
+    with pytest.raises(ConfigError, match=re.escape(
+        f"offload.optimizer={offload} updates each weight a box at a time, and this optimizer "
+        "cannot be: its update of a box of a weight is not that box of its update of the "
+        "whole weight")):
+      make(optimizer)
+  decay_matrices = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+  for optimizer in (optax.adamw(1e-2, weight_decay=0.1, mask=decay_matrices), optax.lion(1e-3)):
+    make(optimizer).runner.close()
 
 
 @pytest.mark.parametrize("offload", ["pinned_host", "nvme"])
