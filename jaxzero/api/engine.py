@@ -112,6 +112,12 @@ class Engine:
         model, loss_fn, shard_size=self.layout.shard_size, init_args=init_args, rules=rules,
         min_size=zero.min_shard_size,
         remat_block=remat.block, remat_policy=remat.policy)
+    if remat.policy != "none" and remat.block is None and self.model.layers_key is None:
+      # The policy applies where the engine scans a model's layers; this one has none.
+      raise ConfigError(f"remat={remat.policy!r} checkpoints the layers of a model that "
+                        "declares them (a jaxzero Model's layers_key); for this model name its "
+                        f"block: remat=jaxzero.Remat({remat.policy!r}, block=MyBlock) (an NNX "
+                        "class), or wrap the block in nn.remat / jax.checkpoint yourself")
     if cfg.mesh.pipeline > 1 and self.model.layers_key is None:  # as the config refuses it
       raise ConfigError(f"a mesh with pipeline={cfg.mesh.pipeline} runs a model's stacked "
                         "layers in stages: it needs a jaxzero Model that declares layers_key "

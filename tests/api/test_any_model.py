@@ -250,6 +250,18 @@ def test_a_checkpoint_of_another_precision_restores_with_the_compute_copy_from_t
     assert bool(jax.tree.leaves(restored.loss_scale)) == (precision == "float16")
 
 
+@pytest.mark.parametrize("name", ["gpt2_nnx", "mlp_pytree"])
+def test_a_remat_policy_without_a_block_is_refused_for_a_model_without_declared_layers(name):
+  """The policy applies where the engine scans a model's declared layers; a model of one's
+  own has none, so remat="full" alone checkpointed nothing (the same program as "none")."""
+  with pytest.raises(ConfigError, match=re.escape(
+      "remat='full' checkpoints the layers of a model that declares them (a jaxzero Model's "
+      "layers_key); for this model name its block: remat=jaxzero.Remat('full', "
+      "block=MyBlock)")):
+    engine(name, "stage3", remat="full")
+  engine(name, "stage3", remat="none")
+
+
 @pytest.mark.slow
 def test_remat_of_the_models_own_block_class_changes_no_loss():
   plain = train("gpt2_nnx", "stage3", steps=3)[2]
