@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -126,6 +127,8 @@ class Engine:
       config_lib.validate_frozen_offload(cfg, "a model with frozen parameters (jaxzero.lora)")
     program = engine_lib.TrainProgram(cfg, self.layout, self.model, optimizer=optimizer)
     self.runner = make_runner(program, workdir)  # as jaxzero.train chooses it
+    # The NVMe tier's files are deleted when the engine is closed, collected, or at exit.
+    self._release = weakref.finalize(self, self.runner.close)
     whole, state = state_bytes.kept_whole(program), sum(self.runner.plan()[r] for r in ROLES)
     if whole["bytes"] > 0.1 * state:
       log.warning("%d of the model's parameters stay whole on every device (%s): %.0f%% of "
@@ -182,12 +185,30 @@ class Engine:
       return self.runner.save(saver, step, state, wait=True)
 
   def restore(self, path: str | pathlib.Path, step: int | None = None):
-    """The latest (or `step`'s) state saved under `path`, read into this engine's layout."""
+    """The latest (or `step`'s) state saved under `path`, read into this engine's layout;
+    `path` is only read."""
+    if not (pathlib.Path(path) / "checkpoints").is_dir():
+      raise ConfigError(f"no checkpoint under {path}")
     with self._checkpointer(path) as reader:
-      step = reader.latest_step() if step is None else step
-      if step is None:
+      steps = reader.all_steps()
+      if not steps:
         raise ConfigError(f"no checkpoint under {path}")
-      return resume.restore(self.runner, reader, step)  # in any precision; verified
+      if step is not None and step not in steps:
+        raise CheckpointError(f"no checkpoint at step {step} under {path}; available steps: "
+                              f"{', '.join(map(str, steps))}")
+      return resume.restore(self.runner, reader, steps[-1] if step is None else step)
+
+  def close(self) -> None:
+    """Releases what the runner keeps outside memory: the NVMe tier's files (a checkpoint
+    holds the state); states this engine made no longer step. Done at exit, or at the end
+    of ``with jaxzero.Engine(...) as engine:``, if not before."""
+    self._release()
+
+  def __enter__(self) -> "Engine":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   def _checkpointer(self, path) -> checkpointer.Checkpointer:
     info = {"model": {"parameters": self.program.n_params},

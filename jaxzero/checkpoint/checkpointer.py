@@ -149,7 +149,7 @@ class Checkpointer(CheckpointDirectory):
                {n: s for n, s in wanted.items() if not n.startswith(skipped)}, where,
                "this config", hint)
     check_same_lora_scale(info.get("lora"), self._info.get("lora"), where)
-    changed = _model_difference(info.get("model", {}), self._info["model"], _NOT_ON_RESUME)
+    changed = _changed_settings(info.get("model", {}), self._info["model"])
     if changed:  # e.g. a longer context's rope_theta: allowed, but never unawares
       log.warning("checkpoint %s was trained with another model%s: its weights fit, and compute "
                   "with this config's settings from here on", where, changed)
@@ -276,7 +276,15 @@ def _raise_if_damaged(where: pathlib.Path, differ: list[str], nonfinite: list[st
                                    f"{bad[0]}{more} {what}")
 
 
-def _model_difference(saved: dict, current: dict, ignored: tuple[str, ...] = ()) -> str:
+def _model_difference(saved: dict, current: dict) -> str:
   diffs = [f"model.{k}={saved.get(k)} in the checkpoint, {v} here"
-           for k, v in current.items() if saved.get(k) != v and k not in ignored]
+           for k, v in current.items() if saved.get(k) != v]
+  return f" ({'; '.join(diffs)})" if diffs else ""
+
+
+def _changed_settings(saved: dict, current: dict) -> str:
+  """The model settings both records hold, with different values: not those one of them
+  lacks (a field newer than the checkpoint, or a user model's record beside a config's)."""
+  diffs = [f"model.{k}={saved[k]} in the checkpoint, {v} here" for k, v in current.items()
+           if k in saved and saved[k] != v and k not in _NOT_ON_RESUME]
   return f" ({'; '.join(diffs)})" if diffs else ""

@@ -5,6 +5,7 @@ the stage-3 state at 16Φ/N, and checkpoints that resume on another stage and me
 
 
 import functools
+import gc
 import re
 
 import chex
@@ -18,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxzero
-from jaxzero.errors import ConfigError
+from jaxzero.errors import CheckpointError, ConfigError
 
 STEPS = 6
 LAYOUTS = {"one": (jaxzero.Zero(stage=0), 1, 1), "stage0": (jaxzero.Zero(stage=0), 1, 8),
@@ -274,6 +275,43 @@ def test_remat_of_the_models_own_block_class_changes_no_loss():
   batch = e._micro_batches(gpt2_batches()[0])  # pylint: disable=protected-access
   jaxpr = str(e.program.train_step.trace(e.program.abstract_state(), batch).jaxpr)
   assert jaxpr.count("remat2[") == 2  # one per Block call: the blocks are recomputed
+
+
+def test_the_nvme_tiers_files_go_when_the_engine_is_closed_left_or_collected(tmp_path):
+  """As jaxzero.train deletes them at its end: an engine's store (the optimizer state's
+  size) is deleted by close(), at the end of a with block, or when the engine is gone."""
+  def files(d):
+    return [p for p in d.rglob("*") if p.is_file()]
+
+  def trained(d):
+    d.mkdir()
+    e = engine("mlp_pytree", "stage3", offload=jaxzero.Offload("nvme", nvme_dir=str(d)))
+    e.step(e.init(jax.random.key(0)), mlp_batches()[0])
+    assert files(d)
+    return e
+
+  e = trained(tmp_path / "closed")
+  e.close()
+  assert not files(tmp_path / "closed")
+  with trained(tmp_path / "with"):
+    pass
+  assert not files(tmp_path / "with")
+  e = trained(tmp_path / "collected")
+  del e
+  gc.collect()
+  assert not files(tmp_path / "collected")
+
+
+def test_restore_only_reads_and_names_the_steps_there_are(tmp_path):
+  e = engine("mlp_pytree", "stage3")
+  with pytest.raises(ConfigError, match=re.escape(f"no checkpoint under {tmp_path / 'typo'}")):
+    e.restore(tmp_path / "typo")
+  assert not (tmp_path / "typo").exists()
+  e.save(e.init(jax.random.key(0)), tmp_path / "ck")
+  with pytest.raises(CheckpointError, match=re.escape(
+      f"no checkpoint at step 99 under {tmp_path / 'ck'}; available steps: 0")):
+    e.restore(tmp_path / "ck", step=99)
+  assert int(e.restore(tmp_path / "ck", step=0).step) == 0
 
 
 @pytest.mark.parametrize("offload", ["pinned_host", "nvme"])
