@@ -2,6 +2,8 @@
 kernels gain adapters; only they train, on 8 devices as on one (fp32), prime-sized
 kernels included; step 0 is the base model; the plan shows trained and frozen."""
 
+import re
+
 import chex
 import flax.linen as nn
 import jax
@@ -12,7 +14,7 @@ import pytest
 from flax import nnx
 
 import jaxzero
-from jaxzero.errors import ConfigError
+from jaxzero.errors import CheckpointError, ConfigError
 
 
 class MLP(nnx.Module):
@@ -163,3 +165,10 @@ def test_a_lora_state_saves_and_restores_on_another_mesh(one_device, tmp_path):
   restored = jax.device_get(engine(2).restore(tmp_path))
   chex.assert_trees_all_equal(restored.frozen, want.frozen)
   chex.assert_trees_all_close(restored.master, want.master, atol=1e-6)
+  # Under another alpha the adapters would be scaled otherwise: refused, as jaxzero.train
+  # refuses it (the step-4 loss moved from 4.09 to 3.61 at alpha 64).
+  other = jaxzero.lora(MLP, rank=4, alpha=64.0, targets=r"(up|down)/kernel")
+  with pytest.raises(CheckpointError, match=re.escape(
+      "was trained with lora.alpha=8, this config has lora.alpha=64: the adapters would be "
+      "scaled otherwise; set lora.alpha=8")):
+    engine(2, other).restore(tmp_path)
