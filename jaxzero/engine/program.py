@@ -56,6 +56,7 @@ class TrainProgram:
       schedule = learning_rate_schedule(cfg)
     else:
       self.inner = optimizer
+    self.schedule = schedule  # the learning rate by update, where the optimizer is the config's
     clip = cfg.train.clip_norm
     self.tx = optax.chain(optax.clip_by_global_norm(clip), self.inner) if clip > 0 else self.inner
     self.shardings, self.abstract = state_shardings(cfg, layout, self.tx, self.model)

@@ -240,8 +240,9 @@ class HostRunner(nvme.NvmeRunner):
     grads, loss, grad_norm = self._gradients(state, batch, None, grad_step)
     latest = self.finish_update(state)  # the weights and scalars after the last update
     finite = bool(np.isfinite(float(loss)) and np.isfinite(float(grad_norm)))
-    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": jnp.int32(not finite),
-               "lr": self._lr(state.step)}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": jnp.int32(not finite)}
+    if self._lr is not None:
+      metrics["lr"] = self._lr(state.step)
     if finite:  # its weights: a copy, as the next step's gradient reads these
       working = latest._replace(params=jax.tree.map(jnp.copy, latest.params))
       # The gradients go down now, ahead of the next step's program on the device's

@@ -96,7 +96,9 @@ class NvmeRunner:
         jax.tree.leaves(keep(abstract.opt_state)), jax.tree.leaves(self._scalar_sh))]
     self._units: dict[str, Any] = {}
     replicated = program.layout.replicated()
-    self._lr = jax.jit(engine_lib.learning_rate_schedule(program.cfg), out_shardings=replicated)
+    # The `lr` metric where the learning rate is known (not a user's optax optimizer's).
+    self._lr = (None if program.schedule is None else
+                jax.jit(program.schedule, out_shardings=replicated))
     self._next_step = jax.jit(lambda s: s + 1, out_shardings=sh.step)
     self._after_step = jax.jit(
         lambda scaler, loss, norm: loss_scale.after_step(scaler, loss, norm, program.cfg.precision),
@@ -326,9 +328,9 @@ class NvmeRunner:
     grads, loss, grad_norm = self._gradients(state, batch, scale, grad_step)
     finite = bool(np.isfinite(float(loss)) and np.isfinite(float(grad_norm)))
     self.stats = {"grad_s": time.perf_counter() - start, "update_s": 0.0}
-    metrics = {"loss": loss, "grad_norm": grad_norm,
-               "lr": self._lr(loss_scale.applied_updates(state.step, scaler)),
-               "nonfinite": jnp.int32(not finite)}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": jnp.int32(not finite)}
+    if self._lr is not None:
+      metrics["lr"] = self._lr(loss_scale.applied_updates(state.step, scaler))
     if scaler is not None:
       scaler, scale_metrics = self._after_step(scaler, loss, grad_norm)
       metrics.update(scale_metrics)

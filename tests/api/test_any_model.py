@@ -349,6 +349,8 @@ def test_the_optimizer_state_of_any_pytree_offloads(offload, tmp_path):
     state, metrics = e.step(state, batch)
     got.append(float(metrics["loss"]))
   np.testing.assert_allclose(got, kept, rtol=1e-6)
+  # The learning rate is the optimizer's own: not reported (it was the config's schedule).
+  assert "lr" not in metrics
   if offload == "pinned_host":  # the host runner's store holds the state
     assert e.runner.store.host_bytes == 12 * e.program.n_params
   else:
