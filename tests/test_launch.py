@@ -18,6 +18,7 @@ import pytest
 from jaxzero import config
 from jaxzero.training import loop
 
+import damage
 from processes import ROOT, TINY, child_env, run_python
 
 # tests/test_step.py's tiny model; the schedule spans 6 steps, runs stop earlier with --steps.
@@ -160,6 +161,33 @@ def test_checkpoints_move_between_process_counts(two_process_stage3, reference, 
   one_process(workdir, steps=5)  # restores step 3, written by 2 processes
   launch(launch_env, workdir, "--steps", "6")  # 2 processes restore step 5, written by 1
   np.testing.assert_allclose(logged_losses(workdir), reference, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_shards_one_process_cannot_read_stop_the_run_instead_of_a_fallback_alone(
+    two_process_stage3, tmp_path, launch_env):
+  """Checkpoint 4's files written by process 1, damaged: process 1's reads fail, process
+  0's do not. Process 1 fell back to checkpoint 3 alone and met process 0 in another step's
+  collectives (a 30 s Gloo timeout and a traceback). It stops in one line naming the
+  damage, and the run with it, with both checkpoints where they were."""
+  workdir = tmp_path / "run"
+  shutil.copytree(two_process_stage3, workdir)
+  launch(launch_env, workdir, "--steps", "4")  # checkpoint 4, written by both processes
+  step_dir = workdir / "checkpoints" / "4"
+  for data in (step_dir / "state" / "ocdbt.process_1" / "d").iterdir():
+    data.write_bytes(bytes(64) + data.read_bytes()[64:-64] + bytes(64))
+  assert damage._saved_values(step_dir) is None  # the damage shows
+  before = {p: p.read_bytes() for p in (workdir / "checkpoints").rglob("*") if p.is_file()}
+  result = run_python(*launch_args(workdir, "--steps", "6"), env=launch_env, timeout=400)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert (f"[1] jaxzero.train: error: checkpoint {step_dir} is damaged: ") in result.stderr
+  assert ("process 1 of 2 read this, and a process does not resume an older checkpoint alone, "
+          "so the run stops and moves nothing (--resume-step 3 resumes the one before it on "
+          "every process)") in result.stderr
+  assert "Traceback" not in result.stderr and "trying checkpoint 3" not in result.stderr
+  assert {p: p.read_bytes() for p in (workdir / "checkpoints").rglob("*") if p.is_file()} \
+      == before
 
 
 @pytest.mark.slow

@@ -170,7 +170,7 @@ class Checkpointer(CheckpointDirectory):
         restored = item.with_leaves(restored, target, kept)
     except Exception as e:  # pylint: disable=broad-except
       # orbax and tensorstore report a damaged file as a bare Exception.
-      raise read_errors.damaged(where, e) from e
+      raise self._alone(step, read_errors.damaged(where, e)) from e
     if int(restored.step) != step:
       raise DamagedCheckpointError(f"checkpoint {where} holds a state at step "
                                    f"{int(restored.step)}, not {step}")
@@ -182,8 +182,26 @@ class Checkpointer(CheckpointDirectory):
       _raise_if_damaged(where, *into.fill(
           recorded, item, lambda kind: saved_array(where / STATE, kind)))
     except read_errors.ReadError as e:
-      raise read_errors.damaged(where, e.__cause__) from e
+      raise self._alone(step, read_errors.damaged(where, e.__cause__)) from e
+    except DamagedCheckpointError as e:  # this process's part of the store
+      raise self._alone(step, e) from e
     return into.state(restored)
+
+  def _alone(self, step: int, failure: CheckpointError) -> CheckpointError:
+    """`failure`, of a read only this process made (its shards): damage, which a run
+    answers by resuming an older checkpoint, where this is the only process. With others,
+    which may have read theirs, a process resuming an older checkpoint alone would meet
+    them in another step's collectives (seen: a 30 s collective timeout, a traceback); it
+    stops instead, and they with it (jaxzero.runtime.peerwatch), the checkpoints as they
+    were."""
+    if jax.process_count() == 1 or not isinstance(failure, DamagedCheckpointError):
+      return failure
+    older = [s for s in self.all_steps() if s < step]
+    return CheckpointError(
+        f"{failure}; process {jax.process_index()} of {jax.process_count()} read this, and a "
+        "process does not resume an older checkpoint alone, so the run stops and moves "
+        "nothing" + (f" (--resume-step {older[-1]} resumes the one before it on every process)"
+                     if older else ""))
 
   def _restore_fields(self, step: int, target, unwanted: list[str], strict: bool = True):
     """The saved state read into `target` (a NamedTuple of abstract arrays).
