@@ -219,12 +219,14 @@ class HostRunner(nvme.NvmeRunner):
   # -- the step ------------------------------------------------------------------------
 
   def step(self, state: NvmeState, batch: jax.Array, grad_step=None):
+    self.check_current(state)
     if not self.delayed:
       return super().step(state, batch, grad_step)
     return self._delayed_step(state, batch, grad_step)
 
   def save(self, checkpoints, step: int, state: NvmeState, wait: bool = False):
     """Saves the state after the update in flight (DPU), whose result the next step uses."""
+    self.check_current(state)
     return super().save(checkpoints, step, self.finish_update(state), wait)
 
   def finish_update(self, state: NvmeState | None = None) -> NvmeState | None:

@@ -25,6 +25,7 @@ import optax
 from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import integrity
 from jaxzero.engine import TrainState, loss_scale
+from jaxzero.errors import UserError
 from jaxzero.offload import nvme_checkpoint, nvme_chunks, nvme_store, targets
 from jaxzero.parallel.zero import bytes_per_device, on_device
 from jaxzero.runners import base
@@ -135,6 +136,7 @@ class NvmeRunner:
     return self.program.grad_step.lower(state_shapes.params, batch_shapes, scale)
 
   def save(self, checkpoints, step: int, state, wait: bool = False) -> pathlib.Path:
+    self.check_current(state)
     # the store's files: the nvme item
     return checkpoints.save(step, state, wait=wait, true_shapes=base.padded_leaves(self.program))
 
@@ -320,8 +322,17 @@ class NvmeRunner:
     grad_step = self.program.grad_step.lower(state.params, batch, scale).compile()
     return lambda state, batch: self.step(state, batch, grad_step)
 
+  def check_current(self, state: NvmeState) -> None:
+    """Refuses a state whose store this runner has since replaced (a later init or
+    restore): its weights' copies are gone, and the new store's are another state's."""
+    if state.store is not self.store:
+      raise UserError("this state's optimizer state was in files a later init or restore of "
+                      f"the same engine replaced ({self.holds} of one state at a time "
+                      "lives there): step or save the latest state, or use another engine")
+
   def step(self, state: NvmeState, batch: jax.Array, grad_step=None):
     """One optimizer step; `state` is consumed (its compute copy is updated in place)."""
+    self.check_current(state)
     start = time.perf_counter()
     scaler = state.loss_scale
     scale = None if scaler is None else scaler.scale  # float16: the loss scale

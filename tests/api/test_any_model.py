@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxzero
-from jaxzero.errors import CheckpointError, ConfigError
+from jaxzero.errors import CheckpointError, ConfigError, UserError
 
 STEPS = 6
 LAYOUTS = {"one": (jaxzero.Zero(stage=0), 1, 1), "stage0": (jaxzero.Zero(stage=0), 1, 8),
@@ -300,6 +300,24 @@ def test_the_nvme_tiers_files_go_when_the_engine_is_closed_left_or_collected(tmp
   del e
   gc.collect()
   assert not files(tmp_path / "collected")
+
+
+@pytest.mark.parametrize("offload", ["pinned_host", "nvme"])
+def test_an_offloaded_engine_refuses_a_state_a_later_init_replaced(offload, tmp_path):
+  """Its optimizer state lives in the engine's one store: a second init replaces it, and
+  stepping or saving the first state then read another state's copies (a raw KeyError on
+  the host, a closed thread pool on NVMe). One line instead; the latest state steps."""
+  e = engine("mlp_pytree", "stage3", offload=jaxzero.Offload(
+      offload, nvme_dir=str(tmp_path) if offload == "nvme" else ""))
+  first = e.init(jax.random.key(0))
+  latest = e.init(jax.random.key(1))
+  for use in (lambda: e.step(first, mlp_batches()[0]), lambda: e.save(first, tmp_path / "ck")):
+    with pytest.raises(UserError, match="this state's optimizer state was in files a later "
+                                        "init or restore of the same engine replaced"):
+      use()
+  assert not (tmp_path / "ck" / "checkpoints" / "0").exists()
+  e.step(latest, mlp_batches()[0])
+  e.close()
 
 
 def test_restore_only_reads_and_names_the_steps_there_are(tmp_path):
