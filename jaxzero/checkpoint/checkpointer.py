@@ -179,12 +179,10 @@ class Checkpointer(CheckpointDirectory):
     if into is None:
       return restored
     try:  # its leaves: from the side item, or from an in-memory run's `state`
-      _raise_if_damaged(where, *into.fill(
-          recorded, item, lambda kind: saved_array(where / STATE, kind)))
-    except read_errors.ReadError as e:
+      differ = into.fill(recorded, item, lambda kind: saved_array(where / STATE, kind))
+    except read_errors.ReadError as e:  # this process's part of them
       raise self._alone(step, read_errors.damaged(where, e.__cause__)) from e
-    except DamagedCheckpointError as e:  # this process's part of the store
-      raise self._alone(step, e) from e
+    _raise_if_damaged(where, *differ)  # global sums: seen by every process alike
     return into.state(restored)
 
   def _alone(self, step: int, failure: CheckpointError) -> CheckpointError:
