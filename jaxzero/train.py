@@ -63,8 +63,9 @@ def _main(argv) -> int:
                       "over --config (then --set over that)")
   parser.add_argument("--workdir", help="where metrics and checkpoints go "
                       "(default: runs/<config name>)")
-  parser.add_argument("--steps", type=int, help="stop after this step; the learning-rate "
-                      "schedule still spans train.steps, so a later run can continue it")
+  parser.add_argument("--steps", type=int, help="stop after this step (at most train.steps); "
+                      "the learning-rate schedule still spans train.steps, so a later run can "
+                      "continue it")
   parser.add_argument("--no-progress", action="store_true",
                       help="no progress bar: one plain line per logged step (the default when "
                       "stdout is not a terminal)")
@@ -79,6 +80,9 @@ def _main(argv) -> int:
                       "one KEY=VALUE per line (each usable as --set) with where it came from: "
                       "base, the file, auto or --set; and exit")
   args = parser.parse_args(argv)
+  if args.workdir == "":
+    parser.error("--workdir is empty; name a directory, or leave --workdir out for "
+                 f"runs/{pathlib.Path(args.config).stem}")
 
   def body():
     loaded = cli.load_config(args)  # before JAX starts: creates virtual CPU devices
@@ -91,6 +95,10 @@ def _main(argv) -> int:
     cfg = loaded.resolve(jax.device_count())  # "auto" batch sizes, on every process's devices
     if args.steps is not None and args.steps < 1:
       parser.error(f"--steps={args.steps} must be at least 1")
+    if args.steps is not None and args.steps > cfg.train.steps:
+      parser.error(f"--steps={args.steps} is past train.steps={cfg.train.steps}, where the "
+                   "learning-rate schedule ends; raise train.steps (--set train.steps="
+                   f"{args.steps}) to train that far")
     if args.resume_step is not None and args.resume_step < 0:
       parser.error(f"--resume-step={args.resume_step} must be a checkpoint's step (>= 0)")
     workdir = pathlib.Path(args.workdir or pathlib.Path("runs") / pathlib.Path(args.config).stem)

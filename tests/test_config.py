@@ -72,6 +72,12 @@ def test_offload_settings_that_cannot_run_are_one_line(assignments, expected):
      "most the initial scale 2**precision.initial_scale_power = 65536"),
     ("precision.loss_scale_window=0", "precision.loss_scale_window=0 and precision.hysteresis=2 "
      "must be at least 1"),
+    ("model.dim=132", "model.dim=132 / model.n_heads=4 is a head dimension of 33; rotary "
+     "embeddings need it even"),
+    ("train.lr=nan", "train.lr=nan must be a finite number"),
+    ("train.clip_norm=inf", "train.clip_norm=inf must be a finite number"),
+    ("model.rope_theta=-inf", "model.rope_theta=-inf must be a finite number"),
+    ("data.max_bytes=-5", "data.max_bytes=-5 must not be negative"),
 ])
 def test_validate_rejects_values_that_would_fail_later(assignment, expected):
   with pytest.raises(ConfigError) as info:
@@ -124,9 +130,60 @@ def test_validate_rejects_param_offload_below_stage_3():
 
 
 def test_every_preset_loads():
-  for name in ("tiny_zero3", "llama8b_zero3", "llama70b_zero3_offload"):
-    cfg = config.load(str(CONFIGS / f"{name}.py"))
-    assert dataclasses.is_dataclass(cfg)
+  for path in sorted(CONFIGS.glob("*.py")):
+    cfg = config.load(str(path))  # validated, field types included
+    assert dataclasses.is_dataclass(cfg), path
+
+
+def _replaced(section: str, **fields) -> config.Config:
+  cfg = config.base()
+  return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
+                                                                  **fields)})
+
+
+@pytest.mark.parametrize("cfg, expected", [
+    (_replaced("train", global_batch=256 / 2), "train.global_batch=128.0 must be an int"),
+    (_replaced("train", lr="3e-4"), "train.lr='3e-4' must be a float"),
+    (_replaced("mesh", fsdp=8.0), "mesh.fsdp=8.0 must be an int"),
+    (_replaced("train", steps=True), "train.steps=True must be an int"),
+    (_replaced("model", tie_embeddings=1), "model.tie_embeddings=1 must be True or False"),
+    (_replaced("data", source=None), "data.source=None must be a string"),
+    (_replaced("remat", block="Block"), "remat.block='Block' must be a class or None"),
+    (_replaced("zero", stage=3.0), "zero.stage=3.0 is not valid; choose one of: 0, 1, 2, 3"),
+    (dataclasses.replace(config.base(), train={"steps": 3}),
+     "train={'steps': 3} must be a TrainConfig section"),
+])
+def test_a_field_of_the_wrong_type_is_one_line(cfg, expected):
+  with pytest.raises(ConfigError) as info:
+    config.validate(cfg)
+  assert str(info.value) == expected
+
+
+def test_an_int_is_a_float_and_none_is_an_optional():
+  config.validate(_replaced("train", lr=1, clip_norm=0))
+  config.validate(_replaced("remat", block=None))
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("cfg.json", "a DeepSpeed config (JSON) goes to jaxzero.train --deepspeed, over such a file"),
+    ("fsdp.yaml", "an Accelerate config (YAML) goes to jaxzero.train --accelerate-config, over"),
+    ("config", "--deepspeed and an Accelerate config (YAML) goes to jaxzero.train "
+     "--accelerate-config"),
+])
+def test_a_config_that_is_not_python_points_to_its_flag(name, expected, tmp_path):
+  path = tmp_path / name
+  path.write_text("")
+  with pytest.raises(ConfigError) as info:
+    config.load(str(path))
+  message = str(info.value)
+  assert message.startswith(f"config file {str(path)!r} is not a Python file: a config is a "
+                            ".py file defining get_config()") and expected in message, message
+
+
+def test_a_config_directory_is_named_as_one():
+  with pytest.raises(ConfigError, match="config file '.*configs' is a directory; name a .py "
+                     "file in it: .*tiny_zero3.py"):
+    config.load(str(CONFIGS))
 
 
 @pytest.mark.parametrize("source, expected", [

@@ -195,10 +195,9 @@ def test_shards_one_process_cannot_read_stop_the_run_instead_of_a_fallback_alone
 def test_a_killed_process_ends_the_launch_within_60s(tmp_path, launch_env):
   out, err = tmp_path / "out.txt", tmp_path / "err.txt"
   with open(out, "w") as out_file, open(err, "w") as err_file:
-    # --steps past the schedule's 6: still training when killed, with the program
-    # of the launches above (in the compilation cache).
+    # A schedule of 1000 steps: still training when killed (--steps may not pass it).
     launcher = subprocess.Popen(
-        [sys.executable, *launch_args(tmp_path / "w", "--steps", "1000")], cwd=ROOT,
+        [sys.executable, *launch_args(tmp_path / "w", sets=["train.steps=1000"])], cwd=ROOT,
         env=launch_env, stdout=out_file, stderr=err_file, start_new_session=True)
   try:
     pids = wait_for(lambda: re.search(r"process 0 \(pid (\d+)\), process 1 \(pid (\d+)\)",

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from processes import TINY, child_env, run_python
+from jaxzero import plan, train
+
+from processes import ROOT, TINY, child_env, run_python
 
 
 @pytest.mark.slow
@@ -43,7 +45,7 @@ def test_print_config_gives_every_key_as_a_set_argument():
     (["--config", TINY, "--set", "lora.rank=8", "--set", "lora.targets=qq"],
      "lora.targets='qq' matches no projection"),
     (["--config", TINY, "--set", "lora.rank=8", "--set", "lora.base_dtype=nf4",
-      "--set", "model.dim=36", "--set", "model.mlp_dim=72"],
+      "--set", "model.dim=36", "--set", "model.n_heads=2", "--set", "model.mlp_dim=72"],
      "not a multiple of the 64-value block"),
     (["--config", TINY, "--set", "lora.rank=8", "--set", "lora.init_from=/no/adapter"],
      "lora.init_from=/no/adapter: adapter_config.json is missing"),
@@ -60,6 +62,45 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message, tmp_path):
   assert len(errors) == 1 and message in errors[0], result.stderr
   assert "Traceback" not in result.stderr
   assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+def exit_code(main, argv) -> int:
+  """main(argv)'s exit code, also where its parser exits (argparse's way)."""
+  try:
+    return main(argv)
+  except SystemExit as e:
+    return e.code
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "{tmp}/cfg.json"], "config file '{tmp}/cfg.json' is not a Python file: a "
+     "config is a .py file defining get_config() (presets are in configs/); a DeepSpeed config "
+     "(JSON) goes to jaxzero.train --deepspeed, over such a file"),
+    (["--config", str(ROOT / "configs")], "is a directory; name a .py file in it: "),
+    (["--config", TINY, "--steps", "81"], "--steps=81 is past train.steps=80, where the "
+     "learning-rate schedule ends; raise train.steps (--set train.steps=81) to train that far"),
+    (["--config", TINY, "--workdir", ""], "--workdir is empty; name a directory, or leave "
+     "--workdir out for runs/tiny_zero3"),
+    (["--config", TINY, "--set", "model.dim=132"], "is a head dimension of 33"),
+    (["--config", TINY, "--set", "train.weight_decay=nan"],
+     "train.weight_decay=nan must be a finite number"),
+])
+def test_bad_input_is_one_line_before_anything_runs(args, message, tmp_path, capsys):
+  (tmp_path / "cfg.json").write_text('{"train_batch_size": 32}')
+  args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+  code = exit_code(train.main, ["--workdir", str(tmp_path / "w"), *args])  # the last one counts
+  errors = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(errors) == 1, errors
+  assert errors[0].startswith("jaxzero.train: error: ")
+  assert message.replace("{tmp}", str(tmp_path)) in errors[0], errors
+  assert not (tmp_path / "w").exists()
+
+
+def test_plan_refuses_a_config_that_is_not_python(tmp_path, capsys):
+  (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\n")
+  assert plan.main(["--config", str(tmp_path / "fsdp.yaml")]) == 2
+  errors = capsys.readouterr().err.strip().splitlines()
+  assert len(errors) == 1 and "goes to jaxzero.train --accelerate-config" in errors[0], errors
 
 
 @pytest.mark.slow

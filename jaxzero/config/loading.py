@@ -12,7 +12,7 @@ import pathlib
 import sys
 import traceback
 
-from jaxzero.config.overrides import apply_overrides, check_literals
+from jaxzero.config.overrides import apply_overrides, check_literals, check_types
 from jaxzero.config.sections import Config, PrecisionConfig
 from jaxzero.errors import ConfigError
 from jaxzero.models import lora as lora_lib
@@ -20,11 +20,7 @@ from jaxzero.models import lora as lora_lib
 
 def load(path: str, assignments: list[str] = ()) -> Config:
   """Loads `get_config()` from a config file and applies `--set` overrides."""
-  file = pathlib.Path(path)
-  if not file.is_file():
-    raise ConfigError(f"config file {path!r} does not exist; presets are in configs/: "
-                      + ", ".join(sorted(p.name for p in _configs_dir().glob("*.py")
-                                         if p.name != "__init__.py")))
+  file = _check_config_file(path)
   spec = importlib.util.spec_from_file_location(f"jaxzero_config_{file.stem}", file)
   module = importlib.util.module_from_spec(spec)
   # A model module kept beside the config file imports by its name (model_factory).
@@ -40,6 +36,36 @@ def load(path: str, assignments: list[str] = ()) -> Config:
   cfg = apply_overrides(cfg, list(assignments))
   validate(cfg)
   return cfg
+
+
+# Where a framework's file goes instead of --config (jaxzero.train's flags), by its suffix.
+DEEPSPEED_FLAG = "a DeepSpeed config (JSON) goes to jaxzero.train --deepspeed"
+ACCELERATE_FLAG = "an Accelerate config (YAML) goes to jaxzero.train --accelerate-config"
+FRAMEWORK_FLAGS = {".json": (DEEPSPEED_FLAG,), ".yaml": (ACCELERATE_FLAG,),
+                   ".yml": (ACCELERATE_FLAG,)}
+
+
+def _check_config_file(path: str) -> pathlib.Path:
+  """`path` as a Python config file; one line when it is missing, a directory or not Python."""
+  file = pathlib.Path(path)
+  if file.is_dir():
+    inside = _python_files(file)
+    raise ConfigError(f"config file {path!r} is a directory; name a .py file "
+                      + (f"in it: {', '.join(inside)}" if inside else
+                         f"(presets are in configs/: {', '.join(_python_files(_configs_dir()))})"))
+  if not file.is_file():
+    raise ConfigError(f"config file {path!r} does not exist; presets are in configs/: "
+                      + ", ".join(_python_files(_configs_dir())))
+  if file.suffix != ".py":
+    flags = FRAMEWORK_FLAGS.get(file.suffix.lower(), (DEEPSPEED_FLAG, ACCELERATE_FLAG))
+    raise ConfigError(f"config file {path!r} is not a Python file: a config is a .py file "
+                      f"defining get_config() (presets are in configs/); {' and '.join(flags)}"
+                      ", over such a file")
+  return file
+
+
+def _python_files(directory: pathlib.Path) -> list[str]:
+  return sorted(p.name for p in directory.glob("*.py") if p.name != "__init__.py")
 
 
 def _run_config_file(path: str, run):
@@ -65,6 +91,7 @@ def _configs_dir() -> pathlib.Path:
 
 def validate(cfg: Config) -> None:
   """Checks everything that does not need to know the devices."""
+  check_types(cfg)
   check_literals(cfg)
   m = cfg.model
   for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "mlp_dim"):
@@ -75,7 +102,8 @@ def validate(cfg: Config) -> None:
                      ("train.clip_norm", cfg.train.clip_norm),
                      ("train.warmup_min_ratio", cfg.train.warmup_min_ratio),
                      ("train.min_lr_ratio", cfg.train.min_lr_ratio),
-                     ("zero.min_shard_size", cfg.zero.min_shard_size)):
+                     ("zero.min_shard_size", cfg.zero.min_shard_size),
+                     ("data.max_bytes", cfg.data.max_bytes)):
     if value < 0:
       raise ConfigError(f"{key}={value} must not be negative")
   try:

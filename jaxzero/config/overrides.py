@@ -1,14 +1,17 @@
 """Dotted overrides (``--set train.steps=10``): each value parsed to its field's type.
 
-An unknown key or a bad value is one error naming the key and the valid choices.
+An unknown key or a bad value is one error naming the key and the valid choices; a config
+file's values are held to the same types (check_types, check_literals).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import types
 import typing
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from jaxzero.errors import ConfigError
 
@@ -104,6 +107,42 @@ def check_literals(cfg: Any, _prefix: str = "") -> None:
     value = getattr(cfg, name)
     if dataclasses.is_dataclass(value):
       check_literals(value, _prefix + name + ".")
-    elif get_origin(typ) is Literal and value not in get_args(typ):
+    elif get_origin(typ) is Literal and not any(value == c and type(value) is type(c)
+                                                for c in get_args(typ)):
       raise ConfigError(f"{_prefix}{name}={value!r} is not valid; choose one of: "
                         + ", ".join(map(str, get_args(typ))))
+
+
+# What a plain annotation accepts (a bool is no int setting), and how a message names it.
+_ACCEPTS = {int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an int"),
+            float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a float"),
+            str: (lambda v: isinstance(v, str), "a string"),
+            bool: (lambda v: isinstance(v, bool), "True or False"),
+            type: (lambda v: isinstance(v, type), "a class")}
+
+
+def check_types(cfg: Any, _prefix: str = "") -> None:
+  """Rejects a field whose value is not of its annotated type (a config file's
+  ``global_batch=256 / 2`` or ``lr="3e-4"``), and a float that is not finite. A Literal
+  field is check_literals'; a section recurses."""
+  for name, typ in _field_types(type(cfg)).items():
+    value, key = getattr(cfg, name), _prefix + name
+    if dataclasses.is_dataclass(typ) and not isinstance(value, typ):
+      raise ConfigError(f"{key}={value!r} must be a {typ.__name__} section")
+    if dataclasses.is_dataclass(typ):
+      check_types(value, key + ".")
+    elif get_origin(typ) is not Literal:
+      _check_value(key, value, typ)
+
+
+def _check_value(key: str, value: Any, typ: Any) -> None:
+  """`value` against a plain annotation or an Optional of one (others are not checked)."""
+  options = get_args(typ) if get_origin(typ) in (Union, types.UnionType) else (typ,)
+  kinds = [t for t in options if t is not type(None)]
+  if (value is None and len(kinds) < len(options)) or not all(t in _ACCEPTS for t in kinds):
+    return  # None where allowed; or a Python object jaxzero.Engine sets
+  if not any(_ACCEPTS[t][0](value) for t in kinds):
+    names = [_ACCEPTS[t][1] for t in kinds] + (["None"] if len(kinds) < len(options) else [])
+    raise ConfigError(f"{key}={value!r} must be {' or '.join(names)}")
+  if isinstance(value, float) and not math.isfinite(value):
+    raise ConfigError(f"{key}={value} must be a finite number")

@@ -71,6 +71,9 @@ class LlamaConfig:
   def validate(self) -> None:
     if self.dim % self.n_heads:
       raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"model.dim={self.dim} / model.n_heads={self.n_heads} is a head dimension "
+                       f"of {self.head_dim}; rotary embeddings need it even")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={self.n_kv_heads}")

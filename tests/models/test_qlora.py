@@ -216,10 +216,10 @@ def test_a_qlora_run_resumes_on_another_mesh_and_exports_merged(tmp_path):
 
 def test_a_base_that_does_not_split_into_blocks_is_one_line():
   cfg = qlora()
-  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dim=36, n_heads=4,
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dim=36, n_heads=2,
                                                            n_kv_heads=2, mlp_dim=72))
   with pytest.raises(ConfigError, match="weight wq_LxDxHxE has 1,296 elements a layer "
-                     r"\(36 x 4 x 9\), not a multiple of the 64-value block") as e:
+                     r"\(36 x 2 x 18\), not a multiple of the 64-value block") as e:
     config.validate(cfg)
   assert "\n" not in str(e.value)
   with pytest.raises(ConfigError, match="lora.base_dtype=bfloat16 with precision.compute="
