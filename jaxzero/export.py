@@ -17,6 +17,7 @@ import shutil
 import sys
 
 from jaxzero import cli
+from jaxzero.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.max_shard_gb <= 0:
     parser.error(f"--max-shard-gb={args.max_shard_gb} must be positive")
+  for flag, value in (("--workdir", args.workdir), ("--out", args.out)):
+    if not value:
+      parser.error(f"{flag} is empty; name a directory")
   # Export works on the host; leave any accelerators to the jobs using them.
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -54,10 +58,11 @@ def main(argv=None) -> int:
       print(f"exported the LoRA adapters of step {done.step} ({done.dtype}) as a PEFT adapter "
             f"to {done.out}")
       return
+    name = recorded_tokenizer(args.workdir)  # a damaged config.json stops us before writing
     done = hf_export.export_hf(args.workdir, args.out, step=args.step, dtype=args.dtype,
                                max_shard_bytes=int(args.max_shard_gb * 2**30),
                                merged=args.merged)
-    tokenizer = copy_tokenizer(args.workdir, done.out)
+    tokenizer = copy_tokenizer(args.workdir, done.out, name)
     print(f"exported step {done.step} ({done.dtype}, {len(done.files)} safetensors files"
           + (f", tokenizer files {', '.join(tokenizer)}" if tokenizer else "")
           + f") to {done.out}")
@@ -69,18 +74,17 @@ def main(argv=None) -> int:
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
-def copy_tokenizer(workdir, out) -> list[str]:
+def copy_tokenizer(workdir, out, name: str | None = None) -> list[str]:
   """Copies the run's Hugging Face tokenizer (data.tokenizer, as recorded in
-  WORKDIR/config.json) into the export, so AutoTokenizer.from_pretrained(out)
-  works; returns the files copied. A byte-level run has none to copy (token id =
-  byte value); so has a workdir from before config.json was written.
+  WORKDIR/config.json, or `name` where the caller has read it) into the export, so
+  AutoTokenizer.from_pretrained(out) works; returns the files copied. A byte-level run has
+  none to copy (token id = byte value); so has a workdir from before config.json was written.
   """
-  recorded = pathlib.Path(workdir) / "config.json"
-  if not recorded.is_file():
+  name = recorded_tokenizer(workdir) if name is None else name
+  if name is None:
     log.warning("%s has no config.json (a run from before it was written): the tokenizer is "
                 "not exported", workdir)
     return []
-  name = json.loads(recorded.read_text(encoding="utf-8"))["data"]["tokenizer"]
   if name == "byte":
     log.info("the run used the byte-level tokenizer (token id = byte value): no tokenizer files")
     return []
@@ -103,6 +107,33 @@ def copy_tokenizer(workdir, out) -> list[str]:
         json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
     copied.append("tokenizer_config.json")
   return copied
+
+
+def recorded_tokenizer(workdir) -> str | None:
+  """data.tokenizer as WORKDIR/config.json records it; None where the workdir has no
+  config.json. One that cannot say it is a CheckpointError naming the file and why."""
+  recorded = pathlib.Path(workdir) / "config.json"
+  if not recorded.is_file():
+    return None
+  try:
+    run = json.loads(recorded.read_text(encoding="utf-8"))
+  except OSError as e:
+    raise CheckpointError(f"{recorded} cannot be read: {e.strerror}") from None
+  except json.JSONDecodeError as e:
+    raise _damaged(recorded, f"not valid JSON at line {e.lineno} column {e.colno}") from None
+  except ValueError:
+    raise _damaged(recorded, "not UTF-8 text") from None
+  data = run.get("data") if isinstance(run, dict) else None
+  name = data.get("tokenizer") if isinstance(data, dict) else None
+  if not isinstance(name, str):
+    raise _damaged(recorded, "no data.tokenizer in it")
+  return name
+
+
+def _damaged(recorded: pathlib.Path, why: str) -> CheckpointError:
+  return CheckpointError(f"{recorded} is damaged ({why}); export copies the tokenizer the run "
+                         "records there: restore it, or move it aside to export without the "
+                         "tokenizer files")
 
 
 if __name__ == "__main__":

@@ -64,13 +64,18 @@ def check_paths(cfg: Config, workdir: str | os.PathLike) -> None:
 
 def check_export_paths(workdir: str | os.PathLike, out: str | os.PathLike) -> None:
   """Raises PathError when `workdir` cannot be read as a run directory or the
-  export directory `out` cannot be created."""
+  export directory `out` cannot be created, or lies among the workdir's checkpoints."""
   workdir, out = pathlib.Path(workdir), pathlib.Path(out)
   for path, what in ((workdir, "--workdir"), (workdir / "checkpoints", "its checkpoints")):
     if path.exists() and not path.is_dir():
       raise PathError(f"{what} {path} is a file, not a directory")
   if out.exists() and not out.is_dir():
     raise PathError(f"--out {out} is a file; export writes a new directory there")
+  checkpoints = (workdir / "checkpoints").resolve()
+  if checkpoints in (out.resolve(), *out.resolve().parents):
+    raise PathError(f"--out {out} is inside {workdir / 'checkpoints'}, where the next run "
+                    "would take the export for a damaged checkpoint and move it aside; write "
+                    f"it elsewhere, e.g. --out {workdir / 'hf'}")
   # The export is written beside `out` and renamed into place.
   _check_directory(out.parent, "--out's parent")
 

@@ -191,17 +191,80 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(trained, tmp_path, cap
       ["w", "out"] if case == "out_not_empty" else ["w"])
 
 
-def test_tied_embeddings_export_without_an_lm_head(tmp_path):
-  """A checkpoint of a tied model (saved directly, no training) exports without
-  lm_head.weight, and transformers ties it back to the same logits."""
-  cfg = config.load(TINY, [*SETTINGS, "model.tie_embeddings=true"])
+def save_step_5(cfg, workdir) -> Llama:
+  """Saves a fresh model of `cfg` as the checkpoint of step 5 in `workdir` (no training)."""
   model = Llama(cfg.model, rngs=nnx.Rngs(params=1))
   master = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
   tx = engine_lib.make_optimizer(cfg)
   state = engine_lib.TrainState(jnp.int32(5), master, master, tx.init(master))
   info = checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed)
-  with Checkpointer(tmp_path / "w", cfg.checkpoint.keep, info) as checkpoints:
+  with Checkpointer(workdir, cfg.checkpoint.keep, info) as checkpoints:
     checkpoints.save(5, state, wait=True)
+  return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """A workdir with a checkpoint of step 5 and the config.json a run writes."""
+  cfg, workdir = config.load(TINY, SETTINGS), tmp_path_factory.mktemp("saved")
+  save_step_5(cfg, workdir)
+  (workdir / "config.json").write_text(json.dumps({"data": dataclasses.asdict(cfg.data)}))
+  return workdir
+
+
+def export_error(argv, capsys) -> str:
+  """The one error line of an export that must stop with exit code 2."""
+  try:
+    code = export.main(argv)
+  except SystemExit as e:  # the parser's own checks
+    code = e.code
+  stderr = capsys.readouterr().err
+  errors = [line for line in stderr.splitlines() if "error" in line]
+  assert code == 2 and len(errors) == 1 and "Traceback" not in stderr, stderr
+  assert errors[0].startswith("jaxzero.export: error: ")
+  return errors[0]
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"data": ', r"not valid JSON at line 1 column 10"),
+    ("{}", r"no data.tokenizer in it"),
+])
+def test_a_damaged_config_json_stops_the_export_before_anything_is_written(
+    saved, tmp_path, capsys, text, why):
+  shutil.copytree(saved, tmp_path / "w")
+  (tmp_path / "w" / "config.json").write_text(text)
+  before = snapshot(tmp_path)
+  error = export_error(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "out")],
+                       capsys)
+  assert re.search(rf"\S+/w/config.json is damaged \({why}\); export copies the tokenizer the "
+                   "run records there: restore it, or move it aside", error), error
+  assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["w"]
+
+
+@pytest.mark.parametrize("out, message", [
+    ("w/checkpoints/9", r"--out \S+/w/checkpoints/9 is inside \S+/w/checkpoints, where the "
+     r"next run would take the export for a damaged checkpoint and move it aside; write it "
+     r"elsewhere, e.g. --out \S+/w/hf"),
+    ("w/checkpoints", r"--out \S+/w/checkpoints is inside"),
+    ("", r"--out is empty; name a directory"),
+])
+def test_an_export_among_the_checkpoints_or_nowhere_is_refused(saved, tmp_path, capsys, out,
+                                                                message):
+  shutil.copytree(saved, tmp_path / "w")
+  before = snapshot(tmp_path)
+  error = export_error(["--workdir", str(tmp_path / "w"),
+                        "--out", str(tmp_path / out) if out else ""], capsys)
+  assert re.search(message, error), error
+  assert snapshot(tmp_path) == before
+  assert export_error(["--workdir", "", "--out", str(tmp_path / "hf")], capsys).endswith(
+      "--workdir is empty; name a directory")
+
+
+def test_tied_embeddings_export_without_an_lm_head(tmp_path):
+  """A checkpoint of a tied model (saved directly, no training) exports without
+  lm_head.weight, and transformers ties it back to the same logits."""
+  cfg = config.load(TINY, [*SETTINGS, "model.tie_embeddings=true"])
+  model = save_step_5(cfg, tmp_path / "w")
 
   done = export_hf(tmp_path / "w", tmp_path / "hf")
   index = json.loads((done.out / "model.safetensors.index.json").read_text())
