@@ -95,6 +95,7 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
   fsdp = tr.check_keys(acc.get("fsdp_config") or {}, "fsdp_config.", FSDP_KEYS)
   tr.unneeded.update({f"fsdp_config.{k}": UNNEEDED_FSDP[k] for k in fsdp if k in UNNEEDED_FSDP})
   strategy = _strategy(tr, fsdp)
+  machines = number(tr, acc.get("num_machines", 1), "num_machines", int, 1)
   if strategy is None and kind == "FSDP":
     tr.set("zero.strategy", "FULL_SHARD",
            "no fsdp_config.fsdp_sharding_strategy: Accelerate's default, FULL_SHARD")
@@ -102,14 +103,14 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
     tr.set("zero.strategy", strategy, "fsdp_config.fsdp_sharding_strategy")
     if strategy.startswith("HYBRID"):
       # HSDP shards inside a node and replicates across nodes.
-      tr.set("mesh.replica", int(acc.get("num_machines", 1)), "num_machines")
+      tr.set("mesh.replica", machines, "num_machines")
       tr.set("mesh.fsdp", -1, "num_machines")
   _parallelism(tr, acc.get("parallelism_config") or {})
-  checkpointing = fsdp.get("fsdp_activation_checkpointing", False)
+  checkpointing = _flag(tr, fsdp, "fsdp_activation_checkpointing")
   tr.set("remat.policy", "full" if checkpointing else "none",
          "fsdp_config.fsdp_activation_checkpointing" if "fsdp_activation_checkpointing" in fsdp
          else "no fsdp_config.fsdp_activation_checkpointing: Accelerate's default, off")
-  if fsdp.get("fsdp_offload_params"):
+  if _flag(tr, fsdp, "fsdp_offload_params"):
     # FSDP's CPUOffload moves parameters and gradients to the host and runs the
     # optimizer there: jaxzero keeps the parameter shards and the optimizer
     # state in pinned host memory, which needs ZeRO-3.
@@ -124,6 +125,17 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
     tr.set("offload.params", "device", where)
     tr.set("offload.optimizer", "device", where)
   return tr
+
+
+def _flag(tr: Translation, fsdp: dict, key: str) -> bool:
+  """fsdp_config's boolean `key`: true or false, or the text "true" or "false" in any case
+  (Accelerate hands its values on as text and reads them back so); absent is false."""
+  value = fsdp.get(key, False)
+  if isinstance(value, str) and value.lower() in ("true", "false"):
+    return value.lower() == "true"
+  if not isinstance(value, bool):
+    raise tr.error(f"fsdp_config.{key}={value!r} is not valid; choose true or false")
+  return value
 
 
 def _parallelism(tr: Translation, block: dict) -> None:
@@ -155,6 +167,8 @@ def _strategy(tr: Translation, fsdp: dict) -> str | None:
     if key not in fsdp:
       continue
     value = fsdp[key]
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+      value = value.lower() == "true"  # as _flag reads it
     if isinstance(value, bool):
       value = "FULL_SHARD" if value else "SHARD_GRAD_OP"
     elif isinstance(value, int) or (isinstance(value, str) and value.isdigit()):

@@ -83,6 +83,20 @@ def test_fsdp2_reshard_after_forward(reshard, expected):
   assert cfg.precision.compute == "float32" and cfg.remat.policy == "full"
 
 
+@pytest.mark.parametrize("text, on", [("'false'", False), ('"FALSE"', False),
+                                      ('"true"', True), ("True", True)])
+def test_booleans_written_as_text_read_as_accelerate_reads_them(text, on):
+  cfg = from_yaml(ACCELERATE_FSDP.format(strategy=1)
+                  .replace("fsdp_offload_params: false", f"fsdp_offload_params: {text}")
+                  .replace("fsdp_activation_checkpointing: false",
+                           f"fsdp_activation_checkpointing: {text}"))
+  assert cfg.offload.params == ("pinned_host" if on else "device")
+  assert cfg.remat.policy == ("full" if on else "none")
+  reshard = from_yaml("fsdp_config:\n  fsdp_version: 2\n"
+                      f"  fsdp_reshard_after_forward: {text}\n")
+  assert reshard.zero.strategy == ("FULL_SHARD" if on else "SHARD_GRAD_OP")
+
+
 @pytest.mark.parametrize("precision, compute", [("bf16", "bfloat16"), ("fp16", "float16"),
                                                 ("no", "float32")])
 def test_mixed_precision(precision, compute):
@@ -158,6 +172,15 @@ def test_fp8_mixed_precision_is_fp8_matmuls_around_bf16():
      "not valid YAML at line 4 column 4"),
     ("parallelism_config:\n  parallelism_config_cp_size: 3\n",
      "mesh.context=3 does not divide"),
+    (ACCELERATE_FSDP.format(strategy="HYBRID_SHARD").replace("num_machines: 2",
+                                                             "num_machines: two"),
+     "fsdp.yaml: num_machines='two' must be an integer of at least 1"),
+    (ACCELERATE_FSDP.format(strategy=1).replace("fsdp_offload_params: false",
+                                                "fsdp_offload_params: maybe"),
+     "fsdp.yaml: fsdp_config.fsdp_offload_params='maybe' is not valid; choose true or false"),
+    (ACCELERATE_FSDP.format(strategy=1).replace("fsdp_activation_checkpointing: false",
+                                                "fsdp_activation_checkpointing: 1"),
+     "fsdp_config.fsdp_activation_checkpointing=1 is not valid; choose true or false"),
 ])
 def test_bad_accelerate_config_is_one_line_and_exit_code_2(text, message, tmp_path, capsys):
   path = tmp_path / "fsdp.yaml"
