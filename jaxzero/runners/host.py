@@ -135,6 +135,10 @@ class HostRunner(nvme.NvmeRunner):
     return planned
 
   def open_store(self) -> host_store.HostStore:
+    # DPU: the update in flight is the replaced state's; it ends with its store, and the
+    # new state's first step starts from its own weights.
+    self.finish_update()
+    self._pending = None
     if self.store is not None:
       self.store.close()
     self.store = host_store.HostStore(self.leaves, on_device=self.keeps_on_device)

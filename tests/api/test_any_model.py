@@ -4,6 +4,7 @@ devices to one device's losses (fp32), with every leaf placed as the rules say,
 the stage-3 state at 16Φ/N, and checkpoints that resume on another stage and mesh."""
 
 
+import dataclasses
 import functools
 import gc
 import re
@@ -302,21 +303,28 @@ def test_the_nvme_tiers_files_go_when_the_engine_is_closed_left_or_collected(tmp
   assert not files(tmp_path / "collected")
 
 
-@pytest.mark.parametrize("offload", ["pinned_host", "nvme"])
+@pytest.mark.parametrize("offload", [jaxzero.Offload("pinned_host"),
+                                     jaxzero.Offload("pinned_host", delayed_update=True),
+                                     jaxzero.Offload("nvme")], ids=["host", "dpu", "nvme"])
 def test_an_offloaded_engine_refuses_a_state_a_later_init_replaced(offload, tmp_path):
   """Its optimizer state lives in the engine's one store: a second init replaces it, and
   stepping or saving the first state then read another state's copies (a raw KeyError on
-  the host, a closed thread pool on NVMe). One line instead; the latest state steps."""
-  e = engine("mlp_pytree", "stage3", offload=jaxzero.Offload(
-      offload, nvme_dir=str(tmp_path) if offload == "nvme" else ""))
-  first = e.init(jax.random.key(0))
+  the host, a closed thread pool on NVMe). One line instead; the latest state steps from
+  its own weights, not from the replaced state's update still in flight (DPU)."""
+  if offload.optimizer == "nvme":
+    offload = dataclasses.replace(offload, nvme_dir=str(tmp_path))
+  e = engine("mlp_pytree", "stage3", offload=offload)
+  first, _ = e.step(e.init(jax.random.key(0)), mlp_batches()[0])  # (DPU: its update in flight)
   latest = e.init(jax.random.key(1))
-  for use in (lambda: e.step(first, mlp_batches()[0]), lambda: e.save(first, tmp_path / "ck")):
+  own = jax.device_get(latest.params)
+  for use in (lambda: e.step(first, mlp_batches()[1]), lambda: e.save(first, tmp_path / "ck")):
     with pytest.raises(UserError, match="this state's optimizer state was in files a later "
                                         "init or restore of the same engine replaced"):
       use()
-  assert not (tmp_path / "ck" / "checkpoints" / "0").exists()
-  e.step(latest, mlp_batches()[0])
+  assert not (tmp_path / "ck" / "checkpoints" / "1").exists()
+  stepped, _ = e.step(latest, mlp_batches()[0])
+  if offload.delayed_update:  # the weights after the last update: none yet, its own
+    chex.assert_trees_all_equal(jax.device_get(stepped.params), own)
   e.close()
 
 
