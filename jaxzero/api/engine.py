@@ -27,7 +27,7 @@ from jaxzero import engine as engine_lib
 from jaxzero.api import adapters
 from jaxzero.checkpoint import checkpointer
 from jaxzero.engine import state_bytes
-from jaxzero.errors import CheckpointError, ConfigError
+from jaxzero.errors import CheckpointError, ConfigError, UserError
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
 from jaxzero.planning import planner, zero_formula
@@ -149,6 +149,7 @@ class Engine:
 
   def init(self, rng: jax.Array | None = None):
     """Step 0, drawn straight into its shards (`rng`: a jax.random key)."""
+    self._check_open()
     return self.runner.init(key=rng)
 
   def _micro_batches(self, batch: Any) -> Any:
@@ -166,6 +167,7 @@ class Engine:
 
   def step(self, state, batch) -> tuple[Any, dict]:
     """One optimizer step on `batch` (any pytree whose leading axis is the batch)."""
+    self._check_open()
     return self.runner.step(state, self._micro_batches(batch))
 
   def save(self, state, path: str | pathlib.Path) -> pathlib.Path:
@@ -174,6 +176,7 @@ class Engine:
     Every save is kept (as DeepSpeed's save_checkpoint, nothing is pruned), and a step
     already saved under `path` is not overwritten: that raises CheckpointError.
     """
+    self._check_open()
     step = int(state.step)
     with self._checkpointer(path) as saver:
       # Decided by process 0 for all: a process that saw otherwise would wait in the save.
@@ -189,6 +192,7 @@ class Engine:
   def restore(self, path: str | pathlib.Path, step: int | None = None):
     """The latest (or `step`'s) state saved under `path`, read into this engine's layout;
     `path` is only read."""
+    self._check_open()
     if not (pathlib.Path(path) / "checkpoints").is_dir():
       raise ConfigError(f"no checkpoint under {path}")
     with self._checkpointer(path) as reader:
@@ -201,10 +205,16 @@ class Engine:
       return resume.restore(self.runner, reader, steps[-1] if step is None else step)
 
   def close(self) -> None:
-    """Releases what the runner keeps outside memory: the NVMe tier's files (a checkpoint
-    holds the state); states this engine made no longer step. Done at exit, or at the end
-    of ``with jaxzero.Engine(...) as engine:``, if not before."""
+    """Releases what the runner keeps outside memory (the NVMe tier's files; a checkpoint
+    holds the state) and ends the engine: init, step, save and restore are refused after.
+    Done at exit, at the end of ``with jaxzero.Engine(...) as engine:``, or when the engine
+    is collected, if not before."""
     self._release()
+
+  def _check_open(self) -> None:
+    if not self._release.alive:
+      raise UserError("this jaxzero.Engine was closed (close(), or the end of its with "
+                      "block); make another to train on")
 
   def __enter__(self) -> "Engine":
     return self

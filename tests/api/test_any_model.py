@@ -294,6 +294,10 @@ def test_the_nvme_tiers_files_go_when_the_engine_is_closed_left_or_collected(tmp
   e = trained(tmp_path / "closed")
   e.close()
   assert not files(tmp_path / "closed")
+  with pytest.raises(UserError, match=re.escape(
+      "this jaxzero.Engine was closed (close(), or the end of its with block); make another "
+      "to train on")):
+    e.init(jax.random.key(0))
   with trained(tmp_path / "with"):
     pass
   assert not files(tmp_path / "with")
