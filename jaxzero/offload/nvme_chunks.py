@@ -12,9 +12,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
-
 import numpy as np
+import optax
 
 from jaxzero import engine as engine_lib
 from jaxzero.checkpoint import integrity
@@ -82,34 +81,88 @@ def update_chunk(cfg, inner: optax.GradientTransformation, name: str, grad_sum: 
   return jnp.stack([new_master, *new_copies]), new_scalars
 
 
-def check_updates_by_box(inner: optax.GradientTransformation, name: str, where: str) -> None:
-  """Refuses, in one line, an optimizer whose update of a box of a weight is not that box
-  of its update of the whole weight: one that reduces over a weight or over the model
-  (global-norm clipping, LAMB's trust ratios, Adafactor's factored moments), which an
-  update box by box would compute per box. Probed on a 256 x 256 weight named `name` (so
-  that masks by name apply) cut in two, as the runners cut weights; `where` names the
+# The updates probed, each on gradients of another scale: an update that is zero at first
+# (a warm-up from 0, MultiSteps of up to 4 micro-steps) shows by the last.
+_PROBE_SCALES = (1.0, 3.0, 0.2, 5.0, 1.0)
+
+
+def check_updates_by_box(inner: optax.GradientTransformation, weights: dict[str, tuple],
+                         where: str) -> None:
+  """Refuses, in one line, an optimizer whose updates of a box of a weight, alone, are not
+  that box of its updates of the whole model: one that reduces over a weight or the model
+  (global-norm clipping, LAMB's trust ratios, Adafactor's factored moments), which the
+  box-by-box update would compute per box. Probed over stand-ins for `weights` ({name:
+  shape}: the names, so that rules by name apply; the ranks, and each dimension up to 256,
+  a layer stack's up to 4), each cut in two along its first dimension; `where` names the
   setting that updates box by box."""
   rng = np.random.default_rng(0)
-  w, g = (jnp.asarray(rng.standard_normal((256, 256)), jnp.float32) for _ in range(2))
+  shapes = {name: _stand_in(name, shape) for name, shape in weights.items()}
+  params = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+  grads = [{n: (k * rng.standard_normal(s)).astype(np.float32) for n, s in shapes.items()}
+           for k in _PROBE_SCALES]
 
-  def updates(w, g):
-    params = nest(name, w)
-    return jax.tree.leaves(inner.update(nest(name, g), inner.init(params), params)[0])[0]
+  def trained(params, grads):  # each of `params`' trees trained alone on its gradients
+    out = []
+    for p, gs in zip(params, grads):
+      state = inner.init(p)
+      for g in gs:
+        updates, state = inner.update(g, state, p)
+        p = optax.apply_updates(p, updates)
+      out.append(p)
+    return out
+
+  def boxes(tree):  # each weight's two halves, each a tree of its own
+    return [_nested({n: x[half]}) for n, x in sorted(tree.items()) for half in _halves(x.shape)]
 
   why = ""
   try:
-    whole = updates(w, g)
-    boxes = jnp.concatenate([updates(w[:128], g[:128]), updates(w[128:], g[128:])])
-    if not np.allclose(whole, boxes, rtol=1e-5, atol=1e-8):
-      why = ("its update of a box of a weight is not that box of its update of the whole "
-             "weight (it reduces over a weight or the model: global-norm clipping, LAMB's "
-             "trust ratios, Adafactor's factored moments)")
+    whole, *parts = jax.jit(trained)([_nested(params)] + boxes(params),
+                                     [[_nested(g) for g in grads]]
+                                     + [list(gs) for gs in zip(*map(boxes, grads))])
+    whole = {n: np.asarray(x) for n, x in _flat(whole).items()}
+    by_box = boxes(whole)
+    if not all(np.allclose(_only_leaf(a), _only_leaf(b), rtol=1e-5, atol=1e-7)
+               for a, b in zip(parts, by_box)):
+      why = ("its updates of a box of a weight are not that box of its updates of the whole "
+             "model (as where it reduces over a weight or the model: global-norm clipping, "
+             "LAMB's trust ratios, Adafactor's factored moments)")
   except Exception as e:  # pylint: disable=broad-except
     why = f"it fails on one box of one weight: {type(e).__name__}: {str(e).splitlines()[0]}"
   if why:
     raise ConfigError(f"{where} updates each weight a box at a time, and this optimizer "
                       f"cannot be: {why}; use an elementwise optimizer (optax.adamw, sgd, "
                       "...) with clip_norm= for clipping, or keep the optimizer on the device")
+
+
+def _stand_in(name: str, shape: tuple) -> tuple:
+  first = 4 if name.startswith("layers/") else 256
+  return tuple(min(d, first if i == 0 else 256) for i, d in enumerate(shape))
+
+
+def _halves(shape: tuple) -> list:
+  if not shape or shape[0] < 2:
+    return [()]  # uncut: the whole weight is its one box
+  return [slice(0, shape[0] // 2), slice(shape[0] // 2, None)]
+
+
+def _nested(flat: dict) -> dict:
+  """{"a/b": x, "a/c": y} -> {"a": {"b": x, "c": y}}."""
+  tree: dict = {}
+  for name, value in flat.items():
+    *path, last = name.split("/")
+    node = tree
+    for key in path:
+      node = node.setdefault(key, {})
+    node[last] = value
+  return tree
+
+
+def _flat(tree) -> dict:
+  return {integrity.leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _only_leaf(tree) -> np.ndarray:
+  return np.asarray(jax.tree.leaves(tree)[0])
 
 
 def corner(leaf: nvme_store.Leaf, starts) -> list:

@@ -109,7 +109,9 @@ class HostRunner(nvme.NvmeRunner):
 
   def check(self) -> None:
     targets.check_offload(self.cfg, list(self.program.layout.mesh.devices.flat))
-    nvme_chunks.check_updates_by_box(self._inner, self.leaves[0].name, self.updated_by)
+    if self.program.schedule is None:  # the user's optimizer (the config's is AdamW)
+      nvme_chunks.check_updates_by_box(
+          self._inner, {leaf.name: leaf.shape for leaf in self.leaves}, self.updated_by)
 
   def plan(self) -> dict[str, int]:
     """The program's bytes (weights in pinned_host counted in `host` and `pinned_pool`)

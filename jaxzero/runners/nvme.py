@@ -126,7 +126,9 @@ class NvmeRunner:
   def check(self) -> None:
     cfg = self.cfg
     targets.check_offload(cfg, list(self.program.layout.mesh.devices.flat))
-    nvme_chunks.check_updates_by_box(self._inner, self.leaves[0].name, self.updated_by)
+    if self.program.schedule is None:  # the user's optimizer (the config's is AdamW)
+      nvme_chunks.check_updates_by_box(
+          self._inner, {leaf.name: leaf.shape for leaf in self.leaves}, self.updated_by)
     replaced = (nvme_store.directory_bytes(self.directory) if self.directory.exists() else 0)
     targets.check_nvme_room(cfg, self.bytes_needed(), self.holds, replaced)
 

@@ -33,8 +33,8 @@ from jaxzero.parallel.zero import Layout, on_device
 from jaxzero.planning import memory_check, memory_measure
 from jaxzero.planning.flops import model_flops_per_token
 from jaxzero.runners import base as runners_base
-from jaxzero.runners.base import Runner
 from jaxzero.runners import resume
+from jaxzero.runners.base import Runner
 from jaxzero.runners.choose import make_runner
 from jaxzero.runtime import peerwatch
 from jaxzero.training import banner, evaluation, profiling, tracking

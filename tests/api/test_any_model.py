@@ -347,24 +347,21 @@ def test_restore_only_reads_and_names_the_steps_there_are(tmp_path):
 @pytest.mark.parametrize("offload", ["pinned_host", "nvme"])
 def test_an_optimizer_that_reduces_over_a_weight_is_refused_where_the_update_goes_by_box(
     offload, tmp_path):
-  """Offloaded, the update runs a box of a weight at a time: global-norm clipping, LAMB and
-  Adafactor would compute their norms per box and train otherwise than in memory (seen:
-  losses apart from the second step). Refused in one line before anything is allocated;
-  an elementwise optimizer (AdamW with a mask by name, Lion) is not."""
+  """Offloaded, the update runs a box of a weight at a time: global-norm clipping would
+  compute its norm per box and train otherwise than in memory (seen: losses apart from the
+  second step). Refused in one line before anything is allocated; AdamW with a mask is not
+  (tests/offload/test_nvme.py probes more)."""
   where = jaxzero.Offload(offload, nvme_dir=str(tmp_path) if offload == "nvme" else "")
   mesh = jaxzero.mesh(fsdp=8, devices=jax.devices()[:8])
   make = lambda optimizer: jaxzero.Engine((mlp_init, mlp_apply), optimizer=optimizer,
                                           loss_fn=mlp_loss, mesh=mesh, offload=where)
-  for optimizer in (optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1.0)),
-                    optax.lamb(1e-2), optax.adafactor(1e-2)):
-    with pytest.raises(ConfigError, match=re.escape(
-        f"offload.optimizer={offload} updates each weight a box at a time, and this optimizer "
-        "cannot be: its update of a box of a weight is not that box of its update of the "
-        "whole weight")):
-      make(optimizer)
+  with pytest.raises(ConfigError, match=re.escape(
+      f"offload.optimizer={offload} updates each weight a box at a time, and this optimizer "
+      "cannot be: its updates of a box of a weight are not that box of its updates of the "
+      "whole model")):
+    make(optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1.0)))
   decay_matrices = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
-  for optimizer in (optax.adamw(1e-2, weight_decay=0.1, mask=decay_matrices), optax.lion(1e-3)):
-    make(optimizer).runner.close()
+  make(optax.adamw(1e-2, weight_decay=0.1, mask=decay_matrices)).close()
 
 
 @pytest.mark.parametrize("offload", ["pinned_host", "nvme"])

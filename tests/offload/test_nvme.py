@@ -17,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import tensorstore as ts
 
@@ -379,3 +380,28 @@ def test_a_path_through_dot_dot_opens_in_tensorstore(tmp_path):
           "metadata": {"shape": [2], "chunks": [2], "dtype": "<f4"}}
   ts.open(spec, create=True, open=True).result().write(np.ones(2, np.float32)).result()
   assert (tmp_path / "x").is_dir()
+
+
+@pytest.mark.slow  # compiles each optimizer's probe
+def test_the_box_by_box_probe_refuses_what_reduces_and_passes_what_is_elementwise():
+  """Over a Llama's weights' stand-ins (names, ranks): LAMB and Adafactor under a warm-up
+  from 0, and LAMB behind MultiSteps, make no first update, and show by the probe's last;
+  a rule by rank (global-norm clipping of the 1-D weights only) shows on those."""
+  from jaxzero.errors import ConfigError
+  from jaxzero.offload.nvme_chunks import check_updates_by_box
+  weights = {"embed_VxD": (256, 128), "final_norm_D": (128,), "layers/attn_norm_LxD": (2, 128),
+             "layers/w_up_LxDxF": (2, 128, 384), "lm_head_DxV": (128, 256)}
+  warm_up = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 100)
+  vectors = lambda p: jax.tree.map(lambda x: x.ndim == 1, p)
+  for refused in (optax.lamb(warm_up), optax.adafactor(warm_up),
+                  optax.MultiSteps(optax.lamb(1e-2), 4),
+                  optax.chain(optax.masked(optax.clip_by_global_norm(0.01), vectors),
+                              optax.adam(1e-2))):
+    with pytest.raises(ConfigError, match="its updates of a box of a weight are not that box"):
+      check_updates_by_box(refused, weights, "offload.optimizer=nvme")
+  for elementwise in (optax.adamw(warm_up, weight_decay=0.1, mask=lambda p: jax.tree.map(
+                          lambda x: x.ndim > 1, p)),
+                      optax.MultiSteps(optax.adamw(1e-2), 4),
+                      optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)):
+    check_updates_by_box(elementwise, weights, "offload.optimizer=nvme")
+
