@@ -170,7 +170,7 @@ class Checkpointer(CheckpointDirectory):
         restored = item.with_leaves(restored, target, kept)
     except Exception as e:  # pylint: disable=broad-except
       # orbax and tensorstore report a damaged file as a bare Exception.
-      raise self._alone(step, read_errors.damaged(where, e)) from e
+      raise self._lone_failure(step, read_errors.read_failure(where, e)) from e
     if int(restored.step) != step:
       raise DamagedCheckpointError(f"checkpoint {where} holds a state at step "
                                    f"{int(restored.step)}, not {step}")
@@ -181,11 +181,11 @@ class Checkpointer(CheckpointDirectory):
     try:  # its leaves: from the side item, or from an in-memory run's `state`
       differ = into.fill(recorded, item, lambda kind: saved_array(where / STATE, kind))
     except read_errors.ReadError as e:  # this process's part of them
-      raise self._alone(step, read_errors.damaged(where, e.__cause__)) from e
+      raise self._lone_failure(step, read_errors.read_failure(where, e.__cause__)) from e
     _raise_if_damaged(where, *differ)  # global sums: seen by every process alike
     return into.state(restored)
 
-  def _alone(self, step: int, failure: CheckpointError) -> CheckpointError:
+  def _lone_failure(self, step: int, failure: CheckpointError) -> CheckpointError:
     """`failure`, of a read only this process made (its shards): damage, which a run
     answers by resuming an older checkpoint, where this is the only process. With others,
     which may have read theirs, a process resuming an older checkpoint alone would meet
@@ -233,7 +233,7 @@ class Checkpointer(CheckpointDirectory):
         recorded = self._manager.restore(
             step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))[CHECKSUMS]
       except Exception as e:  # pylint: disable=broad-except
-        raise read_errors.damaged(where, e, f"its checksums ({CHECKSUMS}/)") from e
+        raise read_errors.read_failure(where, e, f"its checksums ({CHECKSUMS}/)") from e
     else:
       log.warning("checkpoint %s has no checksums (saved by an older jaxzero): its values are "
                   "only checked to be finite", where)

@@ -64,7 +64,7 @@ class CheckpointDirectory:
     try:
       return self._manager.restore(step, args=ocp.args.Composite(info=ocp.args.JsonRestore()))[INFO]
     except Exception as e:  # pylint: disable=broad-except
-      raise read_errors.damaged(self.step_dir(step), e, f"its run record ({INFO}/)") from e
+      raise read_errors.read_failure(self.step_dir(step), e, f"its run record ({INFO}/)") from e
 
   def leaf_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
     """{leaf name: shape} of the saved state, from its metadata (reads no arrays)."""
@@ -72,7 +72,7 @@ class CheckpointDirectory:
     try:
       tree = self._manager.item_metadata(step)[STATE]
     except Exception as e:  # pylint: disable=broad-except
-      raise read_errors.damaged(self.step_dir(step), e, metadata) from e
+      raise read_errors.read_failure(self.step_dir(step), e, metadata) from e
     if tree is None:
       raise DamagedCheckpointError(
           f"checkpoint {self.step_dir(step)} is damaged: {metadata} is missing")
@@ -89,7 +89,7 @@ class CheckpointDirectory:
     try:
       return self._side.open(where)
     except Exception as e:  # pylint: disable=broad-except
-      raise read_errors.damaged(self.step_dir(step), e, f"its {self._side.name} index "
+      raise read_errors.read_failure(self.step_dir(step), e, f"its {self._side.name} index "
                                 f"({self._side.name}/{self._side.index_file})") from e
 
   def close(self) -> None:

@@ -3,7 +3,7 @@
 orbax and tensorstore report a damaged file as a bare Exception whose text
 carries TensorStore's whole spec, and the reads a failed restore abandons
 report themselves again on stderr. :func:`read_error` says what failed in
-words; :func:`damaged` tells damage from this machine's state (memory, file
+words; `read_failure` tells damage from this machine's state (memory, file
 handles, permissions, disk space), which is no reason to skip or move a
 checkpoint; and :func:`quiet_abandoned_reads` (called before the first read)
 keeps the abandoned reads from saying more.
@@ -41,28 +41,36 @@ def _what_failed(error: BaseException, what: str) -> str:
   return f"leaf {leaf.replace('.', '/')}" if leaf else what or "a file"
 
 
-# What says a read failed for want of a resource or a right, not for what the files hold:
-# XLA's and tensorstore's status codes, and the operating system's words for them.
-_NOT_DAMAGE = re.compile(r"\b(RESOURCE_EXHAUSTED|PERMISSION_DENIED|UNAVAILABLE|DEADLINE_EXCEEDED)\b"
-                         r"|[Oo]ut of memory|Too many open files|Permission denied"
-                         r"|No space left on device|Cannot allocate memory")
+# What says a read failed for want of a resource or a right, or for a moment, not for what
+# the files hold: a status code at the start of a message (XLA's, tensorstore's), or the
+# operating system's error number.
+_NOT_DAMAGE = re.compile(r"(RESOURCE_EXHAUSTED|PERMISSION_DENIED|UNAVAILABLE|DEADLINE_EXCEEDED"
+                         r"|ABORTED|CANCELLED)\b")
 _NOT_DAMAGE_ERRNOS = {errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EPERM,
-                      errno.ENOSPC}
+                      errno.ENOSPC, errno.EDQUOT, errno.ESTALE, errno.EAGAIN, errno.EINTR}
 
 
-def damaged(where: pathlib.Path, error: BaseException, what: str = "") -> CheckpointError:
+def read_failure(where: pathlib.Path, error: BaseException, what: str = "") -> CheckpointError:
   """The error to raise for a failed read of checkpoint `where`: damage
   (DamagedCheckpointError, which a run may answer by resuming an older checkpoint),
-  or, where the read failed for want of memory, file handles, disk space or a
-  right, a CheckpointError saying so, which stops the run with every checkpoint
-  where it was: resuming the same checkpoint works once that is fixed."""
-  if any(isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in _NOT_DAMAGE_ERRNOS)
-         or _NOT_DAMAGE.search(str(e)) for e in _causes(error)):
+  or, where the read failed for want of memory, file handles, disk space or a right, or
+  for a moment (a stale handle, a timeout), a CheckpointError saying so, which stops the
+  run with every checkpoint where it was: resuming the same checkpoint works once that
+  is fixed."""
+  if any(_not_damage(e) for e in _causes(error)):
     return CheckpointError(
         f"checkpoint {where}: {_what_failed(error, what)} could not be read: {reason(error)}; "
         "that is this machine's state, not damage: no checkpoint was skipped or moved, and "
         "the run resumes from this one once it is fixed")
   return DamagedCheckpointError(read_error(where, error, what))
+
+
+def _not_damage(error: BaseException) -> bool:
+  if isinstance(error, MemoryError):
+    return True
+  if isinstance(error, OSError) and error.errno is not None:
+    return error.errno in _NOT_DAMAGE_ERRNOS
+  return bool(_NOT_DAMAGE.match(str(error).strip()))
 
 
 def _causes(error: BaseException) -> Iterator[BaseException]:

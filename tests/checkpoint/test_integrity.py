@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import hashlib
 import logging
+import pathlib
 import shutil
 
 import jax
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxzero import config
-from jaxzero.checkpoint import checkpointer, integrity
+from jaxzero.checkpoint import checkpointer, integrity, read_errors
 from jaxzero.checkpoint.directory import checkpoint_dir, damaged_dir
 from jaxzero.errors import CheckpointError, DamagedCheckpointError
 from jaxzero.training import loop
@@ -125,6 +126,23 @@ def test_a_read_that_fails_for_want_of_memory_or_a_right_stops_and_moves_nothing
   assert message.startswith(f"checkpoint {checkpoint_dir(copy_of) / '6'}: ") and reason in message
   assert "not damage: no checkpoint was skipped or moved" in message and "\n" not in message
   assert snapshot(copy_of) == before and not damaged_dir(copy_of).exists()
+
+
+@pytest.mark.parametrize("error, damaged", [
+    (ValueError('DATA_LOSS: Error reading "master.w/0" in /runs/UNAVAILABLE_again/: bad crc'),
+     True),  # a status word in a path is not the status
+    (ValueError("FAILED_PRECONDITION: ZSTD_decompressStream() failed: Data corruption"), True),
+    (OSError(errno.EIO, "Input/output error"), True),
+    (ValueError("ABORTED: Error opening file: [OS error: Stale file handle]"), False),
+    (OSError(errno.ESTALE, "Stale file handle"), False),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), False),
+    (MemoryError(), False)])
+def test_a_read_error_is_damage_unless_it_names_a_resource_a_right_or_a_moment(error, damaged):
+  try:
+    raise ValueError("restore failed") from error
+  except ValueError as chained:
+    failure = read_errors.read_failure(pathlib.Path("/runs/r/checkpoints/6"), chained)
+  assert isinstance(failure, DamagedCheckpointError) == damaged, str(failure)
 
 
 def test_resuming_under_another_rope_theta_says_so_and_a_kernel_choice_does_not(copy_of, caplog):
