@@ -132,11 +132,9 @@ class TrainProgram:
   def compute_copy(self, master: Any) -> Any:
     """The compute-dtype weights cast from `master` (fp32, placed by ``shardings.master``),
     as init and every step make them; placed by ``shardings.params``."""
-    compute, sh = dtype_of(self.cfg.precision.compute), self.shardings
-    # Offloaded (pinned_host) master weights are used on the device, as in the step.
-    return jax.jit(lambda master: jax.tree.map(
-        lambda w: w.astype(compute), jax.device_put(master, on_device(sh.master))),
-                   out_shardings=sh.params)(master)
+    compute = dtype_of(self.cfg.precision.compute)
+    return jax.jit(lambda master: jax.tree.map(lambda w: w.astype(compute), master),
+                   out_shardings=self.shardings.params)(master)
 
   def init(self, master: Any = None, key: jax.Array | None = None,
            frozen: Any = None) -> TrainState:
