@@ -105,7 +105,12 @@ class Engine:
         precision=config_lib.PrecisionConfig(compute=precision),
         remat=Remat("none") if remat.block else remat,
         train=dataclasses.replace(base.train, grad_accum=grad_accum, clip_norm=clip_norm))
+    config_lib.check_types(cfg)  # the checks jaxzero.train's config runs, for these arguments
     config_lib.check_literals(cfg)
+    for name, value, least in (("grad_accum", grad_accum, 1), ("clip_norm", clip_norm, 0),
+                               ("min_shard_size", zero.min_shard_size, 0)):
+      if value < least:
+        raise ConfigError(f"{name}={value} must be at least {least}")
     config_lib.validate_offload(cfg)
     self.cfg, self.mesh = cfg, mesh
     self._lora = ({"rank": model.rank, "alpha": model.alpha, "targets": model.targets}

@@ -9,7 +9,7 @@ many virtual CPU devices to create before JAX starts.
 from jaxzero.config.loading import (load, validate, validate_frozen_offload,
                                     validate_offload)
 from jaxzero.config.overrides import (MOVED_KEYS, apply_overrides, as_dotted, check_literals,
-                                      override)
+                                      check_types, override)
 from jaxzero.config.sections import (STRATEGIES, CheckpointConfig, Config, ContextConfig,
                                      DataConfig,
                                      DistributedConfig, Dtype, EvalConfig, InitConfig, LogConfig,
@@ -24,5 +24,5 @@ __all__ = ["MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", "ConfigErro
            "DistributedConfig", "Dtype", "EvalConfig", "InitConfig", "LogConfig", "LoraConfig", "MemoryKind",
            "MeshConfig", "OffloadConfig", "PipelineConfig", "PrecisionConfig", "ProfileConfig",
            "RematConfig", "TrainConfig", "ZeroConfig", "apply_overrides", "as_dotted", "base",
-           "check_literals", "load", "override", "strategy_name", "validate",
+           "check_literals", "check_types", "load", "override", "strategy_name", "validate",
            "validate_frozen_offload", "validate_offload"]

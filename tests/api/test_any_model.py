@@ -332,6 +332,21 @@ def test_an_offloaded_engine_refuses_a_state_a_later_init_replaced(offload, tmp_
   e.close()
 
 
+@pytest.mark.parametrize("option, message", [
+    (dict(grad_accum=0), "grad_accum=0 must be at least 1"),
+    (dict(grad_accum=-1), "grad_accum=-1 must be at least 1"),
+    (dict(grad_accum=2.0), "train.grad_accum=2.0 must be an int"),
+    (dict(clip_norm=-1.0), "clip_norm=-1.0 must be at least 0"),
+    (dict(clip_norm=float("nan")), "train.clip_norm=nan must be a finite number"),
+    (dict(min_shard_size=-5), "min_shard_size=-5 must be at least 0")])
+def test_bad_engine_arguments_are_one_line_before_anything_is_built(option, message):
+  """As jaxzero.train refuses them in its config (grad_accum=0 was a ZeroDivisionError at
+  the first step; a negative clip_norm or min_shard_size passed silently)."""
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    jaxzero.Engine((mlp_init, mlp_apply), optimizer=optax.sgd(0.1), loss_fn=mlp_loss,
+                   mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]), **option)
+
+
 def test_restore_only_reads_and_names_the_steps_there_are(tmp_path):
   e = engine("mlp_pytree", "stage3")
   with pytest.raises(ConfigError, match=re.escape(f"no checkpoint under {tmp_path / 'typo'}")):
