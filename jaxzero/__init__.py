@@ -7,7 +7,8 @@ up virtual CPU devices before JAX starts; ``jaxzero.Engine`` and its companions
 
 __version__ = "0.1.0"
 
-_API = ("Engine", "Zero", "Remat", "Offload", "mesh", "lora")
+_API = ("Engine", "Zero", "Remat", "Offload", "Precision", "Pipeline", "Context", "mesh",
+        "lora")
 
 
 def __getattr__(name: str):

@@ -28,6 +28,7 @@ from jaxzero.api import adapters
 from jaxzero.checkpoint import checkpointer
 from jaxzero.engine import state_bytes
 from jaxzero.errors import CheckpointError, ConfigError, UserError
+from jaxzero.models.interface import is_spec
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
 from jaxzero.planning import planner, zero_formula
@@ -40,23 +41,27 @@ from jaxzero.utils.formatting import format_bytes
 log = logging.getLogger(__name__)
 ROLES = ("params", "grads", "optimizer")  # the state's per-device bytes, by role
 
-# The config's own sections, as jaxzero.Zero, jaxzero.Remat and jaxzero.Offload.
+# The config's own sections, as jaxzero.Zero, Remat, Offload, Precision, Pipeline, Context.
 Zero = config_lib.ZeroConfig
 Remat = config_lib.RematConfig
 Offload = config_lib.OffloadConfig
+Precision = config_lib.PrecisionConfig
+Pipeline = config_lib.PipelineConfig
+Context = config_lib.ContextConfig
 
 
-def mesh(fsdp: int = -1, replica: int = 1, tensor: int = 1, pipeline: int = 1, devices=None):
-  """A (replica, [pipeline,] fsdp, tensor) device mesh; -1 takes the devices the others
-  leave."""
+def mesh(fsdp: int = -1, replica: int = 1, tensor: int = 1, pipeline: int = 1,
+         devices=None, context: int = 1):
+  """A (replica, [pipeline,] fsdp, [context,] tensor) device mesh; -1 takes the devices the
+  others leave."""
   if devices is None:  # before JAX starts its backend, where this starts it
     pinned_pool.size_for_host()
     pinned_pool.use_host_cores()
     devices = jax.devices()
   devices = list(devices)
-  shape = mesh_lib.resolve_shape(config_lib.MeshConfig(replica, fsdp, tensor, pipeline),
-                                 len(devices))
-  return mesh_lib.make_mesh(*shape[:2], devices, shape[2], pipeline)
+  shape = mesh_lib.resolve_shape(
+      config_lib.MeshConfig(replica, fsdp, tensor, pipeline, context=context), len(devices))
+  return mesh_lib.make_mesh(*shape[:2], devices, shape[2], pipeline, context)
 
 
 class Engine:
@@ -71,9 +76,11 @@ class Engine:
     optimizer: an optax optimizer; it runs on the fp32 master weights.
     loss_fn: (model, batch) -> scalar mean loss, `model` bound to the parameters
       (none for a Model, which carries its loss).
-    zero, mesh, precision, remat, offload: where the state lives and how; `zero`,
-      `remat` and `offload` are the config's sections (jaxzero.config), `remat` and
-      `offload` also given by name ("full"; "pinned_host" for the optimizer).
+    zero, mesh, precision, remat, offload, pipeline, context: where the state lives and
+      how; all but `mesh` are the config's sections (jaxzero.config), `precision`,
+      `remat` and `offload` also given by name ("bfloat16"; "full"; "pinned_host" for
+      the optimizer); `pipeline` (the schedule) applies to a mesh with pipeline > 1,
+      `context` (the strategy) to one with context > 1.
     grad_accum: micro-batches a batch is split into; clip_norm: global-norm
       clipping (0 = off).
     rules: the model's dimension names -> jaxzero's (jaxzero.parallel.rules);
@@ -84,13 +91,15 @@ class Engine:
 
   def __init__(self, model: Any, *, optimizer: optax.GradientTransformation,
                loss_fn: Callable | None = None, zero: Zero = Zero(), mesh=None,
-               precision: str = "float32", remat: str | Remat = "none",
-               offload: str | Offload | None = None, grad_accum: int = 1,
+               precision: str | Precision = "float32", remat: str | Remat = "none",
+               offload: str | Offload | None = None, pipeline: Pipeline = Pipeline(),
+               context: Context = Context(), grad_accum: int = 1,
                clip_norm: float = 0.0, rules: dict | None = None,
                min_shard_size: int | None = None, init_args: tuple = (), seed: int = 0,
                workdir: str | pathlib.Path | None = None):
     mesh = mesh if mesh is not None else globals()["mesh"]()
     remat = remat if isinstance(remat, Remat) else Remat(remat)
+    precision = precision if isinstance(precision, Precision) else Precision(compute=precision)
     offload = Offload(offload) if isinstance(offload, str) else offload or Offload()
     if remat.block is not None and not isinstance(remat.block, type):
       raise ConfigError(f"Remat(block={remat.block!r}) must be a Flax NNX module class")
@@ -101,8 +110,8 @@ class Engine:
     cfg = dataclasses.replace(
         base, seed=seed, zero=zero, offload=offload,
         mesh=config_lib.MeshConfig(*(mesh.shape.get(a, 1) for a in
-                                     ("replica", "fsdp", "tensor", "pipeline"))),
-        precision=config_lib.PrecisionConfig(compute=precision),
+                                     ("replica", "fsdp", "tensor", "pipeline", "context"))),
+        precision=precision, pipeline=pipeline, context=context,
         remat=Remat("none") if remat.block else remat,
         train=dataclasses.replace(base.train, grad_accum=grad_accum, clip_norm=clip_norm))
     config_lib.check_types(cfg)  # the checks jaxzero.train's config runs, for these arguments
@@ -130,6 +139,9 @@ class Engine:
       raise ConfigError(f"a mesh with pipeline={cfg.mesh.pipeline} runs a model's stacked "
                         "layers in stages: it needs a jaxzero Model that declares layers_key "
                         "and runs them through hooks.scan; use pipeline=1 for this model")
+    if self.model.layers_key is not None:  # stages and micro-batches, as the config checks
+      stacked = jax.tree.leaves(self.model.specs[self.model.layers_key], is_leaf=is_spec)
+      config_lib.validate_pipeline(cfg, stacked[0].shape[0])
     if self.model.frozen_specs is not None:  # the check jaxzero.train's config runs
       config_lib.validate_frozen_offload(cfg, "a model with frozen parameters (jaxzero.lora)")
     program = engine_lib.TrainProgram(cfg, self.layout, self.model, optimizer=optimizer)

@@ -6,6 +6,7 @@ CPU devices to create before JAX starts.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import pathlib
@@ -145,6 +146,11 @@ def _validate_lora(cfg: Config) -> None:
   if lora.rank == 0:
     if lora.init_from:
       raise ConfigError(f"lora.init_from={lora.init_from} needs lora.rank (the adapter's r)")
+    ignored = _changed(lora, "lora", [f.name for f in dataclasses.fields(lora)])
+    if ignored:  # a QLoRA preset missing its rank would train every weight in full
+      raise ConfigError(f"{', '.join(ignored)} without lora.rank: no LoRA, every weight "
+                        "trains; set lora.rank (e.g. 16) to train adapters, or leave "
+                        f"{'it' if len(ignored) == 1 else 'them'} unset")
     return
   if lora.rank < 0:
     raise ConfigError(f"lora.rank={lora.rank} must be positive (0 = no LoRA: every weight "
@@ -228,6 +234,11 @@ def _validate_param_tier(cfg) -> None:
                       "mesh.tensor=1, no HYBRID_SHARD)")
   if cfg.eval.every:
     raise ConfigError(f"{where} does not evaluate held-out data yet: set eval.every=0")
+
+
+def validate_pipeline(cfg: Config, layers: int) -> None:
+  """The pipeline checks, for a model of `layers` stacked layers (jaxzero.Engine's own)."""
+  _check_pipeline(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=layers)))
 
 
 def _check_pipeline(cfg) -> None:
@@ -379,6 +390,13 @@ def _validate_data_format(cfg: Config) -> None:
     if d.packing:
       raise ConfigError("data.packing packs fine-tuning examples (data.format=chat|"
                         "prompt_completion); data.format='text' is one stream already")
+    ignored = _changed(d, "data", ["chat_template", "overlong"])
+    if ignored:  # the text stream is neither rendered nor cut into examples
+      one = len(ignored) == 1
+      raise ConfigError(f"{', '.join(ignored)} with data.format='text': "
+                        f"{'it applies' if one else 'they apply'} to fine-tuning records only "
+                        "(data.format=chat|prompt_completion); set data.format, or leave "
+                        f"{'it' if one else 'them'} unset")
     return
   if d.source == "stdlib":
     raise ConfigError(f"data.format={d.format!r} reads records from .jsonl or .parquet files; "
@@ -393,6 +411,17 @@ def _validate_data_format(cfg: Config) -> None:
     raise ConfigError("data.packing with pipeline.schedule=1f1b is not supported yet: a "
                       "packed row's segment ids do not cross its stages; use gpipe or "
                       "interleaved, or data.packing=false")
+
+
+def _changed(section, name: str, keys: list[str]) -> list[str]:
+  """"name.key=value" of each of `keys` that `section` sets away from its default."""
+  default, changed = type(section)(), []
+  for key in keys:
+    value = getattr(section, key)
+    if value != getattr(default, key):
+      changed.append(f"{name}.{key}={value:g}" if isinstance(value, float) else
+                     f"{name}.{key}={value}")
+  return changed
 
 
 def _validate_eval(cfg: Config) -> None:

@@ -20,18 +20,18 @@ from processes import TINY
 VOCAB, DIM, LAYERS, STEPS = 64, 16, 2, 3
 
 
-def scanned_model() -> Model:
+def scanned_model(layers: int = LAYERS) -> Model:
   """A user's model under the engine's own contract: embedding, a stack of residual
-  tanh layers scanned through the engine's hook (so it can stream layer by layer), and
-  a head."""
+  tanh layers scanned through the engine's hook (so it can stream layer by layer, or run
+  in pipeline stages), and a head."""
   specs = {"embed": Leaf((VOCAB, DIM), ("vocab", "embed")),
-           "layers": {"w": Leaf((LAYERS, DIM, DIM), ("layers", "embed", "mlp"))},
+           "layers": {"w": Leaf((layers, DIM, DIM), ("layers", "embed", "mlp"))},
            "head": Leaf((DIM, VOCAB), ("embed", "vocab"))}
 
   def init(key):
     k1, k2, k3 = jax.random.split(key, 3)
     return {"embed": jax.random.normal(k1, (VOCAB, DIM)) * 0.5,
-            "layers": {"w": jax.random.normal(k2, (LAYERS, DIM, DIM)) * 0.3},
+            "layers": {"w": jax.random.normal(k2, (layers, DIM, DIM)) * 0.3},
             "head": jax.random.normal(k3, (DIM, VOCAB)) * 0.3}
 
   def loss(params, tokens, hooks):
@@ -101,3 +101,40 @@ def test_the_loop_and_the_engine_ask_the_same_chooser(tmp_path, monkeypatch):
     missing = [m for m in ("check", "init", "compile", "step", "lower", "save", "restore",
                            "plan", "close") if not callable(getattr(kind, m, None))]
     assert not missing, (kind, missing)
+
+
+def losses_on(mesh, layers=LAYERS, **options) -> list[float]:
+  engine = jaxzero.Engine(scanned_model(layers), optimizer=optax.adamw(1e-2),
+                          zero=jaxzero.Zero(stage=3), mesh=mesh, grad_accum=4, **options)
+  tokens = jax.random.randint(jax.random.key(1), (STEPS, 16, 9), 0, VOCAB, jnp.int32)
+  state, losses = engine.init(jax.random.key(0)), []
+  for batch in tokens:
+    state, metrics = engine.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return losses
+
+
+@pytest.mark.parametrize("layers, mesh, options", [
+    (2, dict(fsdp=2, pipeline=2), dict(pipeline=jaxzero.Pipeline("1f1b"))),
+    (2, dict(fsdp=2, context=2), dict(context=jaxzero.Context("ring"))),
+    pytest.param(4, dict(fsdp=2, pipeline=2), dict(pipeline=jaxzero.Pipeline("interleaved", 2)),
+                 marks=pytest.mark.slow),
+    pytest.param(2, dict(fsdp=4), dict(precision=jaxzero.Precision(
+        "float16", initial_scale_power=8)), marks=pytest.mark.slow)],
+    ids=["1f1b", "context_ring", "interleaved", "float16_scaler"])
+def test_the_engine_reaches_the_schedules_context_and_precision_options_of_the_command(
+    layers, mesh, options):
+  """Pipeline schedules, the context axis and its strategy, and the loss scaler's options:
+  modes jaxzero.train runs, through jaxzero.Engine, to the losses of fsdp alone (float16
+  to its rounding)."""
+  want = losses_on(jaxzero.mesh(fsdp=4, devices=jax.devices()[:4]), layers)
+  got = losses_on(jaxzero.mesh(**mesh, devices=jax.devices()[:4]), layers, **options)
+  np.testing.assert_allclose(got, want, rtol=2e-3 if "precision" in options else 1e-6)
+
+
+def test_the_engine_checks_its_pipeline_as_the_config_does():
+  with pytest.raises(config.ConfigError, match="pipeline.virtual_stages=2 does not divide the 1 "
+                                               "layers of each of the mesh.pipeline=2 stages"):
+    losses_on(jaxzero.mesh(fsdp=2, pipeline=2, devices=jax.devices()[:4]),
+              pipeline=jaxzero.Pipeline("interleaved", 2))
+
