@@ -194,7 +194,8 @@ def open_parquet(path: pathlib.Path):
   try:
     import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
   except ImportError:
-    raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    raise DataError(f"{path}: reading Parquet needs pyarrow: "
+                    "pip install 'jaxzero[parquet]'") from None
   try:
     return pq.ParquetFile(path)
   except Exception as e:  # pyarrow raises several types for a bad file
