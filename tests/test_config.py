@@ -85,6 +85,30 @@ def test_validate_rejects_values_that_would_fail_later(assignment, expected):
   assert expected in str(info.value)
 
 
+@pytest.mark.parametrize("assignments, expected", [
+    (["lora.base_dtype=nf4"], "lora.base_dtype=nf4 without lora.rank: no LoRA, every weight "
+     "trains; set lora.rank (e.g. 16) to train adapters, or leave it unset"),
+    (["lora.targets=q,v", "lora.dropout=0.1", "lora.alpha=32"],
+     "lora.alpha=32, lora.dropout=0.1, lora.targets=q,v without lora.rank: no LoRA, every "
+     "weight trains; set lora.rank (e.g. 16) to train adapters, or leave them unset"),
+    (["data.chat_template=chat.jinja"], "data.chat_template=chat.jinja with data.format='text':"
+     " it applies to fine-tuning records only (data.format=chat|prompt_completion); set "
+     "data.format, or leave it unset"),
+    (["data.overlong=drop", "data.chat_template=chat.jinja"],
+     "data.chat_template=chat.jinja, data.overlong=drop with data.format='text': they apply"),
+])
+def test_settings_that_would_do_nothing_are_one_line(assignments, expected):
+  """A QLoRA setting without lora.rank would train every weight in full, silently; a
+  fine-tuning setting on a text run would do nothing. Left at their defaults, they pass."""
+  with pytest.raises(ConfigError) as info:
+    config.validate(config.apply_overrides(config.base(), assignments))
+  assert expected in str(info.value) and "\n" not in str(info.value)
+  config.validate(config.apply_overrides(config.base(), [
+      *assignments, "lora.rank=4", "data.format=chat", "data.source=x.jsonl"]))
+  config.validate(config.apply_overrides(config.base(), [
+      "lora.alpha=16", "lora.targets=all-linear", "lora.base_dtype=", "data.overlong=truncate"]))
+
+
 def test_strategy_is_an_alternative_spelling_of_stage():
   for name, (stage, hybrid) in config.STRATEGIES.items():
     cfg = config.apply_overrides(config.base(), [f"zero.strategy={name}"])

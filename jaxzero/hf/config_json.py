@@ -19,6 +19,11 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size", "rms_norm_eps")
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor")
+# transformers' rope_theta for Llama, Mistral and Qwen2 configs that omit it (Llama-2-era ones).
+DEFAULT_ROPE_THETA = 10_000.0
+# config.json fields jaxzero does not model, that Hugging Face generates by: carried over
+# from the model a run started from (jaxzero.hf.metadata).
+CARRIED_FIELDS = ("max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
 
 # LlamaConfig field -> where config.json keeps it ("a.b": field b of dict a).
 _HF_FIELDS = {
@@ -78,19 +83,22 @@ def llama_config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
   return cfg
 
 
-def hf_config_from_llama(cfg: LlamaConfig, *, max_position_embeddings: int | None = None
+def hf_config_from_llama(cfg: LlamaConfig, *, carried: Mapping[str, Any] | None = None
                         ) -> dict[str, Any]:
   """The Hugging Face ``config.json`` dict for ``cfg`` (inverse of llama_config_from_hf).
 
   RoPE is written in the transformers 4 layout (``rope_theta`` +
   ``rope_scaling``), which transformers 5 also reads. ``cfg.family`` picks the
   architecture; a Qwen2 window is written as every layer's (``max_window_layers=0``).
-  ``max_position_embeddings`` (no jaxzero field: Hugging Face sizes caches by it)
-  defaults to the context length the RoPE settings were made for:
-  ``rope_original_max_len``, times the scaling factor when scaling is on.
+  ``carried`` gives CARRIED_FIELDS (the base model's: carried_fields). Without it,
+  ``max_position_embeddings`` (no jaxzero field: Hugging Face sizes caches by it) is the
+  context length the RoPE settings were made for: ``rope_original_max_len``, times the
+  scaling factor when scaling is on; the special tokens' ids are left out.
   """
   cfg.validate()
   scaled = cfg.rope_scaling_factor >= 1.0
+  carried = carried_fields(carried or {})
+  max_position_embeddings = carried.pop("max_position_embeddings", None)
   if max_position_embeddings is None:
     factor = cfg.rope_scaling_factor if scaled else 1.0
     max_position_embeddings = int(cfg.rope_original_max_len * factor)
@@ -108,6 +116,7 @@ def hf_config_from_llama(cfg: LlamaConfig, *, max_position_embeddings: int | Non
          "mistral": {"sliding_window": window},
          "qwen2": {"use_sliding_window": window is not None, "sliding_window": window,
                    "max_window_layers": 0 if window else cfg.n_layers}}[cfg.family],
+      **carried,
   }
   # jaxzero.models.llama treats factor <= 1 as "off"; exactly 1 is still exported as
   # llama3 (an identity in both libraries) so that the config round-trips.
@@ -116,6 +125,11 @@ def hf_config_from_llama(cfg: LlamaConfig, *, max_position_embeddings: int | Non
         hf_name.split(".")[1]: getattr(cfg, name) for name, hf_name in _HF_FIELDS.items()
         if hf_name.startswith("rope_scaling.")}}
   return hf_config
+
+
+def carried_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+  """The CARRIED_FIELDS a Hugging Face ``config.json`` dict sets."""
+  return {k: hf_config[k] for k in CARRIED_FIELDS if hf_config.get(k) is not None}
 
 
 def _check_architecture(hf_config: Mapping[str, Any]) -> str:
@@ -171,14 +185,14 @@ def _sliding_window_from_hf(hf_config: Mapping[str, Any], family: str) -> int:
 
 def _rope_fields_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:
   """LlamaConfig rope_* fields. Mirrors transformers 5, where ``rope_scaling``
-  takes priority over ``rope_parameters`` and a top-level ``rope_theta`` fills in."""
+  takes priority over ``rope_parameters``, a top-level ``rope_theta`` fills in, and
+  a config with neither (Llama 2's) has DEFAULT_ROPE_THETA."""
   rope = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
   if not isinstance(rope, Mapping):
     raise ValueError(f"Hugging Face config field 'rope_parameters' is not a dict: {rope!r}")
   theta = rope.get("rope_theta", hf_config.get("rope_theta"))
   if theta is None:
-    raise ValueError("Hugging Face config is missing required field 'rope_theta' "
-                     "(looked at top level and in 'rope_parameters'/'rope_scaling')")
+    theta = DEFAULT_ROPE_THETA
   partial = rope.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
   if partial is not None and float(partial) != 1.0:
     raise ValueError(f"Hugging Face config field 'partial_rotary_factor' is {partial}; "

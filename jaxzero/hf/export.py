@@ -3,19 +3,22 @@
 ``export_hf`` reads the checkpoint's fp32 master weights one leaf at a time (a
 stacked leaf one layer at a time) and streams them into safetensors shards, so
 the host never holds the whole model. Names and layouts come from
-jaxzero.hf.tensors, config.json from jaxzero.hf.config_json; the checkpoint from
-jaxzero.checkpoint.reader.
+jaxzero.hf.tensors, config.json from jaxzero.hf.config_json, the tokenizer and what
+config.json carries over from the base model from jaxzero.hf.metadata; the checkpoint from
+jaxzero.checkpoint.reader. An export is written beside its directory and renamed into
+place (new_directory), so a failed one leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import shutil
 import struct
 import tempfile
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +27,7 @@ from flax import traverse_util
 from jaxzero.checkpoint.directory import check_fits
 from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.errors import CheckpointError
-from jaxzero.hf import config_json, tensors
+from jaxzero.hf import config_json, metadata, tensors
 from jaxzero.hf.load import CONFIG_FILE, WEIGHTS_INDEX_FILE
 from jaxzero.models import lora as lora_lib
 from jaxzero.models.llama import LlamaConfig, param_specs
@@ -44,6 +47,7 @@ class Export(NamedTuple):
   step: int
   dtype: str
   files: list[str]
+  tokenizer: tuple[str, ...] = ()  # the tokenizer files copied beside them
 
 
 class _Planned(NamedTuple):
@@ -59,7 +63,9 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
   Mistral, Qwen2: ``model.family``): ``config.json``,
   ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``. A LoRA
   run's model is its frozen base with the adapters folded in (W + alpha/r · A B);
-  jaxzero.hf.peft writes the adapters alone.
+  jaxzero.hf.peft writes the adapters alone. With them, as WORKDIR/config.json records
+  the run (jaxzero.hf.metadata): the tokenizer and its chat template, and the base
+  model's special-token ids, max_position_embeddings and generation_config.json.
 
   Reads the fp32 master weights one leaf at a time and writes them one
   per-layer tensor at a time, so the host holds one leaf, never the model.
@@ -73,12 +79,13 @@ def export_hf(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int
       a file of its own).
     merged: a LoRA run's checkpoint is exported only when asked for its merged model.
   """
+  run = metadata.read_run(workdir)  # a damaged config.json stops us before anything is read
   with CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
-    return _export(reader, pathlib.Path(out), step, dtype, max_shard_bytes, merged)
+    return _export(reader, pathlib.Path(out), step, dtype, max_shard_bytes, merged, run)
 
 
 def _export(reader: CheckpointReader, out: pathlib.Path, step: int | None, dtype: str | None,
-            max_shard_bytes: int, merged: bool = False) -> Export:
+            max_shard_bytes: int, merged: bool = False, run: dict | None = None) -> Export:
   step = reader.resolve_step(step)
   info = reader.info(step)
   if bool(info.get("lora")) != merged:
@@ -91,17 +98,33 @@ def _export(reader: CheckpointReader, out: pathlib.Path, step: int | None, dtype
   dtype = dtype or info["compute_dtype"]
   if dtype not in EXPORT_DTYPES:
     raise CheckpointError(f"export dtype {dtype!r} is not one of: {', '.join(EXPORT_DTYPES)}")
-  if out.exists() and (not out.is_dir() or any(out.iterdir())):
-    raise CheckpointError(f"--out {out} already exists and is not an empty directory; "
-                          "export writes a new one")
+  check_new(out)
   lora = info.get("lora")
   leaves = _master_leaves(reader, step, model, "frozen" if lora else "master",
                          lora_lib.stored_quantized(lora))
   shards = _plan_shards(model, EXPORT_DTYPES[dtype][1].itemsize, max_shard_bytes)
+  generation = metadata.generation_settings(run, (lora or {}).get("base_model", ""))
+  with new_directory(out) as partial:
+    files = _write_export(partial, reader, step, leaves, model, dtype, shards, lora, generation)
+    tokenizer = metadata.copy_tokenizer(run, partial)
+  return Export(out, step, dtype, files, tuple(tokenizer))
+
+
+def check_new(out: pathlib.Path) -> None:
+  """Refuses an --out that export would overwrite."""
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise CheckpointError(f"--out {out} already exists and is not an empty directory; "
+                          "export writes a new one")
+
+
+@contextlib.contextmanager
+def new_directory(out: pathlib.Path) -> Iterator[pathlib.Path]:
+  """A temporary directory beside `out` for the body to fill, renamed to `out` (absent or
+  empty) once it is full and removed if the body fails: `out` never holds half an export."""
   out.parent.mkdir(parents=True, exist_ok=True)
   partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
   try:
-    files = _write_export(partial, reader, step, leaves, model, dtype, shards, lora)
+    yield partial
     partial.chmod(_mkdir_mode())  # mkdtemp's 0700 would keep the model from everyone else
     if out.exists():
       out.rmdir()
@@ -109,7 +132,6 @@ def _export(reader: CheckpointReader, out: pathlib.Path, step: int | None, dtype
   except BaseException:
     shutil.rmtree(partial, ignore_errors=True)
     raise
-  return Export(out, step, dtype, files)
 
 
 def _mkdir_mode() -> int:
@@ -152,10 +174,15 @@ def _plan_shards(model: LlamaConfig, itemsize: int, max_shard_bytes: int
 
 def _write_export(directory: pathlib.Path, reader: CheckpointReader, step: int,
                   leaves: dict[Path, tuple[int, ...]], model: LlamaConfig, dtype: str,
-                  shards: list[list[_Planned]], lora: dict | None = None) -> list[str]:
+                  shards: list[list[_Planned]], lora: dict | None,
+                  generation: metadata.Generation) -> list[str]:
   code, np_dtype = EXPORT_DTYPES[dtype]
-  hf_config = {**config_json.hf_config_from_llama(model), "dtype": dtype}
+  hf_config = {**config_json.hf_config_from_llama(model, carried=generation.config),
+               "dtype": dtype}
   (directory / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+  if generation.generation_config is not None:
+    (directory / metadata.GENERATION_CONFIG).write_text(
+        json.dumps(generation.generation_config, indent=2) + "\n")
   names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   with _SafetensorsWriter(directory, names, shards, code) as writer:
     for path, shape in leaves.items():

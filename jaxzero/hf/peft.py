@@ -25,6 +25,7 @@ from safetensors import safe_open
 from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.errors import CheckpointError, HFCheckpointError
 from jaxzero.hf import export as hf_export
+from jaxzero.hf import metadata
 from jaxzero.models import lora as lora_lib
 from jaxzero.models.llama import LlamaConfig
 from jaxzero.offload import nvme_checkpoint
@@ -75,9 +76,12 @@ def peft_tensors(adapters: dict, record: dict, n_layers: int) -> dict[str, np.nd
 def export_peft(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: int | None = None,
                 dtype: str | None = None) -> hf_export.Export:
   """Writes checkpoint `step` (default: the latest) of a LoRA run as a PEFT adapter
-  directory `out` (new, or empty); `dtype` default float32 (the adapters' masters)."""
+  directory `out` (new, or empty), with the run's tokenizer (jaxzero.hf.metadata);
+  `dtype` default float32 (the adapters' masters). The files are written beside `out` and
+  renamed into place, so a failed export leaves nothing there."""
   out = pathlib.Path(out)
   dtype = dtype or "float32"
+  run = metadata.read_run(workdir)  # a damaged config.json stops us before anything is read
   with CheckpointReader(workdir, side=nvme_checkpoint.SIDE_ITEM) as reader:
     step = reader.resolve_step(step)
     info = reader.info(step)
@@ -86,20 +90,20 @@ def export_peft(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: i
       raise CheckpointError(f"checkpoint {reader.step_dir(step)} is not a LoRA run's "
                             "(lora.rank=0): export it without --peft")
     model = LlamaConfig(**info["model"])
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-      raise CheckpointError(f"--out {out} already exists and is not an empty directory; "
-                            "export writes a new one")
+    hf_export.check_new(out)
     specs = lora_lib.adapter_specs(model, record["rank"], tuple(record["targets"]))
     adapters = {n: reader.read(step, ("master", n), s.shape) for n, s in specs.items()
                 if n != "layers"}
     adapters["layers"] = {n: reader.read(step, ("master", "layers", n), s.shape)
                           for n, s in specs["layers"].items()}
-  out.mkdir(parents=True, exist_ok=True)
   base = record.get("base_model", "")
-  (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(record, base), indent=2) + "\n")
-  hf_export.write_safetensors(out / ADAPTER_WEIGHTS,
-                              peft_tensors(adapters, record, model.n_layers), dtype)
-  return hf_export.Export(out, step, dtype, [ADAPTER_WEIGHTS])
+  with hf_export.new_directory(out) as partial:
+    (partial / ADAPTER_CONFIG).write_text(
+        json.dumps(adapter_config(record, base), indent=2) + "\n")
+    hf_export.write_safetensors(partial / ADAPTER_WEIGHTS,
+                                peft_tensors(adapters, record, model.n_layers), dtype)
+    tokenizer = metadata.copy_tokenizer(run, partial)
+  return hf_export.Export(out, step, dtype, [ADAPTER_WEIGHTS], tuple(tokenizer))
 
 
 
@@ -130,6 +134,7 @@ def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) ->
   if found.get("bias", "none") != "none":
     raise HFCheckpointError(f"lora.init_from={path}: bias={found['bias']!r} is not supported "
                             "(bias='none' only)")
+  _check_every_layer(path, found, model.n_layers)
   targets = _peft_targets(found.get("target_modules"))
   for key, want, have in (("rank", record["rank"], found.get("r")),
                           ("alpha", record["alpha"], found.get("lora_alpha")),
@@ -155,6 +160,29 @@ def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) ->
           + ("missing" if name not in shapes else f"{list(shapes[name])}")
           + f", this model needs {list(shape)}: an adapter for another base model")
   return found
+
+
+def _check_every_layer(path, found: dict, n_layers: int) -> None:
+  """Refuses an adapter on some of the layers only (PEFT's layers_to_transform, or a
+  target_modules regex that names layers): jaxzero adapts its targets in every layer."""
+  layers = found.get("layers_to_transform")
+  if layers is not None:
+    chosen = sorted({layers} if isinstance(layers, int) else set(layers))
+    if chosen != list(range(n_layers)):
+      raise HFCheckpointError(
+          f"lora.init_from={path}: layers_to_transform={layers!r} adapts layers {chosen} of "
+          f"this model's {n_layers} only; jaxzero adapts lora.targets in every layer, so the "
+          "adapters cannot start from it")
+  modules = found.get("target_modules")
+  if not isinstance(modules, str) or modules == lora_lib.ALL_LINEAR:
+    return
+  for target, module in lora_lib.PEFT_MODULES.items():
+    chosen = [i for i in range(n_layers) if re.fullmatch(modules, f"model.layers.{i}.{module}")]
+    if 0 < len(chosen) < n_layers:
+      raise HFCheckpointError(
+          f"lora.init_from={path}: target_modules={modules} adapts "
+          f"{lora_lib.peft_name(target)} in layers {chosen} of this model's {n_layers} only; "
+          "jaxzero adapts lora.targets in every layer, so the adapters cannot start from it")
 
 
 def read_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) -> dict:

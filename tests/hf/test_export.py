@@ -347,3 +347,97 @@ def test_family_round_trip_through_a_checkpoint(family, tied, window, architectu
     want, got = original(tokens).logits.numpy(), exported(tokens).logits.numpy()
   np.testing.assert_array_equal(got, want)  # the same weights, bit for bit
   assert np.abs(np.asarray(model(jnp.asarray(tokens.numpy()))) - want).max() <= 1e-4
+
+
+TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' <|end|> ' }}"
+            "{% endfor %}")
+
+
+def hf_base(directory, generation_config: bool = True):
+  """A Hugging Face model directory as transformers writes it, weights left out (export
+  reads none): config.json with the special tokens' ids and a context of 32768,
+  generation_config.json (where asked), and a tokenizer whose chat template
+  transformers 5 keeps in chat_template.jinja."""
+  tokenizers = pytest.importorskip("tokenizers")
+  transformers = pytest.importorskip("transformers")
+  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|end|>": 3, "<pad>": 4, "hello": 5, "world": 6}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tokenizer = transformers.PreTrainedTokenizerFast(
+      tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+      unk_token="<unk>")
+  tokenizer.chat_template = TEMPLATE
+  tokenizer.save_pretrained(directory)
+  assert (directory / "chat_template.jinja").is_file()
+  transformers.LlamaConfig(
+      vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=32768,
+      rope_theta=10_000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+      pad_token_id=4).save_pretrained(directory)
+  if generation_config:
+    transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=4,
+                                  do_sample=True, temperature=0.6).save_pretrained(directory)
+  return directory
+
+
+def export_run(tmp_path, base, init: bool = True, **data) -> pathlib.Path:
+  """Exports a checkpoint of base's model, saved directly, from a workdir whose
+  config.json records `base` as init.hf_checkpoint (where `init`) and as data.tokenizer."""
+  cfg = config.Config(model=hf_load.read_config(base),
+                      precision=config.PrecisionConfig(compute="float32"))
+  save_step_5(cfg, tmp_path / "w")
+  run = {"init": {"hf_checkpoint": str(base) if init else ""},
+         "data": dataclasses.asdict(dataclasses.replace(cfg.data, tokenizer=str(base), **data))}
+  (tmp_path / "w" / "config.json").write_text(json.dumps(run))
+  assert export.main(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "hf")]) == 0
+  return tmp_path / "hf"
+
+
+@pytest.mark.parametrize("generation_config", [True, False])
+def test_an_export_carries_the_base_models_token_ids_context_and_generation_config(
+    tmp_path, generation_config):
+  """transformers' generate() stops at the base's end tokens, and sizes its caches by the
+  base's max_position_embeddings (not the 8192 its default RoPE was made for)."""
+  transformers = pytest.importorskip("transformers")
+  base = hf_base(tmp_path / "base", generation_config)
+  out = export_run(tmp_path, base)
+  exported = json.loads((out / "config.json").read_text())
+  assert {k: exported[k] for k in ("max_position_embeddings", "bos_token_id", "eos_token_id",
+                                   "pad_token_id")} == {
+      "max_position_embeddings": 32768, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 4}
+  if generation_config:
+    assert (out / "generation_config.json").read_text() == (
+        base / "generation_config.json").read_text()
+  model = transformers.AutoModelForCausalLM.from_pretrained(out)
+  generation = model.generation_config
+  assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (
+      1, [2, 3] if generation_config else 2, 4)
+  assert model.config.max_position_embeddings == 32768
+
+
+@pytest.mark.parametrize("own_template", [False, True])
+def test_an_export_carries_the_chat_template_the_run_trained_with(tmp_path, own_template):
+  """The tokenizer's chat_template.jinja, or the run's own data.chat_template."""
+  transformers = pytest.importorskip("transformers")
+  base = hf_base(tmp_path / "base")
+  mine = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+  (tmp_path / "mine.jinja").write_text(mine)
+  out = export_run(tmp_path, base, format="chat",
+                   chat_template=str(tmp_path / "mine.jinja") if own_template else "")
+  tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+  assert tokenizer.chat_template == (mine if own_template else TEMPLATE)
+  assert tokenizer("hello world")["input_ids"] == [5, 6]
+
+
+@pytest.mark.parametrize("eos_token, eos_ids", [("", 2), ("<|end|>", [2, 3])])
+def test_a_run_from_scratch_takes_the_token_ids_from_its_tokenizer(tmp_path, eos_token,
+                                                                   eos_ids):
+  """No base model: the ids of the tokens the tokenizer names, the run's document
+  separator (data.eos_token) an end token too; max_position_embeddings from RoPE."""
+  base = hf_base(tmp_path / "base", generation_config=False)
+  out = export_run(tmp_path, base, init=False, eos_token=eos_token)
+  exported = json.loads((out / "config.json").read_text())
+  ids = {"bos_token_id": 1, "eos_token_id": eos_ids, "pad_token_id": 4}
+  assert {k: exported[k] for k in ids} == ids
+  assert json.loads((out / "generation_config.json").read_text()) == ids
+  assert exported["max_position_embeddings"] == 8192  # rope_original_max_len

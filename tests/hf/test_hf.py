@@ -91,6 +91,28 @@ def test_family_logits_match_transformers(family, tied, window, tmp_path):
   assert np.abs(got - want).max() <= 1e-4
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_a_config_without_rope_theta_loads_as_transformers_reads_it(family, tmp_path):
+  """Llama 2's config.json (transformers 4.31: no rope_theta, rope_scaling null) has
+  transformers' default theta, 10,000."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  random_hf_model(family, 2, False, False).save_pretrained(tmp_path)
+  hf_config = json.loads((tmp_path / "config.json").read_text())
+  for key in ("rope_parameters", "rope_theta"):
+    hf_config.pop(key, None)
+  hf_config.update(rope_scaling=None, transformers_version="4.31.0.dev0")
+  (tmp_path / "config.json").write_text(json.dumps(hf_config))
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, dtype=torch.float32, attn_implementation="eager")
+  tokens = tokens_BxT(97)
+  with torch.no_grad():
+    want = model(torch.from_numpy(tokens).long()).logits.numpy()
+  ours = hf_load.load_llama(tmp_path)
+  assert ours.cfg.rope_theta == model.config.rope_parameters["rope_theta"] == 10_000.0
+  assert np.abs(np.asarray(ours(tokens)) - want).max() <= 1e-4
+
+
 # ----------------------------------------------------------------------------- sharded reads
 
 

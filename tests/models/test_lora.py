@@ -326,6 +326,10 @@ def test_a_peft_adapter_reads_back_exactly(adapter_dir):
     ("base", "an adapter for another base model"),
     ("missing", "adapter_model.safetensors is missing"),
     ("rslora", "use_rslora=True is not supported"),
+    ("layers_to_transform", r"layers_to_transform=\[1\] adapts layers \[1\] of this model's 2 "
+     "only; jaxzero adapts lora.targets in every layer, so the adapters cannot start from it"),
+    ("layer_regex", r"target_modules=model\\.layers\\.1\\.\.\* adapts q_proj in layers \[1\] "
+     "of this model's 2 only; jaxzero adapts lora.targets in every layer"),
 ])
 def test_an_adapter_that_does_not_fit_is_one_line(adapter_dir, tmp_path, change, message):
   out, cfg, record, _ = adapter_dir
@@ -335,9 +339,12 @@ def test_an_adapter_that_does_not_fit_is_one_line(adapter_dir, tmp_path, change,
     record = {**record, "targets": ["q", "v"]}
   elif change == "base":
     cfg = dataclasses.replace(cfg, dim=64, n_heads=8)
-  elif change == "rslora":
+  elif change in ("rslora", "layers_to_transform", "layer_regex"):
     found = json.loads((out / hf_peft.ADAPTER_CONFIG).read_text())
-    (tmp_path / hf_peft.ADAPTER_CONFIG).write_text(json.dumps({**found, "use_rslora": True}))
+    found.update({"rslora": {"use_rslora": True},
+                  "layers_to_transform": {"layers_to_transform": [1]},
+                  "layer_regex": {"target_modules": r"model\.layers\.1\..*"}}[change])
+    (tmp_path / hf_peft.ADAPTER_CONFIG).write_text(json.dumps(found))
     (tmp_path / hf_peft.ADAPTER_WEIGHTS).write_bytes((out / hf_peft.ADAPTER_WEIGHTS).read_bytes())
     out = tmp_path
   else:
@@ -346,6 +353,42 @@ def test_an_adapter_that_does_not_fit_is_one_line(adapter_dir, tmp_path, change,
   with pytest.raises(HFCheckpointError, match=message) as e:
     hf_peft.check_adapter(out, cfg, record)
   assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+  """A LoRA run's workdir holding a checkpoint of its initial state (no training)."""
+  cfg = lora_config(mesh=config.MeshConfig(fsdp=1))
+  workdir = tmp_path_factory.mktemp("lora_run")
+  info = checkpoint_lib.run_info(cfg.model, "float32", cfg.seed,
+                                 lora=lora_lib.run_record(4, 8.0, cfg.lora.targets))
+  with checkpoint_lib.Checkpointer(workdir, 1, info) as checkpoints:
+    checkpoints.save(0, program(cfg).init(), wait=True)
+  return workdir
+
+
+@pytest.mark.parametrize("kind", ["--peft", "--merged"])
+def test_an_export_that_cannot_be_written_is_one_line_and_leaves_nothing(
+    lora_run, tmp_path, monkeypatch, capsys, kind):
+  """A disk that fills up while the weights are written: no half-written --out (which a
+  retry would refuse), no traceback, exit code 1 (a failed write, not bad input)."""
+  import errno  # pylint: disable=import-outside-toplevel
+  write = hf_export._SafetensorsWriter.write  # pylint: disable=protected-access
+
+  def full_disk(self, name, array):
+    write(self, name, array)  # a first tensor is on disk
+    raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(hf_export._SafetensorsWriter, "write", full_disk)
+  out = tmp_path / "out"
+  argv = ["--workdir", str(lora_run), "--out", str(out), kind]
+  assert export.main(argv) == 1
+  stderr = capsys.readouterr().err
+  assert stderr.splitlines() == [f"jaxzero.export: error: the export failed: no space left on "
+                                 f"device; --out {out} is left as it was"], stderr
+  assert list(tmp_path.iterdir()) == []
+  monkeypatch.undo()
+  assert export.main(argv) == 0
+  assert (out / ("adapter_model.safetensors" if kind == "--peft" else "config.json")).is_file()
 
 
 def test_evaluation_sees_the_frozen_base():

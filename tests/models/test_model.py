@@ -253,7 +253,6 @@ def test_config_reads_both_rope_layouts():
     (dict(model_type="mistral"), "architectures"),
     (dict(architectures=["LlamaModel"]), "architectures"),
     (dict(intermediate_size=None), "intermediate_size"),
-    (dict(rope_theta=None), "rope_theta"),
     (dict(rope_scaling=dict(rope_type="yarn", factor=2.0)), "rope_type"),
     (dict(head_dim=32), "head_dim"),
     (dict(attention_bias=True), "attention_bias"),

@@ -341,7 +341,7 @@ def test_launch_drops_gloo_chatter():
 def test_export_copies_the_run_tokenizer(tmp_path):
   tokenizers = pytest.importorskip("tokenizers")
   transformers = pytest.importorskip("transformers")
-  from jaxzero import export
+  from jaxzero.hf import metadata
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
       {"<unk>": 0, "</s>": 1, "hello": 2, "world": 3}, unk_token="<unk>"))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
@@ -352,13 +352,14 @@ def test_export_copies_the_run_tokenizer(tmp_path):
   out.mkdir()
   data = dataclasses.replace(config.DataConfig(), tokenizer=str(tmp_path / "tok"))
   (workdir / "config.json").write_text(json.dumps({"data": dataclasses.asdict(data)}))
-  assert export.copy_tokenizer(workdir, out) == ["tokenizer.json", "tokenizer_config.json"]
+  assert metadata.copy_tokenizer(metadata.read_run(workdir), out) == [
+      "tokenizer.json", "tokenizer_config.json"]
   loaded = transformers.AutoTokenizer.from_pretrained(str(out))
   assert loaded("hello world")["input_ids"] == [2, 3]
   byte_run = tmp_path / "byte"
   byte_run.mkdir()
   (byte_run / "config.json").write_text(json.dumps({"data": dataclasses.asdict(config.DataConfig())}))
-  assert export.copy_tokenizer(byte_run, out) == []
+  assert metadata.copy_tokenizer(metadata.read_run(byte_run), out) == []
 
 
 def test_on_a_terminal_the_bar_shows_logged_steps(tmp_path, monkeypatch, capsys):
