@@ -88,9 +88,6 @@ def test_validate_rejects_values_that_would_fail_later(assignment, expected):
 @pytest.mark.parametrize("assignments, expected", [
     (["lora.base_dtype=nf4"], "lora.base_dtype=nf4 without lora.rank: no LoRA, every weight "
      "trains; set lora.rank (e.g. 16) to train adapters, or leave it unset"),
-    (["lora.targets=q,v", "lora.dropout=0.1", "lora.alpha=32"],
-     "lora.alpha=32, lora.dropout=0.1, lora.targets=q,v without lora.rank: no LoRA, every "
-     "weight trains; set lora.rank (e.g. 16) to train adapters, or leave them unset"),
     (["data.chat_template=chat.jinja"], "data.chat_template=chat.jinja with data.format='text':"
      " it applies to fine-tuning records only (data.format=chat|prompt_completion); set "
      "data.format, or leave it unset"),
@@ -107,6 +104,13 @@ def test_settings_that_would_do_nothing_are_one_line(assignments, expected):
       *assignments, "lora.rank=4", "data.format=chat", "data.source=x.jsonl"]))
   config.validate(config.apply_overrides(config.base(), [
       "lora.alpha=16", "lora.targets=all-linear", "lora.base_dtype=", "data.overlong=truncate"]))
+
+
+def test_lora_rank_0_turns_a_lora_presets_adapters_off_for_a_full_fine_tune_baseline():
+  """Its alpha, targets and dropout stay as the preset sets them; only a quantized base
+  shows that adapters were meant (test_settings_that_would_do_nothing_are_one_line)."""
+  config.validate(config.apply_overrides(config.base(), [
+      "lora.rank=0", "lora.alpha=32", "lora.targets=q,v", "lora.dropout=0.1"]))
 
 
 def test_strategy_is_an_alternative_spelling_of_stage():

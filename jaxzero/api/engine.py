@@ -120,6 +120,13 @@ class Engine:
                                ("min_shard_size", zero.min_shard_size, 0)):
       if value < least:
         raise ConfigError(f"{name}={value} must be at least {least}")
+    config_lib.validate_precision(precision)
+    if precision.matmul != "default":  # as the config refuses it for a model_factory model
+      raise ConfigError(f"Precision(matmul={precision.matmul!r}) sets the built-in models' "
+                        "projections (jaxzero.train); a model of one's own chooses its matmuls")
+    if precision.compute != "float16" and precision != Precision(compute=precision.compute):
+      raise ConfigError(f"Precision(compute={precision.compute!r}) with loss-scaler settings: "
+                        "they apply to compute='float16' only")
     config_lib.validate_offload(cfg)
     self.cfg, self.mesh = cfg, mesh
     self._lora = ({"rank": model.rank, "alpha": model.alpha, "targets": model.targets}
@@ -139,6 +146,11 @@ class Engine:
       raise ConfigError(f"a mesh with pipeline={cfg.mesh.pipeline} runs a model's stacked "
                         "layers in stages: it needs a jaxzero Model that declares layers_key "
                         "and runs them through hooks.scan; use pipeline=1 for this model")
+    if cfg.mesh.context > 1 and self.model.layers_key is None:  # as the config refuses it
+      raise ConfigError(f"a mesh with context={cfg.mesh.context} splits the sequence of a "
+                        "model that shards its activations through the engine's hooks: it "
+                        "needs a jaxzero Model that declares layers_key; use context=1 for "
+                        "this model")
     if self.model.layers_key is not None:  # stages and micro-batches, as the config checks
       stacked = jax.tree.leaves(self.model.specs[self.model.layers_key], is_leaf=is_spec)
       config_lib.validate_pipeline(cfg, stacked[0].shape[0])

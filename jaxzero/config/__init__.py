@@ -7,7 +7,8 @@ many virtual CPU devices to create before JAX starts.
 """
 
 from jaxzero.config.loading import (load, validate, validate_frozen_offload,
-                                    validate_offload, validate_pipeline)
+                                    validate_offload, validate_pipeline,
+                                    validate_precision)
 from jaxzero.config.overrides import (MOVED_KEYS, apply_overrides, as_dotted, check_literals,
                                       check_types, override)
 from jaxzero.config.sections import (STRATEGIES, CheckpointConfig, Config, ContextConfig,
@@ -25,4 +26,5 @@ __all__ = ["MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", "ConfigErro
            "MeshConfig", "OffloadConfig", "PipelineConfig", "PrecisionConfig", "ProfileConfig",
            "RematConfig", "TrainConfig", "ZeroConfig", "apply_overrides", "as_dotted", "base",
            "check_literals", "check_types", "load", "override", "strategy_name", "validate",
-           "validate_frozen_offload", "validate_offload", "validate_pipeline"]
+           "validate_frozen_offload", "validate_offload", "validate_pipeline",
+           "validate_precision"]

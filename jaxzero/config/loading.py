@@ -146,7 +146,9 @@ def _validate_lora(cfg: Config) -> None:
   if lora.rank == 0:
     if lora.init_from:
       raise ConfigError(f"lora.init_from={lora.init_from} needs lora.rank (the adapter's r)")
-    ignored = _changed(lora, "lora", [f.name for f in dataclasses.fields(lora)])
+    # A quantized base shows the intent to train adapters (a preset's other lora fields
+    # stay as they are when lora.rank=0 turns LoRA off for a full fine-tune baseline).
+    ignored = _changed(lora, "lora", ["base_dtype"])
     if ignored:  # a QLoRA preset missing its rank would train every weight in full
       raise ConfigError(f"{', '.join(ignored)} without lora.rank: no LoRA, every weight "
                         "trains; set lora.rank (e.g. 16) to train adapters, or leave "
@@ -334,6 +336,11 @@ def _check_tensor(tensor: int, model) -> None:
         f"mesh.tensor={tensor} must divide model.n_heads={model.n_heads}, "
         f"model.mlp_dim={model.mlp_dim} and model.vocab_size={model.vocab_size}; valid values: "
         f"{', '.join(map(str, valid))}")
+
+
+def validate_precision(p: PrecisionConfig) -> None:
+  """The loss scaler's rules (jaxzero.Engine's precision, as the config's)."""
+  _validate_loss_scale(p)
 
 
 def _validate_loss_scale(p: PrecisionConfig) -> None:

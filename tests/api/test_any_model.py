@@ -338,13 +338,23 @@ def test_an_offloaded_engine_refuses_a_state_a_later_init_replaced(offload, tmp_
     (dict(grad_accum=2.0), "train.grad_accum=2.0 must be an int"),
     (dict(clip_norm=-1.0), "clip_norm=-1.0 must be at least 0"),
     (dict(clip_norm=float("nan")), "train.clip_norm=nan must be a finite number"),
-    (dict(min_shard_size=-5), "min_shard_size=-5 must be at least 0")])
+    (dict(min_shard_size=-5), "min_shard_size=-5 must be at least 0"),
+    (dict(precision=jaxzero.Precision("float16", hysteresis=0)),
+     "precision.loss_scale_window=1000 and precision.hysteresis=0 must be at least 1"),
+    (dict(precision=jaxzero.Precision(initial_scale_power=8)),
+     "Precision(compute='bfloat16') with loss-scaler settings: they apply to "
+     "compute='float16' only"),
+    (dict(precision=jaxzero.Precision("bfloat16", matmul="fp8")),
+     "Precision(matmul='fp8') sets the built-in models' projections"),
+    (dict(mesh=jaxzero.mesh(fsdp=4, context=2, devices=jax.devices()[:8])),
+     "a mesh with context=2 splits the sequence of a model that shards its activations "
+     "through the engine's hooks")])
 def test_bad_engine_arguments_are_one_line_before_anything_is_built(option, message):
   """As jaxzero.train refuses them in its config (grad_accum=0 was a ZeroDivisionError at
   the first step; a negative clip_norm or min_shard_size passed silently)."""
+  option = {"mesh": jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]), **option}
   with pytest.raises(ConfigError, match=re.escape(message)):
-    jaxzero.Engine((mlp_init, mlp_apply), optimizer=optax.sgd(0.1), loss_fn=mlp_loss,
-                   mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]), **option)
+    jaxzero.Engine((mlp_init, mlp_apply), optimizer=optax.sgd(0.1), loss_fn=mlp_loss, **option)
 
 
 def test_restore_only_reads_and_names_the_steps_there_are(tmp_path):
