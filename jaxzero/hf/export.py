@@ -119,16 +119,24 @@ def check_new(out: pathlib.Path) -> None:
 
 @contextlib.contextmanager
 def new_directory(out: pathlib.Path) -> Iterator[pathlib.Path]:
-  """A temporary directory beside `out` for the body to fill, renamed to `out` (absent or
-  empty) once it is full and removed if the body fails: `out` never holds half an export."""
-  out.parent.mkdir(parents=True, exist_ok=True)
-  partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+  """A temporary directory for the body to fill, removed if the body fails: `out` never
+  holds half an export. Where `out` does not exist the temporary is made beside it and
+  renamed to it; an existing empty `out` (perhaps a link, or a mount point that cannot be
+  removed or replaced) gets it inside, and its files are moved up once it is full."""
+  existing = out.is_dir()
+  if not existing:
+    out.parent.mkdir(parents=True, exist_ok=True)
+  where = out if existing else out.parent
+  partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=where))
   try:
     yield partial
-    partial.chmod(_mkdir_mode())  # mkdtemp's 0700 would keep the model from everyone else
-    if out.exists():
-      out.rmdir()
-    partial.rename(out)
+    if existing:
+      for item in partial.iterdir():
+        item.replace(out / item.name)
+      partial.rmdir()
+    else:
+      partial.chmod(_mkdir_mode())  # mkdtemp's 0700 would keep the model from everyone else
+      partial.rename(out)
   except BaseException:
     shutil.rmtree(partial, ignore_errors=True)
     raise

@@ -81,12 +81,34 @@ def generation_settings(run: dict | None, base: str = "") -> Generation:
     if found is not None:
       carried = config_json.carried_fields(found)
       generation = _read_json(directory / GENERATION_CONFIG)
-      return Generation(carried, _ids_only(carried) if generation is None else generation)
+      generation = _ids_only(carried) if generation is None else generation
+      # The document separator the run trained with (data.eos_token) ends a text too.
+      end = _separator(run["data"]) if run and run["data"].get("eos_token") else None
+      return Generation(_with_end(carried, end), _with_end(generation, end))
     log.warning("the run's init.hf_checkpoint=%s has no readable config.json now: the "
                 "export's special-token ids and max_position_embeddings are not that model's",
                 base)
   ids = _tokenizer_ids(run["data"]) if run else {}
   return Generation(ids, _ids_only(ids))
+
+
+def _separator(data: dict) -> int | None:
+  try:
+    return tokens_lib.load_tokenizer(data["tokenizer"], data.get("eos_token", "")).separator[0]
+  except DataError as e:
+    log.warning("%s: the export's end tokens are the base model's only", e)
+    return None
+
+
+def _with_end(fields: dict[str, Any] | None, end: int | None) -> dict[str, Any] | None:
+  """`fields` with `end` among its eos_token_id (a list where there are several)."""
+  if fields is None or end is None:
+    return fields
+  eos = fields.get("eos_token_id")
+  ends = list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+  if end in ends:
+    return fields
+  return {**fields, "eos_token_id": [*ends, end] if ends else end}
 
 
 def _ids_only(fields: dict[str, Any]) -> dict[str, Any] | None:

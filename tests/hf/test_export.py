@@ -380,17 +380,29 @@ def hf_base(directory, generation_config: bool = True):
   return directory
 
 
-def export_run(tmp_path, base, init: bool = True, **data) -> pathlib.Path:
+def export_run(tmp_path, base, init: bool = True, out=None, **data) -> pathlib.Path:
   """Exports a checkpoint of base's model, saved directly, from a workdir whose
-  config.json records `base` as init.hf_checkpoint (where `init`) and as data.tokenizer."""
+  config.json records `base` as init.hf_checkpoint (where `init`) and as data.tokenizer,
+  to `out` (default tmp_path / "hf")."""
+  out = out or tmp_path / "hf"
   cfg = config.Config(model=hf_load.read_config(base),
                       precision=config.PrecisionConfig(compute="float32"))
   save_step_5(cfg, tmp_path / "w")
   run = {"init": {"hf_checkpoint": str(base) if init else ""},
          "data": dataclasses.asdict(dataclasses.replace(cfg.data, tokenizer=str(base), **data))}
   (tmp_path / "w" / "config.json").write_text(json.dumps(run))
-  assert export.main(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "hf")]) == 0
-  return tmp_path / "hf"
+  assert export.main(["--workdir", str(tmp_path / "w"), "--out", str(out)]) == 0
+  return out
+
+
+def test_an_empty_out_that_is_a_link_or_a_mount_point_is_written_into(tmp_path):
+  """An existing empty --out is filled in place, not removed and replaced: a link stays a
+  link, and a mount point (a container's volume) could be neither removed nor replaced."""
+  (tmp_path / "volume").mkdir()
+  (tmp_path / "link").symlink_to(tmp_path / "volume")
+  out = export_run(tmp_path, hf_base(tmp_path / "base"), out=tmp_path / "link")
+  assert out.is_symlink() and (tmp_path / "volume" / "config.json").is_file()
+  assert not [p for p in (tmp_path / "volume").iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.parametrize("generation_config", [True, False])
@@ -413,6 +425,15 @@ def test_an_export_carries_the_base_models_token_ids_context_and_generation_conf
   assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (
       1, [2, 3] if generation_config else 2, 4)
   assert model.config.max_position_embeddings == 32768
+
+
+def test_the_runs_own_end_token_joins_the_base_models(tmp_path):
+  """A fine-tune whose documents ended with data.eos_token (Llama-3.1's <|eot_id|> on its
+  base) stops generating there too: it was left out of the base's end tokens."""
+  base = hf_base(tmp_path / "base", generation_config=False)
+  out = export_run(tmp_path, base, eos_token="<|end|>")
+  assert json.loads((out / "config.json").read_text())["eos_token_id"] == [2, 3]
+  assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, 3]
 
 
 @pytest.mark.parametrize("own_template", [False, True])
