@@ -2,6 +2,7 @@
 
 import dataclasses
 import pathlib
+import re
 
 import pytest
 
@@ -104,6 +105,17 @@ def test_settings_that_would_do_nothing_are_one_line(assignments, expected):
       *assignments, "lora.rank=4", "data.format=chat", "data.source=x.jsonl"]))
   config.validate(config.apply_overrides(config.base(), [
       "lora.alpha=16", "lora.targets=all-linear", "lora.base_dtype=", "data.overlong=truncate"]))
+
+
+@pytest.mark.parametrize("assignments, expected", [
+    (["data.eos_token=<|eot_id|>"], "data.eos_token='<|eot_id|>' names a token of a Hugging "
+     "Face tokenizer; data.tokenizer='byte' ends each document with byte 0"),
+    (["train.steps=2", "profile.steps=5:6"], "profile.steps='5:6' starts after train.steps=2: "
+     "nothing would be traced; trace steps from 1 to 2")])
+def test_settings_that_could_never_take_effect_are_one_line(assignments, expected):
+  """They were accepted and silently did nothing."""
+  with pytest.raises(ConfigError, match=re.escape(expected)):
+    config.validate(config.apply_overrides(config.base(), assignments))
 
 
 def test_lora_rank_0_turns_a_lora_presets_adapters_off_for_a_full_fine_tune_baseline():

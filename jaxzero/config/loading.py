@@ -368,6 +368,9 @@ def _validate_operations(cfg: Config) -> None:
       end.isdigit() and int(end) >= int(start)))):
     raise ConfigError(f"profile.steps={steps!r} must be START:END, the first and last step to "
                       "trace (from 1), e.g. 20:23")
+  if steps and int(start) > cfg.train.steps:
+    raise ConfigError(f"profile.steps={steps!r} starts after train.steps={cfg.train.steps}: "
+                      f"nothing would be traced; trace steps from 1 to {cfg.train.steps}")
   d = cfg.distributed
   if d.stall_s < 0 or d.stall_exit_s < 0:
     raise ConfigError(f"distributed.stall_s={d.stall_s:g} and distributed.stall_exit_s="
@@ -393,6 +396,10 @@ def _validate_data_format(cfg: Config) -> None:
     raise ConfigError(f"data.format={d.format!r}; choose one of {', '.join(formats)}")
   if d.overlong not in ("truncate", "drop"):
     raise ConfigError(f"data.overlong={d.overlong!r}; choose 'truncate' or 'drop'")
+  if d.tokenizer == "byte" and d.eos_token:
+    raise ConfigError(f"data.eos_token={d.eos_token!r} names a token of a Hugging Face "
+                      "tokenizer; data.tokenizer='byte' ends each document with byte 0: "
+                      "leave data.eos_token unset, or set data.tokenizer")
   if d.format == "text":
     if d.packing:
       raise ConfigError("data.packing packs fine-tuning examples (data.format=chat|"
