@@ -7,8 +7,8 @@ many virtual CPU devices to create before JAX starts.
 """
 
 from jaxzero.config.loading import (load, validate, validate_frozen_offload,
-                                    validate_offload, validate_pipeline,
-                                    validate_precision)
+                                    validate_offload, validate_precision)
+from jaxzero.config.mesh_checks import validate_pipeline
 from jaxzero.config.overrides import (MOVED_KEYS, apply_overrides, as_dotted, check_literals,
                                       check_types, override)
 from jaxzero.config.sections import (STRATEGIES, CheckpointConfig, Config, ContextConfig,
