@@ -52,9 +52,7 @@ def weight_flags(tx: optax.GradientTransformation, state: Any) -> list[bool]:
 def nest(name: str, value: Any) -> dict:
   """{"layers": {"w_up_LxDxF": value}} for "layers/w_up_LxDxF": the optimizer's
   decay mask goes by these names."""
-  for key in reversed(name.split("/")):
-    value = {key: value}
-  return value
+  return _nested({name: value})
 
 
 def update_chunk(cfg, inner: optax.GradientTransformation, name: str, grad_sum: jax.Array,
@@ -146,7 +144,7 @@ def _halves(shape: tuple) -> list:
 
 
 def _nested(flat: dict) -> dict:
-  """{"a/b": x, "a/c": y} -> {"a": {"b": x, "c": y}}."""
+  """{"a/b": x, "a/c": y} -> {"a": {"b": x, "c": y}} (nest, for several names)."""
   tree: dict = {}
   for name, value in flat.items():
     *path, last = name.split("/")
