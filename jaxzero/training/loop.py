@@ -15,6 +15,8 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from orbax.checkpoint import multihost
 
 from jaxzero import engine as engine_lib
@@ -39,7 +41,8 @@ from jaxzero.runners.choose import make_runner
 from jaxzero.runtime import peerwatch
 from jaxzero.training import banner, evaluation, profiling, tracking
 from jaxzero.training import workdir as workdir_lib
-from jaxzero.training.metrics import MetricsLogger, PendingMetrics, drop_metrics_after
+from jaxzero.training.metrics import (MetricsLogger, PendingMetrics, drop_metrics_after,
+                                      nonfinite_streak)
 from jaxzero.training.preemption import StopSignals
 
 log = logging.getLogger(__name__)
@@ -170,6 +173,7 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
     if resume_step is not None:
       _set_aside_later(checkpoints, start)
     drop_metrics_after(workdir / "metrics.jsonl", start)
+    in_a_row = _nonfinite_in_a_row(workdir, start)
     history = []
     if start < total:
       evaluator = (evaluation.Evaluator(run.program, run.eval_batches, state)
@@ -178,7 +182,7 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
       tracker = tracking.start(cfg, workdir, banner.figures(run, budget))
       with stop:
         state, history = _train_steps(run, compiled, state, start, total, workdir, checkpoints,
-                                      stop, progress, evaluator, tracker, memory)
+                                      stop, progress, evaluator, tracker, memory, in_a_row)
     step = int(state.step)
     saved = None
     # Every process decides alike: a stop agreed between them ends all at one step short
@@ -290,6 +294,15 @@ def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,
   return state
 
 
+def _nonfinite_in_a_row(workdir: pathlib.Path, start: int) -> int:
+  """The non-finite steps in a row that end steps 1..`start`, as metrics.jsonl (process
+  0's) records them, agreed by every process."""
+  in_a_row = nonfinite_streak(workdir / "metrics.jsonl", start) if jax.process_index() == 0 else 0
+  if jax.process_count() > 1:
+    in_a_row = int(multihost_utils.broadcast_one_to_all(np.int32(in_a_row)))
+  return in_a_row
+
+
 def _set_aside_later(checkpoints: checkpoint_lib.Checkpointer, start: int) -> None:
   """After --resume-step: checkpoints past it belong to the abandoned history;
   moved aside (nothing is deleted) so that the run saves those steps anew."""
@@ -314,12 +327,13 @@ def _compile(run: Run, state, start: int):
 def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pathlib.Path,
                  checkpoints: checkpoint_lib.Checkpointer, stop: StopSignals, progress: bool,
                  evaluator: evaluation.Evaluator | None = None, tracker=None,
-                 memory: memory_measure.FirstStepMemory | None = None):
+                 memory: memory_measure.FirstStepMemory | None = None, in_a_row: int = 0):
   """Steps `start`..`total` (or until a stop signal); returns (state, logged metrics).
 
   Evaluates the held-out split before the first step, every eval.every steps
   and at `total`; traces the steps profile.steps names; after the first step,
-  compares the memory the run uses with what the check predicted.
+  compares the memory the run uses with what the check predicted. `in_a_row` non-finite
+  steps ended the trained part (a resumed run's streak goes on).
   """
   cfg = run.cfg
   logger = MetricsLogger(workdir, total_steps=total, start=start, progress=progress,
@@ -329,7 +343,7 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
                            model_flops_per_token(cfg, run.program.n_params, run.program.n_frozen),
                            run.devices,
                            returns_when_done=run.runner.device_program == "gradients")
-  guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_nonfinite, checkpoints)
+  guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_nonfinite, checkpoints, in_a_row)
   done = start
   try:
     if evaluator is not None and start == 0:
@@ -377,9 +391,10 @@ class NonFiniteGuard:
   every checkpoint stay finite; this decides whether training goes on.
   """
 
-  def __init__(self, mode: str, max_in_a_row: int, checkpoints: checkpoint_lib.Checkpointer):
+  def __init__(self, mode: str, max_in_a_row: int, checkpoints: checkpoint_lib.Checkpointer,
+               in_a_row: int = 0):
     self.mode, self.max_in_a_row, self.checkpoints = mode, max_in_a_row, checkpoints
-    self.in_a_row = 0
+    self.in_a_row = in_a_row
 
   def check(self, records: list[dict]) -> None:
     """Raises NonFiniteError when train.nonfinite says to stop."""

@@ -262,6 +262,18 @@ def drop_metrics_after(path: pathlib.Path, step: int) -> None:
   log.info("dropped %d metrics records past step %d from %s", len(lines) - len(kept), step, path)
 
 
+def nonfinite_streak(path: pathlib.Path, step: int) -> int:
+  """How many steps up to `step` in a row metrics.jsonl records as not finite: the
+  non-finite guard's count, which a resumed run carries on (train.max_nonfinite)."""
+  if not path.exists():
+    return 0
+  streak = 0
+  for line in path.read_text(encoding="utf-8").splitlines():
+    if _logged_step(line) <= step:
+      streak = streak + 1 if json.loads(line).get("nonfinite") else 0
+  return streak
+
+
 def _logged_step(line: str) -> float:
   try:
     return json.loads(line)["step"]

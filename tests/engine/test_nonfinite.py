@@ -24,16 +24,19 @@ POISONED_STEP = 3  # 1-based, as in metrics.jsonl
 def poison(monkeypatch):
   """Makes the loss NaN on the batch of POISONED_STEP: the whole batch at stage 3,
   the first device's rows at stage 0 (where the loss is taken per device)."""
-  def arm(cfg):
+  def arm(cfg, steps=(POISONED_STEP,)):
     run = loop.build(cfg, jax.devices()[:8])
-    tokens = run.batches(POISONED_STEP - 1)[0]
-    rows = tokens if cfg.zero.stage == 3 else tokens[:len(tokens) // 8]
-    marker = int(rows[:, 1:].astype(np.int64).sum())
+    markers = []
+    for step in steps:
+      tokens = run.batches(step - 1)[0]
+      rows = tokens if cfg.zero.stage == 3 else tokens[:len(tokens) // 8]
+      markers.append(int(rows[:, 1:].astype(np.int64).sum()))
     real = trainable.cross_entropy
 
     def poisoned(x, head, labels, **kw):
       loss = real(x, head, labels, **kw)
-      return jnp.where(labels.astype(jnp.int32).sum() == marker, jnp.nan, loss)
+      hit = jnp.isin(labels.astype(jnp.int32).sum(), jnp.asarray(markers))
+      return jnp.where(hit, jnp.nan, loss)
     monkeypatch.setattr(trainable, "cross_entropy", poisoned)
   return arm
 
@@ -67,3 +70,14 @@ def test_skip_drops_that_update_and_trains_on(stage, poison, tmp_path):
                                 master_at(tmp_path, POISONED_STEP - 1))
   assert not np.array_equal(master_at(tmp_path, 5), master_at(tmp_path, POISONED_STEP))
 
+
+
+def test_a_resumed_run_carries_on_the_streak_of_non_finite_steps(poison, tmp_path):
+  """train.max_nonfinite=2 counts steps in a row across a stop and a resume: step 3 is
+  skipped, the run stops and resumes at 3, and step 4 is the second in a row."""
+  cfg = tiny_config(3, "skip")
+  poison(cfg, steps=(POISONED_STEP, POISONED_STEP + 1))
+  loop.train(cfg, tmp_path, steps=POISONED_STEP, devices=jax.devices()[:8], progress=False)
+  with pytest.raises(NonFiniteError, match="2 in a row reached train.max_nonfinite=2"):
+    loop.train(cfg, tmp_path, devices=jax.devices()[:8], progress=False)
+  assert latest_step(tmp_path) == POISONED_STEP
