@@ -2,7 +2,8 @@
 
 Rehearses a multi-host run on one machine: N ``jaxzero.train`` processes, each
 with K virtual CPU devices, joined by ``jax.distributed`` over loopback and
-talking through gloo. Output lines carry the process rank. When one process
+talking through gloo. Bad training arguments are refused in one line before any
+process starts. Output lines carry the process rank. When one process
 fails the launcher stops the others and exits with that process's error, so
 nothing waits on a dead peer; Ctrl-C is forwarded to every process.
 """
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 
-from jaxzero import cli
+from jaxzero import cli, train
 from jaxzero.runtime import distributed
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -52,6 +53,10 @@ def main(argv=None) -> int:
     parser.error("--nproc and --devices-per-proc must be at least 1")
   if train_args is None:
     parser.error(hint)
+  # Bad training arguments are said once, before any process starts (each would say it).
+  refused = train.check_arguments(train_args)
+  if refused:
+    return refused
   return Launch(args.nproc, args.devices_per_proc, train_args).run()
 
 

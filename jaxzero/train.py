@@ -51,9 +51,9 @@ def _leave_at_once(_signum, _frame) -> None:
   os._exit(INTERRUPTED)  # pylint: disable=protected-access
 
 
-def _main(argv) -> int:
+def _parse(argv):
+  """(parser, args), with the checks that need no config."""
   from jaxzero import cli  # pylint: disable=import-outside-toplevel
-  from jaxzero.runtime import distributed  # pylint: disable=import-outside-toplevel
   parser = cli.Parser(prog="jaxzero.train", description="Train a Llama model with ZeRO/FSDP.")
   cli.add_config_args(parser)
   parser.add_argument("--deepspeed", metavar="ds_config.json",
@@ -83,6 +83,43 @@ def _main(argv) -> int:
   if args.workdir == "":
     parser.error("--workdir is empty; name a directory, or leave --workdir out for "
                  f"runs/{pathlib.Path(args.config).stem}")
+  if args.steps is not None and args.steps < 1:
+    parser.error(f"--steps={args.steps} must be at least 1")
+  if args.resume_step is not None and args.resume_step < 0:
+    parser.error(f"--resume-step={args.resume_step} must be a checkpoint's step (>= 0)")
+  return parser, args
+
+
+def _check_steps(parser, args, cfg) -> None:
+  if args.steps is not None and args.steps > cfg.train.steps:
+    parser.error(f"--steps={args.steps} is past train.steps={cfg.train.steps}, where the "
+                 "learning-rate schedule ends; raise train.steps (--set train.steps="
+                 f"{args.steps}) to train that far")
+
+
+def check_arguments(argv: list[str]) -> int:
+  """0 when `argv` parses and its config loads; else 2, its error said in one line.
+
+  For a launcher, before it starts processes that would each say the same error.
+  """
+  from jaxzero import cli  # pylint: disable=import-outside-toplevel
+  try:
+    parser, args = _parse(argv)
+  except SystemExit as e:  # argparse's error, already printed
+    return e.code or 0
+
+  def body():
+    _check_steps(parser, args, cli.load_config(args).cfg)
+  try:
+    return cli.run_main(parser.prog, body)
+  except SystemExit as e:
+    return e.code or 0
+
+
+def _main(argv) -> int:
+  from jaxzero import cli  # pylint: disable=import-outside-toplevel
+  from jaxzero.runtime import distributed  # pylint: disable=import-outside-toplevel
+  parser, args = _parse(argv)
 
   def body():
     loaded = cli.load_config(args)  # before JAX starts: creates virtual CPU devices
@@ -93,14 +130,7 @@ def _main(argv) -> int:
     distributed.initialize(loaded.cfg, prog=parser.prog)  # joins the other processes, if any
     import jax  # pylint: disable=import-outside-toplevel
     cfg = loaded.resolve(jax.device_count())  # "auto" batch sizes, on every process's devices
-    if args.steps is not None and args.steps < 1:
-      parser.error(f"--steps={args.steps} must be at least 1")
-    if args.steps is not None and args.steps > cfg.train.steps:
-      parser.error(f"--steps={args.steps} is past train.steps={cfg.train.steps}, where the "
-                   "learning-rate schedule ends; raise train.steps (--set train.steps="
-                   f"{args.steps}) to train that far")
-    if args.resume_step is not None and args.resume_step < 0:
-      parser.error(f"--resume-step={args.resume_step} must be a checkpoint's step (>= 0)")
+    _check_steps(parser, args, cfg)
     workdir = pathlib.Path(args.workdir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
     from jaxzero.training import loop  # pylint: disable=import-outside-toplevel
     outcome = loop.run_training(cfg, workdir, steps=args.steps, progress=not args.no_progress,

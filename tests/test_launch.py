@@ -230,11 +230,22 @@ def wait_for(condition, launcher, timeout_s=300):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_failing_process_ends_the_launch_with_its_error(tmp_path, launch_env):
-  result = run_python(*launch_args(tmp_path, "--set", "zero.stage=5"), env=launch_env,
-                      timeout=120)
+  # --resume finds no checkpoint only once the processes run.
+  result = run_python(*launch_args(tmp_path, "--resume"), env=launch_env, timeout=120)
   assert result.returncode == 2
   assert re.search(r"error: process \d \(pid \d+\) exited with code 2", result.stderr)
-  assert "jaxzero.train: error: zero.stage='5' is not valid" in result.stderr.split("exited")[-1]
+  assert ("jaxzero.train: error: --resume: there is no checkpoint to resume"
+          in result.stderr.split("exited")[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", [["--set", "zero.stage=5"], ["--steps", "100000"]])
+def test_bad_training_arguments_are_one_line_before_any_process_starts(tmp_path, bad):
+  result = run_python(*launch_args(tmp_path, *bad), timeout=60)
+  assert result.returncode == 2
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert result.stderr.startswith("jaxzero.train: error: ")
+  assert "started" not in result.stdout + result.stderr
 
 
 @pytest.mark.slow
