@@ -127,14 +127,25 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
   return tr
 
 
+# Accelerate hands fsdp_config's values to the training process as text, str(value).lower(),
+# and reads a boolean back with its str_to_bool, which takes these.
+_TRUE_TEXT = ("y", "yes", "t", "true", "on", "1")
+_FALSE_TEXT = ("n", "no", "f", "false", "off", "0")
+
+
+def _truth(value) -> bool | None:
+  """`value` as Accelerate's str_to_bool reads it; None where that raises."""
+  text = str(value).lower()
+  return True if text in _TRUE_TEXT else False if text in _FALSE_TEXT else None
+
+
 def _flag(tr: Translation, fsdp: dict, key: str) -> bool:
-  """fsdp_config's boolean `key`: true or false, or the text "true" or "false" in any case
-  (Accelerate hands its values on as text and reads them back so); absent is false."""
-  value = fsdp.get(key, False)
-  if isinstance(value, str) and value.lower() in ("true", "false"):
-    return value.lower() == "true"
-  if not isinstance(value, bool):
-    raise tr.error(f"fsdp_config.{key}={value!r} is not valid; choose true or false")
+  """fsdp_config's boolean `key`, read as Accelerate reads it (true/false, yes/no, on/off,
+  1/0, in any case); absent is false."""
+  value = _truth(fsdp.get(key, False))
+  if value is None:
+    raise tr.error(f"fsdp_config.{key}={fsdp[key]!r} is not valid; choose true or false "
+                   "(or yes/no, on/off, 1/0, as Accelerate reads them)")
   return value
 
 
@@ -161,14 +172,18 @@ def _parallelism(tr: Translation, block: dict) -> None:
 
 def _strategy(tr: Translation, fsdp: dict) -> str | None:
   """zero.strategy from fsdp_sharding_strategy (a name or 1-5) or FSDP2's
-  fsdp_reshard_after_forward (true = FULL_SHARD, false = SHARD_GRAD_OP, or a name)."""
+  fsdp_reshard_after_forward (true = FULL_SHARD, false = SHARD_GRAD_OP, or a name).
+  Under fsdp_version 2 Accelerate reads the latter as a boolean only (1/0 too); under
+  version 1 a digit there is a strategy's number."""
   names = []
   for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
     if key not in fsdp:
       continue
     value = fsdp[key]
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-      value = value.lower() == "true"  # as _flag reads it
+    as_bool = key == "fsdp_reshard_after_forward" and str(fsdp.get("fsdp_version")) == "2"
+    if (as_bool or (isinstance(value, str) and not value.isdigit())) and (
+        _truth(value) is not None):
+      value = _truth(value)  # as _flag reads it
     if isinstance(value, bool):
       value = "FULL_SHARD" if value else "SHARD_GRAD_OP"
     elif isinstance(value, int) or (isinstance(value, str) and value.isdigit()):

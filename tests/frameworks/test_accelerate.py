@@ -84,7 +84,8 @@ def test_fsdp2_reshard_after_forward(reshard, expected):
 
 
 @pytest.mark.parametrize("text, on", [("'false'", False), ('"FALSE"', False),
-                                      ('"true"', True), ("True", True)])
+                                      ('"true"', True), ("True", True), ("1", True),
+                                      ("0", False), ("'yes'", True), ('"Off"', False)])
 def test_booleans_written_as_text_read_as_accelerate_reads_them(text, on):
   cfg = from_yaml(ACCELERATE_FSDP.format(strategy=1)
                   .replace("fsdp_offload_params: false", f"fsdp_offload_params: {text}")
@@ -179,8 +180,8 @@ def test_fp8_mixed_precision_is_fp8_matmuls_around_bf16():
                                                 "fsdp_offload_params: maybe"),
      "fsdp.yaml: fsdp_config.fsdp_offload_params='maybe' is not valid; choose true or false"),
     (ACCELERATE_FSDP.format(strategy=1).replace("fsdp_activation_checkpointing: false",
-                                                "fsdp_activation_checkpointing: 1"),
-     "fsdp_config.fsdp_activation_checkpointing=1 is not valid; choose true or false"),
+                                                "fsdp_activation_checkpointing: 2"),
+     "fsdp_config.fsdp_activation_checkpointing=2 is not valid; choose true or false"),
 ])
 def test_bad_accelerate_config_is_one_line_and_exit_code_2(text, message, tmp_path, capsys):
   path = tmp_path / "fsdp.yaml"
