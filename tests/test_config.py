@@ -108,6 +108,8 @@ def test_settings_that_would_do_nothing_are_one_line(assignments, expected):
 
 
 @pytest.mark.parametrize("assignments, expected", [
+    (["data.source=corpus/*.txt", "data.max_bytes=1000"], "data.max_bytes=1000 caps the "
+     "built-in stdlib corpus; data.source='corpus/*.txt' is read whole"),
     (["data.eos_token=<|eot_id|>"], "data.eos_token='<|eot_id|>' names a token of a Hugging "
      "Face tokenizer; data.tokenizer='byte' ends each document with byte 0"),
     (["train.steps=2", "profile.steps=5:6"], "profile.steps='5:6' starts after train.steps=2: "

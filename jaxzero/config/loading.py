@@ -299,6 +299,9 @@ def _validate_data_format(cfg: Config) -> None:
     raise ConfigError(f"data.eos_token={d.eos_token!r} names a token of a Hugging Face "
                       "tokenizer; data.tokenizer='byte' ends each document with byte 0: "
                       "leave data.eos_token unset, or set data.tokenizer")
+  if d.source != "stdlib" and _changed(d, "data", ["max_bytes"]):
+    raise ConfigError(f"data.max_bytes={d.max_bytes} caps the built-in stdlib corpus; "
+                      f"data.source={d.source!r} is read whole (list fewer files to read less)")
   if d.format == "text":
     if d.packing:
       raise ConfigError("data.packing packs fine-tuning examples (data.format=chat|"

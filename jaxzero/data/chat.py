@@ -203,7 +203,9 @@ def record_text(record, fmt: str, template: ChatTemplate | None
     if key not in record:
       raise Skip(f"no {key!r} field")
   prompt, completion = record["prompt"], record["completion"]
-  if isinstance(prompt, str) and isinstance(completion, str):
+  if isinstance(prompt, str) != isinstance(completion, str):
+    raise Skip("'prompt' and 'completion' are not both strings or both lists of messages")
+  if isinstance(prompt, str):
     if not completion:
       raise Skip("an empty completion")
     return prompt + completion, [(len(prompt), len(prompt) + len(completion))], True
@@ -236,9 +238,14 @@ def _chat(messages: list[dict], template: ChatTemplate, last: int):
 
 
 def _messages(record: dict, key: str) -> list[dict]:
+  """The record's messages, each without its keys valued None, as transformers'
+  apply_chat_template hands them to a template (a Parquet column gives every message
+  every key: `tool_calls: None` where a message has none)."""
   messages = record.get(key)
   if not isinstance(messages, list) or not messages:
     raise Skip(f"no {key!r} list" if key not in record else f"{key!r} is not a list of messages")
+  messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+              for m in messages]
   for message in messages:
     if not isinstance(message, dict) or not isinstance(message.get("content"), str):
       raise Skip(f"a message without string 'content' in {key!r}")

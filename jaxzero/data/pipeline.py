@@ -58,8 +58,12 @@ def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
   rows_of = lambda ex, accum, n, order: sft.ExampleBatches(
       ex, t.seq_len, accum, n, cfg.seed, packing=d.packing, overlong=d.overlong, order=order)
   train = rows_of(examples, t.grad_accum, rows, "epochs")
-  evaluation = None if held_out is None else rows_of(held_out, cfg.eval.batches, eval_rows,
-                                                     "fixed")
+  evaluation = None
+  if held_out is not None:
+    try:
+      evaluation = rows_of(held_out, cfg.eval.batches, eval_rows, "fixed")
+    except DataError as e:  # the training examples fit: say which split this is
+      raise DataError(f"the held-out examples ({_held_out_name(d)}): {e}") from e
   return RunData(train, evaluation, _describe_examples(d, examples, train))
 
 

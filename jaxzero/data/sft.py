@@ -26,6 +26,7 @@ from typing import Iterator
 import numpy as np
 
 from jaxzero.data import batches as batches_lib
+from jaxzero.data import cache as cache_lib
 from jaxzero.data import chat
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import DataError
@@ -69,15 +70,15 @@ def open_examples(data, workdir, *, model_vocab_size: int | None = None,
     raise DataError(f"data.format='chat' needs a chat template: data.tokenizer="
                     f"{data.tokenizer!r} has none beside it; set data.chat_template")
   digest = template.digest if template else ""
-  cache = (tokens_lib.cache_root(data, workdir) /
-           tokens_lib.cache_name(data, tokenizer, data.format, digest, f"sft{CACHE_FORMAT}"))
-  want = dict(tokens_lib.index_header(files, tokenizer, data.text_field),
+  cache = (cache_lib.cache_root(data, workdir) /
+           cache_lib.cache_name(data, tokenizer, data.format, digest, f"sft{CACHE_FORMAT}"))
+  want = dict(cache_lib.index_header(files, tokenizer, data.text_field),
               data_format=data.format, template_sha256=digest, sft_format=CACHE_FORMAT)
-  index = tokens_lib.cached(cache, want, _read_index,
+  index = cache_lib.cached(cache, want, _read_index,
                             lambda: _tokenize(files, tokenizer, template, data, cache, want,
                                               progress))
   n = index["tokens"]
-  return Examples(np.memmap(cache / tokens_lib.TOKENS_FILE, index["dtype"], "r", shape=(n,)),
+  return Examples(np.memmap(cache / cache_lib.TOKENS_FILE, index["dtype"], "r", shape=(n,)),
                   np.memmap(cache / MASK_FILE, np.uint8, "r", shape=(n,)),
                   np.fromfile(cache / STARTS_FILE, np.int64), tokenizer.vocab_size,
                   index["skipped"])
@@ -95,7 +96,7 @@ def split(examples: Examples, fraction: float) -> tuple[Examples, Examples | Non
 
 
 def _read_index(cache: pathlib.Path) -> dict | None:
-  index = tokens_lib.read_index(cache)
+  index = cache_lib.read_index(cache)
   try:
     ok = index is not None and (cache / MASK_FILE).stat().st_size == index["tokens"] and (
         cache / STARTS_FILE).stat().st_size == 8 * (index["examples"] + 1)
@@ -146,10 +147,10 @@ class _Writer:
         encoded[i] = result
     for (where, _text, spans, plain), (ids, offsets, added) in zip(pending, encoded):
       ids = np.asarray(ids, self.tokenizer.dtype)
-      starts = np.asarray(offsets).reshape(-1, 2)[:, 0]
+      starts, ends = np.asarray(offsets).reshape(-1, 2).T
       target = np.zeros(ids.size, bool)
-      for start, end in spans:
-        target |= (starts >= start) & (starts < end)
+      for start, end in spans:  # every token with a character in a span, as transformers'
+        target |= (ends > start) & (starts < end)  # assistant_masks marks them
       target &= ~np.asarray(added, bool)  # a start token the tokenizer adds is not a target
       if plain:  # the end-of-text token ends the completion, and is learned
         sep = np.asarray(self.tokenizer.separator, ids.dtype)
@@ -165,12 +166,10 @@ class _Writer:
       self.starts.append(self.starts[-1] + ids.size)
 
 
-def _tokenize(files, tokenizer, template, data, cache: pathlib.Path, header: dict,
-              progress: bool) -> dict:
-  """Writes the token, mask and offset files, then the index (each by atomic rename)."""
+def _write_examples(files, tokenizer, template, data, partial: dict, progress: bool):
+  """Tokenizes every record into the partial token and mask files; returns the writer."""
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  partial = {name: cache / f"{name}.tmp" for name in (tokens_lib.TOKENS_FILE, MASK_FILE)}
-  with open(partial[tokens_lib.TOKENS_FILE], "wb") as tok, open(partial[MASK_FILE], "wb") as mask:
+  with open(partial[cache_lib.TOKENS_FILE], "wb") as tok, open(partial[MASK_FILE], "wb") as mask:
     writer = _Writer(tokenizer, tok, mask)
     for path in tqdm(files, desc=f"tokenizing {len(files)} files", disable=not progress):
       pending = []
@@ -178,26 +177,38 @@ def _tokenize(files, tokenizer, template, data, cache: pathlib.Path, header: dic
         try:
           if isinstance(record, chat.Skip):
             raise record
-          pending.append((where, *chat.record_text(record, data.format, template)))
+          text, spans, plain = chat.record_text(record, data.format, template)
+          if not tokens_lib.is_unicode(text):
+            raise chat.Skip("a lone UTF-16 surrogate (half of a character)")
+          pending.append((where, text, spans, plain))
         except chat.Skip as reason:
           writer.skip(where, str(reason))
         if len(pending) == tokens_lib.ENCODE_BATCH:
           writer.add(pending)
           pending = []
       writer.add(pending)
-  n_examples = len(writer.starts) - 1
-  if not n_examples:
-    reasons = "; ".join(f"{k} ({v['count']}, first at {v['first']})"
-                        for k, v in writer.skipped.items())
-    raise DataError(f"data.source={data.source!r} holds no usable {data.format} example "
-                    f"({reasons or 'no records'})")
+  return writer
+
+
+def _tokenize(files, tokenizer, template, data, cache: pathlib.Path, header: dict,
+              progress: bool) -> dict:
+  """Writes the token, mask and offset files, then the index (each by atomic rename)."""
+  partial = {name: cache / f"{name}.tmp" for name in (cache_lib.TOKENS_FILE, MASK_FILE)}
+  with cache_lib.remove_on_failure(list(partial.values())):
+    writer = _write_examples(files, tokenizer, template, data, partial, progress)
+    n_examples = len(writer.starts) - 1
+    if not n_examples:
+      reasons = "; ".join(f"{k} ({v['count']}, first at {v['first']})"
+                          for k, v in writer.skipped.items())
+      raise DataError(f"data.source={data.source!r} holds no usable {data.format} example "
+                      f"({reasons or 'no records'})")
   for name, path in partial.items():
     path.replace(cache / name)
   np.asarray(writer.starts, np.int64).tofile(cache / STARTS_FILE)
   index = dict(header, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
                dtype=tokenizer.dtype.name, tokens=writer.starts[-1], examples=n_examples,
                skipped=writer.skipped)
-  write_json_atomic(cache / tokens_lib.INDEX_FILE, index)
+  write_json_atomic(cache / cache_lib.INDEX_FILE, index)
   return index
 
 

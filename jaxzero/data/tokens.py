@@ -10,21 +10,20 @@ followed by the tokenizer's end-of-text token (NUL for bytes); jaxzero.data.batc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import functools
 import glob
 import hashlib
 import json
 import os
 import pathlib
-import re
 import sysconfig
 from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
+from jaxzero.data.cache import (INDEX_FILE, TOKENS_FILE, cache_name, cache_root, cached,
+                                index_header, read_index, remove_on_failure)
 from jaxzero.errors import DataError
 from jaxzero.utils.files import write_json_atomic
 
@@ -36,8 +35,6 @@ SUFFIXES = (".txt", ".jsonl", ".parquet")
 # Llama 3, GPT-2/NeoX/Qwen, Llama 1-2/Mistral, Gemma.
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 # Bump when the token file layout or the tokenization rules change.
-CACHE_FORMAT = 1
-TOKENS_FILE, INDEX_FILE = "tokens.bin", "index.json"
 # .txt documents are tokenized in line-aligned pieces of about this many characters.
 TEXT_CHUNK = 1 << 20
 # Pieces encoded per call of the tokenizer (it parallelises within a call).
@@ -186,7 +183,19 @@ def _json_text(line: bytes, field: str, path: pathlib.Path, line_no: int) -> str
   text = record[field]
   if not isinstance(text, str):
     raise DataError(f"{path}:{line_no}: field {field!r} is {type(text).__name__}, not a string")
+  if not is_unicode(text):
+    raise DataError(f"{path}:{line_no}: field {field!r} holds a lone UTF-16 surrogate (a "
+                    "\\ud800-\\udfff escape, half of a character), which no tokenizer encodes")
   return text
+
+
+def is_unicode(text: str) -> bool:
+  """Whether `text` encodes as UTF-8: a JSON string can hold half of a surrogate pair."""
+  try:
+    text.encode()
+  except UnicodeEncodeError:
+    return False
+  return True
 
 
 def open_parquet(path: pathlib.Path):
@@ -309,75 +318,6 @@ def _open_files(data, workdir, progress: bool, model_vocab_size: int | None) -> 
   return TokenSource(tokens, tokenizer.vocab_size, "epochs", cache)
 
 
-def cache_root(data, workdir) -> pathlib.Path:
-  if data.cache_dir:
-    return pathlib.Path(data.cache_dir).expanduser()
-  if workdir is None:
-    raise DataError("set data.cache_dir (or pass a workdir) to tokenize "
-                    f"data.source={data.source!r}")
-  return pathlib.Path(workdir) / "data_cache"
-
-
-def cache_name(data, tokenizer: TextTokenizer, *more: str) -> str:
-  """A directory per (source, tokenizer, field, `more`): switching back and forth reuses
-  each."""
-  key = json.dumps([os.path.abspath(os.path.expanduser(data.source)), tokenizer.digest,
-                    tokenizer.separator, data.text_field, *more])
-  readable = re.sub(r"[^A-Za-z0-9._-]+", "_", data.source.strip("/"))[-48:].strip("_")
-  return f"{readable or 'data'}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
-def index_header(files: list[pathlib.Path], tokenizer: TextTokenizer, text_field: str) -> dict:
-  """The index fields that must equal the current inputs for the cache to be reused."""
-  stats = [(f, f.stat()) for f in files]
-  return {
-      "format": CACHE_FORMAT,
-      "tokenizer_sha256": tokenizer.digest,
-      "separator": list(tokenizer.separator),
-      "text_field": text_field,
-      "files": [{"path": str(f), "bytes": s.st_size, "mtime_ns": s.st_mtime_ns}
-                for f, s in stats],
-  }
-
-
-def reusable(index: dict | None, want: dict) -> bool:
-  if index is None:
-    return False
-  files = [{k: f.get(k) for k in ("path", "bytes", "mtime_ns")} for f in index.get("files") or []]
-  return files == want["files"] and all(index.get(k) == v for k, v in want.items()
-                                         if k != "files")
-
-
-def read_index(cache: pathlib.Path) -> dict | None:
-  """The index, or None if absent, unreadable or not matching its token file."""
-  try:
-    index = json.loads((cache / INDEX_FILE).read_text())
-    size = (cache / TOKENS_FILE).stat().st_size
-    return index if size == index["tokens"] * np.dtype(index["dtype"]).itemsize else None
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
-
-
-def cached(cache: pathlib.Path, want: dict, read: Callable[[pathlib.Path], dict | None],
-           build: Callable[[], dict]) -> dict:
-  """The index of `cache` if `read` finds one matching `want` (reusable), else `build()`'s.
-  One process builds; others started at the same time wait, then reuse."""
-  cache.mkdir(parents=True, exist_ok=True)
-  with locked(cache / "lock"):
-    index = read(cache)
-    return index if reusable(index, want) else build()
-
-
-@contextlib.contextmanager
-def locked(path: pathlib.Path):
-  with open(path, "a") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _tokenize(files: list[pathlib.Path], tokenizer: TextTokenizer, text_field: str,
               cache: pathlib.Path, header: dict, progress: bool) -> dict:
   """Writes the token file and then its index (each by atomic rename)."""
@@ -387,13 +327,13 @@ def _tokenize(files: list[pathlib.Path], tokenizer: TextTokenizer, text_field: s
              disable=not progress)
   partial = cache / f"{TOKENS_FILE}.{os.getpid()}.tmp"
   counts = []
-  with open(partial, "wb") as out, bar:
-    for path in files:
-      counts.append(_tokenize_file(path, tokenizer, text_field, out, bar))
-  n_tokens = sum(c["tokens"] for c in counts)
-  if n_tokens == 0:
-    partial.unlink()
-    raise DataError(f"the {len(files)} files of data.source hold no text")
+  with remove_on_failure([partial]):
+    with open(partial, "wb") as out, bar:
+      for path in files:
+        counts.append(_tokenize_file(path, tokenizer, text_field, out, bar))
+    n_tokens = sum(c["tokens"] for c in counts)
+    if n_tokens == 0:
+      raise DataError(f"the {len(files)} files of data.source hold no text")
   os.replace(partial, cache / TOKENS_FILE)
   index = dict(header, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
                dtype=tokenizer.dtype.name, tokens=n_tokens)

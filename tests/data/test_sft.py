@@ -335,3 +335,103 @@ def test_bad_fine_tuning_data_is_one_line(setting, message, tmp_path):
 def test_fine_tuning_settings_that_do_not_go_together_are_one_line(overrides, message):
   with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     config.validate(config.apply_overrides(config.base(), overrides))
+
+
+def test_a_token_across_the_start_of_a_reply_is_a_target_as_in_transformers(tokenizer_dir,
+                                                                            tmp_path):
+  """With a space before the reply (`<|assistant|> three`), byte-level BPE makes one token
+  of " three": transformers' assistant mask takes every token with a character in the
+  reply, so that token is learned."""
+  from transformers import AutoTokenizer
+  hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+  spaced = TEMPLATE.replace("'|>\n'", "'|> '")
+  assert spaced != TEMPLATE
+  messages = [{"role": "user", "content": "what is two and three"},
+              {"role": "assistant", "content": "three"}]
+  want = hf.apply_chat_template(messages, chat_template=spaced, tokenize=True, return_dict=True,
+                                return_assistant_tokens_mask=True)
+  assert "Ġthree" in hf.convert_ids_to_tokens(want["input_ids"])  # the token across the start
+  template = tmp_path / "spaced.jinja"
+  template.write_text(spaced)
+  source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+  examples = sft.open_examples(DataConfig(source=str(source), format="chat",
+                                          tokenizer=str(tokenizer_dir),
+                                          chat_template=str(template)), tmp_path, progress=False)
+  np.testing.assert_array_equal(examples.tokens[:], want["input_ids"])
+  np.testing.assert_array_equal(examples.mask[:], want["assistant_masks"])
+
+
+def test_message_keys_valued_none_are_left_out_as_transformers_does(tmp_path):
+  """A Parquet column gives every message every key (`tool_calls: None`); transformers drops
+  such keys before the template sees them, so a template testing `'tool_calls' in m`
+  renders the message as it has none."""
+  asks_tools = write_template(tmp_path).read_text().replace(
+      "{% for m in messages %}",
+      "{% for m in messages %}{% if 'tool_calls' in m %}{{ m['tool_calls'] | length }}{% endif %}")
+  chats = [[{**m, "tool_calls": None} for m in c] for c in CHATS]
+  source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in chats])
+  examples = sft.open_examples(
+      DataConfig(source=str(source), format="chat",
+                 chat_template=str(write_template(tmp_path, asks_tools))), tmp_path,
+      progress=False)
+  assert len(examples) == len(CHATS) and not examples.skipped
+
+
+def test_a_lone_surrogate_is_one_line_in_text_and_a_skipped_record_in_chat(tmp_path):
+  from jaxzero.data import tokens as tokens_lib
+  from jaxzero.errors import DataError
+  half_emoji = '"bad \\ud83d half emoji"'
+  text = tmp_path / "text.jsonl"
+  text.write_text('{"text": "fine"}\n{"text": ' + half_emoji + '}\n')
+  with pytest.raises(DataError, match=r"text.jsonl:2: field 'text' holds a lone UTF-16 surrogate"):
+    tokens_lib.open_tokens(DataConfig(source=str(text)), tmp_path, progress=False)
+  chat_file = tmp_path / "chat.jsonl"
+  chat_file.write_text(json.dumps({"messages": CHATS[0]}) + "\n" + '{"messages": [{"role": '
+                       '"user", "content": ' + half_emoji + '}, {"role": "assistant", '
+                       '"content": "x"}]}\n')
+  examples = sft.open_examples(DataConfig(source=str(chat_file), format="chat",
+                                          chat_template=str(write_template(tmp_path))),
+                               tmp_path, progress=False)
+  assert len(examples) == 1 and examples.skipped == {
+      "a lone UTF-16 surrogate (half of a character)": {"count": 1, "first": "chat.jsonl:2"}}
+
+
+def test_a_failed_tokenization_leaves_no_partial_file(tmp_path):
+  from jaxzero.data import tokens as tokens_lib
+  from jaxzero.errors import DataError
+  source = write_jsonl(tmp_path / "text.jsonl", [{"text": f"line {i}"} for i in range(3000)]
+                       + ["{not json"])
+  for _ in range(2):
+    with pytest.raises(DataError, match="text.jsonl:3001: not valid JSON"):
+      tokens_lib.open_tokens(DataConfig(source=str(source), cache_dir=str(tmp_path / "cache")),
+                             None, progress=False)
+  assert not list((tmp_path / "cache").rglob("*.tmp"))
+  chat_source = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [
+      {"role": "user", "content": "no answer"}]}])
+  with pytest.raises(DataError, match="holds no usable chat example"):
+    sft.open_examples(DataConfig(source=str(chat_source), format="chat",
+                                 chat_template=str(write_template(tmp_path)),
+                                 cache_dir=str(tmp_path / "cache")), None, progress=False)
+  assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def test_a_prompt_and_completion_of_different_kinds_is_skipped_naming_both(tmp_path):
+  source = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+3=", "completion": " 5"},
+                                               {"prompt": "2+2=", "completion": 4}])
+  examples = sft.open_examples(DataConfig(source=str(source), format="prompt_completion"),
+                               tmp_path, progress=False)
+  assert len(examples) == 1 and list(examples.skipped) == [
+      "'prompt' and 'completion' are not both strings or both lists of messages"]
+
+
+def test_held_out_examples_that_fit_nowhere_are_named_as_held_out(tmp_path):
+  from jaxzero.data import pipeline
+  from jaxzero.errors import DataError
+  long_chat = [{"role": "user", "content": "and three " * 20},
+               {"role": "assistant", "content": "six " * 20}]
+  held_out = write_jsonl(tmp_path / "long.jsonl", [{"messages": long_chat}] * 4)
+  cfg = sft_config(tmp_path, f"data.eval_source={held_out}", "data.eval_fraction=0.0",
+                   "data.overlong=drop")
+  with pytest.raises(DataError, match=r"^the held-out examples \(data.eval_source='.*long.jsonl'\)"
+                                      r": no example fits train.seq_len=64"):
+    pipeline.open_data(cfg, tmp_path, 8, progress=False)
