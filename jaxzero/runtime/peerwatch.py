@@ -170,8 +170,10 @@ class _Watch:
         if self.stalls is not None:
           self.stalls.heard(peer)
           if word == PHASE:
-            when, _, name = value.partition(" ")
-            self.stalls.update(peer, name, float(when))
+            # Timed by process 0's clock when it arrives: hosts' clocks may disagree
+            # by more than the stall limit (the sender's time is on the line, unused).
+            _, _, name = value.partition(" ")
+            self.stalls.update(peer, name, time.time())
             continue
         if word in (BYE, FAILED):
           with self._lock:

@@ -119,3 +119,25 @@ def test_a_stopped_process_is_named_in_every_phase_and_the_run_goes_on(n, tmp_pa
   cfg = config.load(TINY, settings(n))
   reference = loop.train(cfg, tmp_path / "one", devices=jax.devices()[:2 * n], progress=False)
   np.testing.assert_allclose(losses, [r["loss"] for r in reference], rtol=1e-5)
+
+
+def test_a_peers_phase_is_timed_by_process_0s_clock():
+  """A host whose clock runs 90 s behind is not stalled: its phase counts from when
+  process 0 hears of it."""
+  import socket
+  from jaxzero.runtime import peerwatch
+  watch = peerwatch._Watch(0, "jaxzero.train")  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  watch.stalls = peerwatch._Stalls(watch, 2, stall_s=60, exit_s=0)
+  ours, theirs = socket.socketpair()
+  watch.add(1, ours)
+  sent = time.time()
+  theirs.sendall(f"{peerwatch.PHASE} {sent - 90:.3f} step 6\n".encode())
+  deadline = time.time() + 10
+  # pylint: disable-next=protected-access
+  while watch.stalls._phases[1][0] != "step 6" and time.time() < deadline:
+    time.sleep(0.01)
+  name, when = watch.stalls._phases[1]  # pylint: disable=protected-access
+  assert name == "step 6" and sent - 1 <= when <= time.time()
+  theirs.sendall(f"{peerwatch.BYE}\n".encode())  # a closed connection alone means lost
+  theirs.close()
