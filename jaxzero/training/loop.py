@@ -8,6 +8,7 @@ the latest complete checkpoint, on any mesh and stage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pathlib
@@ -174,22 +175,24 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
       _set_aside_later(checkpoints, start)
     drop_metrics_after(workdir / "metrics.jsonl", start)
     in_a_row = _nonfinite_in_a_row(workdir, start)
-    history = []
-    if start < total:
-      evaluator = (evaluation.Evaluator(run.program, run.eval_batches, state)
-                   if run.eval_batches is not None and cfg.eval.every else None)
-      compiled = _compile(run, state, start)
-      tracker = tracking.start(cfg, workdir, banner.figures(run, budget))
-      with stop:
+    history, saved = [], None
+    with contextlib.ExitStack() as signals:
+      if start < total:
+        evaluator = (evaluation.Evaluator(run.program, run.eval_batches, state)
+                     if run.eval_batches is not None and cfg.eval.every else None)
+        compiled = _compile(run, state, start)
+        tracker = tracking.start(cfg, workdir, banner.figures(run, budget))
+        # From here to the last save, a first SIGTERM/SIGINT stops at a step boundary and
+        # lets the save finish; a second acts at once.
+        signals.enter_context(stop)
         state, history = _train_steps(run, compiled, state, start, total, workdir, checkpoints,
                                       stop, progress, evaluator, tracker, memory, in_a_row)
-    step = int(state.step)
-    saved = None
-    # Every process decides alike: a stop agreed between them ends all at one step short
-    # of `total` (only the signalled process has `stop.received`), and they save together.
-    if cfg.checkpoint.at_end or step < total or start >= total:
-      peerwatch.phase(f"save {step}")
-      saved = run.runner.save(checkpoints, step, state, wait=True)
+      step = int(state.step)
+      # Every process decides alike: a stop agreed between them ends all at one step short
+      # of `total` (only the signalled process has `stop.received`), and they save together.
+      if cfg.checkpoint.at_end or step < total or start >= total:
+        peerwatch.phase(f"save {step}")
+        saved = run.runner.save(checkpoints, step, state, wait=True)
     peerwatch.phase("done")
   finally:
     checkpoints.close()  # waits for saves still in flight
@@ -361,14 +364,17 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
         metrics.annotate(done, fields)
         _say(line)
       evaluate = evaluator is not None and (done % cfg.eval.every == 0 or done == total)
-      logged = done % cfg.train.log_every == 0 or done == total or evaluate
+      saving = bool(cfg.checkpoint.every) and done % cfg.checkpoint.every == 0 and done < total
+      # A saved step is logged first: its records are on disk with it, and the non-finite
+      # guard has seen it (train.nonfinite=stop saves nothing past a bad step).
+      logged = done % cfg.train.log_every == 0 or done == total or evaluate or saving
       if logged:
         if evaluate:
           peerwatch.phase(f"eval {done}")
         guard.check(metrics.log(done, (lambda: evaluator(state)) if evaluate else None))
       if stop.agreed(at_sync_point=logged):
         break
-      if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < total:
+      if saving:
         peerwatch.phase(f"save {done}")
         run.runner.save(checkpoints, done, state)  # asynchronous: training goes on meanwhile
     guard.check(metrics.log(done))

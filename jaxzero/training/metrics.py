@@ -82,8 +82,10 @@ class MetricsLogger:
       self._bar = tqdm(total=total_steps, initial=start, unit="step", dynamic_ncols=True)
     if tensorboard:
       SummaryWriter = _summary_writer()  # pylint: disable=invalid-name
-      # purge_step: TensorBoard hides events a run logged past the step it resumes from.
-      self._tb = SummaryWriter(str(workdir / TB_DIR), purge_step=start or None, flush_secs=30)
+      # purge_step: TensorBoard hides the events of steps after the one this run resumes
+      # from (the run logs them again from start + 1; step `start` itself stays).
+      self._tb = SummaryWriter(str(workdir / TB_DIR), purge_step=start + 1 if start else None,
+                               flush_secs=30)
 
   def log(self, records: list[dict]) -> None:
     """Writes `records` (consecutive steps) and shows the last, a logged step."""
@@ -101,6 +103,8 @@ class MetricsLogger:
       if self._tracker is not None:
         self._tracker.log(scalars, record["step"])
     self._file.flush()
+    if self._tb is not None:  # on disk with metrics.jsonl: a killed run loses neither
+      self._tb.flush()
     last = records[-1]
     if self._bar is None:
       print(format_line(last, self.total_steps), flush=True)

@@ -5,6 +5,8 @@ function is wrapped to return NaN when it sees that batch's labels), under
 ZeRO stage 0 (gradients per device, reduced once) and stage 3.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,9 @@ def poison(monkeypatch):
 # stages differ in where the loss is taken (per device at stage 0, whole at 3).
 @pytest.mark.parametrize("stage", [0])
 def test_stop_names_the_step_and_saves_nothing_poisoned(stage, poison, tmp_path):
+  # Logged every 5 steps, saved every step: a saved step is checked before it is saved.
   cfg = tiny_config(stage, "stop")
+  cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, log_every=5))
   poison(cfg)
   with pytest.raises(NonFiniteError) as info:
     loop.run_training(cfg, tmp_path, devices=jax.devices()[:8], progress=False)

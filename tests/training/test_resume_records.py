@@ -1,0 +1,82 @@
+"""What a run leaves on disk survives a crash, a kill or a signal at its end: every step a
+checkpoint holds is in metrics.jsonl and TensorBoard once, TensorBoard events are on disk
+as soon as metrics.jsonl's, and a signal during the last save lets that save finish."""
+
+import json
+
+import jax
+import pytest
+
+from jaxzero import config
+from jaxzero.checkpoint.reader import latest_step
+from jaxzero.training import loop
+from jaxzero.training.metrics import MetricsLogger
+
+from processes import ROOT, TINY, child_env, run_python
+
+SETS = ["model.dim=64", "model.n_layers=2", "model.mlp_dim=128", "train.global_batch=16",
+        "train.seq_len=32", "train.steps=6", "train.warmup_steps=1", "data.max_bytes=200000",
+        "precision.compute=float32", "mesh.fsdp=4"]
+
+
+def tensorboard_steps(workdir, tag="train/loss"):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  events = EventAccumulator(str(workdir / "tb"))
+  events.Reload()
+  return [e.step for e in events.Scalars(tag)]
+
+
+def test_a_crash_between_a_save_and_a_logged_step_loses_no_record(tmp_path, monkeypatch):
+  """Logged every 5 steps, saved every 2, crashed at step 4: the resume from checkpoint 2
+  finds steps 1-2 in metrics.jsonl, and TensorBoard keeps step 2 (the resumed run logs
+  from step 3)."""
+  cfg = config.load(TINY, [*SETS, "train.log_every=5", "checkpoint.every=2"])
+  real_batch = loop.Run.batch
+
+  def crash_at_step_4(run, step):
+    if step == 3:
+      raise RuntimeError("a crash at step 4")
+    return real_batch(run, step)
+  monkeypatch.setattr(loop.Run, "batch", crash_at_step_4)
+  with pytest.raises(RuntimeError, match="a crash at step 4"):
+    loop.train(cfg, tmp_path, devices=jax.devices()[:4], progress=False)
+  assert latest_step(tmp_path) == 2
+  monkeypatch.setattr(loop.Run, "batch", real_batch)
+  loop.train(cfg, tmp_path, devices=jax.devices()[:4], progress=False)
+  steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()]
+  assert steps == [1, 2, 3, 4, 5, 6]
+  assert tensorboard_steps(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def test_tensorboard_events_are_on_disk_once_logged(tmp_path):
+  """A run killed (SIGKILL, an OOM, the peer watch's exit) keeps its TensorBoard events
+  of logged steps, as it keeps their metrics.jsonl lines."""
+  logger = MetricsLogger(tmp_path, total_steps=10, progress=False)
+  logger.log([{"step": 1, "loss": 5.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_sec": 1.0,
+               "step_time_s": 1.0, "tflops": 1.0}])
+  assert tensorboard_steps(tmp_path) == [1]  # before close
+  logger.close()
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_last_save_lets_it_finish(tmp_path):
+  """SIGTERM while the end-of-run checkpoint is written: the save completes (a first
+  signal stops at a step boundary; only a second acts at once)."""
+  script = f"""
+import os, signal, sys
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from jaxzero import train
+from jaxzero.checkpoint import checkpointer
+real_save = checkpointer.Checkpointer.save
+def save(self, step, state, *, wait=False, **kw):
+  if wait:
+    os.kill(os.getpid(), signal.SIGTERM)
+  return real_save(self, step, state, wait=wait, **kw)
+checkpointer.Checkpointer.save = save
+sys.exit(train.main(["--config", {TINY!r}, "--workdir", {str(tmp_path)!r}, "--no-progress",
+                     *[a for s in {SETS + ["train.steps=2"]!r} for a in ("--set", s)]]))
+"""
+  result = run_python("-c", script, env=child_env(alone=True), timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert latest_step(tmp_path) == 2
+  assert not list((tmp_path / "checkpoints").glob("*tmp*"))
