@@ -90,29 +90,48 @@ class Budget:
 def activation_bytes(cfg, micro_batch: int, shard_size: int, params_sharded: bool) -> int:
   """Estimated per-device bytes of the step's temporaries.
 
-  Saved activations of every layer by remat.policy (in the compute dtype), one
-  layer's recomputed working set in fp32 (attention in tiles of 512 keys),
-  the loss's logits over one vocabulary chunk, and under stage 3 one layer's
-  gathered weights twice (the gather of the next layer overlaps the current).
+  Saved activations of this device's layers by remat.policy (in the compute dtype) for
+  each micro-batch its pipeline stage holds at once, one layer's recomputed working set
+  in fp32 (attention in tiles of 512 keys), the loss's logits over one vocabulary chunk,
+  and under stage 3 one layer's gathered weights twice (the gather of the next layer
+  overlaps the current). The mesh divides it: mesh.context splits each row's tokens
+  (attention gathers the whole row's keys and values), mesh.tensor the heads, the MLP
+  and the vocabulary, mesh.pipeline the layers. GPipe and interleaved stages hold every
+  micro-batch and take the loss of the merged batch; 1F1B holds the stage inputs of at
+  most one micro-batch per stage, and one micro-batch's residuals.
   """
   from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
-  m, t = cfg.model, cfg.train
+  from jaxzero.parallel.pipeline import inputs_held  # pylint: disable=import-outside-toplevel
+  m, t, mesh = cfg.model, cfg.train, cfg.mesh
   c = 4 if cfg.precision.compute == "float32" else 2
-  tokens = micro_batch * t.seq_len
-  head_dim = m.dim // m.n_heads
-  kv = 2 * m.n_kv_heads * head_dim
-  saved_per_token = {  # per layer: the layer input plus the kept names (jaxzero.engine.remat)
-      "none": 5 * m.dim + kv + 2 * m.mlp_dim,
-      "save_matmuls": 4 * m.dim + kv + 2 * m.mlp_dim,
-      "save_attention": 3 * m.dim + kv,
-      "full": m.dim,
-      "offload_matmuls": m.dim,
-  }.get(cfg.remat.policy, 5 * m.dim + kv + 2 * m.mlp_dim)
-  saved = m.n_layers * tokens * saved_per_token * c
-  working = tokens * (4 * m.dim + 3 * m.mlp_dim) * 4
-  working += micro_batch * m.n_heads * t.seq_len * min(t.seq_len, 512) * 4
-  logits = 2 * tokens * min(m.vocab_size, 8192) * 4
-  layer_params = count_params(m) / m.n_layers
+  row = t.seq_len // mesh.context  # this device's tokens of a row
+  tokens = micro_batch * row
+  heads, mlp = m.n_heads / mesh.tensor, m.mlp_dim / mesh.tensor
+  kv = 2 * m.n_kv_heads * (m.dim // m.n_heads) / mesh.tensor
+  # Per layer and token: its input (split along the sequence over mesh.tensor: sequence
+  # parallelism) plus the names remat keeps (jaxzero.engine.remat).
+  layer_input = m.dim / mesh.tensor
+  saved_per_token = layer_input + {
+      "none": 4 * m.dim + kv + 2 * mlp,
+      "save_matmuls": 3 * m.dim + kv + 2 * mlp,
+      "save_attention": 2 * m.dim + kv,
+  }.get(cfg.remat.policy, 0)  # full and offload_matmuls keep the input only
+  layers = m.n_layers // mesh.pipeline
+  saved = layers * tokens * saved_per_token * c
+  if mesh.pipeline > 1:
+    held = inputs_held(mesh.pipeline, t.grad_accum, cfg.pipeline.schedule)
+    # 1F1B keeps the stage inputs of the micro-batches in flight and one micro-batch's
+    # residuals; GPipe and interleaved keep every micro-batch's residuals.
+    saved = (saved + held * tokens * layer_input * c if cfg.pipeline.schedule == "1f1b"
+             else held * saved)
+  working = tokens * (4 * m.dim + 3 * mlp) * 4
+  working += micro_batch * heads * row * min(t.seq_len, 512) * 4
+  if mesh.context > 1:  # a layer's gathered keys and values, and their gradients
+    working += micro_batch * t.seq_len * kv * (c + 4)
+  merged = mesh.pipeline > 1 and cfg.pipeline.schedule != "1f1b"
+  vocab_chunk = min(m.vocab_size / mesh.tensor, 8192)
+  logits = 2 * tokens * (t.grad_accum if merged else 1) * vocab_chunk * 4
+  layer_params = count_params(m) / m.n_layers / mesh.tensor
   gathered = (2 * layer_params * c if params_sharded and (shard_size > 1
                                                            or cfg.offload.params == "nvme") else 0)
   layer_grads = layer_params * 4
@@ -231,7 +250,8 @@ def suggest(program, b: Budget) -> str:
   offload, a smaller micro-batch, or more devices."""
   from jaxzero.parallel.zero import SHARDED_ROLES  # pylint: disable=import-outside-toplevel
   cfg, layout = program.cfg, program.layout
-  phi = program.n_params
+  phi = program.n_params  # trained (a LoRA run's adapters)
+  frozen = program.frozen_bytes if program.n_frozen else 0
   c = 4 if cfg.precision.compute == "float32" else 2
   g = 4 if cfg.zero.grad_dtype == "float32" else 2
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
@@ -243,6 +263,7 @@ def suggest(program, b: Budget) -> str:
     opt = 12 * phi / shard("optimizer")
     state = c * phi / shard("params") + g * phi / shard("grads")
     state += opt if offload == "device" or (cpu and offload == "pinned_host") else 0
+    state += frozen / n  # a LoRA base, sharded at every stage
     policy_cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy=policy))
     state /= getattr(layout, "tensor_size", 1)  # mesh.tensor splits every weight further
     return int(state + activation_bytes(policy_cfg, m, n, stage == 3 and n > 1))
@@ -256,10 +277,11 @@ def suggest(program, b: Budget) -> str:
   # ZeRO-Offload's host holds 12Φ/N for each of its processes' devices.
   host_holds = b.host_ram is None or (12 * phi / layout.shard_size * b.local_devices
                                       * b.host_processes * HEADROOM <= b.host_ram)
-  if (not cpu and cfg.offload.optimizer == "device" and host_holds
+  offloadable = not cfg.lora.rank  # a LoRA run's adapters stay with their base
+  if (offloadable and not cpu and cfg.offload.optimizer == "device" and host_holds
       and fits(needed(offload="pinned_host"))):
     ideas.append(f"offload.optimizer=pinned_host (~{format_bytes(needed(offload='pinned_host'))})")
-  elif cfg.offload.optimizer != "nvme" and fits(needed(offload="nvme")):
+  elif offloadable and cfg.offload.optimizer != "nvme" and fits(needed(offload="nvme")):
     ideas.append(f"offload.optimizer=nvme with offload.nvme_dir=PATH "
                  f"(~{format_bytes(needed(offload='nvme'))})")
   if micro > 1 and fits(needed(m=1)):
