@@ -57,7 +57,7 @@ def initialize(cfg: Config, prog: str = "jaxzero") -> Peers | None:
   processes = peers.num_processes if peers and peers.num_processes else 1
   pool = pinned_pool.size_for_run(cfg, max(1, mesh_lib.devices_for(cfg.mesh) // processes))
   if pool:
-    log.info("XLA's pinned host pool: %d GB (%s), for what this run places in pinned_host",
+    log.info("XLA's pinned host pool: %d GiB (%s), for what this run places in pinned_host",
              pool, pinned_pool.ENV)
   if cfg.offload.optimizer == "pinned_host":
     pinned_pool.use_host_cores()

@@ -2,7 +2,7 @@
 host pool, and a CPU device per core for the host's update.
 
 On a GPU, what a jitted program places in ``pinned_host`` memory comes from one pool
-(``xla_gpu_host_bfc``), 64 GB unless ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` says otherwise
+(``xla_gpu_host_bfc``), 64 GiB unless ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` says otherwise
 when the backend starts. jaxzero puts there the stage-3 weights of
 ``offload.params=pinned_host`` (with their gradients on the way back) and the
 activations of ``remat.policy=offload_matmuls``; the optimizer state of
@@ -20,7 +20,8 @@ import os
 
 from jaxzero.runtime import xla_flags
 
-ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # in GiB, whatever its name: XLA multiplies by 2**30
+GIB = 1 << 30
 XLA_DEFAULT_GB = 64
 ROOM = 1.25  # over the estimate: XLA's own buffers in the pool, fragmentation
 
@@ -36,7 +37,10 @@ def run_bytes(cfg, local_devices: int) -> int:
   phi = count_params(m)
   compute = 4 if cfg.precision.compute == "float32" else 2
   grad = 4 if cfg.zero.grad_dtype == "float32" else 2
-  shards = max(1, mesh_lib.data_parallel_needed(cfg.mesh))
+  _, hybrid = cfg.zero.resolved
+  # The devices a weight is split over: the data axes, fsdp alone under HYBRID_SHARD (a
+  # size of -1 is not known yet: counted as 1, so the pool is larger than needed).
+  shards = max(1, cfg.mesh.fsdp if hybrid else mesh_lib.data_parallel_needed(cfg.mesh))
   needed = 0
   if cfg.offload.params == "pinned_host":  # the weights, and a micro-step's gradient
     needed += (compute + grad) * phi // shards * local_devices
@@ -52,7 +56,7 @@ def run_bytes(cfg, local_devices: int) -> int:
 def size_for_run(cfg, local_devices: int, environ=os.environ) -> int | None:
   """Sets the pool for `cfg`'s run where a GPU will be used; returns the GB set, or None
   where the user set it, no GPU is used, or XLA's default holds the run."""
-  return _size(math.ceil(run_bytes(cfg, local_devices) * ROOM / 1e9), environ)
+  return _size(math.ceil(run_bytes(cfg, local_devices) * ROOM / GIB), environ)
 
 
 def size_for_host(environ=os.environ) -> int | None:
@@ -81,5 +85,5 @@ def _size(gb: int, environ) -> int | None:
 
 
 def _ram_gb() -> int:
-  """The most of the host's RAM the pool may take, in whole GB."""
-  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 9 // 10 // 10**9
+  """The most of the host's RAM the pool may take, in whole GiB."""
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 9 // 10 // GIB
