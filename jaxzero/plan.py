@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 
@@ -67,8 +68,8 @@ def main(argv=None) -> int:
   def make_plan():
     if args.devices is not None and args.devices < 1:
       parser.error(f"--devices={args.devices} must be at least 1")
-    if args.hbm_gb <= 0:
-      parser.error(f"--hbm-gb={args.hbm_gb:g} must be positive")
+    if not 0 < args.hbm_gb < math.inf:  # (nan and inf compare false and true)
+      parser.error(f"--hbm-gb={args.hbm_gb:g} must be a positive number")
     cfg = config_lib.load(args.config, args.set)
     if cfg.model_factory:
       raise config_lib.ConfigError(
@@ -78,8 +79,10 @@ def main(argv=None) -> int:
     n_devices = args.devices or mesh_lib.devices_for(cfg.mesh)
     mesh_lib.resolve_shape(cfg.mesh, n_devices)  # a mesh that does not fit fails before JAX starts
     mesh_lib.use_virtual_cpu_devices(n_devices)
-    if min(args.tflops, args.pcie_gbps, args.disk_gbps, args.host_gbps) <= 0:
-      parser.error("--tflops, --pcie-gbps, --disk-gbps and --host-gbps must be positive")
+    if not all(0 < rate < math.inf for rate in (args.tflops, args.pcie_gbps, args.disk_gbps,
+                                                 args.host_gbps)):
+      parser.error("--tflops, --pcie-gbps, --disk-gbps and --host-gbps must be positive "
+                   "numbers")
     if cfg.offload.params == "nvme":  # a run of per-layer programs: planned program by program
       from jaxzero.planning import infinity_plan  # pylint: disable=import-outside-toplevel
       found = infinity_plan.plan(cfg, n_devices, args.tflops, args.pcie_gbps, args.disk_gbps)

@@ -19,6 +19,7 @@ import zlib
 
 from jaxzero.errors import ConfigError
 from jaxzero.parallel import mesh as mesh_lib
+from jaxzero.runtime import pinned_pool
 from jaxzero.utils.formatting import format_bytes
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,9 @@ class Budget:
   host_processes: int = 1
   host_ram: int | None = None
   local_devices: int = 1  # this process's
+  # Of host_process, what XLA's pinned pool holds, and the pool's size (None: unknown).
+  pinned_process: int = 0
+  pinned_limit: int | None = None
   # False for a user's model (model_factory): its activations are not estimated (0 above).
   activations_estimated: bool = True
 
@@ -69,8 +73,10 @@ class Budget:
   def host_fits(self) -> bool:
     """Whether this host's processes' host memory fits its RAM (on a CPU, host memory is
     device memory: `fits` counts it)."""
-    return (self.platform == "cpu" or self.host_ram is None
-            or self.host_process * self.host_processes * HEADROOM <= self.host_ram)
+    return self.platform == "cpu" or (
+        (self.host_ram is None
+         or self.host_process * self.host_processes * HEADROOM <= self.host_ram)
+        and (self.pinned_limit is None or self.pinned_process * HEADROOM <= self.pinned_limit))
 
   @property
   def state(self) -> int:
@@ -192,16 +198,27 @@ def budget(runner, devices) -> Budget:
   activations = 0 if cfg.model_factory else activation_bytes(
       cfg, micro, layout.shard_size, layout.is_sharded("params")
       or cfg.offload.params == "nvme")
-  host_process = state.get("host_process", 0)
   on_a_cpu = devices[0].platform == "cpu"
+  local = sum(d.process_index == devices[0].client.process_index() for d in devices)
+  pinned = pinned_process_bytes(state, runner.program.cfg, local)
+  host_process = state.get("host_process", 0) + pinned
   return Budget(state["params"], state["grads"], state["optimizer"], state["host"], activations,
                 available, where, len(devices), devices[0].platform, disk=disk,
                 host_process=host_process,
                 host_processes=1 if on_a_cpu or not host_process else processes_on_this_host(),
                 host_ram=None if on_a_cpu else host_memory_bytes(),
-                local_devices=sum(d.process_index == devices[0].client.process_index()
-                                  for d in devices),
+                local_devices=local, pinned_process=pinned,
+                pinned_limit=None if on_a_cpu or not pinned else pinned_pool.limit_bytes(),
                 activations_estimated=not cfg.model_factory)
+
+
+def pinned_process_bytes(state: dict, cfg, local_devices: int) -> int:
+  """What this process places in XLA's pinned pool: its devices' weights in pinned_host
+  (a runner's plan: `pinned_pool`, else `host`) or, for the built-in models, those with a
+  micro-step's gradient and remat.policy=offload_matmuls's activations
+  (jaxzero.runtime.pinned_pool), whichever is more."""
+  weights = state.get("pinned_pool", state["host"]) * local_devices
+  return max(weights, pinned_pool.run_bytes(cfg, local_devices))
 
 
 # ----------------------------------------------------------------------------
@@ -224,15 +241,27 @@ def check(runner, devices, force: bool = False) -> Budget:
 
 
 def host_message(b: Budget) -> str:
-  """The line for a run whose host memory does not fit this host's RAM."""
+  """The line for a run whose host memory does not fit this host's RAM, or whose pinned
+  memory does not fit XLA's pinned pool."""
+  ram_fits = b.host_ram is None or b.host_process * b.host_processes * HEADROOM <= b.host_ram
+  if ram_fits:  # the pool is what does not fit
+    return (f"this run places about {format_bytes(b.pinned_process)} per process in XLA's "
+            f"pinned host pool (the weights in pinned_host with a micro-step's gradient, and "
+            f"offloaded activations), but the pool holds {b.pinned_limit / (1 << 30):g} GiB "
+            f"({pinned_pool.ENV}, headroom {HEADROOM:g}x); raise {pinned_pool.ENV} (GiB, "
+            "within the host's RAM), or shard over more devices; --force starts it anyway")
   total = b.host_process * b.host_processes
   shared = (f" x {b.host_processes} processes on this host = {format_bytes(total)}"
             if b.host_processes > 1 else "")
+  parts = ([f"{format_bytes(b.pinned_process)} in XLA's pinned pool: weights in pinned_host, "
+            "a micro-step's gradient, offloaded activations"] if b.pinned_process else [])
+  if b.host_process > b.pinned_process:
+    parts.append("the offloaded optimizer state and its update's workspace")
+  fixes = ("offload.optimizer=nvme keeps the optimizer state on disk, or "
+           if b.host_process > b.pinned_process else "")
   return (f"this run keeps about {format_bytes(b.host_process)} in host memory per process "
-          f"(the offloaded optimizer state, its update's workspace and XLA's pinned pool)"
-          f"{shared}, but this host has {format_bytes(b.host_ram)} of RAM (headroom "
-          f"{HEADROOM:g}x); offload.optimizer=nvme keeps the state on disk, or more devices "
-          "shard it (each holds 12Φ/N); --force starts it anyway")
+          f"({'; '.join(parts)}){shared}, but this host has {format_bytes(b.host_ram)} of RAM "
+          f"(headroom {HEADROOM:g}x); {fixes}more devices shard it; --force starts it anyway")
 
 
 def device_message(program, b: Budget) -> str:

@@ -116,7 +116,8 @@ class HostRunner(nvme.NvmeRunner):
   def plan(self) -> dict[str, int]:
     """The program's bytes (weights in pinned_host counted in `host` and `pinned_pool`)
     with the host store's share: per device, and this process's (`host_process`: the
-    store, the update's workspace and XLA's pinned pool). `transfer` adds each host
+    store and the update's workspace, outside XLA's pinned pool, which the memory check
+    adds). `transfer` adds each host
     chunk's gradient down and its new compute-dtype box up; `host_update` is the bytes the
     host's update reads and writes a step (the gradient read; K copies read and written;
     the compute copy written)."""
@@ -127,11 +128,10 @@ class HostRunner(nvme.NvmeRunner):
     params = on_host // (4 * kinds)  # parameters updated on the host, this process
     compute = np.dtype(engine_lib.dtype_of(self.cfg.precision.compute)).itemsize
     grad = state_bytes_lib.grad_bytes_per_param(self.program)
-    pinned = planned["host"] * devices  # weights in XLA's pinned pool (offload.params)
     planned.update(
         nvme=0, host=planned["host"] + self.host_bytes_per_device(), pinned_pool=planned["host"],
         # (DPU: a step's gradients wait on the host for the update in flight.)
-        host_process=on_host + self.workspace_bytes() + pinned + self.delayed * params * grad,
+        host_process=on_host + self.workspace_bytes() + self.delayed * params * grad,
         transfer=planned["transfer"] + params * (grad + compute) // devices,
         host_update=params * (grad + 2 * 4 * kinds + compute))
     return planned

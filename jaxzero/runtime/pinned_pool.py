@@ -59,6 +59,12 @@ def size_for_run(cfg, local_devices: int, environ=os.environ) -> int | None:
   return _size(math.ceil(run_bytes(cfg, local_devices) * ROOM / GIB), environ)
 
 
+def limit_bytes(environ=os.environ) -> int:
+  """The pool's size where the backend starts with `environ`."""
+  text = environ.get(ENV, "").strip()
+  return (int(text) if text.isdigit() else XLA_DEFAULT_GB) * GIB
+
+
 def size_for_host(environ=os.environ) -> int | None:
   """Sets the pool to most of the host's RAM where a GPU will be used (a library user's
   model is not known before the backend starts); returns the GB set, or None."""

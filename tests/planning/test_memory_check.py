@@ -62,3 +62,38 @@ def test_what_would_fit_counts_a_lora_base_and_offers_no_offload_for_it():
   smaller = dataclasses.replace(on_a_gpu, available=16 * 10**9)
   assert memory_check.suggest(runner.program, smaller).startswith(
       "ZeRO-3 with remat.policy=full and micro-batch 1 would fit on 2 such devices")
+
+
+class GPU:
+  """A virtual CPU device posing as an 80 GB GPU, for the check's accounting."""
+  platform, device_kind = "gpu", "NVIDIA H100"
+
+  def __init__(self, device):
+    self._device = device
+
+  def memory_stats(self):
+    return {"bytes_limit": 80 * 10**9}
+
+  def __getattr__(self, name):
+    return getattr(self._device, name)
+
+
+def test_weights_in_pinned_host_are_host_memory_checked_against_the_pool(monkeypatch):
+  """Llama-3-70B, stage 3 over 8 GPUs with its weights in pinned_host: a process's pool
+  holds 8 shards of the weights and of a micro-step's gradient (4 x 70.6e9 / 8 bytes each);
+  XLA's default 64 GiB pool does not, and the check says so before anything starts."""
+  monkeypatch.setattr(memory_check, "host_memory_bytes", lambda: 2000 * 10**9)
+  monkeypatch.delenv(memory_check.pinned_pool.ENV, raising=False)
+  cfg = config.load("configs/llama70b_zero3_offload.py",
+                    ["offload.params=pinned_host", "offload.optimizer=device", "mesh.fsdp=8",
+                     "zero.grad_dtype=bfloat16"])
+  devices = jax.devices()[:8]
+  runner = loop.prepare(cfg, devices, check=False)
+  budget = memory_check.budget(runner, [GPU(d) for d in devices])
+  assert 4 * 70.0e9 <= budget.pinned_process == budget.host_process <= 4 * 71.0e9
+  assert budget.pinned_limit == 64 << 30 and not budget.host_fits
+  assert memory_check.host_message(budget).startswith(
+      "this run places about 282")
+  assert "XLA's pinned host pool" in memory_check.host_message(budget)
+  monkeypatch.setenv(memory_check.pinned_pool.ENV, "400")
+  assert memory_check.budget(runner, [GPU(d) for d in devices]).host_fits

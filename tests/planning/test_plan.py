@@ -220,7 +220,9 @@ def test_cli_plans_llama70b_on_64_virtual_devices():
     (["--devices", "6", "--set", "mesh.fsdp=8"],
      "mesh.replica=1 x mesh.fsdp=8 does not fit 6 devices"),
     (["--set", "remat.policy=nope"], "remat.policy='nope' is not valid; choose one of: none, full"),
-    (["--hbm-gb", "-1"], "--hbm-gb=-1 must be positive"),
+    (["--hbm-gb", "-1"], "--hbm-gb=-1 must be a positive number"),
+    (["--hbm-gb", "nan"], "--hbm-gb=nan must be a positive number"),
+    (["--tflops", "inf"], "--tflops, --pcie-gbps, --disk-gbps and --host-gbps must be positive"),
 ])
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
