@@ -70,6 +70,14 @@ class Budget:
             else "activations not estimated")
 
   @property
+  def off_device_text(self) -> str:
+    """What of the state `needed` leaves out, as ", less X in host memory and Y on disk"."""
+    parts = [f"{format_bytes(self.host)} in host memory"] if self.platform != "cpu" and (
+        self.host) else []
+    parts += [f"{format_bytes(self.disk)} on disk"] if self.disk else []
+    return f", less {' and '.join(parts)}," if parts else ""
+
+  @property
   def host_fits(self) -> bool:
     """Whether this host's processes' host memory fits its RAM (on a CPU, host memory is
     device memory: `fits` counts it)."""
@@ -266,9 +274,8 @@ def host_message(b: Budget) -> str:
 
 def device_message(program, b: Budget) -> str:
   """The line for a run that does not fit the devices' memory."""
-  on_disk = f", less {format_bytes(b.disk)} on disk" if b.disk else ""
   return (f"this run needs about {format_bytes(b.needed)} per device (model state "
-          f"{format_bytes(b.state)}{on_disk} + {b.activations_text}), "
+          f"{format_bytes(b.state)}{b.off_device_text} + {b.activations_text}), "
           f"{format_bytes(b.needed * HEADROOM)} with the check's {HEADROOM:g}x headroom, "
           f"on {b.devices} devices, but {b.where}; {suggest(program, b)}; --force starts it "
           "anyway")

@@ -110,8 +110,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
       f"{total_steps * tokens_per_step:,} tokens = {epochs:.3g} epochs",
       f"  memory    per device: model state {_b(budget.state)} (params {_b(budget.params)}"
       f"{_frozen_text(run.runner.plan())}, "
-      f"grads {_b(budget.grads)}, optimizer {_b(budget.optimizer)}) + "
-      f"{budget.activations_text} = {_b(budget.needed)}{available}; {budget.where}",
+      f"grads {_b(budget.grads)}, optimizer {_b(budget.optimizer)}){budget.off_device_text} "
+      f"+ {budget.activations_text} = {_b(budget.needed)}{available}; {budget.where}",
   ]
   if host_line(budget):
     lines.append(host_line(budget))

@@ -97,3 +97,19 @@ def test_weights_in_pinned_host_are_host_memory_checked_against_the_pool(monkeyp
   assert "XLA's pinned host pool" in memory_check.host_message(budget)
   monkeypatch.setenv(memory_check.pinned_pool.ENV, "400")
   assert memory_check.budget(runner, [GPU(d) for d in devices]).host_fits
+
+
+def test_the_sum_says_what_of_the_state_is_off_the_device():
+  """ZeRO-Offload's state is mostly in host memory, ZeRO-Infinity's on disk: the line adds
+  up to what the device holds."""
+  import dataclasses
+  b = memory_check.Budget(params=17_600_000_000, grads=17_600_000_000,
+                          optimizer=105_800_000_000, host=105_800_000_000,
+                          activations=15_200_000_000, available=180 * 10**9, where="",
+                          devices=8, platform="gpu")
+  assert b.needed == 17_600_000_000 * 2 + 15_200_000_000
+  assert b.off_device_text == ", less 105.8 GB in host memory,"
+  on_disk = dataclasses.replace(b, host=0, disk=b.state)
+  assert on_disk.needed == b.activations
+  assert on_disk.off_device_text == ", less 141.0 GB on disk,"
+  assert dataclasses.replace(b, platform="cpu").off_device_text == ""  # host memory is the device's
