@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import socket
 import zlib
 
 from jaxzero.errors import ConfigError
 from jaxzero.parallel import mesh as mesh_lib
-from jaxzero.runtime import pinned_pool
+from jaxzero.runtime import memory, pinned_pool
 from jaxzero.utils.formatting import format_bytes
 
 log = logging.getLogger(__name__)
@@ -185,7 +184,8 @@ def processes_on_this_host() -> int:
 
 
 def host_memory_bytes() -> int:
-  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  """The host's RAM, or its cgroup's limit where smaller (jaxzero.runtime.memory)."""
+  return memory.host_ram_bytes()
 
 
 def budget(runner, devices) -> Budget:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 
-from jaxzero.runtime import xla_flags
+from jaxzero.runtime import memory, xla_flags
 
 ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"  # in GiB, whatever its name: XLA multiplies by 2**30
 GIB = 1 << 30
@@ -92,4 +92,4 @@ def _size(gb: int, environ) -> int | None:
 
 def _ram_gb() -> int:
   """The most of the host's RAM the pool may take, in whole GiB."""
-  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 9 // 10 // GIB
+  return memory.host_ram_bytes() * 9 // 10 // GIB

@@ -17,8 +17,7 @@ def llama8b(*sets):
 
 
 def test_weights_in_pinned_host_size_the_pool_for_them(monkeypatch):
-  monkeypatch.setattr(pinned_pool.os, "sysconf", lambda name: {
-      "SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 1024 * 10**9 // 4096}[name])  # a 1 TB host
+  monkeypatch.setattr(pinned_pool.memory, "host_ram_bytes", lambda: 1024 * 10**9)  # 1 TB
   # Llama-3-70B at stage 3 on 8 GPUs, weights in pinned_host: each GPU's shards of the
   # bf16 weights and of a micro-step's bf16 gradient, 70.6e9 x 4 / 8 bytes, 8 of them.
   cfg = config.load(str(ROOT / "configs/llama70b_zero3_offload.py"),
@@ -39,8 +38,7 @@ def test_weights_in_pinned_host_size_the_pool_for_them(monkeypatch):
 
 
 def test_the_pool_never_exceeds_the_host(monkeypatch):
-  monkeypatch.setattr(pinned_pool.os, "sysconf", lambda name: {
-      "SC_PAGE_SIZE": 1000, "SC_PHYS_PAGES": 100 * 10**6}[name])  # a 100 GB host
+  monkeypatch.setattr(pinned_pool.memory, "host_ram_bytes", lambda: 100 * 10**9)  # 100 GB
   environ = dict(GPU)
   gb = pinned_pool.size_for_host(environ)
   assert gb == int(environ[pinned_pool.ENV]) == 83  # 90 GB is 83.8 GiB
@@ -72,3 +70,23 @@ def test_under_hybrid_shard_the_pool_holds_a_weight_split_over_fsdp_alone():
                        [*sets, "zero.hybrid=true"])
   assert pinned_pool.run_bytes(hybrid, 8) == pytest.approx(2 * pinned_pool.run_bytes(plain, 8),
                                                             rel=1e-6)
+
+
+@pytest.mark.parametrize("files, expected_gb", [
+    ({"memory/slurm/uid_0/job_7/memory.limit_in_bytes": "16000000000",
+      "memory/slurm/uid_0/memory.limit_in_bytes": "9223372036854771712"}, 16),  # v1, Slurm
+    ({"memory.max": "max", "job/memory.max": "8000000000"}, 8),  # v2
+    ({"job/memory.max": "max"}, None),  # no limit: the host's RAM
+])
+def test_host_ram_is_the_cgroups_limit_where_smaller(tmp_path, files, expected_gb):
+  from jaxzero.runtime import memory
+  v1 = any(name.startswith("memory/") for name in files)
+  proc = tmp_path / "cgroup"
+  proc.write_text("4:memory:/slurm/uid_0/job_7\n" if v1 else "0::/job\n")
+  for name, text in files.items():
+    path = tmp_path / "fs" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+  physical = memory.host_ram_bytes(str(tmp_path / "none"), str(tmp_path / "none"))
+  ram = memory.host_ram_bytes(str(tmp_path / "fs"), str(proc))
+  assert ram == (physical if expected_gb is None else min(physical, expected_gb * 10**9))
