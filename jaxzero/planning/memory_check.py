@@ -60,6 +60,7 @@ class Budget:
   # Of host_process, what XLA's pinned pool holds, and the pool's size (None: unknown).
   pinned_process: int = 0
   pinned_limit: int | None = None
+  save_copy: int = 0  # of host_process, a checkpoint save's copy of the device state
   # False for a user's model (model_factory): its activations are not estimated (0 above).
   activations_estimated: bool = True
 
@@ -209,13 +210,17 @@ def budget(runner, devices) -> Budget:
   on_a_cpu = devices[0].platform == "cpu"
   local = sum(d.process_index == devices[0].client.process_index() for d in devices)
   pinned = pinned_process_bytes(state, runner.program.cfg, local)
-  host_process = state.get("host_process", 0) + pinned
+  # A save (orbax, asynchronous) first copies this process's share of the device-resident
+  # state to host memory, and holds it while the files are written.
+  saved = 0 if on_a_cpu else max(0, state["params"] + state["optimizer"] - state["host"]
+                                 - disk) * local
+  host_process = state.get("host_process", 0) + pinned + saved
   return Budget(state["params"], state["grads"], state["optimizer"], state["host"], activations,
                 available, where, len(devices), devices[0].platform, disk=disk,
                 host_process=host_process,
                 host_processes=1 if on_a_cpu or not host_process else processes_on_this_host(),
                 host_ram=None if on_a_cpu else host_memory_bytes(),
-                local_devices=local, pinned_process=pinned,
+                local_devices=local, pinned_process=pinned, save_copy=saved,
                 pinned_limit=None if on_a_cpu or not pinned else pinned_pool.limit_bytes(),
                 activations_estimated=not cfg.model_factory)
 
@@ -263,10 +268,14 @@ def host_message(b: Budget) -> str:
             if b.host_processes > 1 else "")
   parts = ([f"{format_bytes(b.pinned_process)} in XLA's pinned pool: weights in pinned_host, "
             "a micro-step's gradient, offloaded activations"] if b.pinned_process else [])
-  if b.host_process > b.pinned_process:
-    parts.append("the offloaded optimizer state and its update's workspace")
+  offloaded = b.host_process - b.pinned_process - b.save_copy
+  if offloaded > 0:
+    parts.append(f"{format_bytes(offloaded)} of offloaded optimizer state and its update's "
+                 "workspace")
+  if b.save_copy:
+    parts.append(f"{format_bytes(b.save_copy)} a checkpoint save copies off the devices")
   fixes = ("offload.optimizer=nvme keeps the optimizer state on disk, or "
-           if b.host_process > b.pinned_process else "")
+           if offloaded > 0 else "")
   return (f"this run keeps about {format_bytes(b.host_process)} in host memory per process "
           f"({'; '.join(parts)}){shared}, but this host has {format_bytes(b.host_ram)} of RAM "
           f"(headroom {HEADROOM:g}x); {fixes}more devices shard it; --force starts it anyway")

@@ -134,5 +134,6 @@ def host_line(budget: Budget) -> str:
     return ""
   ram = f" of {_b(budget.host_ram)} RAM" if budget.host_ram else " (RAM unknown)"
   return (f"  host      per process: {_b(budget.host_process)} (offloaded state, the update's "
-          f"workspace, XLA's pinned pool) x {budget.host_processes} on this host = "
+          f"workspace, XLA's pinned pool, a save's copy of the device state) x "
+          f"{budget.host_processes} on this host = "
           f"{_b(budget.host_process * budget.host_processes)}{ram}")

@@ -158,7 +158,8 @@ def test_the_banner_states_the_host_memory_of_an_offloaded_run_on_a_gpu():
                                host_processes=2, host_ram=256 << 30)
   assert banner.host_line(budget) == (
       "  host      per process: 104.2 GB (offloaded state, the update's workspace, XLA's "
-      "pinned pool) x 2 on this host = 208.3 GB of 274.9 GB RAM")
+      "pinned pool, a save's copy of the device state) x 2 on this host = 208.3 GB of 274.9 GB "
+      "RAM")
   assert banner.host_line(dataclasses.replace(budget, platform="cpu")) == ""
   assert banner.host_line(dataclasses.replace(budget, host_process=0)) == ""
 
