@@ -31,7 +31,7 @@ from jaxzero.errors import CheckpointError, ConfigError, UserError
 from jaxzero.models.interface import is_spec
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel.zero import Layout
-from jaxzero.planning import planner, zero_formula
+from jaxzero.planning import memory_check, planner, zero_formula
 from jaxzero.runners import base as runners_base
 from jaxzero.runners import resume
 from jaxzero.runners.choose import make_runner
@@ -87,6 +87,8 @@ class Engine:
       min_shard_size: parameters with fewer elements stay whole (default
       ``zero.min_shard_size``).
     workdir: names the NVMe store's directory (offload to nvme), as a run's does.
+    force: construct even when the state does not fit the devices' or the host's memory
+      (jaxzero.train's --force); otherwise that is one line, DoesNotFitError.
   """
 
   def __init__(self, model: Any, *, optimizer: optax.GradientTransformation,
@@ -96,7 +98,7 @@ class Engine:
                context: Context = Context(), grad_accum: int = 1,
                clip_norm: float = 0.0, rules: dict | None = None,
                min_shard_size: int | None = None, init_args: tuple = (), seed: int = 0,
-               workdir: str | pathlib.Path | None = None):
+               workdir: str | pathlib.Path | None = None, force: bool = False):
     mesh = mesh if mesh is not None else globals()["mesh"]()
     remat = remat if isinstance(remat, Remat) else Remat(remat)
     precision = precision if isinstance(precision, Precision) else Precision(compute=precision)
@@ -160,6 +162,11 @@ class Engine:
     self.runner = make_runner(program, workdir)  # as jaxzero.train chooses it
     # The NVMe tier's files are deleted when the engine is closed, collected, or at exit.
     self._release = weakref.finalize(self, self.runner.close)
+    # The state's bytes against the devices' memory and the host's (the offloaded state,
+    # XLA's pinned pool, a save's copy), as jaxzero.train checks them: exact from the
+    # shardings, nothing allocated; the activations of a model of one's own not estimated.
+    memory_check.check(self.runner, list(mesh.devices.flat), force, estimate_activations=False,
+                       force_hint="force=True constructs it anyway")
     whole, state = state_bytes.kept_whole(program), sum(self.runner.plan()[r] for r in ROLES)
     if whole["bytes"] > 0.1 * state:
       log.warning("%d of the model's parameters stay whole on every device (%s): %.0f%% of "

@@ -189,14 +189,16 @@ def host_memory_bytes() -> int:
   return memory.host_ram_bytes()
 
 
-def budget(runner, devices) -> Budget:
+def budget(runner, devices, estimate_activations: bool | None = None) -> Budget:
   """The per-device accounting of `runner`'s run (jaxzero.runners) on `devices`
-  (nothing is allocated)."""
+  (nothing is allocated). Activations are estimated for the built-in models only (unless
+  `estimate_activations` says otherwise: jaxzero.Engine's model is the user's)."""
   layout = runner.program.layout
   state = runner.plan()
-  micro = mesh_lib.micro_batch(runner.program.cfg.train, layout.data_parallel_size)
+  if estimate_activations is None:
+    estimate_activations = not runner.program.cfg.model_factory
   available, where = available_bytes(devices)
-  # A user's model (model_factory) has no estimate: its state is counted, its activations not.
+  # A user's model has no estimate: its state is counted, its activations not.
   cfg, disk = runner.program.cfg, state["nvme"]
   if cfg.offload.params == "nvme":
     # ZeRO-Infinity (jaxzero.runners.infinity): the whole state is in files, the device
@@ -204,9 +206,9 @@ def budget(runner, devices) -> Budget:
     # layer's weights and the next one's (the estimate's "gathered" term).
     disk = state["params"] + state["grads"] + state["optimizer"]
     cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy="full"))
-  activations = 0 if cfg.model_factory else activation_bytes(
-      cfg, micro, layout.shard_size, layout.is_sharded("params")
-      or cfg.offload.params == "nvme")
+  activations = 0 if not estimate_activations else activation_bytes(
+      cfg, mesh_lib.micro_batch(cfg.train, layout.data_parallel_size), layout.shard_size,
+      layout.is_sharded("params") or cfg.offload.params == "nvme")
   on_a_cpu = devices[0].platform == "cpu"
   local = sum(d.process_index == devices[0].client.process_index() for d in devices)
   pinned = pinned_process_bytes(state, runner.program.cfg, local)
@@ -222,7 +224,7 @@ def budget(runner, devices) -> Budget:
                 host_ram=None if on_a_cpu else host_memory_bytes(),
                 local_devices=local, pinned_process=pinned, save_copy=saved,
                 pinned_limit=None if on_a_cpu or not pinned else pinned_pool.limit_bytes(),
-                activations_estimated=not cfg.model_factory)
+                activations_estimated=estimate_activations)
 
 
 def pinned_process_bytes(state: dict, cfg, local_devices: int) -> int:
@@ -238,9 +240,11 @@ def pinned_process_bytes(state: dict, cfg, local_devices: int) -> int:
 # The check
 
 
-def check(runner, devices, force: bool = False) -> Budget:
-  """The run's Budget; raises DoesNotFitError (one line) when it cannot fit, unless `force`."""
-  b = budget(runner, devices)
+def check(runner, devices, force: bool = False, estimate_activations: bool | None = None,
+          force_hint: str = "--force starts it anyway") -> Budget:
+  """The run's Budget; raises DoesNotFitError (one line, ending in `force_hint`) when it
+  cannot fit, unless `force`."""
+  b = budget(runner, devices, estimate_activations)
   if not b.host_fits:
     message = host_message(b)
   elif b.fits:
@@ -248,9 +252,9 @@ def check(runner, devices, force: bool = False) -> Budget:
   else:
     message = device_message(runner.program, b)
   if force:
-    log.warning("--force: %s", message)
+    log.warning("forced: %s", message)
     return b
-  raise DoesNotFitError(message)
+  raise DoesNotFitError(f"{message}; {force_hint}")
 
 
 def host_message(b: Budget) -> str:
@@ -262,7 +266,7 @@ def host_message(b: Budget) -> str:
             f"pinned host pool (the weights in pinned_host with a micro-step's gradient, and "
             f"offloaded activations), but the pool holds {b.pinned_limit / (1 << 30):g} GiB "
             f"({pinned_pool.ENV}, headroom {HEADROOM:g}x); raise {pinned_pool.ENV} (GiB, "
-            "within the host's RAM), or shard over more devices; --force starts it anyway")
+            "within the host's RAM), or shard over more devices")
   total = b.host_process * b.host_processes
   shared = (f" x {b.host_processes} processes on this host = {format_bytes(total)}"
             if b.host_processes > 1 else "")
@@ -278,7 +282,7 @@ def host_message(b: Budget) -> str:
            if offloaded > 0 else "")
   return (f"this run keeps about {format_bytes(b.host_process)} in host memory per process "
           f"({'; '.join(parts)}){shared}, but this host has {format_bytes(b.host_ram)} of RAM "
-          f"(headroom {HEADROOM:g}x); {fixes}more devices shard it; --force starts it anyway")
+          f"(headroom {HEADROOM:g}x); {fixes}more devices shard it")
 
 
 def device_message(program, b: Budget) -> str:
@@ -286,20 +290,21 @@ def device_message(program, b: Budget) -> str:
   return (f"this run needs about {format_bytes(b.needed)} per device (model state "
           f"{format_bytes(b.state)}{b.off_device_text} + {b.activations_text}), "
           f"{format_bytes(b.needed * HEADROOM)} with the check's {HEADROOM:g}x headroom, "
-          f"on {b.devices} devices, but {b.where}; {suggest(program, b)}; --force starts it "
-          "anyway")
+          f"on {b.devices} devices, but {b.where}; {suggest(program, b)}")
 
 
 def suggest(program, b: Budget) -> str:
   """What would fit, from the analytic accounting: another stage or remat policy,
-  offload, a smaller micro-batch, or more devices."""
+  offload, a smaller micro-batch, or more devices (for a model whose activations are not
+  estimated, jaxzero.Engine's: the state's ideas alone)."""
   from jaxzero.parallel.zero import SHARDED_ROLES  # pylint: disable=import-outside-toplevel
   cfg, layout = program.cfg, program.layout
   phi = program.n_params  # trained (a LoRA run's adapters)
   frozen = program.frozen_bytes if program.n_frozen else 0
   c = 4 if cfg.precision.compute == "float32" else 2
   g = 4 if cfg.zero.grad_dtype == "float32" else 2
-  micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
+  estimated = b.activations_estimated
+  micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size) if estimated else 1
   cpu = b.platform == "cpu"
 
   def needed(stage=layout.stage, n=layout.shard_size, policy=cfg.remat.policy, m=micro,
@@ -311,13 +316,14 @@ def suggest(program, b: Budget) -> str:
     state += frozen / n  # a LoRA base, sharded at every stage
     policy_cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy=policy))
     state /= getattr(layout, "tensor_size", 1)  # mesh.tensor splits every weight further
-    return int(state + activation_bytes(policy_cfg, m, n, stage == 3 and n > 1))
+    return int(state + (activation_bytes(policy_cfg, m, n, stage == 3 and n > 1)
+                        if estimated else 0))
 
   fits = lambda n_bytes: n_bytes * HEADROOM <= b.available
   ideas = []
   if layout.stage < 3 and fits(needed(stage=3)):
     ideas.append(f"zero.stage=3 (~{format_bytes(needed(stage=3))})")
-  if cfg.remat.policy != "full" and fits(needed(policy="full")):
+  if estimated and cfg.remat.policy != "full" and fits(needed(policy="full")):
     ideas.append(f"remat.policy=full (~{format_bytes(needed(policy='full'))})")
   # ZeRO-Offload's host holds 12Φ/N for each of its processes' devices.
   host_holds = b.host_ram is None or (12 * phi / layout.shard_size * b.local_devices
@@ -335,13 +341,15 @@ def suggest(program, b: Budget) -> str:
   if ideas:
     return "what would fit: " + " or ".join(ideas)
   smallest = needed(stage=3, policy="full", m=1)
+  how = "ZeRO-3 with remat.policy=full and micro-batch 1" if estimated else "ZeRO-3"
   if cpu:
-    return (f"nothing fits this host: even ZeRO-3 with remat.policy=full and micro-batch 1 "
+    return (f"nothing fits this host: even {how} "
             f"needs ~{format_bytes(smallest)} per device, the model state alone "
-            f"{format_bytes((c + g + 12) * phi)} in all; train a smaller model here, or plan GPUs "
-            f"with jaxzero.plan --config ... --hbm-gb G")
+            f"{format_bytes((c + g + 12) * phi)} in all; train a smaller model here, or "
+            + ("plan GPUs with jaxzero.plan --config ... --hbm-gb G" if estimated else
+               "on GPUs (engine.plan(batch) gives the bytes per device)"))
   for n in (2 ** k for k in range(1, 17)):
     if n > layout.shard_size and fits(needed(stage=3, policy="full", m=1, n=n)):
-      return (f"ZeRO-3 with remat.policy=full and micro-batch 1 would fit on {n} such devices "
+      return (f"{how} would fit on {n} such devices "
               f"(~{format_bytes(needed(stage=3, policy='full', m=1, n=n))} each)")
-  return f"even ZeRO-3 with remat.policy=full and micro-batch 1 needs ~{format_bytes(smallest)}"
+  return f"even {how} needs ~{format_bytes(smallest)}"

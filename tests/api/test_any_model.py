@@ -566,3 +566,19 @@ def test_an_offloaded_prime_checkpoint_restores_wherever_the_padding_differs(off
   plain = prime_engine("one")
   _, want = plain.step(plain.restore(tmp_path / "ck"), prime_batches()[0])
   np.testing.assert_allclose(float(metrics["loss"]), float(want["loss"]), rtol=1e-6)
+
+
+def test_a_state_that_cannot_fit_is_one_line_before_anything_is_allocated():
+  """A 2e10-parameter linear layer's state (400 GB at 20 bytes a parameter with Adam's) on
+  this host: refused as jaxzero.train refuses it; force=True constructs it (nothing is
+  allocated until init)."""
+  from jaxzero.planning.memory_check import DoesNotFitError
+  init = lambda key: {"w": jnp.zeros((200_000, 100_000))}
+  model = (init, lambda p, x: x @ p["w"])
+  loss = lambda m, batch: jnp.mean(m(batch) ** 2)
+  mesh = jaxzero.mesh(fsdp=1, devices=jax.devices()[:1])
+  with pytest.raises(DoesNotFitError, match=r"^this run needs about 400.0 GB per device \(model "
+                     r"state 400.0 GB \+ activations not estimated\).*; force=True constructs"):
+    jaxzero.Engine(model, optimizer=optax.adam(1e-3), loss_fn=loss, mesh=mesh)
+  engine = jaxzero.Engine(model, optimizer=optax.adam(1e-3), loss_fn=loss, mesh=mesh, force=True)
+  assert engine.plan()["state_bytes"] == pytest.approx(400e9, rel=1e-6)
