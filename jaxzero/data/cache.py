@@ -21,12 +21,13 @@ import numpy as np
 
 from jaxzero.errors import DataError
 
-# The token cache's layout; a change to it makes older caches unusable.
+# Bump when the token file layout or the tokenization rules change: caches are rebuilt.
 CACHE_FORMAT = 1
 TOKENS_FILE, INDEX_FILE = "tokens.bin", "index.json"
 
 
 def cache_root(data, workdir) -> pathlib.Path:
+  """Where tokenized data is kept: data.cache_dir, else the run's workdir/data_cache."""
   if data.cache_dir:
     return pathlib.Path(data.cache_dir).expanduser()
   if workdir is None:
@@ -58,6 +59,7 @@ def index_header(files: list[pathlib.Path], tokenizer, text_field: str) -> dict:
 
 
 def reusable(index: dict | None, want: dict) -> bool:
+  """Whether a cache's index was made from the files and settings `want` describes."""
   if index is None:
     return False
   files = [{k: f.get(k) for k in ("path", "bytes", "mtime_ns")} for f in index.get("files") or []]
@@ -87,6 +89,7 @@ def cached(cache: pathlib.Path, want: dict, read: Callable[[pathlib.Path], dict 
 
 @contextlib.contextmanager
 def locked(path: pathlib.Path):
+  """An exclusive lock on `path` (flock) while the block runs: one process tokenizes."""
   with open(path, "a") as f:
     fcntl.flock(f, fcntl.LOCK_EX)
     try:

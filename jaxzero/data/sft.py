@@ -35,7 +35,7 @@ from jaxzero.utils.files import write_json_atomic
 MASK_FILE, STARTS_FILE = "mask.bin", "starts.bin"
 SUFFIXES = (".jsonl", ".parquet")
 # Bump when the rendering, the targets or the files change: caches are then rebuilt.
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +149,11 @@ class _Writer:
       ids = np.asarray(ids, self.tokenizer.dtype)
       starts, ends = np.asarray(offsets).reshape(-1, 2).T
       target = np.zeros(ids.size, bool)
-      for start, end in spans:  # every token with a character in a span, as transformers'
-        target |= (ends > start) & (starts < end)  # assistant_masks marks them
+      for start, end in spans:
+        # A chat's targets are every token with a character in a span, as transformers'
+        # assistant_masks marks them; a plain completion's, the tokens that begin in it, as
+        # TRL counts the prompt's tokens (a token across the boundary is the prompt's).
+        target |= (starts >= start if plain else ends > start) & (starts < end)
       target &= ~np.asarray(added, bool)  # a start token the tokenizer adds is not a target
       if plain:  # the end-of-text token ends the completion, and is learned
         sep = np.asarray(self.tokenizer.separator, ids.dtype)

@@ -34,7 +34,6 @@ SUFFIXES = (".txt", ".jsonl", ".parquet")
 # End-of-document tokens of common tokenizer families, tried in this order:
 # Llama 3, GPT-2/NeoX/Qwen, Llama 1-2/Mistral, Gemma.
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
-# Bump when the token file layout or the tokenization rules change.
 # .txt documents are tokenized in line-aligned pieces of about this many characters.
 TEXT_CHUNK = 1 << 20
 # Pieces encoded per call of the tokenizer (it parallelises within a call).

@@ -435,3 +435,18 @@ def test_held_out_examples_that_fit_nowhere_are_named_as_held_out(tmp_path):
   with pytest.raises(DataError, match=r"^the held-out examples \(data.eval_source='.*long.jsonl'\)"
                                       r": no example fits train.seq_len=64"):
     pipeline.open_data(cfg, tmp_path, 8, progress=False)
+
+
+def test_a_plain_completions_token_across_the_boundary_is_the_prompts_as_in_trl(tokenizer_dir,
+                                                                                tmp_path):
+  """Prompt "what is two and " and completion "three" tokenize as one " three": TRL counts
+  the prompt's tokens, so that token is the prompt's; the end-of-text token is learned."""
+  from transformers import AutoTokenizer
+  hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+  source = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "what is two and ",
+                                                 "completion": "three"}])
+  examples = sft.open_examples(DataConfig(source=str(source), format="prompt_completion",
+                                          tokenizer=str(tokenizer_dir)), tmp_path, progress=False)
+  tokens = hf.convert_ids_to_tokens(np.asarray(examples.tokens[:]).tolist())
+  assert tokens[-2:] == ["Ġthree", "</s>"]
+  assert np.asarray(examples.mask[:]).tolist()[-2:] == [0, 1]
