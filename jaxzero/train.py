@@ -158,7 +158,10 @@ def summary(outcome, workdir: pathlib.Path, steps: int | None, train_steps: int)
     lines.append(f"trained to step {last['step']}: loss {first['loss']:.4f} -> "
                  f"{last['loss']:.4f}; metrics in {workdir / 'metrics.jsonl'}, TensorBoard: "
                  f"tensorboard --logdir {workdir} (pip install 'jaxzero[tensorboard]')")
-  stopped = f"stopped by {outcome.stopped_by} at step {outcome.step}; " if outcome.stopped_by else ""
+  target = steps if steps is not None else train_steps
+  stopped = ("" if not outcome.stopped_by else
+             f"stopped by {outcome.stopped_by} at step {outcome.step}; " if outcome.step < target
+             else f"{outcome.stopped_by} came during the last save, which finished; ")
   if outcome.checkpoint is None:
     lines.append(f"{stopped}step {outcome.step} not saved (checkpoint.at_end=false)")
   else:

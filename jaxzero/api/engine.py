@@ -162,11 +162,12 @@ class Engine:
     self.runner = make_runner(program, workdir)  # as jaxzero.train chooses it
     # The NVMe tier's files are deleted when the engine is closed, collected, or at exit.
     self._release = weakref.finalize(self, self.runner.close)
-    # The state's bytes against the devices' memory and the host's (the offloaded state,
-    # XLA's pinned pool, a save's copy), as jaxzero.train checks them: exact from the
-    # shardings, nothing allocated; the activations of a model of one's own not estimated.
+    # The state's bytes against the devices' memory and this process's host memory (the
+    # offloaded state, XLA's pinned pool), as jaxzero.train checks them: exact from the
+    # shardings, nothing allocated. A model of one's own has no activation estimate, and
+    # a save (only when asked) no copy counted; no collective (processes_on_this_host).
     memory_check.check(self.runner, list(mesh.devices.flat), force, estimate_activations=False,
-                       force_hint="force=True constructs it anyway")
+                       whole_run=False, force_hint="force=True constructs it anyway")
     whole, state = state_bytes.kept_whole(program), sum(self.runner.plan()[r] for r in ROLES)
     if whole["bytes"] > 0.1 * state:
       log.warning("%d of the model's parameters stay whole on every device (%s): %.0f%% of "

@@ -18,6 +18,7 @@ import zlib
 
 from jaxzero.errors import ConfigError
 from jaxzero.parallel import mesh as mesh_lib
+from jaxzero.planning import host_memory
 from jaxzero.runtime import memory, pinned_pool
 from jaxzero.utils.formatting import format_bytes
 
@@ -156,7 +157,7 @@ def available_bytes(devices) -> tuple[int | None, str]:
   """Memory per device and what it is: a GPU's limit, or host RAM over the CPU devices."""
   import jax  # pylint: disable=import-outside-toplevel
   mine = [d for d in devices if d.process_index == jax.process_index()]
-  device = mine[0]
+  device = mine[0] if mine else devices[0]  # (a process may hold none of a mesh's devices)
   if device.platform == "cpu":
     processes = processes_on_this_host()
     local = len(mine) * processes  # jaxzero.launch gives each process the same share
@@ -189,10 +190,14 @@ def host_memory_bytes() -> int:
   return memory.host_ram_bytes()
 
 
-def budget(runner, devices, estimate_activations: bool | None = None) -> Budget:
+def budget(runner, devices, estimate_activations: bool | None = None,
+           whole_run: bool = True) -> Budget:
   """The per-device accounting of `runner`'s run (jaxzero.runners) on `devices`
   (nothing is allocated). Activations are estimated for the built-in models only (unless
-  `estimate_activations` says otherwise: jaxzero.Engine's model is the user's)."""
+  `estimate_activations` says otherwise: jaxzero.Engine's model is the user's). A
+  `whole_run` (jaxzero.train's) also counts a save's copy of the state, and the processes
+  sharing this host (a collective: every process must call it); an Engine, which saves
+  only when asked and may be built by some processes alone, does neither."""
   layout = runner.program.layout
   state = runner.plan()
   if estimate_activations is None:
@@ -210,30 +215,17 @@ def budget(runner, devices, estimate_activations: bool | None = None) -> Budget:
       cfg, mesh_lib.micro_batch(cfg.train, layout.data_parallel_size), layout.shard_size,
       layout.is_sharded("params") or cfg.offload.params == "nvme")
   on_a_cpu = devices[0].platform == "cpu"
-  local = sum(d.process_index == devices[0].client.process_index() for d in devices)
-  pinned = pinned_process_bytes(state, runner.program.cfg, local)
-  # A save (orbax, asynchronous) first copies this process's share of the device-resident
-  # state to host memory, and holds it while the files are written.
-  saved = 0 if on_a_cpu else max(0, state["params"] + state["optimizer"] - state["host"]
-                                 - disk) * local
-  host_process = state.get("host_process", 0) + pinned + saved
+  local = host_memory.local_count(devices)
+  host = (host_memory.HostMemory(0, 0, 0) if on_a_cpu else host_memory.per_process(
+      runner, state, local, estimate_activations=estimate_activations, count_save=whole_run))
   return Budget(state["params"], state["grads"], state["optimizer"], state["host"], activations,
                 available, where, len(devices), devices[0].platform, disk=disk,
-                host_process=host_process,
-                host_processes=1 if on_a_cpu or not host_process else processes_on_this_host(),
+                host_process=host.process,
+                host_processes=(processes_on_this_host() if whole_run and host.process else 1),
                 host_ram=None if on_a_cpu else host_memory_bytes(),
-                local_devices=local, pinned_process=pinned, save_copy=saved,
-                pinned_limit=None if on_a_cpu or not pinned else pinned_pool.limit_bytes(),
+                local_devices=local, pinned_process=host.pinned, save_copy=host.save_copy,
+                pinned_limit=None if not host.pinned else pinned_pool.limit_bytes(),
                 activations_estimated=estimate_activations)
-
-
-def pinned_process_bytes(state: dict, cfg, local_devices: int) -> int:
-  """What this process places in XLA's pinned pool: its devices' weights in pinned_host
-  (a runner's plan: `pinned_pool`, else `host`) or, for the built-in models, those with a
-  micro-step's gradient and remat.policy=offload_matmuls's activations
-  (jaxzero.runtime.pinned_pool), whichever is more."""
-  weights = state.get("pinned_pool", state["host"]) * local_devices
-  return max(weights, pinned_pool.run_bytes(cfg, local_devices))
 
 
 # ----------------------------------------------------------------------------
@@ -241,10 +233,10 @@ def pinned_process_bytes(state: dict, cfg, local_devices: int) -> int:
 
 
 def check(runner, devices, force: bool = False, estimate_activations: bool | None = None,
-          force_hint: str = "--force starts it anyway") -> Budget:
-  """The run's Budget; raises DoesNotFitError (one line, ending in `force_hint`) when it
-  cannot fit, unless `force`."""
-  b = budget(runner, devices, estimate_activations)
+          whole_run: bool = True, force_hint: str = "--force starts it anyway") -> Budget:
+  """The run's Budget (see budget); raises DoesNotFitError (one line, ending in
+  `force_hint`) when it cannot fit, unless `force`."""
+  b = budget(runner, devices, estimate_activations, whole_run)
   if not b.host_fits:
     message = host_message(b)
   elif b.fits:
@@ -347,7 +339,7 @@ def suggest(program, b: Budget) -> str:
             f"needs ~{format_bytes(smallest)} per device, the model state alone "
             f"{format_bytes((c + g + 12) * phi)} in all; train a smaller model here, or "
             + ("plan GPUs with jaxzero.plan --config ... --hbm-gb G" if estimated else
-               "on GPUs (engine.plan(batch) gives the bytes per device)"))
+               "on GPUs (jaxzero.Engine(..., force=True).plan(batch) gives XLA's figure)"))
   for n in (2 ** k for k in range(1, 17)):
     if n > layout.shard_size and fits(needed(stage=3, policy="full", m=1, n=n)):
       return (f"{how} would fit on {n} such devices "

@@ -28,7 +28,7 @@ from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.parallel import pipeline
 from jaxzero.parallel.zero import Layout
 from jaxzero.planning import comm_report as comm_lib
-from jaxzero.planning import memory_check
+from jaxzero.planning import host_memory
 from jaxzero.planning import zero_formula
 from jaxzero.planning.flops import model_flops_per_token
 from jaxzero.runners.base import Runner
@@ -400,8 +400,9 @@ def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int,
       xla_host_bytes=xla_host_bytes(stats),
       xla_separates_host=xla_host_bytes(stats) > 0 or not (
           state.get("pinned_pool", state["host"]) or variant.remat in OFFLOADING_POLICIES),
-      host_process_bytes=state.get("host_process", 0) + memory_check.pinned_process_bytes(
-          state, cfg, len(layout.mesh.local_devices)),
+      host_process_bytes=host_memory.per_process(
+          runner, state, len(layout.mesh.local_devices),
+          estimate_activations=not cfg.model_factory).process,
       host_update_bytes=state.get("host_update", 0), seconds=seconds, step_s=step_s, bound=bound)
 
 

@@ -131,3 +131,21 @@ def test_a_checkpoints_copy_of_the_device_state_is_host_memory(monkeypatch):
   assert "112.4 GB a checkpoint save copies off the devices" in memory_check.host_message(budget)
   on_a_cpu = memory_check.budget(runner, devices)  # host memory is the devices' memory there
   assert on_a_cpu.save_copy == on_a_cpu.host_process == 0
+
+
+@pytest.mark.parametrize("sets, bytes_per_param", [
+    (["zero.stage=0"], 14),  # replicated on every device: copied once
+    (["offload.params=pinned_host", "mesh.fsdp=-1"], 4),  # the pool's: weights and gradient
+])
+def test_host_memory_comes_from_the_resolved_mesh_and_each_shard_once(sets, bytes_per_param):
+  """Llama-3.1-8B on one host of 8 GPUs: a stage-0 save copies the replicated state once
+  (14 bytes a parameter, not 8 x 14); the weights in pinned_host (fsdp=-1 resolved to 8) fill
+  the pool with an eighth of the bf16 weights and gradient per device, 4 bytes a parameter
+  in all (the config alone counted fsdp=-1 as 1 shard: 8 x that)."""
+  from jaxzero.models.llama import count_params
+  cfg = config.load("configs/llama8b_zero3.py", ["zero.grad_dtype=bfloat16", *sets])
+  devices = jax.devices()[:8]
+  budget = memory_check.budget(loop.prepare(cfg, devices, check=False),
+                               [GPU(d) for d in devices])
+  part = budget.pinned_process if "mesh.fsdp=-1" in sets else budget.save_copy
+  assert part == pytest.approx(bytes_per_param * count_params(cfg.model), rel=2e-3)

@@ -145,8 +145,8 @@ def test_llama8b_with_zero_offload_fits_an_80_gb_gpu_and_its_host_holds_the_stat
   assert not device.fits and offload.fits
   assert offload.total_bytes < 40e9 < device.total_bytes
   # The state and the update's workspace (a few 256 MB chunks in flight), well inside the
-  # issue's 1.1x the state plus a layer.
-  assert 12 * phi <= offload.host_process_bytes <= 1.02 * 12 * phi
+  # issue's 1.1x the state plus a layer; and a save's copy of the bf16 weights (2Φ).
+  assert 14 * phi <= offload.host_process_bytes <= 1.02 * 14 * phi
   assert offload.host_update_bytes == pytest.approx(phi * (2 + 24 + 2), rel=1e-6)
   assert offload.bound == "host" and offload.step_s == pytest.approx(
       offload.seconds["compute"] + max(offload.seconds["host"], offload.seconds["pcie"]))

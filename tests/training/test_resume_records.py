@@ -78,5 +78,6 @@ sys.exit(train.main(["--config", {TINY!r}, "--workdir", {str(tmp_path)!r}, "--no
 """
   result = run_python("-c", script, env=child_env(alone=True), timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
+  assert "SIGTERM came during the last save, which finished; checkpoint of step 2" in result.stdout
   assert latest_step(tmp_path) == 2
   assert not list((tmp_path / "checkpoints").glob("*tmp*"))

@@ -1,0 +1,85 @@
+"""What one process of a run holds in host memory, before anything is allocated.
+
+Three parts, each from the resolved mesh and the state's own shardings: what the runner
+keeps on the host (ZeRO-Offload's optimizer state and its update's workspace: the
+runner's plan), what XLA's pinned pool holds (weights in pinned_host with a micro-step's
+gradient, remat.policy=offload_matmuls's activations), and the copy a checkpoint save
+takes of the process's device state before writing it (orbax's asynchronous save: each
+distinct shard once). jax.process_index() alone is read: no collective.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxzero.parallel import mesh as mesh_lib
+
+
+class HostMemory(NamedTuple):
+  process: int  # all of it: the runner's share, the pool's, a save's copy
+  pinned: int  # of which, in XLA's pinned pool
+  save_copy: int  # of which, a checkpoint save's copy of the device state
+
+
+def local_count(devices) -> int:
+  """How many of `devices` are this process's."""
+  return sum(d.process_index == jax.process_index() for d in devices)
+
+
+def per_process(runner, state: dict, local_devices: int, *, estimate_activations: bool,
+                count_save: bool = True) -> HostMemory:
+  """This process's host memory for `runner` (whose plan() is `state`) on a GPU."""
+  pinned = pinned_bytes(runner.program, state, local_devices, estimate_activations)
+  saved = save_copy_bytes(runner) if count_save else 0
+  return HostMemory(state.get("host_process", 0) + pinned + saved, pinned, saved)
+
+
+def pinned_bytes(program, state: dict, local_devices: int, estimate_activations: bool) -> int:
+  """What this process places in XLA's pinned pool: each of its devices' weights in
+  pinned_host (exact, from the shardings) with a micro-step's gradient of them on its way
+  back, and the matmul outputs remat.policy=offload_matmuls keeps there (the built-in
+  models' layers, over the mesh's split of tokens, layers and heads)."""
+  cfg = program.cfg
+  weights = state.get("pinned_pool", state["host"])  # per device
+  compute = jnp.dtype(cfg.precision.compute).itemsize
+  gradient = (weights * jnp.dtype(cfg.zero.grad_dtype).itemsize // compute
+              if cfg.offload.params == "pinned_host" else 0)
+  activations = 0
+  if estimate_activations and cfg.remat.policy == "offload_matmuls":
+    m, t, mesh = cfg.model, cfg.train, cfg.mesh
+    tokens = mesh_lib.micro_batch(t, program.layout.data_parallel_size) * t.seq_len
+    kv = 2 * m.n_kv_heads * (m.dim // m.n_heads)
+    activations = (tokens // mesh.context * (m.n_layers // mesh.pipeline)
+                   * (3 * m.dim + kv + 2 * m.mlp_dim) // mesh.tensor * compute)
+  return (weights + gradient + activations) * local_devices
+
+
+def save_copy_bytes(runner) -> int:
+  """The bytes a save copies off this process's devices: each distinct shard of the
+  device-resident state once (a replicated leaf's copies are one). A runner whose
+  optimizer state is the host's or the disk's saves it chunk by chunk from there, so only
+  its weights are copied; ZeRO-Infinity's state is all on disk."""
+  program = runner.program
+  if program.cfg.offload.params == "nvme":
+    return 0
+  abstract, shardings = program.abstract, program.shardings
+  if runner.device_program != "step":
+    abstract, shardings = abstract.params, shardings.params
+  return unique_local_bytes(abstract, shardings, jax.process_index())
+
+
+def unique_local_bytes(abstract, shardings, process_index: int) -> int:
+  """Bytes of the distinct shards of `abstract`'s leaves on `process_index`'s devices."""
+  total = 0
+  for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+    shape, itemsize = tuple(leaf.shape), np.dtype(leaf.dtype).itemsize
+    shards = {tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+              for device, index in sharding.devices_indices_map(shape).items()
+              if device.process_index == process_index}
+    total += sum(math.prod(stop - start for start, stop in shard) for shard in shards) * itemsize
+  return total
