@@ -2,11 +2,13 @@
 
 The file applies over the base config, then ``--set`` over that. What the file governs in
 DeepSpeed it governs here, absent keys included, with DeepSpeed's defaults: no enabled
-``bf16``/``fp16`` block trains fp32, no ``gradient_clipping`` does not clip, no
-``zero_optimization.stage`` is stage 0, and gradients are reduced in the training dtype unless
-``communication_data_type`` says otherwise. Without an ``optimizer`` or ``scheduler`` block
-DeepSpeed uses the training script's, here the base config's. ``"auto"`` takes the base's
-value. A key jaxzero does not know, or cannot honour, is an error naming it;
+``bf16``/``fp16`` block trains fp32, no ``gradient_clipping`` clips at 1.0, no
+``zero_optimization.stage`` is stage 0, no offload block offloads nothing, a batch key left
+out is DeepSpeed's rule's (gradient accumulation 1), and gradients accumulate and are
+reduced in the training dtype unless ``data_types.grad_accum_dtype`` and
+``communication_data_type`` say otherwise. Without an ``optimizer`` or ``scheduler`` block
+DeepSpeed uses the training script's, here the base config's. ``"auto"`` (the HF
+Trainer's) takes the run's value: the base's. A key jaxzero does not know, or cannot honour, is an error naming it;
 knobs XLA makes unnecessary are accepted and reported once, in one log line.
 :class:`jaxzero.frameworks.translated_file.Translation` is what the file says in jaxzero's terms.
 """
@@ -59,6 +61,8 @@ TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
             "bfloat16", "zero_optimization", "activation_checkpointing", "data_types",
             "communication_data_type", "sparse_gradients", "wandb", *UNNEEDED_TOP,
             "pipeline", "tensor_parallel", "sequence_parallel_size", *REFUSED_WHEN_ENABLED}
+BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow",
+             "bf16_master_weights_and_grads", "bf16_optimizer_states"}
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
              "fp16_master_weights_and_grads"}
@@ -90,10 +94,10 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   _wandb(tr, ds.get("wandb", {}), base)
   ds_zero.translate(tr, ds)
   ds_parallel.translate(tr, ds, base)
-  _activation_checkpointing(tr, ds.get("activation_checkpointing", {}))
+  _activation_checkpointing(tr, ds.get("activation_checkpointing", {}), base)
   ds_optimizer.translate(tr, ds, base)
   if "gradient_clipping" not in ds:
-    tr.set("train.clip_norm", 0.0, "no gradient_clipping: DeepSpeed does not clip")
+    tr.set("train.clip_norm", 1.0, "no gradient_clipping: DeepSpeed's default clips at 1.0")
   elif ds["gradient_clipping"] != "auto":
     tr.set("train.clip_norm", number(tr, ds["gradient_clipping"], "gradient_clipping",
                                      minimum=0), "gradient_clipping")
@@ -125,46 +129,68 @@ def _enabled(tr: Translation, block: dict, where: str):
 
 def _precision(tr: Translation, ds: dict, base: config_lib.Config) -> None:
   """The compute dtype as DeepSpeed reads it: an enabled fp16 or bf16 block, else fp32 (a
-  block it does not have is disabled); only an explicit "auto" keeps the base's."""
+  block it does not have is disabled); "enabled": "auto" (the HF Trainer's) is what the
+  base trains in, and the block then applies as if it said so. Gradients accumulate and
+  are reduced in the training dtype unless data_types.grad_accum_dtype and
+  communication_data_type say otherwise, as DeepSpeed's engine does."""
   fp16 = tr.check_keys(ds.get("fp16", {}), "fp16.", FP16_KEYS)
-  fp16_on = _enabled(tr, fp16, "fp16")
-  bf16_on, bf16_key = False, "bf16"
-  for key in ("bf16", "bfloat16"):  # "bfloat16" is DeepSpeed's older spelling
-    block = tr.check_keys(ds.get(key, {}), f"{key}.", {"enabled", "immediate_grad_update"})
-    if "immediate_grad_update" in block:
-      tr.unneeded[f"{key}.immediate_grad_update"] = "the update runs once per step"
-    if key in ds:
-      bf16_on, bf16_key = _enabled(tr, block, key), key
-  if fp16_on is True and bf16_on is True:
+  # DeepSpeed reads "bf16", and "bfloat16" (its older spelling) only without it.
+  bf16_key = "bf16" if "bf16" in ds or "bfloat16" not in ds else "bfloat16"
+  if bf16_key == "bf16" and "bfloat16" in ds:
+    tr.unneeded["bfloat16"] = "DeepSpeed reads the bf16 block when both are given"
+  bf16 = tr.check_keys(ds.get(bf16_key, {}), f"{bf16_key}.", BF16_KEYS)
+  if "immediate_grad_update" in bf16:
+    tr.unneeded[f"{bf16_key}.immediate_grad_update"] = "the update runs once per step"
+  for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+    if bf16.get(key) is True:
+      raise tr.error(f"{bf16_key}.{key}=true: jaxzero keeps fp32 master weights and optimizer "
+                     "state; leave it false")
+  fp16_on = _resolved(_enabled(tr, fp16, "fp16"), base, "float16")
+  bf16_on = _resolved(_enabled(tr, bf16, bf16_key), base, "bfloat16")
+  if fp16_on and bf16_on:
     raise tr.error(f"fp16.enabled and {bf16_key}.enabled are both true; enable one")
-  if fp16_on is True:
-    _fp16(tr, fp16, base.precision)
-  elif bf16_on is True:
-    tr.set("precision.compute", "bfloat16", f"{bf16_key}.enabled")
-  elif "auto" not in (fp16_on, bf16_on):
-    given = [k for k in ("fp16", "bf16", "bfloat16") if k in ds]
+  given = [k for k in ("fp16", bf16_key) if k in ds]
+  if fp16_on:
+    _fp16(tr, fp16, base.precision, _origin(fp16, "fp16", base))
+  elif bf16_on:
+    tr.set("precision.compute", "bfloat16", _origin(bf16, bf16_key, base))
+    if bf16.get("check_grad_overflow", True) is not False:
+      tr.set("train.nonfinite", "skip", f"{bf16_key}.check_grad_overflow (DeepSpeed's default "
+             "true): a step whose gradients overflow is skipped")
+  else:
     tr.set("precision.compute", "float32",
-           " and ".join(f"{k}.enabled=false" for k in given) + ": DeepSpeed trains in fp32"
-           if given else "no bf16 or fp16 block: DeepSpeed trains in fp32")
+           " and ".join(f"{k}.enabled={ds[k].get('enabled', False)}" for k in given)
+           + ": DeepSpeed trains in fp32" if given else
+           "no bf16 or fp16 block: DeepSpeed trains in fp32")
+  compute = tr.settings["precision.compute"][0]
   data_types = tr.check_keys(ds.get("data_types", {}), "data_types.", {"grad_accum_dtype"})
   for where, key, value in (("data_types.grad_accum_dtype", "zero.grad_dtype",
                              data_types.get("grad_accum_dtype")),
                             ("communication_data_type", "zero.reduce_dtype",
                              ds.get("communication_data_type"))):
-    if value is not None:
-      if value not in DTYPES:
-        raise tr.error(f"{where}={value!r} is not available; choose one of: fp32, bf16, fp16")
-      tr.set(key, DTYPES[value], where)
-  compute = tr.settings.get("precision.compute", (None,))[0]
-  if ds.get("communication_data_type") is None and compute in ("bfloat16", "float16"):
-    # DeepSpeed's engine reduces in the training dtype unless told otherwise.
-    tr.set("zero.reduce_dtype", compute, "no communication_data_type: DeepSpeed reduces "
-           f"gradients in the training dtype, {compute}")
+    if value is not None and value not in DTYPES:
+      raise tr.error(f"{where}={value!r} is not available; choose one of: fp32, bf16, fp16")
+    dtype = DTYPES[value] if value is not None else compute
+    if key == "zero.reduce_dtype" and dtype == tr.settings["zero.grad_dtype"][0]:
+      dtype = ""  # (jaxzero's spelling of "the gradients' own dtype")
+    tr.set(key, dtype, where if value is not None else
+           f"no {where}: DeepSpeed's engine uses the training dtype, {compute}")
 
 
-def _fp16(tr: Translation, fp16: dict, base: config_lib.PrecisionConfig) -> None:
+def _resolved(enabled, base: config_lib.Config, dtype: str) -> bool:
+  """A block's `enabled` (true, false or "auto": whether the base trains in `dtype`)."""
+  return base.precision.compute == dtype if enabled == "auto" else enabled is True
+
+
+def _origin(block: dict, key: str, base: config_lib.Config) -> str:
+  if block.get("enabled") == "auto":
+    return f"{key}.enabled=auto: the base's precision.compute={base.precision.compute}"
+  return f"{key}.enabled"
+
+
+def _fp16(tr: Translation, fp16: dict, base: config_lib.PrecisionConfig, origin: str) -> None:
   """DeepSpeed's fp16 block: float16 compute with its loss scaler's settings."""
-  tr.set("precision.compute", "float16", "fp16.enabled")
+  tr.set("precision.compute", "float16", origin)
   if fp16.get("fp16_master_weights_and_grads") is True:
     raise tr.error("fp16.fp16_master_weights_and_grads=true: jaxzero keeps fp32 master "
                    "weights; leave it false")
@@ -189,14 +215,14 @@ def _fp16(tr: Translation, fp16: dict, base: config_lib.PrecisionConfig) -> None
                    f"{2 ** values['initial_scale_power']:g}")
 
 
-def _activation_checkpointing(tr: Translation, block: dict) -> None:
+def _activation_checkpointing(tr: Translation, block: dict, base: config_lib.Config) -> None:
   known = {"cpu_checkpointing", *UNNEEDED_ACTIVATIONS}
   tr.check_keys(block, "activation_checkpointing.", known)
   tr.unneeded.update({f"activation_checkpointing.{k}": UNNEEDED_ACTIVATIONS[k]
                       for k in block if k in UNNEEDED_ACTIVATIONS})
   # Whether to checkpoint at all is the model code's choice in DeepSpeed and
   # the base config's remat.policy here; the file only moves it to the host.
-  if block.get("cpu_checkpointing") is True:
+  if block.get("cpu_checkpointing") is True and base.remat.policy != "none":
     tr.set("remat.policy", "offload_matmuls", "activation_checkpointing.cpu_checkpointing")
 
 
@@ -218,7 +244,8 @@ def resolve_batch(cfg: config_lib.Config, tr: Translation, n_devices: int, from_
   and how each derived value was found ({dotted key: "auto: ..."}).
 
   "auto" (or absent) fills the size the other two and the device count give;
-  what cannot be derived is the base's. `--set train.global_batch` or
+  what cannot be derived is the base's, except that a file giving one size alone
+  accumulates nothing (gradient_accumulation_steps 1), as DeepSpeed's rule says. `--set train.global_batch` or
   `--set train.grad_accum` (`from_set`) replaces the file's number. Three fixed
   sizes that disagree with the device count are one error stating the arithmetic.
   """
@@ -234,6 +261,12 @@ def resolve_batch(cfg: config_lib.Config, tr: Translation, n_devices: int, from_
   replica, fsdp, _ = mesh_lib.resolve_shape(cfg.mesh, n_devices)
   world = replica * fsdp
   how = {}
+  absent = {k for k in BATCH_KEYS if tr.batch[k] is None and k not in tr.autos}
+  if ("gradient_accumulation_steps" in absent and "train.grad_accum" not in from_set
+      and len(absent) == 2):  # one size given: DeepSpeed accumulates nothing
+    gas = 1
+    how["train.grad_accum"] = ("no gradient_accumulation_steps: DeepSpeed's rule with one "
+                               "batch size given, 1")
   if micro is None:  # the micro-batch follows at run time from the other two
     tbs, gas = (t.global_batch if tbs is None else tbs), (t.grad_accum if gas is None else gas)
     if tbs % (gas * world):

@@ -96,11 +96,15 @@ def _scheduler(tr: Translation, block: dict, base: config_lib.Config, lr: float)
     tr.set("train.min_lr_ratio", param(tr, params, where, "cos_min_ratio", t.min_lr_ratio,
                                         1e-4, minimum=0), where + "cos_min_ratio")
     return
-  # WarmupLR's peak defaults to the optimizer's lr, WarmupDecayLR's to 0.001.
-  max_lr = param(tr, params, where, "warmup_max_lr", t.lr,
+  # WarmupLR's peak defaults to the optimizer's lr, WarmupDecayLR's to 0.001; "auto" (the
+  # HF Trainer's) is the run's learning rate, the optimizer's.
+  max_lr = param(tr, params, where, "warmup_max_lr", lr,
                   lr if kind == "WarmupLR" else 1e-3, minimum=0)
   min_lr = param(tr, params, where, "warmup_min_lr", t.warmup_min_ratio * max_lr, 0.0,
                   minimum=0)
-  tr.set("train.lr", max_lr, where + "warmup_max_lr")
+  peak = (where + "warmup_max_lr" if "warmup_max_lr" in params else
+          f"no {where}warmup_max_lr: WarmupLR's default, the optimizer's lr" if kind == "WarmupLR"
+          else f"no {where}warmup_max_lr: WarmupDecayLR's default, 0.001")
+  tr.set("train.lr", max_lr, peak)
   tr.set("train.warmup_min_ratio", min_lr / max_lr if max_lr else 0.0,
          where + "warmup_min_lr / warmup_max_lr")

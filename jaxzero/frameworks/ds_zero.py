@@ -41,7 +41,7 @@ UNNEEDED_ZERO = {
     "memory_efficient_linear": "remat.policy decides what the backward pass keeps",
     "cpu_offload_use_pin_memory": _PINNED,
 }
-ZERO_KEYS = {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params",
+ZERO_KEYS = {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param",
              "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
              "zero_quantized_nontrainable_weights", "mics_shard_size",
              "stage3_param_persistence_threshold", *UNNEEDED_ZERO}
@@ -85,7 +85,7 @@ def translate(tr: Translation, ds: dict) -> None:
                        ("mesh.replica", -1)):
       tr.set(key, value, "zero_optimization.mics_shard_size")
   _offload(tr, zero, "offload_optimizer", "offload.optimizer", legacy="cpu_offload")
-  _offload(tr, zero, "offload_param", "offload.params", legacy="cpu_offload_params")
+  _offload(tr, zero, "offload_param", "offload.params", legacy="cpu_offload_param")
   stage_named = zero.get("stage", 0)
   if (tr.settings.get("offload.params", ("device",))[0] == "nvme"
       and tr.settings.get("offload.optimizer", ("device",))[0] != "nvme"):
@@ -111,6 +111,8 @@ def _offload(tr: Translation, zero: dict, key: str, target: str, legacy: str) ->
                    f"or nothing")
   if key in zero:
     tr.set(target, {"cpu": "pinned_host", "nvme": "nvme"}.get(device, "device"), f"{where}device")
+  elif not zero.get(legacy):
+    tr.set(target, "device", f"no zero_optimization.{key}: DeepSpeed's default, none")
   if device == "nvme":
     named = tr.settings.get("offload.nvme_dir")
     if named and named[0] != block["nvme_path"]:

@@ -108,12 +108,28 @@ def test_what_the_file_leaves_out_is_deepspeeds_default():
   cfg = base()
   assert (cfg.train.clip_norm, cfg.zero.stage) != (0.0, 0)  # the base clips and shards
   tr = deepspeed.translate({"bf16": {"enabled": True}}, cfg)
-  assert tr.settings["train.clip_norm"] == (0.0, "no gradient_clipping: DeepSpeed does not clip")
+  assert tr.settings["train.clip_norm"] == (
+      1.0, "no gradient_clipping: DeepSpeed's default clips at 1.0")  # its constants.py
   assert tr.settings["zero.stage"] == (0, "no zero_optimization.stage: DeepSpeed's default, 0")
-  assert tr.settings["zero.reduce_dtype"][0] == "bfloat16"  # DeepSpeed reduces in bf16
+  # DeepSpeed accumulates and reduces gradients in the training dtype (engine.get_data_types).
+  assert tr.settings["zero.grad_dtype"][0] == "bfloat16"
+  assert tr.settings["zero.reduce_dtype"][0] == ""  # the gradients' own: bfloat16
+  assert tr.settings["offload.optimizer"] == (
+      "device", "no zero_optimization.offload_optimizer: DeepSpeed's default, none")
+  # A bf16 ZeRO step whose gradients overflow is skipped (bf16.check_grad_overflow).
+  assert tr.settings["train.nonfinite"][0] == "skip"
   cfg = from_ds({"bf16": {"enabled": True}, "communication_data_type": "fp32",
-                 "gradient_clipping": 1.0, "zero_optimization": {"stage": 3}})
-  assert_fields(cfg, zero__reduce_dtype="float32", train__clip_norm=1.0, zero__stage=3)
+                 "data_types": {"grad_accum_dtype": "fp32"}, "gradient_clipping": 0.5,
+                 "zero_optimization": {"stage": 3}})
+  assert_fields(cfg, zero__grad_dtype="float32", zero__reduce_dtype="", train__clip_norm=0.5,
+                zero__stage=3)
+  cfg = from_ds({"bf16": {"enabled": True, "check_grad_overflow": False},
+                 "data_types": {"grad_accum_dtype": "fp32"}})
+  assert_fields(cfg, zero__grad_dtype="float32", zero__reduce_dtype="bfloat16",
+                train__nonfinite=base().train.nonfinite)
+  # The offloading base (pinned_host) offloads nothing under a file that says nothing of it.
+  offloaded = dataclasses.replace(base(), offload=config.OffloadConfig(optimizer="pinned_host"))
+  assert from_ds({"zero_optimization": {"stage": 2}}, offloaded).offload.optimizer == "device"
   # Without an optimizer or scheduler block DeepSpeed uses the script's: the base's.
   cfg = from_ds({})
   assert (cfg.train.optimizer, cfg.train.lr, cfg.train.schedule) == (
@@ -132,7 +148,8 @@ def test_zero3_cpu_optimizer_offload_warmup_cosine_lr():
                                                                 "pin_memory": True},
                               **XLA_KNOBS, **STAGE3_KNOBS},
         "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}}
-  cfg = from_ds(ds)
+  # The model checkpoints its layers (the base's remat.policy): cpu_checkpointing moves that.
+  cfg = from_ds(ds, dataclasses.replace(base(), remat=config.RematConfig(policy="full")))
   assert_fields(cfg, zero__stage=3, offload__optimizer="pinned_host", offload__params="device",
                 train__global_batch=64, train__grad_accum=8, precision__compute="bfloat16",
                 train__lr=2e-4, train__b2=0.95, train__weight_decay=0.1,
@@ -163,9 +180,9 @@ def test_zero3_param_offload_and_the_knobs_are_reported_once(caplog):
   with caplog.at_level(logging.INFO):
     tr = deepspeed.translate(ds, base(), "ds.json")
     cfg, _ = deepspeed.resolve_batch(apply_file(tr, base()), tr, 8)
-  # gradient_accumulation_steps cannot be derived without the micro-batch: the base's.
+  # One batch size alone: DeepSpeed's rule accumulates nothing.
   assert_fields(cfg, offload__params="pinned_host", offload__optimizer="pinned_host",
-                train__global_batch=16, train__grad_accum=2)
+                train__global_batch=16, train__grad_accum=1)
   lines = [r.getMessage() for r in caplog.records if "not needed under XLA" in r.getMessage()]
   assert len(lines) == 1 and "stage3_prefetch_bucket_size" in lines[0]
   assert "layer scan" in lines[0]  # what jaxzero does instead
@@ -276,11 +293,18 @@ def test_batch_rule_any_two_give_the_third():
   assert got.grad_accum == 4
   got = from_ds({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}).train
   assert (got.global_batch, got.grad_accum) == (48, 3)
-  # What cannot be derived is the base's (global_batch 32, grad_accum 2); the mesh is never
-  # changed: a mesh of -1 takes the devices there are.
+  # One size alone: DeepSpeed's rule accumulates nothing (gradient_accumulation_steps 1, not
+  # the base's 2); the mesh is never changed: a mesh of -1 takes the devices there are.
   any_mesh = dataclasses.replace(base(), mesh=config.MeshConfig(replica=2, fsdp=-1))
   got = from_ds({"train_micro_batch_size_per_gpu": 2}, any_mesh)
-  assert (got.mesh, got.train.global_batch, got.train.grad_accum) == (any_mesh.mesh, 32, 2)
+  assert (got.mesh, got.train.global_batch, got.train.grad_accum) == (any_mesh.mesh, 16, 1)
+  tr = deepspeed.translate({"train_batch_size": 64}, base())
+  assert deepspeed.resolve_batch(tr.apply(base()), tr, 8)[1]["train.grad_accum"].startswith(
+      "no gradient_accumulation_steps: DeepSpeed's rule")
+  # "auto" is the run's (the base's): the HF Trainer fills it so.
+  got = from_ds({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto"})
+  assert (got.train.global_batch, got.train.grad_accum) == (32, 2)
+  # What cannot be derived is the base's.
   got = from_ds({"gradient_accumulation_steps": 4}).train
   assert (got.global_batch, got.grad_accum) == (32, 4)
   assert from_ds({"train_batch_size": 64}, any_mesh, devices=4).train.global_batch == 64
@@ -546,3 +570,39 @@ def test_bad_ds_config_exits_2_from_the_command_line(tmp_path):
   assert result.stderr.strip().splitlines() == [
       "jaxzero.train: error: fp16.json: fp16.enabled and bf16.enabled are both true; "
       "enable one"]
+
+
+def test_files_from_the_wild_read_as_deepspeed_reads_them():
+  """What each of these files means in DeepSpeed 0.19: an "auto" precision block applies in
+  full where the run trains in its dtype, "auto" peaks at the optimizer's lr, the legacy
+  cpu_offload_param, bf16 before bfloat16, and the bf16 block's newer keys."""
+  fp16_base = dataclasses.replace(base(), precision=config.PrecisionConfig(compute="float16"))
+  cfg = from_ds({"fp16": {"enabled": "auto", "initial_scale_power": 12,
+                          "loss_scale_window": 100}}, fp16_base)
+  assert_fields(cfg, precision__compute="float16", precision__initial_scale_power=12,
+                precision__loss_scale_window=100, zero__grad_dtype="float16")
+  assert from_ds({"fp16": {"enabled": "auto", "initial_scale_power": 12}}
+                 ).precision.compute == "float32"  # the base trains in fp32
+  cfg = from_ds({"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+                 "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}})
+  assert cfg.train.lr == 1e-5
+  tr = deepspeed.translate({"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+                            "scheduler": {"type": "WarmupLR", "params": {}}}, base())
+  assert tr.settings["train.lr"] == (1e-5, "no scheduler.params.warmup_max_lr: WarmupLR's "
+                                           "default, the optimizer's lr")
+  cfg = from_ds({"zero_optimization": {"stage": 3, "cpu_offload_param": True,
+                                       "cpu_offload": True}})
+  assert_fields(cfg, offload__params="pinned_host", offload__optimizer="pinned_host")
+  assert from_ds({"bf16": {"enabled": True}, "bfloat16": {"enabled": False}}
+                 ).precision.compute == "bfloat16"
+  assert from_ds({"bf16": {"enabled": True, "check_grad_overflow": True,
+                           "bf16_master_weights_and_grads": False}}).precision.compute == (
+                               "bfloat16")
+  # cpu_checkpointing moves what the model checkpoints; a base that checkpoints nothing
+  # keeps nothing to move.
+  no_remat = dataclasses.replace(base(), remat=config.RematConfig(policy="none"))
+  assert from_ds({"activation_checkpointing": {"cpu_checkpointing": True}},
+                 no_remat).remat.policy == "none"
+  with pytest.raises(ConfigError, match="bf16.bf16_master_weights_and_grads=true: jaxzero keeps"):
+    from_ds({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                      "bf16_optimizer_states": True}})
