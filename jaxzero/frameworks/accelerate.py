@@ -42,16 +42,26 @@ UNNEEDED_TOP = {
     "dynamo_config": "every step is compiled by XLA",
 }
 FSDP_KEYS = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
-             "fsdp_activation_checkpointing", *UNNEEDED_FSDP}
-TOP_KEYS = {"distributed_type", "fsdp_config", "mixed_precision", "log_with",
+             "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload",
+             "fsdp_ignored_modules", *UNNEEDED_FSDP}
+TOP_KEYS = {"distributed_type", "fsdp_config", "mixed_precision", "fp8_config",
             "parallelism_config", *UNNEEDED_TOP}
-# Accelerate's ParallelismConfig (it has no pipeline size): key -> mesh key.
+# Accelerate's ParallelismConfig (it has no pipeline size): key -> mesh key. A size it leaves
+# out is 1 (dp_shard: what is left).
 PARALLELISM_SIZES = {"parallelism_config_dp_replicate_size": "mesh.replica",
                      "parallelism_config_dp_shard_size": "mesh.fsdp",
                      "parallelism_config_tp_size": "mesh.tensor",
                      "parallelism_config_cp_size": "mesh.context"}
-PARALLELISM_KEYS = {*PARALLELISM_SIZES, "parallelism_config_cp_size",
-                    "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend"}
+_SP_SETTINGS = ("parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
+                "parallelism_config_sp_seq_length_is_variable",
+                "parallelism_config_sp_attn_implementation")
+PARALLELISM_KEYS = {*PARALLELISM_SIZES, "parallelism_config_cp_comm_strategy",
+                    "parallelism_config_cp_backend", "parallelism_config_sp_size", *_SP_SETTINGS}
+# torch's GradScaler, which Accelerate's fp16 uses: 2**16 at first, doubled after 2000 steps
+# without overflow, halved at each overflow, with no floor (here the smallest normal fp32).
+GRAD_SCALER = {"precision.loss_scale": 0.0, "precision.initial_scale_power": 16,
+               "precision.loss_scale_window": 2000, "precision.hysteresis": 1,
+               "precision.consecutive_hysteresis": False, "precision.min_loss_scale": 2.0 ** -126}
 
 
 def read(path: str, base: config_lib.Config) -> Translation:
@@ -62,69 +72,61 @@ def read(path: str, base: config_lib.Config) -> Translation:
 def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> Translation:
   """The jaxzero settings an Accelerate FSDP config (parsed YAML) means over `base`."""
   tr = Translation(source)
-  tr.check_keys(acc, "", TOP_KEYS)
   kind = acc.get("distributed_type", "FSDP")
-  if kind == "MULTI_GPU":  # DDP
-    tr.set("zero.strategy", "NO_SHARD", "distributed_type")
-  elif kind == "DEEPSPEED":
-    raise tr.error("distributed_type=DEEPSPEED: pass its ds_config.json with --deepspeed")
-  elif kind != "FSDP":
+  if kind == "DEEPSPEED":
+    raise tr.error("distributed_type=DEEPSPEED: pass its deepspeed_config_file (the "
+                   "ds_config.json) with --deepspeed")
+  if kind not in ("FSDP", "MULTI_GPU"):
     raise tr.error(f"distributed_type={kind!r} is not available; choose FSDP or MULTI_GPU")
+  tr.check_keys(acc, "", TOP_KEYS)
   tr.unneeded.update({k: UNNEEDED_TOP[k] for k in acc if k in UNNEEDED_TOP})
+  _precision(tr, acc)
+  if kind == "MULTI_GPU":  # DDP: Accelerate reads no fsdp_config
+    tr.set("zero.strategy", "NO_SHARD", "distributed_type=MULTI_GPU")
+    if acc.get("fsdp_config"):
+      tr.unneeded["fsdp_config"] = "distributed_type=MULTI_GPU: Accelerate reads it only for FSDP"
+    fsdp = {}
+  else:
+    fsdp = tr.check_keys(acc.get("fsdp_config") or {}, "fsdp_config.", FSDP_KEYS)
+    tr.unneeded.update({f"fsdp_config.{k}": UNNEEDED_FSDP[k] for k in fsdp
+                        if k in UNNEEDED_FSDP})
+    if fsdp.get("fsdp_ignored_modules"):
+      raise tr.error("fsdp_config.fsdp_ignored_modules: every weight is sharded here; "
+                     "leave it out")
+  strategy = _sharding(tr, acc, fsdp) if kind == "FSDP" else "NO_SHARD"
+  _parallelism(tr, acc.get("parallelism_config") or {}, strategy, fsdp)
+  _checkpointing(tr, fsdp)
+  _offload(tr, fsdp, strategy)
+  return tr
+
+
+def _precision(tr: Translation, acc: dict) -> None:
+  """mixed_precision as Accelerate's FSDP runs it: weights and the gradient reduction in
+  the dtype (MixedPrecision(param_dtype, reduce_dtype)), gradients kept and accumulated in
+  fp32 (the sharded parameters' dtype); fp16 with torch's GradScaler; fp8 as FP8 matmuls
+  around bf16 compute (Transformer Engine's and torchao's recipes)."""
   precision = acc.get("mixed_precision", None)
   if precision is False:  # YAML reads an unquoted `no` as false
     precision = "no"
+  if isinstance(precision, str):
+    precision = precision.lower()  # as Accelerate reads it
   if precision not in (None, "no", "bf16", "fp16", "fp8"):
-    raise tr.error(f"mixed_precision={precision!r} is not valid; choose one of: no, bf16, fp16, "
-                   "fp8")
-  # fp16: with dynamic loss scaling at DeepSpeed's defaults, as Accelerate's GradScaler does.
-  # fp8: FP8 matmuls around bf16 compute, as Accelerate's (Transformer Engine, torchao) are.
-  tr.set("precision.compute", {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}.get(
-      precision, "float32"), "mixed_precision" if precision is not None
-         else "no mixed_precision: Accelerate's default, no (fp32)")
-  if precision == "fp8":
-    tr.set("precision.matmul", "fp8", "mixed_precision")
-  trackers = acc.get("log_with")
-  trackers = [trackers] if isinstance(trackers, str) else list(trackers or [])
-  for tracker in trackers:
-    if tracker not in ("wandb", "tensorboard"):
-      raise tr.error(f"log_with={tracker!r} is not available; choose wandb or tensorboard "
-                     "(TensorBoard events are always written)")
-  if "wandb" in trackers:
-    tr.set("log.wandb", base.log.wandb or "jaxzero", "log_with")
-  fsdp = tr.check_keys(acc.get("fsdp_config") or {}, "fsdp_config.", FSDP_KEYS)
-  tr.unneeded.update({f"fsdp_config.{k}": UNNEEDED_FSDP[k] for k in fsdp if k in UNNEEDED_FSDP})
-  strategy = _strategy(tr, fsdp)
-  machines = number(tr, acc.get("num_machines", 1), "num_machines", int, 1)
-  if strategy is None and kind == "FSDP":
-    tr.set("zero.strategy", "FULL_SHARD",
-           "no fsdp_config.fsdp_sharding_strategy: Accelerate's default, FULL_SHARD")
-  if strategy:
-    tr.set("zero.strategy", strategy, "fsdp_config.fsdp_sharding_strategy")
-    if strategy.startswith("HYBRID"):
-      # HSDP shards inside a node and replicates across nodes.
-      tr.set("mesh.replica", machines, "num_machines")
-      tr.set("mesh.fsdp", -1, "num_machines")
-  _parallelism(tr, acc.get("parallelism_config") or {})
-  checkpointing = _flag(tr, fsdp, "fsdp_activation_checkpointing")
-  tr.set("remat.policy", "full" if checkpointing else "none",
-         "fsdp_config.fsdp_activation_checkpointing" if "fsdp_activation_checkpointing" in fsdp
-         else "no fsdp_config.fsdp_activation_checkpointing: Accelerate's default, off")
-  if _flag(tr, fsdp, "fsdp_offload_params"):
-    # FSDP's CPUOffload moves parameters and gradients to the host and runs the
-    # optimizer there: jaxzero keeps the parameter shards and the optimizer
-    # state in pinned host memory, which needs ZeRO-3.
-    if strategy not in ("FULL_SHARD", "HYBRID_SHARD", None):
-      raise tr.error(f"fsdp_config.fsdp_offload_params with {strategy}: jaxzero offloads "
-                     f"parameters only under FULL_SHARD or HYBRID_SHARD")
-    tr.set("offload.params", "pinned_host", "fsdp_config.fsdp_offload_params")
-    tr.set("offload.optimizer", "pinned_host", "fsdp_config.fsdp_offload_params")
-  else:
-    where = ("fsdp_config.fsdp_offload_params" if "fsdp_offload_params" in fsdp
-             else "no fsdp_config.fsdp_offload_params: Accelerate's default, off")
-    tr.set("offload.params", "device", where)
-    tr.set("offload.optimizer", "device", where)
-  return tr
+    raise tr.error(f"mixed_precision={acc['mixed_precision']!r} is not valid; choose one of: "
+                   "no, bf16, fp16, fp8")
+  compute = {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}.get(precision, "float32")
+  where = ("mixed_precision" if precision is not None
+           else "no mixed_precision: Accelerate's default, no (fp32)")
+  tr.set("precision.compute", compute, where)
+  tr.set("precision.matmul", "fp8" if precision == "fp8" else "default", where)
+  tr.set("zero.grad_dtype", "float32", f"{where}: FSDP keeps gradients in the fp32 shards' dtype")
+  tr.set("zero.reduce_dtype", "" if compute == "float32" else compute,
+         f"{where}: FSDP's MixedPrecision reduces in it")
+  if precision == "fp16":
+    for key, value in GRAD_SCALER.items():
+      tr.set(key, value, "mixed_precision=fp16: torch's GradScaler, as Accelerate uses it")
+  if "fp8_config" in acc:
+    tr.unneeded["fp8_config"] = ("FP8 matmuls scale each tensor by its current amax "
+                                 "(precision.matmul=fp8)")
 
 
 # Accelerate hands fsdp_config's values to the training process as text, str(value).lower(),
@@ -149,41 +151,116 @@ def _flag(tr: Translation, fsdp: dict, key: str) -> bool:
   return value
 
 
-def _parallelism(tr: Translation, block: dict) -> None:
-  """ParallelismConfig's sizes as the mesh (over the hybrid strategy's): cp_size is
-  mesh.context; cp_comm_strategy allgather is context.strategy=all_gather, and alltoall
-  (torch's ring rotation of key/value shards) context.strategy=ring."""
+def _parallelism(tr: Translation, block: dict, strategy: str, fsdp: dict) -> None:
+  """ParallelismConfig's sizes as the mesh, each 1 where it leaves one out (dp_shard: what
+  is left), over the strategy's: dp_replicate > 1 with dp_shard > 1 is HSDP; cp_size is
+  mesh.context (allgather: context.strategy=all_gather; alltoall, torch's ring rotation of
+  key/value shards: ring); sp_size (Ulysses' all-to-all over heads) is mesh.context with
+  all_gather, the nearest here: each device sees every position's keys and values."""
   block = tr.check_keys(block, "parallelism_config.", PARALLELISM_KEYS)
+  hybrid = strategy.startswith("HYBRID")
   for key, target in PARALLELISM_SIZES.items():
     if key in block:
       tr.set(target, number(tr, block[key], f"parallelism_config.{key}", int, 1),
              f"parallelism_config.{key}")
-  strategy = block.get("parallelism_config_cp_comm_strategy", "allgather")
-  if strategy not in ("allgather", "alltoall"):
-    raise tr.error(f"parallelism_config.parallelism_config_cp_comm_strategy={strategy!r}; "
+    elif not (hybrid and target in ("mesh.replica", "mesh.fsdp")):
+      default = -1 if target == "mesh.fsdp" else 1
+      tr.set(target, default, f"no parallelism_config.{key}: Accelerate's default, "
+             + ("what is left" if default == -1 else "1"))
+  sp = number(tr, block.get("parallelism_config_sp_size", 1),
+              "parallelism_config.parallelism_config_sp_size", int, 1)
+  if sp > 1:
+    if tr.settings["mesh.context"][0] > 1:
+      raise tr.error("parallelism_config: cp_size and sp_size both split the sequence; "
+                     "give one")
+    tr.set("mesh.context", sp, "parallelism_config.parallelism_config_sp_size")
+    tr.set("context.strategy", "all_gather", "parallelism_config.parallelism_config_sp_size: "
+           "Ulysses' all-to-all over heads, whose nearest here is gathering keys and values")
+  tr.unneeded.update({f"parallelism_config.{k}": "the mesh and XLA's collectives place it"
+                      for k in (*_SP_SETTINGS, "parallelism_config_cp_backend") if k in block})
+  strategy_key = "parallelism_config_cp_comm_strategy"
+  comm = block.get(strategy_key, "allgather")
+  if comm not in ("allgather", "alltoall"):
+    raise tr.error(f"parallelism_config.{strategy_key}={comm!r}; "
                    "Accelerate's choices are allgather and alltoall")
-  if "parallelism_config_cp_comm_strategy" in block:
-    tr.set("context.strategy", {"allgather": "all_gather", "alltoall": "ring"}[strategy],
-           "parallelism_config.parallelism_config_cp_comm_strategy")
-  if "parallelism_config_cp_backend" in block:
-    tr.unneeded["parallelism_config.parallelism_config_cp_backend"] = (
-        "XLA's collectives, placed by the mesh")
+  if strategy_key in block:
+    tr.set("context.strategy", {"allgather": "all_gather", "alltoall": "ring"}[comm],
+           f"parallelism_config.{strategy_key}")
+  replicas, shards = (tr.settings.get(k, (1,))[0] for k in ("mesh.replica", "mesh.fsdp"))
+  if not hybrid and replicas > 1 and shards != 1:  # HSDP: torch's 2-D mesh
+    reshard = _truth(fsdp.get("fsdp_reshard_after_forward", True)) is not False
+    tr.set("zero.strategy", "HYBRID_SHARD" if reshard else "HYBRID_SHARD_ZERO2",
+           "parallelism_config: dp_replicate_size and dp_shard_size above 1 (HSDP)")
 
 
-def _strategy(tr: Translation, fsdp: dict) -> str | None:
-  """zero.strategy from fsdp_sharding_strategy (a name or 1-5) or FSDP2's
-  fsdp_reshard_after_forward (true = FULL_SHARD, false = SHARD_GRAD_OP, or a name).
-  Under fsdp_version 2 Accelerate reads the latter as a boolean only (1/0 too); under
-  version 1 a digit there is a strategy's number."""
+def _sharding(tr: Translation, acc: dict, fsdp: dict) -> str:
+  """zero.strategy, and HYBRID's mesh (sharded inside a node, replicated across the
+  num_machines nodes)."""
+  strategy, key = _strategy(tr, fsdp)
+  if strategy is None:
+    strategy, where = "FULL_SHARD", "no fsdp_config sharding key: Accelerate's default, FULL_SHARD"
+  else:
+    where = f"fsdp_config.{key}"
+  tr.set("zero.strategy", strategy, where)
+  if strategy.startswith("HYBRID"):
+    machines = number(tr, acc.get("num_machines", 1), "num_machines", int, 1)
+    tr.set("mesh.replica", machines, "num_machines")
+    tr.set("mesh.fsdp", -1, "num_machines")
+  return strategy
+
+
+def _checkpointing(tr: Translation, fsdp: dict) -> None:
+  """fsdp_activation_checkpointing is remat.policy=full; with its _offload, the saved
+  activations go to host memory (offload_matmuls)."""
+  on = _flag(tr, fsdp, "fsdp_activation_checkpointing")
+  offloaded = _flag(tr, fsdp, "fsdp_activation_checkpointing_offload")
+  if offloaded and not on:
+    raise tr.error("fsdp_config.fsdp_activation_checkpointing_offload needs "
+                   "fsdp_activation_checkpointing, as Accelerate says")
+  tr.set("remat.policy", "offload_matmuls" if offloaded else "full" if on else "none",
+         "fsdp_config.fsdp_activation_checkpointing" if "fsdp_activation_checkpointing" in fsdp
+         else "no fsdp_config.fsdp_activation_checkpointing: Accelerate's default, off")
+
+
+def _offload(tr: Translation, fsdp: dict, strategy: str) -> None:
+  """fsdp_offload_params: FSDP's CPUOffload moves parameters and gradients to the host and
+  runs the optimizer there; jaxzero keeps the parameter shards and the optimizer state in
+  pinned host memory, which needs ZeRO-3."""
+  if _flag(tr, fsdp, "fsdp_offload_params"):
+    if strategy not in ("FULL_SHARD", "HYBRID_SHARD"):
+      raise tr.error(f"fsdp_config.fsdp_offload_params with {strategy}: jaxzero offloads "
+                     f"parameters only under FULL_SHARD or HYBRID_SHARD")
+    tr.set("offload.params", "pinned_host", "fsdp_config.fsdp_offload_params")
+    tr.set("offload.optimizer", "pinned_host", "fsdp_config.fsdp_offload_params")
+    return
+  where = ("fsdp_config.fsdp_offload_params" if "fsdp_offload_params" in fsdp
+           else "no fsdp_config.fsdp_offload_params: Accelerate's default, off")
+  tr.set("offload.params", "device", where)
+  tr.set("offload.optimizer", "device", where)
+
+
+def _strategy(tr: Translation, fsdp: dict) -> tuple[str | None, str]:
+  """(zero.strategy, the key it comes from) from fsdp_sharding_strategy (a name or 1-5) or
+  fsdp_reshard_after_forward (true = FULL_SHARD, false = SHARD_GRAD_OP, or a name). Under
+  fsdp_version 2 Accelerate reads only the latter, as a boolean (1/0 too); under version 1
+  a digit there is a strategy's number."""
+  version2 = str(fsdp.get("fsdp_version")) == "2"
+  if version2 and "fsdp_sharding_strategy" in fsdp:
+    tr.unneeded["fsdp_config.fsdp_sharding_strategy"] = (
+        "fsdp_version 2 reads fsdp_reshard_after_forward, as Accelerate does")
   names = []
-  for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
+  for key in ("fsdp_reshard_after_forward",) if version2 else (
+      "fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
     if key not in fsdp:
       continue
     value = fsdp[key]
-    as_bool = key == "fsdp_reshard_after_forward" and str(fsdp.get("fsdp_version")) == "2"
+    as_bool = key == "fsdp_reshard_after_forward" and version2
     if (as_bool or (isinstance(value, str) and not value.isdigit())) and (
         _truth(value) is not None):
       value = _truth(value)  # as _flag reads it
+    elif as_bool:
+      raise tr.error(f"fsdp_config.{key}={value!r} under fsdp_version 2 is not valid; choose "
+                     "true (FULL_SHARD) or false (SHARD_GRAD_OP)")
     if isinstance(value, bool):
       value = "FULL_SHARD" if value else "SHARD_GRAD_OP"
     elif isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
@@ -193,8 +270,8 @@ def _strategy(tr: Translation, fsdp: dict) -> str | None:
     if value not in STRATEGY_NUMBERS.values():
       raise tr.error(f"fsdp_config.{key}={fsdp[key]!r} is not valid; choose one of: "
                      + ", ".join(f"{n} ({name})" for n, name in STRATEGY_NUMBERS.items()))
-    names.append(value)
-  if len(set(names)) > 1:
-    raise tr.error(f"fsdp_config.fsdp_sharding_strategy ({names[0]}) and "
-                   f"fsdp_reshard_after_forward ({names[1]}) disagree")
-  return names[0] if names else None
+    names.append((value, key))
+  if len({name for name, _ in names}) > 1:
+    raise tr.error(f"fsdp_config.fsdp_sharding_strategy ({names[0][0]}) and "
+                   f"fsdp_reshard_after_forward ({names[1][0]}) disagree")
+  return names[0] if names else (None, "")

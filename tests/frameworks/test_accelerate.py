@@ -191,3 +191,66 @@ def test_bad_accelerate_config_is_one_line_and_exit_code_2(text, message, tmp_pa
   errors = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(errors) == 1 and message in errors[0], errors
   assert not (tmp_path / "w").exists()
+
+
+def over(text: str, base_path: str = TINY) -> config.Config:
+  base = config.load(base_path)
+  result = accelerate.translate(yaml.safe_load(text), base).apply(base)
+  config.validate(result)
+  return result
+
+
+def test_files_read_as_accelerate_and_fsdp_run_them():
+  """What each file means to Accelerate 1.15 and torch's FSDP."""
+  # HSDP from ParallelismConfig: shard 4 ways, replicate across 2 (FSDP2's 2-D mesh).
+  hsdp = ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+          "  fsdp_reshard_after_forward: {}\nparallelism_config:\n"
+          "  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 4\n")
+  cfg = over(hsdp.format("true"))
+  assert (cfg.zero.strategy, cfg.mesh.replica, cfg.mesh.fsdp) == ("HYBRID_SHARD", 2, 4)
+  assert over(hsdp.format("false")).zero.strategy == "HYBRID_SHARD_ZERO2"
+  # MixedPrecision(param_dtype, reduce_dtype) in the run's dtype; gradients in the fp32 shards'.
+  llama8b = "configs/llama8b_zero3.py"  # (its own grads are bfloat16)
+  cfg = over("distributed_type: FSDP\nmixed_precision: BF16\n", llama8b)
+  assert (cfg.precision.compute, cfg.zero.grad_dtype, cfg.zero.reduce_dtype) == (
+      "bfloat16", "float32", "bfloat16")
+  cfg = over("distributed_type: FSDP\nmixed_precision: 'no'\n", llama8b)
+  assert (cfg.precision.compute, cfg.zero.grad_dtype, cfg.zero.reduce_dtype) == (
+      "float32", "float32", "")
+  # fp16: torch's GradScaler (2**16, doubled after 2000 good steps, halved at each overflow).
+  cfg = over("distributed_type: FSDP\nmixed_precision: fp16\n")
+  assert (cfg.precision.loss_scale, cfg.precision.initial_scale_power,
+          cfg.precision.loss_scale_window, cfg.precision.hysteresis) == (0.0, 16, 2000, 1)
+  # DDP reads no fsdp_config, offload or not.
+  cfg = over("distributed_type: MULTI_GPU\nfsdp_config:\n  fsdp_offload_params: true\n"
+             "  fsdp_reshard_after_forward: FULL_SHARD\n")
+  assert (cfg.zero.strategy, cfg.offload.params) == ("NO_SHARD", "device")
+  # A size ParallelismConfig leaves out is 1: the base's context 8 does not survive.
+  cfg = over("distributed_type: FSDP\nparallelism_config:\n"
+             "  parallelism_config_dp_shard_size: 8\n", "configs/llama8b_128k.py")
+  assert (cfg.mesh.fsdp, cfg.mesh.context, cfg.mesh.tensor) == (8, 1, 1)
+  # FSDP2 reads fsdp_reshard_after_forward alone, as a boolean.
+  cfg = over("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+             "  fsdp_sharding_strategy: SHARD_GRAD_OP\n")
+  assert cfg.zero.strategy == "FULL_SHARD"
+  with pytest.raises(ConfigError, match="under fsdp_version 2 is not valid; choose true"):
+    over("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+         "  fsdp_reshard_after_forward: SHARD_GRAD_OP\n")
+  # What `accelerate config` writes for fp8, and checkpointing with offload.
+  cfg = over("distributed_type: FSDP\nmixed_precision: fp8\nfp8_config:\n  backend: TE\n"
+             "fsdp_config:\n  fsdp_activation_checkpointing: true\n"
+             "  fsdp_activation_checkpointing_offload: true\n")
+  assert (cfg.precision.matmul, cfg.remat.policy) == ("fp8", "offload_matmuls")
+  with pytest.raises(ConfigError, match="fsdp_ignored_modules: every weight is sharded"):
+    over("distributed_type: FSDP\nfsdp_config:\n  fsdp_ignored_modules: [lm_head]\n")
+  with pytest.raises(ConfigError, match="pass its deepspeed_config_file"):
+    over("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n")
+
+
+def test_print_config_names_the_key_that_set_the_strategy():
+  tr = accelerate.translate(yaml.safe_load(
+      "distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: SHARD_GRAD_OP\n"),
+      config.load(TINY))
+  assert tr.settings["zero.strategy"] == ("SHARD_GRAD_OP",
+                                          "fsdp_config.fsdp_reshard_after_forward")
+  assert tr.settings["precision.matmul"][0] == "default"  # not a base's fp8
