@@ -84,8 +84,10 @@ class MetricsLogger:
       SummaryWriter = _summary_writer()  # pylint: disable=invalid-name
       # purge_step: TensorBoard hides the events of steps after the one this run resumes
       # from (the run logs them again from start + 1; step `start` itself stays).
+      # flush_secs: tensorboardX writes events from its own thread, and flushes them at
+      # most this long after; a killed run loses no more than that of them.
       self._tb = SummaryWriter(str(workdir / TB_DIR), purge_step=start + 1 if start else None,
-                               flush_secs=30)
+                               flush_secs=1)
 
   def log(self, records: list[dict]) -> None:
     """Writes `records` (consecutive steps) and shows the last, a logged step."""
@@ -103,8 +105,6 @@ class MetricsLogger:
       if self._tracker is not None:
         self._tracker.log(scalars, record["step"])
     self._file.flush()
-    if self._tb is not None:  # on disk with metrics.jsonl: a killed run loses neither
-      self._tb.flush()
     last = records[-1]
     if self._bar is None:
       print(format_line(last, self.total_steps), flush=True)

@@ -11,6 +11,7 @@ import pytest
 
 from jaxzero import config
 from jaxzero import train as train_cli
+from jaxzero.errors import ConfigError
 from jaxzero.frameworks import accelerate, deepspeed
 from jaxzero.training import loop, tracking
 
@@ -103,15 +104,17 @@ def test_wandb_without_the_package_is_one_line_naming_the_extra(tmp_path, capsys
   assert not (tmp_path / "w" / "checkpoints").exists()
 
 
-def test_a_ds_config_wandb_block_and_accelerates_log_with_translate():
+def test_a_ds_config_wandb_block_translates_and_log_with_is_no_accelerate_config_key():
   base = config.load(TINY)
   tr = deepspeed.translate({"wandb": {"enabled": True, "project": "p", "group": "g",
                                       "team": "t"}}, base)
   log = tr.apply(base).log
   assert (log.wandb, log.wandb_group, log.wandb_entity) == ("p", "g", "t")
   assert deepspeed.translate({"wandb": {"enabled": False}}, base).apply(base).log == base.log
+  # Accelerate's config file refuses log_with (an Accelerator argument), and so does this.
   yaml = "distributed_type: FSDP\nlog_with: wandb\n"
-  assert accelerate.translate(__import__("yaml").safe_load(yaml), base).apply(base).log.wandb
+  with pytest.raises(ConfigError, match="log_with"):
+    accelerate.translate(__import__("yaml").safe_load(yaml), base)
 
 
 def test_a_step_that_returns_when_done_is_timed_as_itself(monkeypatch):

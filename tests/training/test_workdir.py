@@ -102,7 +102,8 @@ def _checkpoints_is_a_file(tmp):
 def _cache_dir_not_writable(tmp):
   (tmp / "corpus.txt").write_text("some text to tokenize " * 200)
   cache = read_only_dir(tmp / "cache")
-  return (["--set", f"data.source={tmp / 'corpus.txt'}", "--set", f"data.cache_dir={cache}"],
+  return (["--set", f"data.source={tmp / 'corpus.txt'}", "--set", f"data.cache_dir={cache}",
+           "--set", "data.max_bytes=16000000"],  # (the default: it caps the stdlib only)
           ["data.cache_dir=", "is not writable: permission denied"])
 
 
