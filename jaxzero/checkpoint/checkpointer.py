@@ -167,7 +167,8 @@ class Checkpointer(CheckpointDirectory):
     try:
       restored = self._restore_fields(step, partial, unwanted, strict=not repadded)
       if item:  # what the item holds and `into` does not keep: read from the item
-        restored = item.with_leaves(restored, target, kept)
+        restored = item.with_leaves(restored, target._replace(**{f: None for f in unsaved}),
+                                    kept)
     except Exception as e:  # pylint: disable=broad-except
       # orbax and tensorstore report a damaged file as a bare Exception.
       raise self._lone_failure(step, read_errors.read_failure(where, e)) from e

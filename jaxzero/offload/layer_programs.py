@@ -140,8 +140,9 @@ class LayerPrograms:
       n = len(specs)  # the outer weights come first among the traced inputs, sorted by name
       self._names["pre"] = [name for name, used in zip(sorted(specs), used_inputs(
           self._pre, specs, batch)[:n]) if used]
+      # (A float16 run's post takes the loss scale: a stand-in is traced with it.)
       self._names["post"] = [name for name, used in zip(sorted(specs), used_inputs(
-          self._post, specs, batch, carry)[:n]) if used]
+          self._post, specs, batch, carry, jnp.float32(1.0))[:n]) if used]
     return self._names[side]
 
   def outer_sharding(self, name: str):

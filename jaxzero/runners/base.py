@@ -67,6 +67,10 @@ class Runner(Protocol):
   def restore(self, checkpoints, step: int, target) -> Any:
     """Checkpoint `step`, read into `target`'s shardings and into what the runner keeps."""
 
+  def current(self, state) -> Any:
+    """`state` with every update applied (DPU's in flight: jaxzero.runners.host): what a
+    checkpoint of it saves, and what an evaluation of it sees."""
+
   def compute_copy(self, state) -> Any:
     """The compute-dtype weights cast from `state`'s float32 masters, as a step makes them
     (for a checkpoint restored from another precision: jaxzero.runners.resume)."""
@@ -108,6 +112,9 @@ class InMemoryRunner:
   def restore(self, checkpoints, step: int, target):
     return checkpoints.restore(step, target, optional=OPTIONAL_LEAVES,
                                true_shapes=padded_leaves(self.program))
+
+  def current(self, state):
+    return state
 
   def compute_copy(self, state):
     return self.program.compute_copy(state.master)

@@ -232,8 +232,11 @@ class HostRunner(nvme.NvmeRunner):
 
   def save(self, checkpoints, step: int, state: NvmeState, wait: bool = False):
     """Saves the state after the update in flight (DPU), whose result the next step uses."""
+    return super().save(checkpoints, step, self.current(state), wait)
+
+  def current(self, state: NvmeState) -> NvmeState:
     self.check_current(state)
-    return super().save(checkpoints, step, self.finish_update(state), wait)
+    return self.finish_update(state)
 
   def finish_update(self, state: NvmeState | None = None) -> NvmeState | None:
     """`state` with the delayed update in flight applied (it stays the next step's)."""

@@ -93,10 +93,11 @@ class InfinityRunner(nvme_runner.NvmeRunner):
     return self.layer_leaves(self.leaves)[0].shape[0]
 
   def open_store(self) -> nvme_store.Store:
+    if self.grad_store is not None:  # before the directory holding it is made anew
+      self.grad_store.close()
+      self.grad_store = None
     store = super().open_store()
     store.derived = self.cfg.precision.compute  # checkpoints derive the compute copy
-    if self.grad_store is not None:
-      self.grad_store.close()
     self.grad_store = nvme_store.Store(self.directory / GRADS, self.grad_leaves)
     return store
 

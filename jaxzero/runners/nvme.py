@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import pathlib
 import time
+import uuid
 from typing import Any, NamedTuple
 
 import jax
@@ -48,10 +50,17 @@ class NvmeState(NamedTuple):
     """What memory holds, as a TrainState with None where the store holds the leaf."""
     return TrainState(self.step, self.params, self.master, self.opt_state, self.loss_scale)
 
+  @property
+  def frozen(self) -> None:
+    """None: a model with frozen weights keeps its optimizer state on the device."""
+    return None
+
 
 def store_directory(nvme_dir: str, workdir) -> pathlib.Path:
-  """This process's store: one directory per run (by workdir) and process."""
-  run = hashlib.sha1(str(pathlib.Path(workdir or ".").absolute()).encode()).hexdigest()[:12]
+  """This process's store: one directory per run (by workdir) and process; without a
+  workdir (a jaxzero.Engine's), one per runner, so that two engines never share one."""
+  run = (hashlib.sha1(str(pathlib.Path(workdir).absolute()).encode()).hexdigest()[:12]
+         if workdir is not None else f"engine-{os.getpid()}-{uuid.uuid4().hex[:8]}")
   return (pathlib.Path(nvme_dir).expanduser().absolute() / f"jaxzero-{run}"
           / f"process_{jax.process_index()}")
 
@@ -145,6 +154,9 @@ class NvmeRunner:
   def restore(self, checkpoints, step: int, target) -> NvmeState:
     return checkpoints.restore(step, target, into=self, optional=base.OPTIONAL_LEAVES,
                                true_shapes=base.padded_leaves(self.program))
+
+  def current(self, state: NvmeState) -> NvmeState:
+    return state
 
   def compute_copy(self, state: NvmeState) -> Any:
     return self._compute_copy(state.store)

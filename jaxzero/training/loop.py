@@ -350,7 +350,7 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
   done = start
   try:
     if evaluator is not None and start == 0:
-      logger.log_initial_eval(evaluator(state))
+      logger.log_initial_eval(evaluator(run.runner.current(state)))
       metrics.restart_clock()
     for step in range(start, total):
       peerwatch.phase(f"step {step + 1}")
@@ -371,7 +371,8 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
       if logged:
         if evaluate:
           peerwatch.phase(f"eval {done}")
-        guard.check(metrics.log(done, (lambda: evaluator(state)) if evaluate else None))
+        guard.check(metrics.log(  # (evaluated as saved: DPU's update in flight applied)
+            done, (lambda: evaluator(run.runner.current(state))) if evaluate else None))
       if stop.agreed(at_sync_point=logged):
         break
       if saving:

@@ -373,3 +373,28 @@ def test_a_checkpoint_of_another_precision_resumes_under_offload(optimizer, para
   got = run(tmp_path / "offload", 3, "float32", *offloaded)
   assert len(got) == 1 and np.isfinite(got[0])
   np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("offload", [dict(optimizer="pinned_host"),
+                                     dict(optimizer="pinned_host", delayed_update=True)],
+                         ids=["host", "dpu"])
+def test_an_offloaded_run_evaluates_the_state_it_saves(offload, tmp_path):
+  """Evaluation under ZeRO-Offload (it crashed: the offloaded state has no frozen weights):
+  the held-out loss at the last step is that of the checkpoint the step saves, DPU's update
+  in flight applied, as an in-memory run evaluates it."""
+  from jaxzero.checkpoint import checkpointer as checkpoint_lib
+  from jaxzero.runners import base as runners_base
+  from jaxzero.training import evaluation
+  sets = dict(data=config.DataConfig(max_bytes=200_000, eval_fraction=0.1),
+              eval=config.EvalConfig(every=2, batches=1))
+  cfg = dataclasses.replace(tiny(3, **offload), **sets,
+                            train=dataclasses.replace(tiny(3).train, steps=2))
+  history = loop.train(cfg, tmp_path, devices=jax.devices()[:8], progress=False)
+  in_memory = dataclasses.replace(cfg, offload=config.OffloadConfig())
+  run = loop.build(in_memory, jax.devices()[:8])
+  checkpoints = runners_base.checkpointer(tmp_path, None, checkpoint_lib.run_info(
+      cfg.model, cfg.precision.compute, cfg.seed))
+  state = run.runner.restore(checkpoints, 2, run.program.abstract_state())
+  checkpoints.close()
+  saved = evaluation.Evaluator(run.program, run.eval_batches, state)(state)["eval_loss"]
+  assert history[-1]["eval_loss"] == pytest.approx(saved, rel=1e-6)

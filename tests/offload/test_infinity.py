@@ -216,3 +216,28 @@ def test_no_room_counts_the_gradients_and_changes_nothing(infinity_run, nvme_dir
           "share of the optimizer state, the master weights and the gradients") in str(error.value)
   assert sorted(p.name for p in workdir.rglob("*")) == before
   assert not list(nvme_dir.iterdir())
+
+
+@pytest.mark.parametrize("params", ["nvme", "device"], ids=["infinity", "in_memory"])
+def test_its_float32_checkpoint_resumes_in_float16(infinity_run, nvme_dir, tmp_path, params):
+  """A checkpoint with an NVMe item read into float16 (whose scaler it lacks: made afresh),
+  by ZeRO-Infinity (whose layer programs then scale the loss) and in memory; both were
+  refused, one as damaged, one at its first step."""
+  workdir = at_step(infinity_run, 5, tmp_path / "w")
+  sets = ["train.grad_accum=2", "precision.compute=float16",
+          *(infinity_sets(nvme_dir) if params == "nvme" else ())]
+  assert train(workdir, sets).start_step == 5
+  got, expected = losses(workdir), losses(infinity_run)
+  np.testing.assert_allclose([got[s] for s in range(6, 11)], [expected[s] for s in range(6, 11)],
+                             rtol=2e-3)  # float16's rounding of the compute copy
+
+
+def test_an_infinity_runner_made_anew_keeps_one_store(nvme_dir):
+  """init twice (a fallback to an older checkpoint does the same): the second store
+  replaces the first, gradients' included, and close() removes them."""
+  cfg = config.load(TINY, [*SETS, "mesh.fsdp=8", *infinity_sets(nvme_dir)])
+  runner = loop.prepare(cfg, jax.devices()[:8], workdir=nvme_dir / "run")
+  runner.init()
+  runner.init()
+  runner.close()
+  assert not runner.directory.exists()

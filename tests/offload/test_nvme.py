@@ -405,3 +405,13 @@ def test_the_box_by_box_probe_refuses_what_reduces_and_passes_what_is_elementwis
                       optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2)):
     check_updates_by_box(elementwise, weights, "offload.optimizer=nvme")
 
+
+
+def test_engines_without_a_workdir_never_share_a_store(tmp_path):
+  """Two jaxzero.Engines made in one working directory (a notebook's cell run twice): each
+  has its own store, so neither deletes the other's files; a run's is by its workdir."""
+  from jaxzero.runners import nvme as nvme_runner
+  assert (nvme_runner.store_directory(str(tmp_path), None)
+          != nvme_runner.store_directory(str(tmp_path), None))
+  assert (nvme_runner.store_directory(str(tmp_path), "runs/a")
+          == nvme_runner.store_directory(str(tmp_path), "runs/a"))
