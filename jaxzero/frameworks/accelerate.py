@@ -2,11 +2,12 @@
 read as jaxzero settings over a base config.
 
 ``python -m jaxzero.train --config BASE.py --accelerate-config fsdp.yaml [--set ...]``
-follows the rules of ``jaxzero.frameworks.deepspeed``: what the file governs in Accelerate it
-governs here, a key it leaves out taking Accelerate's default (``mixed_precision`` no,
-FULL_SHARD, no activation checkpointing, no offload), an unknown key is an error naming it, a known key jaxzero cannot
-honour is an error saying so, and the knobs XLA makes unnecessary are reported
-once, in one log line.
+follows the rules of ``jaxzero.frameworks.deepspeed``: what the file governs in Accelerate
+it governs here, a key it leaves out taking Accelerate's default (``mixed_precision`` no,
+FULL_SHARD, no activation checkpointing, no offload, no ``parallelism_config``: no tensor
+or context parallelism), an unknown key is an error naming it, a known key jaxzero cannot
+honour is an error saying so, and the knobs XLA makes unnecessary are reported once, in
+one log line.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
     raise tr.error(f"distributed_type={kind!r} is not available; choose FSDP or MULTI_GPU")
   tr.check_keys(acc, "", TOP_KEYS)
   tr.unneeded.update({k: UNNEEDED_TOP[k] for k in acc if k in UNNEEDED_TOP})
-  _precision(tr, acc)
+  _precision(tr, acc, fsdp=kind == "FSDP")
   if kind == "MULTI_GPU":  # DDP: Accelerate reads no fsdp_config
     tr.set("zero.strategy", "NO_SHARD", "distributed_type=MULTI_GPU")
     if acc.get("fsdp_config"):
@@ -94,17 +95,18 @@ def translate(acc: dict, base: config_lib.Config, source: str = "fsdp.yaml") -> 
       raise tr.error("fsdp_config.fsdp_ignored_modules: every weight is sharded here; "
                      "leave it out")
   strategy = _sharding(tr, acc, fsdp) if kind == "FSDP" else "NO_SHARD"
-  _parallelism(tr, acc.get("parallelism_config") or {}, strategy, fsdp)
+  _parallelism(tr, acc.get("parallelism_config") or {}, strategy)
   _checkpointing(tr, fsdp)
   _offload(tr, fsdp, strategy)
   return tr
 
 
-def _precision(tr: Translation, acc: dict) -> None:
-  """mixed_precision as Accelerate's FSDP runs it: weights and the gradient reduction in
-  the dtype (MixedPrecision(param_dtype, reduce_dtype)), gradients kept and accumulated in
-  fp32 (the sharded parameters' dtype); fp16 with torch's GradScaler; fp8 as FP8 matmuls
-  around bf16 compute (Transformer Engine's and torchao's recipes)."""
+def _precision(tr: Translation, acc: dict, fsdp: bool) -> None:
+  """mixed_precision as Accelerate runs it: under FSDP weights and the gradient reduction
+  in the dtype (MixedPrecision(param_dtype, reduce_dtype)), gradients kept and accumulated
+  in fp32 (the sharded parameters' dtype); under DDP (MULTI_GPU, autocast) fp32 weights,
+  gradients and reduction; fp16 with torch's GradScaler; fp8 as FP8 matmuls around bf16
+  compute (Transformer Engine's and torchao's recipes)."""
   precision = acc.get("mixed_precision", None)
   if precision is False:  # YAML reads an unquoted `no` as false
     precision = "no"
@@ -119,8 +121,11 @@ def _precision(tr: Translation, acc: dict) -> None:
   tr.set("precision.compute", compute, where)
   tr.set("precision.matmul", "fp8" if precision == "fp8" else "default", where)
   tr.set("zero.grad_dtype", "float32", f"{where}: FSDP keeps gradients in the fp32 shards' dtype")
-  tr.set("zero.reduce_dtype", "" if compute == "float32" else compute,
-         f"{where}: FSDP's MixedPrecision reduces in it")
+  if fsdp:
+    tr.set("zero.reduce_dtype", compute, f"{where}: FSDP's MixedPrecision reduces in it")
+  else:
+    tr.set("zero.reduce_dtype", "float32", "distributed_type=MULTI_GPU: DDP reduces the fp32 "
+           "gradients of its fp32 weights")
   if precision == "fp16":
     for key, value in GRAD_SCALER.items():
       tr.set(key, value, "mixed_precision=fp16: torch's GradScaler, as Accelerate uses it")
@@ -151,7 +156,7 @@ def _flag(tr: Translation, fsdp: dict, key: str) -> bool:
   return value
 
 
-def _parallelism(tr: Translation, block: dict, strategy: str, fsdp: dict) -> None:
+def _parallelism(tr: Translation, block: dict, strategy: str) -> None:
   """ParallelismConfig's sizes as the mesh, each 1 where it leaves one out (dp_shard: what
   is left), over the strategy's: dp_replicate > 1 with dp_shard > 1 is HSDP; cp_size is
   mesh.context (allgather: context.strategy=all_gather; alltoall, torch's ring rotation of
@@ -187,9 +192,9 @@ def _parallelism(tr: Translation, block: dict, strategy: str, fsdp: dict) -> Non
     tr.set("context.strategy", {"allgather": "all_gather", "alltoall": "ring"}[comm],
            f"parallelism_config.{strategy_key}")
   replicas, shards = (tr.settings.get(k, (1,))[0] for k in ("mesh.replica", "mesh.fsdp"))
-  if not hybrid and replicas > 1 and shards != 1:  # HSDP: torch's 2-D mesh
-    reshard = _truth(fsdp.get("fsdp_reshard_after_forward", True)) is not False
-    tr.set("zero.strategy", "HYBRID_SHARD" if reshard else "HYBRID_SHARD_ZERO2",
+  promoted = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD_ZERO2"}
+  if strategy in promoted and replicas > 1 and shards > 1:  # HSDP: torch's 2-D mesh
+    tr.set("zero.strategy", promoted[strategy],
            "parallelism_config: dp_replicate_size and dp_shard_size above 1 (HSDP)")
 
 

@@ -8,8 +8,9 @@ out is DeepSpeed's rule's (gradient accumulation 1), and gradients accumulate an
 reduced in the training dtype unless ``data_types.grad_accum_dtype`` and
 ``communication_data_type`` say otherwise. Without an ``optimizer`` or ``scheduler`` block
 DeepSpeed uses the training script's, here the base config's. ``"auto"`` (the HF
-Trainer's) takes the run's value: the base's. A key jaxzero does not know, or cannot honour, is an error naming it;
-knobs XLA makes unnecessary are accepted and reported once, in one log line.
+Trainer's) takes the run's value: the base's. A key jaxzero does not know, or cannot
+honour, is an error naming it; knobs XLA makes unnecessary are accepted and reported once,
+in one log line.
 :class:`jaxzero.frameworks.translated_file.Translation` is what the file says in jaxzero's terms.
 """
 
@@ -93,6 +94,7 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   _precision(tr, ds, base)
   _wandb(tr, ds.get("wandb", {}), base)
   ds_zero.translate(tr, ds)
+  _nonfinite(tr, ds)
   ds_parallel.translate(tr, ds, base)
   _activation_checkpointing(tr, ds.get("activation_checkpointing", {}), base)
   ds_optimizer.translate(tr, ds, base)
@@ -154,9 +156,6 @@ def _precision(tr: Translation, ds: dict, base: config_lib.Config) -> None:
     _fp16(tr, fp16, base.precision, _origin(fp16, "fp16", base))
   elif bf16_on:
     tr.set("precision.compute", "bfloat16", _origin(bf16, bf16_key, base))
-    if bf16.get("check_grad_overflow", True) is not False:
-      tr.set("train.nonfinite", "skip", f"{bf16_key}.check_grad_overflow (DeepSpeed's default "
-             "true): a step whose gradients overflow is skipped")
   else:
     tr.set("precision.compute", "float32",
            " and ".join(f"{k}.enabled={ds[k].get('enabled', False)}" for k in given)
@@ -171,10 +170,22 @@ def _precision(tr: Translation, ds: dict, base: config_lib.Config) -> None:
     if value is not None and value not in DTYPES:
       raise tr.error(f"{where}={value!r} is not available; choose one of: fp32, bf16, fp16")
     dtype = DTYPES[value] if value is not None else compute
-    if key == "zero.reduce_dtype" and dtype == tr.settings["zero.grad_dtype"][0]:
-      dtype = ""  # (jaxzero's spelling of "the gradients' own dtype")
     tr.set(key, dtype, where if value is not None else
            f"no {where}: DeepSpeed's engine uses the training dtype, {compute}")
+
+
+def _nonfinite(tr: Translation, ds: dict) -> None:
+  """DeepSpeed's ZeRO optimizers (stages 1-3) skip a step whose gradient norm is not
+  finite, and so does this (train.nonfinite=skip, still stopping after
+  train.max_nonfinite in a row); bf16 at stages 1-2 only with check_grad_overflow (its
+  default). Stage 0 applies the step: the base's setting stands, jaxzero never applying it."""
+  stage = tr.settings["zero.stage"][0]
+  bf16 = tr.settings["precision.compute"][0] == "bfloat16"
+  key = "bf16" if "bf16" in ds or "bfloat16" not in ds else "bfloat16"
+  checked = ds.get(key, {}).get("check_grad_overflow", True) is not False
+  if stage >= 1 and (checked or not bf16 or stage == 3):
+    tr.set("train.nonfinite", "skip", "zero_optimization.stage: DeepSpeed's ZeRO optimizer "
+           "skips a step whose gradient norm is not finite")
 
 
 def _resolved(enabled, base: config_lib.Config, dtype: str) -> bool:
@@ -183,6 +194,7 @@ def _resolved(enabled, base: config_lib.Config, dtype: str) -> bool:
 
 
 def _origin(block: dict, key: str, base: config_lib.Config) -> str:
+  """Where precision.compute came from: the block's enabled, or the base's where "auto"."""
   if block.get("enabled") == "auto":
     return f"{key}.enabled=auto: the base's precision.compute={base.precision.compute}"
   return f"{key}.enabled"
@@ -224,6 +236,9 @@ def _activation_checkpointing(tr: Translation, block: dict, base: config_lib.Con
   # the base config's remat.policy here; the file only moves it to the host.
   if block.get("cpu_checkpointing") is True and base.remat.policy != "none":
     tr.set("remat.policy", "offload_matmuls", "activation_checkpointing.cpu_checkpointing")
+  elif block.get("cpu_checkpointing") is True:
+    tr.unneeded["activation_checkpointing.cpu_checkpointing"] = (
+        "remat.policy=none: the model checkpoints nothing to move to the host")
 
 
 BATCH_RULE = ("DeepSpeed's rule: train_batch_size = train_micro_batch_size_per_gpu x "
@@ -245,8 +260,9 @@ def resolve_batch(cfg: config_lib.Config, tr: Translation, n_devices: int, from_
 
   "auto" (or absent) fills the size the other two and the device count give;
   what cannot be derived is the base's, except that a file giving one size alone
-  accumulates nothing (gradient_accumulation_steps 1), as DeepSpeed's rule says. `--set train.global_batch` or
-  `--set train.grad_accum` (`from_set`) replaces the file's number. Three fixed
+  accumulates nothing (gradient_accumulation_steps 1), as DeepSpeed's rule says.
+  `--set train.global_batch` or `--set train.grad_accum` (`from_set`) replaces the
+  file's number. Three fixed
   sizes that disagree with the device count are one error stating the arithmetic.
   """
   if tr.batch is None:
@@ -262,6 +278,7 @@ def resolve_batch(cfg: config_lib.Config, tr: Translation, n_devices: int, from_
   world = replica * fsdp
   how = {}
   absent = {k for k in BATCH_KEYS if tr.batch[k] is None and k not in tr.autos}
+  absent -= {"train_batch_size"} if "train.global_batch" in from_set else set()
   if ("gradient_accumulation_steps" in absent and "train.grad_accum" not in from_set
       and len(absent) == 2):  # one size given: DeepSpeed accumulates nothing
     gas = 1

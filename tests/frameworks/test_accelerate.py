@@ -216,7 +216,25 @@ def test_files_read_as_accelerate_and_fsdp_run_them():
       "bfloat16", "float32", "bfloat16")
   cfg = over("distributed_type: FSDP\nmixed_precision: 'no'\n", llama8b)
   assert (cfg.precision.compute, cfg.zero.grad_dtype, cfg.zero.reduce_dtype) == (
-      "float32", "float32", "")
+      "float32", "float32", "float32")
+  # DDP under autocast: fp32 weights, gradients and reduction.
+  cfg = over("distributed_type: MULTI_GPU\nmixed_precision: bf16\n")
+  assert (cfg.zero.strategy, cfg.zero.grad_dtype, cfg.zero.reduce_dtype) == (
+      "NO_SHARD", "float32", "float32")
+  # Not HSDP: FSDP1's SHARD_GRAD_OP over replicas (HYBRID_SHARD_ZERO2), DDP's replicas alone,
+  # or a shard size left to the device count.
+  cfg = over("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+             "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
+             "  parallelism_config_dp_shard_size: 4\n")
+  assert cfg.zero.strategy == "HYBRID_SHARD_ZERO2"
+  for text in ("distributed_type: MULTI_GPU\nparallelism_config:\n"
+               "  parallelism_config_dp_replicate_size: 8\n",
+               "distributed_type: FSDP\nparallelism_config:\n"
+               "  parallelism_config_dp_replicate_size: 2\n"):
+    assert not over(text).zero.strategy.startswith("HYBRID"), text
+  # No parallelism_config: Accelerate runs neither tensor nor context parallelism.
+  cfg = over("distributed_type: FSDP\n", "configs/llama8b_128k.py")
+  assert (cfg.mesh.context, cfg.mesh.tensor, cfg.mesh.replica, cfg.mesh.fsdp) == (1, 1, 1, -1)
   # fp16: torch's GradScaler (2**16, doubled after 2000 good steps, halved at each overflow).
   cfg = over("distributed_type: FSDP\nmixed_precision: fp16\n")
   assert (cfg.precision.loss_scale, cfg.precision.initial_scale_power,

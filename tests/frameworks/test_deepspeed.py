@@ -113,20 +113,22 @@ def test_what_the_file_leaves_out_is_deepspeeds_default():
   assert tr.settings["zero.stage"] == (0, "no zero_optimization.stage: DeepSpeed's default, 0")
   # DeepSpeed accumulates and reduces gradients in the training dtype (engine.get_data_types).
   assert tr.settings["zero.grad_dtype"][0] == "bfloat16"
-  assert tr.settings["zero.reduce_dtype"][0] == ""  # the gradients' own: bfloat16
+  assert tr.settings["zero.reduce_dtype"][0] == "bfloat16"
   assert tr.settings["offload.optimizer"] == (
       "device", "no zero_optimization.offload_optimizer: DeepSpeed's default, none")
-  # A bf16 ZeRO step whose gradients overflow is skipped (bf16.check_grad_overflow).
-  assert tr.settings["train.nonfinite"][0] == "skip"
+  assert "train.nonfinite" not in tr.settings  # stage 0 applies the step: the base's stands
   cfg = from_ds({"bf16": {"enabled": True}, "communication_data_type": "fp32",
                  "data_types": {"grad_accum_dtype": "fp32"}, "gradient_clipping": 0.5,
                  "zero_optimization": {"stage": 3}})
-  assert_fields(cfg, zero__grad_dtype="float32", zero__reduce_dtype="", train__clip_norm=0.5,
-                zero__stage=3)
-  cfg = from_ds({"bf16": {"enabled": True, "check_grad_overflow": False},
-                 "data_types": {"grad_accum_dtype": "fp32"}})
-  assert_fields(cfg, zero__grad_dtype="float32", zero__reduce_dtype="bfloat16",
-                train__nonfinite=base().train.nonfinite)
+  assert_fields(cfg, zero__grad_dtype="float32", zero__reduce_dtype="float32",
+                train__clip_norm=0.5, zero__stage=3)
+  # A ZeRO optimizer skips a step whose gradient norm is not finite; bf16 at stages 1-2
+  # only with check_grad_overflow (stage_1_and_2.py, stage3.py).
+  for stage, check, nonfinite in ((2, True, "skip"), (2, False, base().train.nonfinite),
+                                  (3, False, "skip")):
+    cfg = from_ds({"bf16": {"enabled": True, "check_grad_overflow": check},
+                   "zero_optimization": {"stage": stage}})
+    assert cfg.train.nonfinite == nonfinite, (stage, check)
   # The offloading base (pinned_host) offloads nothing under a file that says nothing of it.
   offloaded = dataclasses.replace(base(), offload=config.OffloadConfig(optimizer="pinned_host"))
   assert from_ds({"zero_optimization": {"stage": 2}}, offloaded).offload.optimizer == "device"
@@ -283,9 +285,13 @@ def test_auto_fields_take_the_base_values():
         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}
   b = base()
   cfg = from_ds(ds, b)
-  expected = dataclasses.replace(b.train, schedule="warmup_linear_decay", warmup_type="log")
+  # (A ZeRO stage skips a step whose gradient norm is not finite, as DeepSpeed's does.)
+  expected = dataclasses.replace(b.train, schedule="warmup_linear_decay", warmup_type="log",
+                                 nonfinite="skip")
   assert cfg.train == expected
-  assert cfg.precision == b.precision and cfg.zero == b.zero and cfg.mesh == b.mesh
+  # Gradients reduced in the training dtype, the base's float32: said explicitly.
+  assert cfg.precision == b.precision and cfg.mesh == b.mesh
+  assert cfg.zero == dataclasses.replace(b.zero, reduce_dtype="float32")
 
 
 def test_batch_rule_any_two_give_the_third():
@@ -304,6 +310,11 @@ def test_batch_rule_any_two_give_the_third():
   # "auto" is the run's (the base's): the HF Trainer fills it so.
   got = from_ds({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto"})
   assert (got.train.global_batch, got.train.grad_accum) == (32, 2)
+  # --set train.global_batch stands for train_batch_size: the accumulation follows from it.
+  tr = deepspeed.translate({"train_micro_batch_size_per_gpu": 2}, base())
+  got = deepspeed.resolve_batch(dataclasses.replace(tr.apply(base()), train=dataclasses.replace(
+      base().train, global_batch=64)), tr, 8, from_set=("train.global_batch",))[0].train
+  assert (got.global_batch, got.grad_accum) == (64, 4)
   # What cannot be derived is the base's.
   got = from_ds({"gradient_accumulation_steps": 4}).train
   assert (got.global_batch, got.grad_accum) == (32, 4)
@@ -493,7 +504,8 @@ RUN_DS = {
                                                       "warmup_type": "linear"}},
     "zero_optimization": {"stage": 2, "overlap_comm": True},
 }
-RUN_SET = ["zero.stage=2", "train.global_batch=16", "train.grad_accum=2", "train.clip_norm=1.0",
+RUN_SET = ["zero.stage=2", "zero.reduce_dtype=float32", "train.nonfinite=skip",
+           "train.global_batch=16", "train.grad_accum=2", "train.clip_norm=1.0",
            "precision.compute=float32", "train.optimizer=adam", "train.lr=0.003", "train.b1=0.9",
            "train.b2=0.95", "train.eps=1e-8", "train.weight_decay=0.01",
            "train.schedule=warmup_linear_decay", "train.steps=4", "train.warmup_steps=2",
