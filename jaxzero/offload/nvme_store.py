@@ -25,6 +25,7 @@ import os
 import pathlib
 import queue
 import shutil
+import socket
 import weakref
 from typing import Callable, Iterable, Iterator
 
@@ -346,6 +347,33 @@ def remove(directory: pathlib.Path) -> None:
     directory.parent.rmdir()
   except OSError:
     pass  # other processes' stores are still there
+
+
+# An engine's store directory is jaxzero-engine-HOST-PID-ID (jaxzero.runners.nvme).
+ENGINE_PREFIX = "engine-"
+
+
+def remove_dead_engine_stores(root: pathlib.Path) -> None:
+  """Deletes the stores of this host's engines whose process has ended (a killed
+  notebook's): nothing else would find them again."""
+  host = socket.gethostname()
+  for run in root.glob(f"jaxzero-{ENGINE_PREFIX}{host}-*"):
+    pid = run.name[len(f"jaxzero-{ENGINE_PREFIX}{host}-"):].split("-")[0]
+    if not pid.isdigit() or _alive(int(pid)):
+      continue
+    for store in run.glob("process_*"):
+      if (store / MARKER).exists():
+        remove(store)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's
+    return True
+  return True
 
 
 # ----------------------------------------------------------------------------- checksums

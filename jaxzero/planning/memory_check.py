@@ -153,13 +153,16 @@ def activation_bytes(cfg, micro_batch: int, shard_size: int, params_sharded: boo
   return int(saved + working + logits + gathered + layer_grads)
 
 
-def available_bytes(devices) -> tuple[int | None, str]:
-  """Memory per device and what it is: a GPU's limit, or host RAM over the CPU devices."""
+def available_bytes(devices, count_processes: bool = True) -> tuple[int | None, str]:
+  """Memory per device and what it is: a GPU's limit, or host RAM over the CPU devices
+  (of this host's processes where `count_processes`: a collective)."""
   import jax  # pylint: disable=import-outside-toplevel
   mine = [d for d in devices if d.process_index == jax.process_index()]
-  device = mine[0] if mine else devices[0]  # (a process may hold none of a mesh's devices)
+  if not mine:  # a process that holds none of the mesh's devices
+    return None, "this process holds none of the mesh's devices"
+  device = mine[0]
   if device.platform == "cpu":
-    processes = processes_on_this_host()
+    processes = processes_on_this_host() if count_processes else 1
     local = len(mine) * processes  # jaxzero.launch gives each process the same share
     ram = host_memory_bytes()
     where = f" in {processes} processes" if processes > 1 else ""
@@ -202,7 +205,7 @@ def budget(runner, devices, estimate_activations: bool | None = None,
   state = runner.plan()
   if estimate_activations is None:
     estimate_activations = not runner.program.cfg.model_factory
-  available, where = available_bytes(devices)
+  available, where = available_bytes(devices, count_processes=whole_run)
   # A user's model has no estimate: its state is counted, its activations not.
   cfg, disk = runner.program.cfg, state["nvme"]
   if cfg.offload.params == "nvme":

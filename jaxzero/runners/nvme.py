@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import pathlib
+import socket
 import time
 import uuid
 from typing import Any, NamedTuple
@@ -58,11 +59,15 @@ class NvmeState(NamedTuple):
 
 def store_directory(nvme_dir: str, workdir) -> pathlib.Path:
   """This process's store: one directory per run (by workdir) and process; without a
-  workdir (a jaxzero.Engine's), one per runner, so that two engines never share one."""
-  run = (hashlib.sha1(str(pathlib.Path(workdir).absolute()).encode()).hexdigest()[:12]
-         if workdir is not None else f"engine-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-  return (pathlib.Path(nvme_dir).expanduser().absolute() / f"jaxzero-{run}"
-          / f"process_{jax.process_index()}")
+  workdir (a jaxzero.Engine's), one per runner, so that two engines never share one (and
+  the stores of this host's engines whose process is gone are deleted)."""
+  root = pathlib.Path(nvme_dir).expanduser().absolute()
+  if workdir is None:
+    nvme_store.remove_dead_engine_stores(root)
+    run = f"{nvme_store.ENGINE_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+  else:
+    run = hashlib.sha1(str(pathlib.Path(workdir).absolute()).encode()).hexdigest()[:12]
+  return root / f"jaxzero-{run}" / f"process_{jax.process_index()}"
 
 
 def nvme_bytes(program: engine_lib.TrainProgram) -> int:

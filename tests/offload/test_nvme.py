@@ -415,3 +415,19 @@ def test_engines_without_a_workdir_never_share_a_store(tmp_path):
           != nvme_runner.store_directory(str(tmp_path), None))
   assert (nvme_runner.store_directory(str(tmp_path), "runs/a")
           == nvme_runner.store_directory(str(tmp_path), "runs/a"))
+
+
+def test_a_dead_processs_engine_store_is_deleted_by_the_next_engine(tmp_path):
+  """An Engine's store has no workdir to be found by: when its process is gone (a killed
+  notebook), the next Engine on this host deletes it; a live process's is left alone."""
+  import socket
+  from jaxzero.runners import nvme as nvme_runner
+  host = socket.gethostname()
+  stores = {}
+  for name, pid in (("dead", 999_999_999), ("live", os.getpid())):  # (past Linux's pid_max)
+    store = tmp_path / f"jaxzero-engine-{host}-{pid}-{name}" / "process_0"
+    store.mkdir(parents=True)
+    (store / nvme_store.MARKER).write_text("")
+    stores[name] = store
+  nvme_runner.store_directory(str(tmp_path), None)
+  assert not stores["dead"].parent.exists() and stores["live"].exists()

@@ -149,3 +149,17 @@ def test_host_memory_comes_from_the_resolved_mesh_and_each_shard_once(sets, byte
                                [GPU(d) for d in devices])
   part = budget.pinned_process if "mesh.fsdp=-1" in sets else budget.save_copy
   assert part == pytest.approx(bytes_per_param * count_params(cfg.model), rel=2e-3)
+
+
+def test_an_engines_check_takes_no_collective(monkeypatch):
+  """An Engine may be built by some processes alone: its check must not wait for the others
+  (processes_on_this_host is a collective), and counts no save's copy."""
+  def collective():
+    raise AssertionError("a collective")
+  monkeypatch.setattr(memory_check, "processes_on_this_host", collective)
+  cfg = config.load("configs/llama8b_zero3.py", ["mesh.fsdp=8"])
+  devices = jax.devices()[:8]
+  runner = loop.prepare(cfg, devices, check=False)
+  for on in (devices, [GPU(d) for d in devices]):
+    budget = memory_check.budget(runner, on, estimate_activations=False, whole_run=False)
+    assert budget.save_copy == 0 and budget.host_processes == 1
