@@ -163,3 +163,19 @@ def test_an_engines_check_takes_no_collective(monkeypatch):
   for on in (devices, [GPU(d) for d in devices]):
     budget = memory_check.budget(runner, on, estimate_activations=False, whole_run=False)
     assert budget.save_copy == 0 and budget.host_processes == 1
+
+
+def test_a_saves_copy_counts_each_distinct_shard_once():
+  """A split leaf (each of its 4 shards), a replicated one (once) and a scalar, on this
+  process's devices (a state's leaves divide evenly: jaxzero.parallel.padding)."""
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jaxzero.planning import host_memory
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+  leaves = {"split": jax.ShapeDtypeStruct((12, 3), np.float32),
+            "whole": jax.ShapeDtypeStruct((5,), np.float32),
+            "step": jax.ShapeDtypeStruct((), np.int32)}
+  shardings = {"split": NamedSharding(mesh, P("fsdp")), "whole": NamedSharding(mesh, P()),
+               "step": NamedSharding(mesh, P())}
+  assert host_memory.unique_local_bytes(leaves, shardings, jax.process_index()) == (
+      12 * 3 * 4 + 5 * 4 + 4)
