@@ -21,6 +21,7 @@ from jaxzero.parallel import mesh as mesh_lib
 
 
 class HostMemory(NamedTuple):
+  """One process's host memory, in bytes, and two of its parts."""
   process: int  # all of it: the runner's share, the pool's, a save's copy
   pinned: int  # of which, in XLA's pinned pool
   save_copy: int  # of which, a checkpoint save's copy of the device state
@@ -68,6 +69,8 @@ def save_copy_bytes(runner) -> int:
   if program.cfg.offload.params == "nvme":
     return 0
   abstract, shardings = program.abstract, program.shardings
+  # A runner whose device runs the gradient step alone (host, NVMe) keeps the rest of the
+  # state off the device: jaxzero.runners.
   if runner.device_program != "step":
     abstract, shardings = abstract.params, shardings.params
   return unique_local_bytes(abstract, shardings, jax.process_index())
