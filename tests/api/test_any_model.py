@@ -307,9 +307,10 @@ def test_the_nvme_tiers_files_go_when_the_engine_is_closed_left_or_collected(tmp
   assert not files(tmp_path / "collected")
 
 
-@pytest.mark.parametrize("offload", [jaxzero.Offload("pinned_host"),
-                                     jaxzero.Offload("pinned_host", delayed_update=True),
-                                     jaxzero.Offload("nvme")], ids=["host", "dpu", "nvme"])
+@pytest.mark.parametrize("offload", [
+    pytest.param(jaxzero.Offload("pinned_host"), marks=pytest.mark.slow),
+    jaxzero.Offload("pinned_host", delayed_update=True),
+    jaxzero.Offload("nvme")], ids=["host", "dpu", "nvme"])
 def test_an_offloaded_engine_refuses_a_state_a_later_init_replaced(offload, tmp_path):
   """Its optimizer state lives in the engine's one store: a second init replaces it, and
   stepping or saving the first state then read another state's copies (a raw KeyError on
@@ -389,7 +390,7 @@ def test_an_optimizer_that_reduces_over_a_weight_is_refused_where_the_update_goe
   make(optax.adamw(1e-2, weight_decay=0.1, mask=decay_matrices)).close()
 
 
-@pytest.mark.parametrize("offload", ["pinned_host", "nvme"])
+@pytest.mark.parametrize("offload", [pytest.param("pinned_host", marks=pytest.mark.slow), "nvme"])
 def test_the_optimizer_state_of_any_pytree_offloads(offload, tmp_path):
   _, in_memory, kept = train("mlp_pytree", "stage3", steps=3)
   def where(name):

@@ -155,6 +155,7 @@ def test_lora_with_offload_is_one_line():
   assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_lora_state_saves_and_restores_on_another_mesh(one_device, tmp_path):
   _, want, _ = one_device
   e1 = engine(1)

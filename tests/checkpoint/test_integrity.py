@@ -69,8 +69,10 @@ def delete(data_file):
   data_file.unlink()
 
 
-@pytest.mark.parametrize("damage", [garbage_at_several_offsets, truncate_to(0.5), delete],
-                         ids=["garbage", "truncate", "delete"])
+@pytest.mark.parametrize("damage", [
+    pytest.param(garbage_at_several_offsets, marks=pytest.mark.slow),
+    pytest.param(truncate_to(0.5), marks=pytest.mark.slow), delete],
+    ids=["garbage", "truncate", "delete"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_good_one(damage, trained, copy_of,
                                                                        caplog):
   workdir, losses = copy_of, trained[1]

@@ -260,6 +260,7 @@ def one_device_sft(tmp_path_factory):
                     devices=jax.devices()[:1], progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [["zero.stage=3"], ["mesh.fsdp=4", "mesh.context=2"]])
 def test_a_packed_chat_run_on_8_devices_equals_one_device(mesh, one_device_sft, tmp_path):
   # (mesh.context: segment ids cross the devices that split each row.)

@@ -37,9 +37,11 @@ def cfg_for(stage: int, accum: int, replica: int = 1, dtype: str = "float32",
 
 
 @pytest.mark.parametrize("stage,hybrid,offload_params,dtype", [
-    (1, False, "device", "float32"), (3, False, "device", "float32"),
-    (3, True, "device", "float32"), (3, False, "pinned_host", "float32"),
-    (3, False, "device", "bfloat16")],
+    pytest.param(1, False, "device", "float32", marks=pytest.mark.slow),
+    (3, False, "device", "float32"),
+    pytest.param(3, True, "device", "float32", marks=pytest.mark.slow),
+    pytest.param(3, False, "pinned_host", "float32", marks=pytest.mark.slow),
+    pytest.param(3, False, "device", "bfloat16", marks=pytest.mark.slow)],
     ids=["stage1", "stage3", "hybrid_shard", "stage3_params_pinned_host", "stage3_bf16"])
 def test_grad_accum_4_holds_no_second_gradient_buffer(stage, hybrid, offload_params, dtype):
   """From the compiled step's buffer assignment: the temporaries at grad_accum 4 exceed
@@ -70,12 +72,10 @@ def grad_sums(cfg: config.Config, model, n_devices: int = 8):
   return jax.device_get(grad_sum), float(loss), float(norm)
 
 
-# The fast lane keeps stages 1 and 3; the HYBRID and offloaded cases are slow.
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,replica,params", [
-    (1, 1, "device"), (3, 1, "device"),
-    pytest.param(3, 2, "device", marks=pytest.mark.slow),
-    pytest.param(3, 1, "pinned_host", marks=pytest.mark.slow),
-    pytest.param(3, 2, "pinned_host", marks=pytest.mark.slow)],
+    (1, 1, "device"), (3, 1, "device"), (3, 2, "device"), (3, 1, "pinned_host"),
+    (3, 2, "pinned_host")],
     ids=["stage1", "stage3", "hybrid_shard", "params_pinned_host", "hybrid_params_pinned_host"])
 def test_the_sum_equals_adding_whole_micro_step_gradients(stage, replica, params):
   """The same model without `layers_key` takes the plain path (jax.grad of the whole

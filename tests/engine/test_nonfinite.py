@@ -45,6 +45,7 @@ def poison(monkeypatch):
 
 # Each mode under one stage: the guard is the same code for every stage, and the
 # stages differ in where the loss is taken (per device at stage 0, whole at 3).
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0])
 def test_stop_names_the_step_and_saves_nothing_poisoned(stage, poison, tmp_path):
   # Logged every 5 steps, saved every step: a saved step is checked before it is saved.
@@ -76,6 +77,7 @@ def test_skip_drops_that_update_and_trains_on(stage, poison, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_a_resumed_run_carries_on_the_streak_of_non_finite_steps(poison, tmp_path):
   """train.max_nonfinite=2 counts steps in a row across a stop and a resume: step 3 is
   skipped, the run stops and resumes at 3, and step 4 is the second in a row."""

@@ -40,7 +40,10 @@ def default_losses(tmp_path_factory):
   return got
 
 
-@pytest.mark.parametrize("policy", [p for p in POLICY_NAMES if p != "none"])
+# The fast lane keeps the policies that save tensors; full remat and offloaded matmuls are slow.
+@pytest.mark.parametrize("policy", [
+    pytest.param(p, marks=pytest.mark.slow) if p in ("full", "offload_matmuls") else p
+    for p in POLICY_NAMES if p != "none"])
 def test_remat_policy_trains_to_the_same_losses(policy, default_losses, tmp_path):
   got = train_losses(tmp_path, **{"remat.policy": policy})
   np.testing.assert_allclose(got, default_losses, rtol=1e-5)
@@ -62,6 +65,7 @@ def check_offloaded(state):
   assert memory_kinds(state.step) == {"device"}
 
 
+@pytest.mark.slow
 def test_offloaded_state_lives_in_pinned_host_after_init_and_after_a_step(default_losses):
   cfg = config.load(TINY, [f"{k}={v}" for k, v in SMALL.items()]
                     + ["offload.optimizer=pinned_host", "offload.params=pinned_host"])

@@ -42,8 +42,9 @@ def single_device_losses(tmp_path_factory):
 
 
 @pytest.mark.parametrize("zero", [
-    {"stage": 0}, {"stage": 1}, {"stage": 2}, {"stage": 3},
-    {"strategy": "HYBRID_SHARD"},
+    pytest.param({"stage": 0}, marks=pytest.mark.slow), {"stage": 1}, {"stage": 2},
+    {"stage": 3},
+    pytest.param({"strategy": "HYBRID_SHARD"}, marks=pytest.mark.slow),
     pytest.param({"strategy": "HYBRID_SHARD_ZERO2"}, marks=pytest.mark.slow),
 ], ids=["stage0", "stage1", "stage2", "stage3", "hybrid_shard_2x4", "hybrid_shard_zero2_2x4"])
 def test_stage_matches_single_device(zero, single_device_losses, tmp_path):

@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 
 from jaxzero import config
 from jaxzero.models.llama import LlamaConfig, param_specs
@@ -36,6 +37,7 @@ def test_zero3_biases_are_sharded():
         None, None, ("replica", "fsdp")), name
 
 
+@pytest.mark.slow
 def test_qwen2_zero3_matches_one_device(tmp_path):
   history = {}
   for n_devices, stage in ((1, 0), (8, 3)):

@@ -121,9 +121,10 @@ def one_device_losses(tmp_path_factory):
   return [r["loss"] for r in history]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [["zero.stage=3", "mesh.fsdp=4", "mesh.tensor=2"],
-                                  pytest.param(["zero.stage=2", "mesh.fsdp=2", "mesh.pipeline=2",
-                                                "train.grad_accum=2"], marks=pytest.mark.slow)])
+                                  ["zero.stage=2", "mesh.fsdp=2", "mesh.pipeline=2",
+                                   "train.grad_accum=2"]])
 def test_fp8_on_a_mesh_equals_fp8_on_one_device(mesh, one_device_losses, tmp_path):
   from jaxzero.training import loop
   history = loop.train(tiny("precision.matmul=fp8", *mesh), tmp_path, progress=False,

@@ -93,6 +93,7 @@ def test_the_base_is_frozen_and_only_the_adapters_have_state(one_device):
     pytest.param("stage 1 on 8", {"zero": config.ZeroConfig(stage=1, min_shard_size=0)},
                  marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_lora_on_eight_devices_equals_one_device(one_device, name, changes):
   want_losses, want, _ = one_device
   losses, state, _ = train(lora_config(**changes))
@@ -117,6 +118,7 @@ def test_lora_on_every_mesh_equals_one_device(one_device, name, changes):
   chex.assert_trees_all_close(state.master, want.master, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_with_offload_params_the_frozen_base_rests_in_host_memory_and_trains_the_same(
     one_device):
   """offload.params=pinned_host: the base (and the adapters' compute copy) rest in
@@ -201,6 +203,7 @@ def test_targets_by_name_peft_name_or_pattern():
   assert lora_lib.resolve_targets("head, embed") == ("embed", "head")
 
 
+@pytest.mark.slow
 def test_embedding_and_head_adapters_start_at_the_base_model_and_train_alike_on_8_devices():
   """PEFT's LoRA Embedding (A zeros, B standard normal) and a LoRA head (B zeros): step 0's
   loss is the base model's, and a stage-3 run on 8 devices equals one device."""
@@ -403,6 +406,7 @@ def test_evaluation_sees_the_frozen_base():
   np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_lora_run_resumes_only_under_its_own_alpha(tmp_path):
   """A checkpoint's adapters under another lora.alpha fit every shape but are another
   model: refused in one line, nothing changed; under its own alpha it resumes."""

@@ -73,6 +73,7 @@ def test_row_keys_depend_on_the_row_of_the_global_batch_alone():
   assert len({tuple(k) for k in np.asarray(flat).reshape(-1, 2)}) == 16
 
 
+@pytest.mark.slow
 def test_dropout_changes_training_and_not_evaluation(one_device):
   losses, state, _ = one_device
   plain_losses, plain, _ = train(lora_config(mesh=config.MeshConfig(fsdp=1)))
@@ -98,6 +99,7 @@ def test_dropout_changes_training_and_not_evaluation(one_device):
                  {"mesh": config.MeshConfig(fsdp=2, context=2, tensor=2)},
                  marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_a_run_with_dropout_equals_itself_on_every_mesh_and_grad_accum(one_device, name, changes):
   want_losses, want, _ = one_device
   accum = changes.pop("grad_accum", None)

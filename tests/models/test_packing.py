@@ -26,7 +26,8 @@ def examples():
   return [rng.integers(0, 97, n).astype(np.int32) for n in LENGTHS]
 
 
-@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+@pytest.mark.parametrize("implementation",
+                         [pytest.param("xla", marks=pytest.mark.slow), "blockwise"])
 def test_packed_attention_is_each_segment_alone(implementation):
   rng = np.random.default_rng(1)
   seg = np.repeat(np.arange(3), [5, 8, 3])[None]  # T = 16
@@ -47,7 +48,8 @@ def test_packed_attention_is_each_segment_alone(implementation):
                               jax.grad(loss(alone), argnums=(0, 1, 2))(q, k, v), atol=1e-5)
 
 
-@pytest.mark.parametrize("attention_path", ["xla", "blockwise"])
+@pytest.mark.parametrize("attention_path",
+                         [pytest.param("xla", marks=pytest.mark.slow), "blockwise"])
 def test_a_packed_row_gives_each_example_its_own_loss_and_gradient(attention_path):
   cfg = dataclasses.replace(CFG, attention=attention_path)
   model = trainable.llama(cfg)
@@ -75,6 +77,7 @@ def test_a_packed_row_gives_each_example_its_own_loss_and_gradient(attention_pat
                               atol=1e-6)
 
 
+@pytest.mark.slow
 def test_masked_tokens_contribute_nothing():
   model = trainable.llama(CFG)
   params = model.init(jax.random.key(0))

@@ -98,12 +98,15 @@ def no_offload():
 # updates in chunks of at most 4 KiB, so that weights are cut along their unsplit
 # dimensions as well as by layer (the weights of a chunk then go into the
 # replicated compute copy in place).
-# Stages 1 and 2 on the host are the slow lane's: the fast lane keeps stage 3 and the NVMe tier.
+# The fast lane keeps stage 3 with the weights, the optimizer or both on the host, and the NVMe
+# tier at stages 1, 2 and with its weights on the host.
 @pytest.mark.parametrize("stage,optimizer,params", [
     pytest.param(1, "pinned_host", "device", marks=pytest.mark.slow),
-    pytest.param(2, "pinned_host", "device", marks=pytest.mark.slow), (3, "pinned_host", "device"),
+    pytest.param(2, "pinned_host", "device", marks=pytest.mark.slow),
+    pytest.param(3, "pinned_host", "device", marks=pytest.mark.slow),
     (3, "device", "pinned_host"), (3, "pinned_host", "pinned_host"),
-    (1, "nvme", "device"), (2, "nvme", "device"), (3, "nvme", "device"),
+    (1, "nvme", "device"), (2, "nvme", "device"),
+    pytest.param(3, "nvme", "device", marks=pytest.mark.slow),
     (3, "nvme", "pinned_host")])
 def test_offload_trains_like_no_offload(no_offload, stage, optimizer, params, tmp_path,
                                        monkeypatch):
@@ -120,6 +123,7 @@ def test_host_offload_at_any_accumulation_trains_like_no_offload(no_offload, sta
   np.testing.assert_allclose(got, no_offload(stage, accum), rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 def test_twin_flow_at_any_fraction_trains_like_all_on_the_host(no_offload):
   # Half the layers' state on the device (updated there), half on the host; none on
   # the host but the weights outside the stack; all of it on the device.
@@ -152,6 +156,7 @@ def one_step_stale(cfg: config.Config) -> np.ndarray:
   return np.array(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_delayed_update_equals_its_one_step_stale_reference(no_offload, stage):
   cfg = tiny(stage, "pinned_host", delayed_update=True)
@@ -160,6 +165,7 @@ def test_a_delayed_update_equals_its_one_step_stale_reference(no_offload, stage)
   assert not np.allclose(got, no_offload(stage), rtol=1e-6)  # stale: not the exact losses
 
 
+@pytest.mark.slow
 def test_the_host_update_runs_in_place_and_its_device_program_holds_no_optimizer_state():
   cfg = tiny(3, "pinned_host", compute="bfloat16")
   e = engine(cfg)
@@ -350,10 +356,11 @@ def test_two_processes_with_offload_train_like_one_without(tmp_path, one_process
     assert not list((tmp_path / "nvme").iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer, params", [
     ("pinned_host", "device"),
-    pytest.param("nvme", "device", marks=pytest.mark.slow),
-    pytest.param("nvme", "nvme", marks=pytest.mark.slow)],
+    ("nvme", "device"),
+    ("nvme", "nvme")],
     ids=["host", "nvme", "infinity"])
 def test_a_checkpoint_of_another_precision_resumes_under_offload(optimizer, params, tmp_path):
   """Saved in bfloat16, resumed in float32: every runner makes its compute copy from the
@@ -375,6 +382,7 @@ def test_a_checkpoint_of_another_precision_resumes_under_offload(optimizer, para
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", [dict(optimizer="pinned_host"),
                                      dict(optimizer="pinned_host", delayed_update=True)],
                          ids=["host", "dpu"])

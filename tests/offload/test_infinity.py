@@ -119,6 +119,7 @@ def test_one_device_without_accumulation(reference, nvme_dir, tmp_path, monkeypa
 # ----------------------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.slow
 def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(infinity_run, nvme_dir, tmp_path):
   workdir = at_step(infinity_run, 5, tmp_path / "w")
   assert train(workdir, ["train.grad_accum=2", *infinity_sets(nvme_dir)]).start_step == 5
@@ -218,6 +219,7 @@ def test_no_room_counts_the_gradients_and_changes_nothing(infinity_run, nvme_dir
   assert not list(nvme_dir.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", ["nvme", "device"], ids=["infinity", "in_memory"])
 def test_its_float32_checkpoint_resumes_in_float16(infinity_run, nvme_dir, tmp_path, params):
   """A checkpoint with an NVMe item read into float16 (whose scaler it lacks: made afresh),

@@ -173,6 +173,7 @@ def test_plan_prints_the_70b_preset_within_20_gb_on_one_device(capsys):
 # ----------------------------------------------------------------------------- the benchmark
 
 
+@pytest.mark.slow
 def test_the_benchmark_reports_its_figures_and_leaves_nothing(tmp_path, capsys):
   bench = load_script("infinity_bench")
   shape = ["--dim", "64", "--layers", "2", "--mlp", "128", "--heads", "4", "--kv-heads", "2",

@@ -105,6 +105,7 @@ def saved_weights(workdir, step) -> dict[str, np.ndarray]:
             for name, shape in reader.leaf_shapes(step).items() if name.startswith("master/")}
 
 
+@pytest.mark.slow
 def test_stage3_leaves_no_files_and_saves_the_state_for_export(nvme_run, nvme_dir):
   assert sorted(nvme_run[1]) == [1, 2, 3, 4] and np.isfinite(list(nvme_run[1].values())).all()
   assert not list(nvme_dir.iterdir())  # the store is deleted when the run ends
@@ -121,6 +122,7 @@ def test_stage3_leaves_no_files_and_saves_the_state_for_export(nvme_run, nvme_di
     np.testing.assert_array_equal(reader.read_by_layer(4, path, (2, 64, 128))[1], whole[1])
 
 
+@pytest.mark.slow
 def test_memory_resumes_an_nvme_checkpoint_on_another_mesh_and_stage(in_memory, nvme_run):
   got = in_memory[1]
   np.testing.assert_allclose([got[3], got[4]], [nvme_run[1][3], nvme_run[1][4]], rtol=1e-6)

@@ -141,13 +141,14 @@ def one_device_bf16(tmp_path_factory):
     pytest.param(["mesh.replica=2", "mesh.fsdp=2", "mesh.context=2", "zero.stage=1",
                   "precision.compute=bfloat16", "context.load_balance=False"], marks=SLOW),
 ])
+@pytest.mark.slow
 def test_ten_steps_at_context_c_equal_one_device(mesh, one_device, one_device_bf16, tmp_path):
   want = one_device_bf16 if "precision.compute=bfloat16" in mesh else one_device
   np.testing.assert_allclose(losses(tiny(*mesh), tmp_path, 8), want,
                              rtol=1e-5 if want is one_device else 2e-3)
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize("strategy", ["all_gather", pytest.param("ring", marks=SLOW)])
 def test_the_step_moves_keys_and_values_over_context_never_queries(strategy):
   from jaxzero.training import loop
   cfg = config.load(TINY, ["model.n_layers=1", "train.seq_len=2048", "train.global_batch=8",

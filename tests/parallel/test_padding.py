@@ -62,7 +62,8 @@ def _one_device():
 
 # Stages 1 and 2 pad as stage 3 does (one stored shape for every role); a user model's
 # prime shapes train at each of them (tests/api/test_any_model.py).
-@pytest.mark.parametrize("stage, hybrid, replica, fsdp", [(3, False, 1, 8), (3, True, 2, 4)])
+@pytest.mark.parametrize("stage, hybrid, replica, fsdp", [
+    pytest.param(3, False, 1, 8, marks=pytest.mark.slow), (3, True, 2, 4)])
 def test_a_llama_no_dimension_of_which_divides_shards_and_trains_as_one_device(
     stage, hybrid, replica, fsdp):
   program, losses, master = _train(_cfg(stage, hybrid), replica, fsdp)

@@ -53,19 +53,19 @@ def reference():
   return state0, tokens, losses, jax.device_get(state.master)
 
 
-SLOW = pytest.mark.slow  # the 8-device compositions: the fast lane keeps pipeline 2 and 4
+SLOW = pytest.mark.slow  # the fast lane keeps GPipe over 4 stages
 
 
 @pytest.mark.parametrize("zero, shape", [
-    pytest.param({"stage": 0}, (1, 1, 1, 2), id="pp2"),
+    pytest.param({"stage": 0}, (1, 1, 1, 2), id="pp2", marks=SLOW),
     pytest.param({"stage": 0}, (1, 1, 1, 4), id="pp4"),
-    pytest.param({"stage": 0, "schedule": "1f1b"}, (1, 1, 1, 2), id="pp2_1f1b"),
+    pytest.param({"stage": 0, "schedule": "1f1b"}, (1, 1, 1, 2), id="pp2_1f1b", marks=SLOW),
     pytest.param({"stage": 0, "schedule": "1f1b"}, (1, 1, 1, 4), id="pp4_1f1b", marks=SLOW),
     pytest.param({"stage": 3, "schedule": "1f1b"}, (1, 2, 2, 2), id="pp2_f2_t2_zero3_1f1b",
                  marks=SLOW),
     pytest.param({"stage": 1, "schedule": "1f1b"}, (1, 2, 2, 2), id="pp2_f2_t2_zero1_1f1b",
                  marks=SLOW),
-    pytest.param({"stage": 0, "schedule": "interleaved"}, (1, 1, 1, 2), id="pp2_v2"),
+    pytest.param({"stage": 0, "schedule": "interleaved"}, (1, 1, 1, 2), id="pp2_v2", marks=SLOW),
     pytest.param({"stage": 3, "schedule": "interleaved"}, (1, 2, 2, 2), id="pp2_v2_f2_t2_zero3",
                  marks=SLOW),
     pytest.param({"stage": 1}, (1, 2, 2, 2), id="pp2_f2_t2_zero1", marks=SLOW),
@@ -122,6 +122,7 @@ def test_interleaved_over_4_stages_equals_one_device():
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved", "1f1b"])
 def test_micro_batches_with_unequal_targets_weigh_as_on_one_device(schedule, reference):
   """Each micro-batch's loss is the mean over its own targets, as one device takes it:
@@ -146,6 +147,7 @@ def test_micro_batches_with_unequal_targets_weigh_as_on_one_device(schedule, ref
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_1f1b_holds_at_most_s_micro_batches_where_gpipe_holds_all():
   """4 stages, micro-batches of 2 rows, from the compiled steps' temporaries: GPipe keeps
   every micro-batch's layer inputs for its backward, so its temporaries grow with M;
@@ -228,6 +230,7 @@ def test_checkpoints_move_between_pipeline_sizes(tmp_path):
                                rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow
 def test_the_plan_names_the_stages_the_bubble_and_the_sends():
   from jaxzero import plan as plan_cli  # pylint: disable=import-outside-toplevel
   from jaxzero.planning import comm_report  # pylint: disable=import-outside-toplevel

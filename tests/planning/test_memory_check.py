@@ -19,11 +19,13 @@ SHAPE = ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_hea
 
 
 @pytest.mark.parametrize("mesh", [
-    ["mesh.fsdp=1", "mesh.context=8", "train.global_batch=2", "remat.policy=full"],
+    pytest.param(["mesh.fsdp=1", "mesh.context=8", "train.global_batch=2", "remat.policy=full"],
+                 marks=pytest.mark.slow),
     ["mesh.fsdp=2", "mesh.tensor=4", "train.global_batch=4", "remat.policy=full"],
-    ["mesh.fsdp=4", "mesh.pipeline=2", "train.global_batch=32", "train.grad_accum=8"],
-    ["mesh.fsdp=4", "mesh.pipeline=2", "train.global_batch=32", "train.grad_accum=8",
-     "pipeline.schedule=1f1b"],
+    pytest.param(["mesh.fsdp=4", "mesh.pipeline=2", "train.global_batch=32",
+                  "train.grad_accum=8"], marks=pytest.mark.slow),
+    pytest.param(["mesh.fsdp=4", "mesh.pipeline=2", "train.global_batch=32", "train.grad_accum=8",
+                  "pipeline.schedule=1f1b"], marks=pytest.mark.slow),
 ], ids=["context8", "tensor4", "gpipe", "1f1b"])
 def test_the_activation_estimate_follows_the_mesh(mesh):
   """Within 0.6x-2x of XLA's temporaries (it was 8x over at context 8, 2.6x over at tensor

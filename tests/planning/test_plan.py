@@ -99,6 +99,7 @@ def cfg_params(cfg) -> int:
   return count_params(cfg.model)
 
 
+@pytest.mark.slow
 def test_offload_moves_state_to_the_host():
   cfg = config.load(LLAMA_70B)
   settings = [("device", "device"), ("pinned_host", "device"), ("device", "pinned_host")]
@@ -250,6 +251,7 @@ def test_llama8b_lora_and_qlora_plan_on_one_device_within_their_budgets(preset, 
   assert row.theory_formula.endswith("Φf/N")
 
 
+@pytest.mark.slow
 def test_a_lora_offload_sweep_rests_the_frozen_base_in_host_memory():
   """A LoRA run's one offload: the frozen base in pinned_host (stage 3), streamed up layer
   by layer for the forward and the backward of each micro-step."""

@@ -115,6 +115,7 @@ def test_plan_json_carries_the_comm_report():
   assert {c["op"] for c in row["comm"]["rows"]} >= {"all-gather"}
 
 
+@pytest.mark.slow
 def test_with_tensor_parallelism_the_data_axes_move_the_paper_bytes_over_tensor():
   """mesh.tensor=2: each device holds half of every weight, so what crosses the
   data axes is the ZeRO paper's figure halved; the tensor axis carries activations."""

@@ -27,6 +27,7 @@ def tensorboard_steps(workdir, tag="train/loss"):
   return [e.step for e in events.Scalars(tag)] if tag in events.Tags()["scalars"] else []
 
 
+@pytest.mark.slow
 def test_a_crash_between_a_save_and_a_logged_step_loses_no_record(tmp_path, monkeypatch):
   """Logged every 5 steps, saved every 2, crashed at step 4: the resume from checkpoint 2
   finds steps 1-2 in metrics.jsonl, and TensorBoard keeps step 2 (the resumed run logs

@@ -254,6 +254,7 @@ def test_an_export_directory_gets_the_mode_mkdir_would_give(two_runs, tmp_path):
   assert (done.out.stat().st_mode & 0o777) == 0o750
 
 
+@pytest.mark.slow
 def test_checkpoint_at_end_false_saves_nothing_at_the_last_step(tmp_path):
   """checkpoint.at_end=false (a benchmark's run): the last step is not saved, and the
   summary says so; checkpoint.every still saves its steps before the last."""
