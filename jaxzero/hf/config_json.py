@@ -158,11 +158,16 @@ def _check_unsupported(hf_config: Mapping[str, Any], family: str) -> None:
       raise ValueError(f"Hugging Face config field {field!r} is true; jaxzero has no such biases")
 
 
+# MistralConfig's and Qwen2Config's default for an absent ``sliding_window``.
+HF_DEFAULT_SLIDING_WINDOW = 4096
+
+
 def _sliding_window_from_hf(hf_config: Mapping[str, Any], family: str) -> int:
   """LlamaConfig.sliding_window, as transformers applies it: Mistral's
-  ``sliding_window`` (null: none); Qwen2's when ``use_sliding_window``, on the
-  layers ``layer_types`` names, by default those from ``max_window_layers`` (28) on."""
-  window = hf_config.get("sliding_window")
+  ``sliding_window`` (null: none; absent: transformers' default, 4096); Qwen2's when
+  ``use_sliding_window``, on the layers ``layer_types`` names, by default those from
+  ``max_window_layers`` (28) on."""
+  window = hf_config.get("sliding_window", HF_DEFAULT_SLIDING_WINDOW)
   if family == "llama" or window is None or (
       family == "qwen2" and not hf_config.get("use_sliding_window", False)):
     return 0

@@ -113,6 +113,23 @@ def test_a_config_without_rope_theta_loads_as_transformers_reads_it(family, tmp_
   assert np.abs(np.asarray(ours(tokens)) - want).max() <= 1e-4
 
 
+@pytest.mark.parametrize("family, extra", [("mistral", {}), ("qwen2", {"use_sliding_window": True,
+                                                                 "max_window_layers": 0})])
+def test_an_absent_sliding_window_is_transformers_default(family, extra):
+  """A config.json without `sliding_window` has transformers' default window (4096), as
+  MistralConfig and Qwen2Config read it; an explicit null is full attention."""
+  transformers = pytest.importorskip("transformers")
+  hf_config = {**config_json.hf_config_from_llama(dataclasses.replace(CFG, family=family,
+                                                                      qkv_bias=family == "qwen2")),
+               **extra}
+  hf_config.pop("sliding_window")
+  want = transformers.AutoConfig.for_model(**hf_config).sliding_window
+  assert want == 4096
+  assert config_json.llama_config_from_hf(hf_config).sliding_window == want
+  assert config_json.llama_config_from_hf({**hf_config, "sliding_window": None}
+                                          ).sliding_window == 0
+
+
 # ----------------------------------------------------------------------------- sharded reads
 
 
