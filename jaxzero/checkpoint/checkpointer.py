@@ -20,17 +20,15 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import multihost
 
 from jaxzero.checkpoint import integrity, read_errors
-from jaxzero.checkpoint.directory import (CHECKSUMS, STATE, CheckpointDirectory, check_fits,
-                                          damaged_dir, saved_array, tree_leaf_shapes)
+from jaxzero.checkpoint.directory import (CHECKSUMS, STATE, TRUE_SHAPES, CheckpointDirectory,
+                                          check_fits, damaged_dir, saved_array,
+                                          tree_leaf_shapes)
 from jaxzero.checkpoint.external_leaves import SavedSide, SideItem, SideTarget
 from jaxzero.errors import CheckpointError, DamagedCheckpointError
 from jaxzero.models.llama import LlamaConfig
 
 log = logging.getLogger(__name__)
 
-
-# The info key of a checkpoint's padded leaves: {leaf name: true shape}.
-TRUE_SHAPES = "true_shapes"
 
 # LlamaConfig fields that choose a kernel, not the architecture: not recorded.
 _NOT_ARCHITECTURE = ("attention",)

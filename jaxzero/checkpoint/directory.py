@@ -22,6 +22,8 @@ from jaxzero.checkpoint.external_leaves import SavedSide, SideItem
 from jaxzero.errors import CheckpointError, DamagedCheckpointError
 
 STATE, INFO, CHECKSUMS = "state", "info", "checksums"
+# The info key of a checkpoint's padded leaves: {leaf name: true shape}.
+TRUE_SHAPES = "true_shapes"
 
 
 def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:

@@ -12,7 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxzero.checkpoint import read_errors
-from jaxzero.checkpoint.directory import STATE, CheckpointDirectory, saved_array
+from jaxzero.checkpoint.directory import STATE, TRUE_SHAPES, CheckpointDirectory, saved_array
 from jaxzero.checkpoint.external_leaves import SideItem
 from jaxzero.errors import CheckpointError
 
@@ -48,6 +48,13 @@ class CheckpointReader(CheckpointDirectory):
       raise CheckpointError(f"no checkpoint of step {step} in {self.directory}; "
                             f"available steps: {', '.join(map(str, steps))}")
     return step
+
+  def leaf_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+    """{leaf name: shape} as the model has them: a leaf stored padded
+    (jaxzero.parallel.padding) has its true shape, the one its reads return."""
+    true_shapes = self.info(step).get(TRUE_SHAPES, {})
+    return {name: tuple(true_shapes.get(name, shape))
+            for name, shape in super().leaf_shapes(step).items()}
 
   def read(self, step: int, path: Path, shape: tuple[int, ...]) -> np.ndarray:
     """One saved leaf as a host array of `shape` (only that leaf is read; a leaf

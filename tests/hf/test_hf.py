@@ -15,7 +15,7 @@ import tracemalloc
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from jaxzero import config
 from jaxzero import engine as engine_lib
@@ -25,6 +25,7 @@ from jaxzero.engine import hooks as hooks_lib
 from jaxzero.errors import HFCheckpointError
 from jaxzero.hf import config_json
 from jaxzero.hf import load as hf_load
+from jaxzero.hf.export import export_hf
 from jaxzero.models import trainable
 from jaxzero.models.llama import LlamaConfig, param_specs
 from jaxzero.parallel.mesh import make_mesh
@@ -341,7 +342,8 @@ def test_weights_load_into_padded_leaves_and_a_padded_checkpoint_reads_at_true_s
     tmp_path):
   """A mesh none of whose sizes divides the model (dim 36, mlp 60, vocab 257 on 8 devices)
   stores its leaves padded (jaxzero.parallel.padding): Hugging Face weights load into
-  them with zeros past the true shape, and export's reader reads them back without."""
+  them with zeros past the true shape, export's reader reads them back without, and
+  the export is the weights loaded."""
   odd = LlamaConfig(vocab_size=257, dim=36, n_layers=2, n_heads=3, n_kv_heads=1, mlp_dim=60)
   path = write_checkpoint(tmp_path / "hf", odd, random_state_dict(odd))
   cfg = dataclasses.replace(config.base(), model=odd,
@@ -363,3 +365,12 @@ def test_weights_load_into_padded_leaves_and_a_padded_checkpoint_reads_at_true_s
                                   want["embed_VxD"])
     layers = reader.read_by_layer(0, ("master", "layers", "w_up_LxDxF"), (2, 36, 60))
     np.testing.assert_array_equal(layers[1], want["layers"]["w_up_LxDxF"][1])
+    assert reader.leaf_shapes(0)["master/embed_VxD"] == (257, 36)
+  # A padded checkpoint exports to the weights it was loaded from.
+  exported = {}
+  for name in export_hf(tmp_path / "w", tmp_path / "out").files:
+    exported.update(load_file(tmp_path / "out" / name))
+  original = load_file(path / "model.safetensors")
+  assert sorted(exported) == sorted(original)
+  for name, tensor in original.items():
+    np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
