@@ -53,3 +53,13 @@ def truncate_to(fraction: float) -> Callable[[pathlib.Path], None]:
     data = path.read_bytes()
     path.write_bytes(data[:int(len(data) * fraction)])
   return damage
+
+
+def garbage_at_several_offsets(path: pathlib.Path) -> None:
+  """A damage: 4 KiB of random bytes at 30% and 70% of the file."""
+  data = bytearray(path.read_bytes())
+  rng = np.random.default_rng(len(data))
+  for fraction in (0.3, 0.7):
+    at = int(len(data) * fraction)
+    data[at:at + 4096] = rng.bytes(len(data[at:at + 4096]))
+  path.write_bytes(bytes(data))

@@ -10,6 +10,7 @@ jaxzero.checkpoint.reader's.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import pathlib
 import shutil
@@ -20,10 +21,9 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import multihost
 
 from jaxzero.checkpoint import integrity, read_errors
-from jaxzero.checkpoint.directory import (CHECKSUMS, STATE, TRUE_SHAPES, CheckpointDirectory,
-                                          check_fits, damaged_dir, saved_array,
-                                          tree_leaf_shapes)
-from jaxzero.checkpoint.external_leaves import SavedSide, SideItem, SideTarget
+from jaxzero.checkpoint.directory import (STATE, TRUE_SHAPES, CheckpointDirectory, check_fits,
+                                          damaged_dir, saved_array, tree_leaf_shapes)
+from jaxzero.checkpoint.external_leaves import SideItem, SideTarget
 from jaxzero.errors import CheckpointError, DamagedCheckpointError
 from jaxzero.models.llama import LlamaConfig
 
@@ -173,7 +173,7 @@ class Checkpointer(CheckpointDirectory):
     if int(restored.step) != step:
       raise DamagedCheckpointError(f"checkpoint {where} holds a state at step "
                                    f"{int(restored.step)}, not {step}")
-    recorded = self._recorded(step, item)
+    recorded = self.recorded_checksums(step, item)
     _raise_if_damaged(where, *integrity.mismatches(restored, recorded, true_shapes))
     if into is None:
       return restored
@@ -222,26 +222,6 @@ class Checkpointer(CheckpointDirectory):
     )[STATE]
     return type(target)(**{f: None if f in unwanted else tree.get(f) for f in target._fields})
 
-  def _recorded(self, step: int, item: SavedSide | None) -> dict:
-    """The checksums saved with checkpoint `step` (with its side item's). Checkpoints
-    from before checksums were saved are only checked to be finite."""
-    where = self.step_dir(step)
-    recorded = {}
-    if (where / CHECKSUMS).exists():
-      try:
-        recorded = self._manager.restore(
-            step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))[CHECKSUMS]
-      except Exception as e:  # pylint: disable=broad-except
-        raise read_errors.read_failure(where, e, f"its checksums ({CHECKSUMS}/)") from e
-    else:
-      log.warning("checkpoint %s has no checksums (saved by an older jaxzero): its values are "
-                  "only checked to be finite", where)
-    if item:
-      saved, _ = item.recorded()
-      recorded = {**recorded, "checksums": {**recorded.get("checksums", {}),
-                                            **saved["checksums"]}}
-    return recorded
-
   def set_aside(self, step: int) -> pathlib.Path:
     """Moves damaged checkpoint `step` out of the way, into damaged_dir, so that
     the run can save that step again; nothing is deleted."""
@@ -249,8 +229,10 @@ class Checkpointer(CheckpointDirectory):
     target = damaged_dir(self.directory.parent) / source.name
     if jax.process_index() == 0:
       target.parent.mkdir(exist_ok=True)
-      if target.exists():  # damaged twice at the same step: keep both
-        target = target.with_name(f"{source.name}.{len(list(target.parent.iterdir()))}")
+      # Damaged again at the same step: keep both, under the first free name (not the
+      # count of what is there: a user may have deleted some).
+      copies = (target.with_name(f"{source.name}.{n}") for n in itertools.count(1))
+      target = target if not target.exists() else next(t for t in copies if not t.exists())
       source.rename(target)
     multihost.sync_global_processes(f"jaxzero:set aside checkpoint {step}",
                                     processes=set(range(jax.process_count())))

@@ -9,6 +9,7 @@ describes the steps for the training loop's Checkpointer and export's Checkpoint
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 from typing import Any
@@ -24,6 +25,8 @@ from jaxzero.errors import CheckpointError, DamagedCheckpointError
 STATE, INFO, CHECKSUMS = "state", "info", "checksums"
 # The info key of a checkpoint's padded leaves: {leaf name: true shape}.
 TRUE_SHAPES = "true_shapes"
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_dir(workdir: str | pathlib.Path) -> pathlib.Path:
@@ -80,6 +83,26 @@ class CheckpointDirectory:
           f"checkpoint {self.step_dir(step)} is damaged: {metadata} is missing")
     item = self.side_saved(step)
     return {**tree_leaf_shapes(tree), **(item.shapes() if item else {})}
+
+  def recorded_checksums(self, step: int, item: SavedSide | None = None) -> dict:
+    """The checksums saved with checkpoint `step` (with its side item's, `item`). Checkpoints
+    from before checksums were saved are only checked to be finite."""
+    where = self.step_dir(step)
+    recorded = {}
+    if (where / CHECKSUMS).exists():
+      try:
+        recorded = self._manager.restore(
+            step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))[CHECKSUMS]
+      except Exception as e:  # pylint: disable=broad-except
+        raise read_errors.read_failure(where, e, f"its checksums ({CHECKSUMS}/)") from e
+    else:
+      log.warning("checkpoint %s has no checksums (saved by an older jaxzero): its values are "
+                  "only checked to be finite", where)
+    if item:
+      saved, _ = item.recorded()
+      recorded = {**recorded, "checksums": {**recorded.get("checksums", {}),
+                                            **saved["checksums"]}}
+    return recorded
 
   def side_saved(self, step: int) -> SavedSide | None:
     """Checkpoint `step`'s side item, if it has one (and this reader knows its kind)."""

@@ -105,6 +105,43 @@ def box_checksums(boxes: jax.Array, offsets: jax.Array, leaf_shape: tuple[int, .
   return jnp.stack([sums, finite])
 
 
+def host_checksum(x: np.ndarray, start: int = 0) -> int:
+  """`x`'s part of its leaf's checksum, on the host: `x` is the leaf's elements from
+  flat position `start` on (a whole leaf at its true shape, or one layer of a stacked
+  leaf), in the dtype the leaf was saved in. Summing the parts of a leaf gives its
+  checksum (mod 2**32), as _leaf_checksum computes it on the devices.
+
+  In chunks of 2**16 elements that stay in cache: about 3 GB/s on one core, where
+  whole-array temporaries ran at 0.1 GB/s.
+  """
+  x = np.ascontiguousarray(x)
+  if x.dtype.itemsize not in _UINT_OF_SIZE:
+    raise ValueError(f"no checksum for {x.dtype} leaves")
+  flat = x.reshape(-1).view(f"u{x.dtype.itemsize}")
+  chunk, total = 1 << 16, 0
+  with np.errstate(over="ignore"):  # uint32 arithmetic wraps, as on the devices
+    # (p + i) * c = p * c + i * c (mod 2**32): each chunk adds its first position's part.
+    spread = np.arange(chunk, dtype=np.uint32) * np.uint32(0x9E3779B9)
+    for first in range(0, flat.size, chunk):
+      h = flat[first:first + chunk].astype(np.uint32)
+      h ^= spread[:h.size] + np.uint32((start + first) * 0x9E3779B9 % 2**32)
+      h ^= h >> 16
+      h *= np.uint32(0x85EBCA6B)
+      h ^= h >> 13
+      h *= np.uint32(0xC2B2AE35)
+      h ^= h >> 16
+      total += int(h.sum(dtype=np.uint64))
+  return total % 2**32
+
+
+def recorded_checksum(recorded: dict, name: str) -> int | None:
+  """Leaf `name`'s checksum in a checkpoint's record, or None where the record has none
+  (an older checkpoint, or one whose checksums were made another way)."""
+  if recorded.get("algorithm") != ALGORITHM or name not in recorded.get("checksums", {}):
+    return None
+  return int(recorded["checksums"][name], 16)
+
+
 def leaf_name(path) -> str:
   """"master/layers/w_up_LxDxF": a leaf's path however the tree is nested (a
   saved TrainState comes back as dicts and lists)."""

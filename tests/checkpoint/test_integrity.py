@@ -22,7 +22,7 @@ from jaxzero.checkpoint.directory import checkpoint_dir, damaged_dir
 from jaxzero.errors import CheckpointError, DamagedCheckpointError
 from jaxzero.training import loop
 
-from damage import damage_data, truncate_to
+from damage import damage_data, garbage_at_several_offsets, truncate_to
 from tiny import tiny_config
 
 DEVICES = 8
@@ -54,15 +54,6 @@ def copy_of(trained, tmp_path):
   workdir = tmp_path / "w"
   shutil.copytree(trained[0], workdir)
   return workdir
-
-
-def garbage_at_several_offsets(data_file):
-  data = bytearray(data_file.read_bytes())
-  rng = np.random.default_rng(len(data))
-  for fraction in (0.3, 0.7):
-    at = int(len(data) * fraction)
-    data[at:at + 4096] = rng.bytes(len(data[at:at + 4096]))
-  data_file.write_bytes(bytes(data))
 
 
 def delete(data_file):
@@ -164,6 +155,22 @@ def test_resuming_under_another_rope_theta_says_so_and_a_kernel_choice_does_not(
     assert ("trained with another model" in caplog.text) == warned
 
 
+def test_a_step_set_aside_again_takes_the_first_free_name(tmp_path):
+  """checkpoints.damaged keeps every copy of a step damaged twice or more, under a name
+  that is free even after some were deleted (the count of copies was taken before)."""
+  state = {"w": jnp.ones(4)}
+  damaged = damaged_dir(tmp_path)
+  with checkpointer.Checkpointer(tmp_path, 3, {}) as checkpoints:
+    for existing in ("5", "5.2"):
+      (damaged / existing).mkdir(parents=True)
+    checkpoints.save(5, state, wait=True)
+    assert checkpoints.set_aside(5) == damaged / "5.1"
+    checkpoints.save(5, state, wait=True)
+    assert checkpoints.set_aside(5) == damaged / "5.3"
+  assert sorted(p.name for p in damaged.iterdir()) == ["5", "5.1", "5.2", "5.3"]
+  assert (damaged / "5.3" / "state").is_dir()
+
+
 def test_refuse_names_the_damage_and_changes_nothing(copy_of):
   directory = checkpoint_dir(copy_of)
   damage_data(directory / "6", garbage_at_several_offsets, at_least=2)
@@ -227,6 +234,28 @@ def test_checksums_do_not_depend_on_the_sharding():
   assert integrity.record(dict(state, w=by_cols)) == recorded
   swapped = x.at[0, 0].set(x[0, 1]).at[0, 1].set(x[0, 0])  # same values, other places
   assert integrity.mismatches(dict(state, w=swapped), integrity.record(state)) == (["w"], [])
+
+
+def test_the_host_checksum_of_a_leaf_or_the_sum_of_its_layers_is_the_recorded_one():
+  """Export checks what it reads on the host (jaxzero.checkpoint.reader): a whole leaf's
+  checksum, or the sum of its layers' parts, equals the devices' record, for every
+  dtype a checkpoint holds."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((3, 5, 7)).astype(np.float32)
+  state = {"w": x, "b": x.astype(jnp.bfloat16), "h": x.astype(np.float16),
+           "codes": rng.integers(0, 255, (3, 5, 7)).astype(np.uint8), "step": np.int32(4),
+           "big": rng.standard_normal((2, 300, 257)).astype(np.float32)}  # in several chunks
+  recorded = integrity.record(jax.tree.map(jnp.asarray, state))
+  for name, leaf in state.items():
+    leaf = np.asarray(leaf)
+    want = integrity.recorded_checksum(recorded, name)
+    assert integrity.host_checksum(leaf) == want, name
+    if leaf.ndim:
+      parts = [integrity.host_checksum(layer, i * layer.size) for i, layer in enumerate(leaf)]
+      assert sum(parts) % 2**32 == want, name
+  assert integrity.host_checksum(np.where(x == x[0, 0, 0], x[0, 0, 1], x)) != \
+      integrity.recorded_checksum(recorded, "w")
+  assert integrity.recorded_checksum({**recorded, "algorithm": "other"}, "w") is None
 
 
 def test_per_shard_checksums_equal_the_global_view_and_cross_devices_once():
