@@ -11,6 +11,7 @@ code 1, with nothing left in OUT.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -34,8 +35,8 @@ def main(argv=None) -> int:
   lora.add_argument("--merged", action="store_true",
                     help="a LoRA run: the whole model with its adapters folded in")
   args = parser.parse_args(argv)
-  if args.max_shard_gb <= 0:
-    parser.error(f"--max-shard-gb={args.max_shard_gb} must be positive")
+  if not 0 < args.max_shard_gb < math.inf:  # (nan compares false)
+    parser.error(f"--max-shard-gb={args.max_shard_gb:g} must be a positive number")
   for flag, value in (("--workdir", args.workdir), ("--out", args.out)):
     if not value:
       parser.error(f"{flag} is empty; name a directory")

@@ -12,6 +12,7 @@ place (new_directory), so a failed one leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -94,7 +95,7 @@ def _export(reader: CheckpointReader, out: pathlib.Path, step: int | None, dtype
         "--merged (the model with them folded in)" if info.get("lora") else
         f"--merged: checkpoint {reader.step_dir(step)} is not a LoRA run's (lora.rank=0); "
         "export it without --merged")
-  model = LlamaConfig(**info["model"])
+  model = recorded_model(info, reader.step_dir(step))
   dtype = dtype or info["compute_dtype"]
   if dtype not in EXPORT_DTYPES:
     raise CheckpointError(f"export dtype {dtype!r} is not one of: {', '.join(EXPORT_DTYPES)}")
@@ -140,6 +141,20 @@ def new_directory(out: pathlib.Path) -> Iterator[pathlib.Path]:
   except BaseException:
     shutil.rmtree(partial, ignore_errors=True)
     raise
+
+
+def recorded_model(info: dict, where: pathlib.Path) -> LlamaConfig:
+  """The built-in model a checkpoint's record names; CheckpointError for a model of the
+  user's own (a model_factory run's or a jaxzero.Engine's), which has no Hugging Face
+  layout here."""
+  fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+  record = info.get("model") or {}
+  if not record or not set(record) <= fields:
+    raise CheckpointError(f"checkpoint {where} holds a model of your own (model_factory or "
+                          "jaxzero.Engine), not a built-in Llama, Mistral or Qwen2: export "
+                          "writes those only; read its state with orbax from "
+                          f"{where / 'state'}")
+  return LlamaConfig(**record)
 
 
 def _mkdir_mode() -> int:

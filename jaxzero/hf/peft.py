@@ -89,7 +89,7 @@ def export_peft(workdir: str | pathlib.Path, out: str | pathlib.Path, *, step: i
     if not record:
       raise CheckpointError(f"checkpoint {reader.step_dir(step)} is not a LoRA run's "
                             "(lora.rank=0): export it without --peft")
-    model = LlamaConfig(**info["model"])
+    model = hf_export.recorded_model(info, reader.step_dir(step))
     hf_export.check_new(out)
     specs = lora_lib.adapter_specs(model, record["rank"], tuple(record["targets"]))
     adapters = {n: reader.read(step, ("master", n), s.shape) for n, s in specs.items()

@@ -30,6 +30,7 @@ from jaxzero.hf.export import export_hf
 from jaxzero.models.llama import Llama, param_specs
 from jaxzero.training import loop
 
+from damage import data_files, garbage_at_several_offsets
 from hf_reference import hf_state_dict, params_from_hf, random_hf_model
 from processes import TINY, child_env, run_python
 
@@ -239,6 +240,75 @@ def test_a_damaged_config_json_stops_the_export_before_anything_is_written(
   assert re.search(rf"\S+/w/config.json is damaged \({why}\); export copies the tokenizer the "
                    "run records there: restore it, or move it aside", error), error
   assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["w"]
+
+
+@pytest.mark.parametrize("leaf", ["master/embed_VxD", "master/layers/wo_LxHxExD"])
+def test_an_export_checks_every_leaf_against_its_checksum(saved, tmp_path, capsys, leaf):
+  """A leaf read whole or one layer at a time whose values are not the ones saved (here
+  its recorded checksum is changed) stops the export with one line, writing nothing."""
+  shutil.copytree(saved, tmp_path / "w")
+  record = next((checkpoint_dir(tmp_path / "w") / "5" / "checksums").glob("metadata"))
+  checksums = json.loads(record.read_text())
+  checksums["checksums"][leaf] = f"{int(checksums['checksums'][leaf], 16) ^ 1:08x}"
+  record.write_text(json.dumps(checksums))
+  error = export_error(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "out")],
+                       capsys)
+  assert re.search(rf"checkpoint \S+/w/checkpoints/5 is damaged: the values of leaf {leaf} do "
+                   "not match the checksum saved with them$", error), error
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["w"]
+
+
+def test_damaged_data_stops_an_export_with_one_line_or_exports_the_saved_weights(
+    saved, tmp_path, capsys):
+  """Garbage in the saved data (as a bad disk leaves it) is a read error or a checksum
+  that differs, never a traceback or an export of other values (the damage may fall in
+  the optimizer's state alone, which export does not read)."""
+  good = export_hf(saved, tmp_path / "good")
+  want = load_file(good.out / good.files[0])
+  shutil.copytree(saved, tmp_path / "w")
+  for damaged in data_files(checkpoint_dir(tmp_path / "w") / "5"):
+    garbage_at_several_offsets(damaged)
+    shutil.rmtree(tmp_path / "out", ignore_errors=True)
+    code = export.main(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "out")])
+    stderr = capsys.readouterr().err
+    if code == 0:
+      got = load_file(tmp_path / "out" / good.files[0])
+      assert got.keys() == want.keys()
+      for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+      continue
+    errors = [line for line in stderr.splitlines() if "error" in line]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in stderr, stderr
+    assert re.search(r"checkpoint \S+/w/checkpoints/5 is damaged: ", errors[0]), errors
+    assert not (tmp_path / "out").exists()
+    return
+  raise AssertionError("no damage to the data files stopped the export")
+
+
+@pytest.mark.parametrize("model", [{"factory": "mymodel:build"}, {"parameters": 1000}],
+                         ids=["model_factory", "engine"])
+@pytest.mark.parametrize("flag", [[], ["--peft"], ["--merged"]])
+def test_a_checkpoint_of_a_model_of_ones_own_is_refused_in_one_line(saved, tmp_path, capsys,
+                                                                      model, flag):
+  """A model_factory run or a jaxzero.Engine records its model as these do; export writes
+  the built-in families only."""
+  shutil.copytree(saved, tmp_path / "w")
+  info_file = checkpoint_dir(tmp_path / "w") / "5" / "info" / "metadata"
+  info = json.loads(info_file.read_text())
+  info_file.write_text(json.dumps({**info, "model": model,
+                                   **({"lora": {"rank": 4}} if flag else {})}))
+  error = export_error(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "out"),
+                        *flag], capsys)
+  assert re.search(r"checkpoint \S+/w/checkpoints/5 holds a model of your own \(model_factory "
+                   r"or jaxzero.Engine\), not a built-in Llama, Mistral or Qwen2", error), error
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["w"]
+
+
+def test_a_shard_size_that_is_not_a_positive_number_is_refused(saved, tmp_path, capsys):
+  for size in ("nan", "inf", "0", "-1"):
+    error = export_error(["--workdir", str(saved), "--out", str(tmp_path / "out"),
+                          "--max-shard-gb", size], capsys)
+    assert error.endswith(f"--max-shard-gb={float(size):g} must be a positive number"), error
 
 
 @pytest.mark.parametrize("out, message", [
