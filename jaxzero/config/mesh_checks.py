@@ -53,6 +53,13 @@ def check_pipeline(cfg: Config) -> None:
     raise ConfigError("remat.policy=offload_matmuls with pipeline.schedule=1f1b is not "
                       "supported; use pipeline.schedule=gpipe or interleaved, or another "
                       "remat.policy (full, save_matmuls, save_attention, none)")
+  if cfg.pipeline.schedule == "1f1b" and cfg.mesh.context > 1 and cfg.context.strategy == "ring":
+    # (The ring's hops are collective permutes inside each stage's slot, and in a 1F1B
+    # tick the stages take different branches: the idle stage's devices never join the
+    # hop, and the step waits until the collective times out.)
+    raise ConfigError("context.strategy=ring with pipeline.schedule=1f1b is not supported; "
+                      "use context.strategy=all_gather, or pipeline.schedule=gpipe or "
+                      "interleaved")
   for key, value, allowed in (("offload.params", cfg.offload.params, ("device",)),
                               ("offload.optimizer", cfg.offload.optimizer,
                                ("device", "pinned_host"))):
@@ -73,9 +80,8 @@ def check_context(cfg: Config) -> None:
   if context < 1:
     raise ConfigError(f"mesh.context={context} must be a positive device count (1 = off)")
   if seq % context:
-    valid = ", ".join(str(d) for d in range(1, min(seq, 64) + 1) if seq % d == 0)
     raise ConfigError(f"mesh.context={context} does not divide train.seq_len={seq} into equal "
-                      f"parts; valid values: {valid}")
+                      f"parts; valid values: {_valid_contexts(cfg)}")
   if context > 1 and cfg.model_factory:
     raise ConfigError(f"mesh.context={context}: the context axis splits the Llama family's "
                       "sequence; a model_factory model trains with mesh.context=1")
@@ -83,7 +89,8 @@ def check_context(cfg: Config) -> None:
   if balanced and seq % (2 * context):
     raise ConfigError(f"context.load_balance needs train.seq_len={seq} cut into "
                       f"2 x mesh.context={2 * context} equal chunks; make seq_len a multiple "
-                      f"of {2 * context}, or set context.load_balance=False")
+                      f"of {2 * context}, or set context.load_balance=False (mesh.context "
+                      f"values that fit: {_valid_contexts(cfg)})")
   # The piece of the sequence attention tiles whole: a device's part, or half of it.
   part = seq // context // (2 if balanced else 1)
   if context > 1 and part > ATTENTION_TILE and part % CONTEXT_TILE:
@@ -95,6 +102,23 @@ def check_context(cfg: Config) -> None:
   if context > 1 and cfg.model.attention == "cudnn":
     raise ConfigError(f"mesh.context={context} with model.attention=cudnn: cuDNN's attention "
                       "takes no query offset here; use model.attention=auto (blockwise)")
+
+
+def _context_fits(seq: int, context: int, balanced: bool) -> bool:
+  """Whether `context` cuts `seq` into equal parts (halved again where `balanced`) that
+  attention tiles whole."""
+  chunks = context * (2 if balanced and context > 1 else 1)
+  if seq % chunks:
+    return False
+  part = seq // chunks
+  return context == 1 or part <= ATTENTION_TILE or part % CONTEXT_TILE == 0
+
+
+def _valid_contexts(cfg: Config) -> str:
+  """The mesh.context values up to 64 that train.seq_len and context.load_balance allow."""
+  seq = cfg.train.seq_len
+  return ", ".join(str(d) for d in range(1, min(seq, 64) + 1)
+                   if _context_fits(seq, d, cfg.context.load_balance))
 
 
 def check_tensor(tensor: int, model) -> None:

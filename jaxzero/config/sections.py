@@ -90,7 +90,7 @@ class PipelineConfig:
   # micro-batch forward, then every one backward (the backward is the forward's
   # gradient); each stage holds the inputs of all its micro-batches. "1f1b": each
   # micro-batch starts back as soon as it leaves the last stage; a stage keeps at most
-  # 2 x mesh.pipeline - 1 stage inputs (whatever the micro-batches), at a larger bubble.
+  # mesh.pipeline stage inputs (whatever the micro-batches), with GPipe's bubble.
   # "interleaved": GPipe round the stages virtual_stages times, each stage running
   # 1/virtual_stages of its layers a time, which divides the bubble by about
   # virtual_stages (jaxzero.parallel.pipeline).

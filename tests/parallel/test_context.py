@@ -202,7 +202,13 @@ def test_a_checkpoint_moves_between_context_sizes(one_device, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["mesh.context=3"], "mesh.context=3 does not divide train.seq_len=64 into equal parts"),
+    (["mesh.context=3"], "mesh.context=3 does not divide train.seq_len=64 into equal parts; "
+     "valid values: 1, 2, 4, 8, 16, 32"),  # (64 is 32 chunks of 2 too many, balanced)
+    (["mesh.context=5", "train.seq_len=48"], "valid values: 1, 2, 3, 4, 6, 8, 12, 24"),
+    (["mesh.context=3", "context.load_balance=False"], "valid values: 1, 2, 4, 8, 16, 32, 64"),
+    (["mesh.context=2", "mesh.pipeline=2", "train.grad_accum=2", "pipeline.schedule=1f1b",
+      "context.strategy=ring"], "context.strategy=ring with pipeline.schedule=1f1b is not "
+     "supported; use context.strategy=all_gather, or pipeline.schedule=gpipe or interleaved"),
     (["mesh.context=2", "model_factory=m:f"], "a model_factory model trains with mesh.context=1"),
     (["mesh.context=2", "model.attention=cudnn"], "mesh.context=2 with model.attention=cudnn"),
     (["mesh.context=2", "train.seq_len=4098"],
@@ -215,8 +221,10 @@ def test_a_checkpoint_moves_between_context_sizes(one_device, tmp_path):
      "context.strategy='tree' is not valid; choose one of: all_gather, ring"),
 ])
 def test_bad_context_settings_are_one_line(overrides, message):
-  with pytest.raises(config.ConfigError, match=re.escape(message)):
+  with pytest.raises(config.ConfigError, match=re.escape(message)) as error:
     config.validate(config.apply_overrides(config.load(TINY, ["train.seq_len=64"]), overrides))
+  if "valid values: " in message:  # the whole list
+    assert str(error.value).endswith(message), error.value
 
 
 @SLOW
