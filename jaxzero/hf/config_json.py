@@ -57,15 +57,16 @@ def llama_config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
     if hf_config.get(field) is None:
       raise ValueError(f"Hugging Face config is missing required field {field!r}")
   _check_unsupported(hf_config, family)
-  n_heads = int(hf_config["num_attention_heads"])
+  size = lambda field: _positive_int(hf_config, field)
+  n_heads = size("num_attention_heads")
   # Hugging Face's own meaning of an absent/null num_key_value_heads is plain
   # multi-head attention (Llama-1/2 configs omit it).
   n_kv_heads = hf_config.get("num_key_value_heads")
   cfg = LlamaConfig(
-      vocab_size=int(hf_config["vocab_size"]), dim=int(hf_config["hidden_size"]),
-      n_layers=int(hf_config["num_hidden_layers"]), n_heads=n_heads,
-      n_kv_heads=n_heads if n_kv_heads is None else int(n_kv_heads),
-      mlp_dim=int(hf_config["intermediate_size"]), norm_eps=float(hf_config["rms_norm_eps"]),
+      vocab_size=size("vocab_size"), dim=size("hidden_size"),
+      n_layers=size("num_hidden_layers"), n_heads=n_heads,
+      n_kv_heads=n_heads if n_kv_heads is None else size("num_key_value_heads"),
+      mlp_dim=size("intermediate_size"), norm_eps=_positive_float(hf_config, "rms_norm_eps"),
       # transformers' configs default to untied; they always write the field.
       tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
       init_std=float(hf_config.get("initializer_range", LlamaConfig.init_std)),
@@ -130,6 +131,23 @@ def hf_config_from_llama(cfg: LlamaConfig, *, carried: Mapping[str, Any] | None 
 def carried_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
   """The CARRIED_FIELDS a Hugging Face ``config.json`` dict sets."""
   return {k: hf_config[k] for k in CARRIED_FIELDS if hf_config.get(k) is not None}
+
+
+def _positive_int(hf_config: Mapping[str, Any], field: str) -> int:
+  value = hf_config[field]
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
+      or value < 1:
+    raise ValueError(f"Hugging Face config field {field!r} is {value!r}; it must be a "
+                     "positive integer")
+  return int(value)
+
+
+def _positive_float(hf_config: Mapping[str, Any], field: str) -> float:
+  value = hf_config[field]
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    raise ValueError(f"Hugging Face config field {field!r} is {value!r}; it must be a "
+                     "positive number")
+  return float(value)
 
 
 def _check_architecture(hf_config: Mapping[str, Any]) -> str:

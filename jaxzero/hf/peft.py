@@ -123,6 +123,8 @@ def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) ->
   except (OSError, ValueError) as e:
     raise HFCheckpointError(f"lora.init_from={path}: {ADAPTER_CONFIG} is not readable "
                             f"JSON ({e})") from None
+  if not isinstance(found, dict):
+    raise HFCheckpointError(f"lora.init_from={path}: {ADAPTER_CONFIG} is not a JSON object")
   if found.get("peft_type") != "LORA":
     raise HFCheckpointError(f"lora.init_from={path}: peft_type={found.get('peft_type')!r}; "
                             "only LORA adapters are read")
@@ -142,8 +144,12 @@ def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) ->
     if want != have and not (key == "alpha" and have is not None and float(have) == want):
       raise HFCheckpointError(f"lora.init_from={path} has {key} {have}, this run lora.{key}="
                               f"{want}: set lora.{key}={have}")
-  with safe_open(weights, "np") as f:
-    shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+  try:
+    with safe_open(weights, "np") as f:
+      shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+  except Exception as e:  # pylint: disable=broad-except  # safetensors' own error type
+    raise HFCheckpointError(f"lora.init_from={path}: {ADAPTER_WEIGHTS} cannot be read: "
+                            f"{e}") from None
   want_shapes = _peft_shapes(model, record)
   # PEFT's save_pretrained also writes the embedding's and the head's own weights when
   # they are adapted (".base_layer.weight"): the base's, which the run has already.
@@ -176,6 +182,11 @@ def _check_every_layer(path, found: dict, n_layers: int) -> None:
   modules = found.get("target_modules")
   if not isinstance(modules, str) or modules == lora_lib.ALL_LINEAR:
     return
+  try:
+    re.compile(modules)
+  except re.error as e:
+    raise HFCheckpointError(f"lora.init_from={path}: target_modules={modules!r} is not a "
+                            f"regular expression ({e})") from None
   for target, module in lora_lib.PEFT_MODULES.items():
     chosen = [i for i in range(n_layers) if re.fullmatch(modules, f"model.layers.{i}.{module}")]
     if 0 < len(chosen) < n_layers:

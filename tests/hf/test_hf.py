@@ -338,6 +338,21 @@ def test_bad_checkpoint_is_one_line_naming_the_culprit(case, message, tmp_path):
     assert "--set model.family=qwen2" in text
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("num_attention_heads", 0, "'num_attention_heads' is 0; it must be a positive integer"),
+    ("num_key_value_heads", 0, "'num_key_value_heads' is 0; it must be a positive integer"),
+    ("hidden_size", [32], "'hidden_size' is [32]; it must be a positive integer"),
+    ("intermediate_size", 64.5, "'intermediate_size' is 64.5; it must be a positive integer"),
+    ("rms_norm_eps", "1e-5", "'rms_norm_eps' is '1e-5'; it must be a positive number"),
+])
+def test_a_config_json_value_of_the_wrong_kind_is_one_line(field, value, message, tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps(
+      {**config_json.hf_config_from_llama(CFG), field: value}))
+  with pytest.raises(HFCheckpointError) as info:
+    hf_load.read_config(tmp_path)
+  assert str(info.value).endswith(f"config.json: Hugging Face config field {message}")
+
+
 def test_weights_load_into_padded_leaves_and_a_padded_checkpoint_reads_at_true_shapes(
     tmp_path):
   """A mesh none of whose sizes divides the model (dim 36, mlp 60, vocab 257 on 8 devices)

@@ -333,6 +333,10 @@ def test_a_peft_adapter_reads_back_exactly(adapter_dir):
      "only; jaxzero adapts lora.targets in every layer, so the adapters cannot start from it"),
     ("layer_regex", r"target_modules=model\\.layers\\.1\\.\.\* adapts q_proj in layers \[1\] "
      "of this model's 2 only; jaxzero adapts lora.targets in every layer"),
+    ("bad_regex", r"target_modules='model\.\[layers' is not a regular expression \(unterminated "
+     "character set"),
+    ("not_an_object", "adapter_config.json is not a JSON object"),
+    ("damaged_weights", "adapter_model.safetensors cannot be read: "),
 ])
 def test_an_adapter_that_does_not_fit_is_one_line(adapter_dir, tmp_path, change, message):
   out, cfg, record, _ = adapter_dir
@@ -342,13 +346,22 @@ def test_an_adapter_that_does_not_fit_is_one_line(adapter_dir, tmp_path, change,
     record = {**record, "targets": ["q", "v"]}
   elif change == "base":
     cfg = dataclasses.replace(cfg, dim=64, n_heads=8)
-  elif change in ("rslora", "layers_to_transform", "layer_regex"):
+  elif change in ("rslora", "layers_to_transform", "layer_regex", "bad_regex"):
     found = json.loads((out / hf_peft.ADAPTER_CONFIG).read_text())
     found.update({"rslora": {"use_rslora": True},
                   "layers_to_transform": {"layers_to_transform": [1]},
-                  "layer_regex": {"target_modules": r"model\.layers\.1\..*"}}[change])
+                  "layer_regex": {"target_modules": r"model\.layers\.1\..*"},
+                  "bad_regex": {"target_modules": "model.[layers"}}[change])
     (tmp_path / hf_peft.ADAPTER_CONFIG).write_text(json.dumps(found))
     (tmp_path / hf_peft.ADAPTER_WEIGHTS).write_bytes((out / hf_peft.ADAPTER_WEIGHTS).read_bytes())
+    out = tmp_path
+  elif change == "not_an_object":
+    (tmp_path / hf_peft.ADAPTER_CONFIG).write_text("[]")
+    (tmp_path / hf_peft.ADAPTER_WEIGHTS).write_bytes((out / hf_peft.ADAPTER_WEIGHTS).read_bytes())
+    out = tmp_path
+  elif change == "damaged_weights":
+    (tmp_path / hf_peft.ADAPTER_CONFIG).write_text((out / hf_peft.ADAPTER_CONFIG).read_text())
+    (tmp_path / hf_peft.ADAPTER_WEIGHTS).write_bytes(b"\x07\x00")
     out = tmp_path
   else:
     (tmp_path / hf_peft.ADAPTER_CONFIG).write_text((out / hf_peft.ADAPTER_CONFIG).read_text())
