@@ -19,11 +19,22 @@ from jaxzero.utils.formatting import format_count
 CONFIG_FILE = "config.json"
 
 
+# The files a later reader of config.json (jaxzero.export: the tokenizer, the chat
+# template, the base model's ids) opens, wherever it runs from.
+_PATH_FIELDS = (("data", "tokenizer"), ("data", "chat_template"), ("init", "hf_checkpoint"))
+
+
 def write_config(cfg: config_lib.Config, workdir: pathlib.Path) -> pathlib.Path:
-  """The resolved config as nested JSON (sections and fields as in jaxzero.config)."""
+  """The resolved config as nested JSON (sections and fields as in jaxzero.config), with
+  the _PATH_FIELDS that name a file or directory here made absolute."""
   workdir.mkdir(parents=True, exist_ok=True)
   path = workdir / CONFIG_FILE
-  write_json_atomic(path, dataclasses.asdict(cfg))
+  recorded = dataclasses.asdict(cfg)
+  for section, field in _PATH_FIELDS:
+    named = pathlib.Path(recorded[section][field]).expanduser()
+    if recorded[section][field] and named.exists():
+      recorded[section][field] = str(named.absolute())
+  write_json_atomic(path, recorded)
   return path
 
 

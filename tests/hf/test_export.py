@@ -25,10 +25,11 @@ from jaxzero.checkpoint.checkpointer import Checkpointer
 from jaxzero.checkpoint.directory import checkpoint_dir
 from jaxzero.checkpoint.reader import CheckpointReader
 from jaxzero.hf import load as hf_load
+from jaxzero.hf import metadata
 from jaxzero.hf import tensors
 from jaxzero.hf.export import export_hf
 from jaxzero.models.llama import Llama, param_specs
-from jaxzero.training import loop
+from jaxzero.training import banner, loop
 
 from damage import data_files, garbage_at_several_offsets
 from hf_reference import hf_state_dict, params_from_hf, random_hf_model
@@ -463,6 +464,27 @@ def export_run(tmp_path, base, init: bool = True, out=None, **data) -> pathlib.P
   (tmp_path / "w" / "config.json").write_text(json.dumps(run))
   assert export.main(["--workdir", str(tmp_path / "w"), "--out", str(out)]) == 0
   return out
+
+
+def test_a_run_records_its_tokenizer_and_base_so_that_export_finds_them_from_anywhere(
+    tmp_path, monkeypatch):
+  """A run started with relative paths records them absolute in WORKDIR/config.json: an
+  export run from elsewhere copies that tokenizer, not whatever the same relative path
+  names there (or nothing)."""
+  hf_base(tmp_path / "train_here" / "base")
+  cfg = config.base()
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer="base"),
+                            init=dataclasses.replace(cfg.init, hf_checkpoint="base"))
+  monkeypatch.chdir(tmp_path / "train_here")
+  banner.write_config(cfg, tmp_path / "w")
+  (tmp_path / "elsewhere" / "base").mkdir(parents=True)
+  monkeypatch.chdir(tmp_path / "elsewhere")
+  run = metadata.read_run(tmp_path / "w")
+  assert run["data"]["tokenizer"] == run["init"]["hf_checkpoint"] == str(
+      tmp_path / "train_here" / "base")
+  (tmp_path / "out").mkdir()
+  assert "tokenizer.json" in metadata.copy_tokenizer(run, tmp_path / "out")
+  assert metadata.generation_settings(run).config["max_position_embeddings"] == 32768
 
 
 def test_an_empty_out_that_is_a_link_or_a_mount_point_is_written_into(tmp_path):
