@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxzero.parallel import mesh as mesh_lib
+from jaxzero.runtime import pinned_pool
 
 
 class HostMemory(NamedTuple):
@@ -43,8 +44,8 @@ def per_process(runner, state: dict, local_devices: int, *, estimate_activations
 def pinned_bytes(program, state: dict, local_devices: int, estimate_activations: bool) -> int:
   """What this process places in XLA's pinned pool: each of its devices' weights in
   pinned_host (exact, from the shardings) with a micro-step's gradient of them on its way
-  back, and the matmul outputs remat.policy=offload_matmuls keeps there (the built-in
-  models' layers, over the mesh's split of tokens, layers and heads)."""
+  back, and the matmul outputs remat.policy=offload_matmuls keeps there
+  (pinned_pool.offloaded_matmul_bytes)."""
   cfg = program.cfg
   weights = state.get("pinned_pool", state["host"])  # per device
   compute = jnp.dtype(cfg.precision.compute).itemsize
@@ -52,11 +53,8 @@ def pinned_bytes(program, state: dict, local_devices: int, estimate_activations:
               if cfg.offload.params == "pinned_host" else 0)
   activations = 0
   if estimate_activations and cfg.remat.policy == "offload_matmuls":
-    m, t, mesh = cfg.model, cfg.train, cfg.mesh
-    tokens = mesh_lib.micro_batch(t, program.layout.data_parallel_size) * t.seq_len
-    kv = 2 * m.n_kv_heads * (m.dim // m.n_heads)
-    activations = (tokens // mesh.context * (m.n_layers // mesh.pipeline)
-                   * (3 * m.dim + kv + 2 * m.mlp_dim) // mesh.tensor * compute)
+    rows = mesh_lib.micro_batch(cfg.train, program.layout.data_parallel_size)
+    activations = pinned_pool.offloaded_matmul_bytes(cfg, rows)
   return (weights + gradient + activations) * local_devices
 
 

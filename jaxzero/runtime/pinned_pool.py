@@ -44,13 +44,26 @@ def run_bytes(cfg, local_devices: int) -> int:
   needed = 0
   if cfg.offload.params == "pinned_host":  # the weights, and a micro-step's gradient
     needed += (compute + grad) * phi // shards * local_devices
-  if cfg.remat.policy == "offload_matmuls":  # each layer's matmul outputs, per micro-step
+  if cfg.remat.policy == "offload_matmuls":
     data = max(1, mesh_lib.data_parallel_needed(cfg.mesh))
     rows = max(1, t.global_batch // (t.grad_accum * data))
-    kv = 2 * m.n_kv_heads * (m.dim // m.n_heads)
-    needed += (rows * t.seq_len * m.n_layers * (3 * m.dim + kv + 2 * m.mlp_dim) * compute
-               * local_devices)
+    needed += offloaded_matmul_bytes(cfg, rows) * local_devices
   return needed
+
+
+def offloaded_matmul_bytes(cfg, rows: int) -> int:
+  """Per device: the matmul outputs remat.policy=offload_matmuls keeps in pinned_host
+  during a step, for micro-batches of `rows` rows: each of the device's layers' (over the
+  mesh's split of tokens, layers and heads), for every micro-batch its pipeline stage
+  holds at once (GPipe and interleaved: all of them; jaxzero.parallel.pipeline)."""
+  from jaxzero.parallel.pipeline import inputs_held  # pylint: disable=import-outside-toplevel
+  m, t, mesh = cfg.model, cfg.train, cfg.mesh
+  compute = 4 if cfg.precision.compute == "float32" else 2
+  kv = 2 * m.n_kv_heads * (m.dim // m.n_heads)
+  held = inputs_held(mesh.pipeline, t.grad_accum, cfg.pipeline.schedule) \
+      if mesh.pipeline > 1 else 1
+  return (rows * t.seq_len // mesh.context * (m.n_layers // mesh.pipeline) * held
+          * (3 * m.dim + kv + 2 * m.mlp_dim) // mesh.tensor * compute)
 
 
 def size_for_run(cfg, local_devices: int, environ=os.environ) -> int | None:

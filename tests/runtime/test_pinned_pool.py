@@ -90,3 +90,24 @@ def test_host_ram_is_the_cgroups_limit_where_smaller(tmp_path, files, expected_g
   physical = memory.host_ram_bytes(str(tmp_path / "none"), str(tmp_path / "none"))
   ram = memory.host_ram_bytes(str(tmp_path / "fs"), str(proc))
   assert ram == (physical if expected_gb is None else min(physical, expected_gb * 10**9))
+
+
+def test_offloaded_matmuls_are_held_for_every_micro_batch_a_pipeline_stage_holds():
+  """remat.policy=offload_matmuls under GPipe keeps every micro-batch's matmul outputs
+  until its backward: the pool's share does not shrink as grad_accum cuts the rows, and a
+  stage holds its own layers' only. Context and tensor split them too."""
+  tiny = lambda *sets: config.load(str(ROOT / "configs/tiny_zero3.py"), [
+      "remat.policy=offload_matmuls", "train.global_batch=32", "precision.compute=bfloat16",
+      *sets])
+  m = tiny().model
+  per_token = (3 * m.dim + 2 * m.n_kv_heads * (m.dim // m.n_heads) + 2 * m.mlp_dim) * 2
+  tokens = 32 * tiny().train.seq_len
+  for accum in (4, 8):
+    gpipe = tiny("mesh.pipeline=2", f"train.grad_accum={accum}")
+    assert pinned_pool.offloaded_matmul_bytes(gpipe, 32 // accum) == \
+        tokens * m.n_layers // 2 * per_token
+  one = tiny("train.grad_accum=4")
+  assert pinned_pool.offloaded_matmul_bytes(one, 8) == tokens // 4 * m.n_layers * per_token
+  split = tiny("train.grad_accum=4", "mesh.context=2", "mesh.tensor=2")
+  assert pinned_pool.offloaded_matmul_bytes(split, 8) == \
+      tokens // 4 // 2 * m.n_layers * per_token // 2
