@@ -57,12 +57,10 @@ def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
       loss_scale=loss_scale.abstract(cfg.precision),
       frozen=frozen_abstract(model, compute))
   master_sh = layout.tree_shardings(specs, "optimizer")
-  opt_sh = optax.tree_map_params(
-      tx, lambda _, sharding: sharding, abstract.opt_state, master_sh,
-      # Scalars (Adam's step count) stay on the device even when the moments are
-      # offloaded: the update on the host reads it from there.
-      transform_non_params=lambda _: layout.replicated("grads"),
-      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+  # Scalars (Adam's step count) stay on the device even when the moments are offloaded:
+  # the update on the host reads it from there.
+  opt_sh = opt_state_shardings(abstract.opt_state, abstract_master, master_sh,
+                               layout.replicated("grads"))
   shardings = TrainState(step=layout.replicated("grads"),
                          params=layout.tree_shardings(specs, "params"),
                          master=master_sh, opt_state=opt_sh,
@@ -71,6 +69,31 @@ def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
                          frozen=(None if model.frozen_specs is None else
                                  layout.tree_shardings(model.frozen_specs, "frozen")))
   return shardings, abstract
+
+
+def opt_state_shardings(opt_state: Any, master: Any, master_sh: Any, other) -> Any:
+  """Each optimizer-state leaf placed as the weight it belongs to: the one whose path ends
+  its own path (``mu["layers"]["wq"]`` is ``master["layers"]["wq"]``'s), where their
+  shapes agree; anything else (a step count, Adafactor's factored rows and columns) as
+  `other`.
+
+  By path rather than optax.tree_map_params: that reads the state as the optimizer's
+  structure over the parameters, which optax.masked and multi_transform (MaskedNode in
+  place of the weights they leave out) and Adafactor (statistics of other shapes) break.
+  """
+  weights = {}
+  for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(master)[0],
+                                    jax.tree.leaves(master_sh)):
+    weights[tuple(path)] = (tuple(leaf.shape), sharding)
+
+  def place(path, leaf):
+    for start in range(len(path) + 1):  # the longest ending of `path` that names a weight
+      shape, sharding = weights.get(tuple(path[start:]), (None, None))
+      if shape is not None:
+        return sharding if shape == tuple(leaf.shape) else other
+    return other
+
+  return jax.tree_util.tree_map_with_path(place, opt_state)
 
 
 def frozen_abstract(model: Model, compute) -> Any:

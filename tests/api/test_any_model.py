@@ -177,6 +177,38 @@ def test_every_stage_and_hybrid_train_as_one_device(name, layout):
   np.testing.assert_allclose(losses, one_device(name), rtol=1e-5)
 
 
+OPTIMIZERS = {
+    "multi_transform": lambda: optax.multi_transform(
+        {"train": optax.adam(1e-2), "freeze": optax.set_to_zero()},
+        {"w1": "freeze", "b1": "freeze", "w2": "train", "b2": "train"}),
+    "masked": lambda: optax.masked(optax.adam(1e-2), lambda p: {k: v.ndim > 1
+                                                                for k, v in p.items()}),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_optax_groups_masks_and_factored_statistics_train_as_optax_does(optimizer):
+  """optax.multi_transform and masked (MaskedNode where a group leaves a weight out) and
+  Adafactor (row and column statistics) at stage 3 on 8 devices: the weights optax itself
+  gives on one device. A state leaf of a weight's shape is placed as that weight."""
+  mesh = jaxzero.mesh(fsdp=8, devices=jax.devices()[:8])
+  e = jaxzero.Engine((mlp_init, mlp_apply), optimizer=OPTIMIZERS[optimizer](),
+                     loss_fn=mlp_loss, zero=jaxzero.Zero(stage=3), mesh=mesh, min_shard_size=0)
+  state = e.init(jax.random.key(0))
+  tx, params = OPTIMIZERS[optimizer](), mlp_init(jax.random.key(0))
+  opt_state = tx.init(params)
+  for batch in mlp_batches()[:3]:
+    state, _ = e.step(state, batch)
+    grads = jax.grad(lambda p: mlp_loss(functools.partial(mlp_apply, p), batch))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  chex.assert_trees_all_close(jax.device_get(state.master), params, atol=1e-6, rtol=1e-5)
+  if optimizer == "adafactor":
+    factored = e.shardings.opt_state[0]
+    assert factored.v_row["w1"].spec == P() and factored.v["b1"].spec != P()
+
+
 def test_a_pipeline_mesh_needs_a_model_with_stacked_layers():
   model, loss_fn, _, _ = MODELS["mlp_pytree"]
   with pytest.raises(ConfigError, match=r"a mesh with pipeline=2 runs a model's "
