@@ -10,8 +10,10 @@ backends, which is why the CLI calls :func:`initialize` right after loading the 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -95,13 +97,19 @@ def resolve(dist: DistributedConfig, environ) -> Peers | None:
   coordinator = dist.coordinator_address or environ.get(ENV_COORDINATOR) or None
   count = dist.num_processes or _env_int(environ, ENV_NUM_PROCESSES, minimum=1)
   pid = dist.process_id if dist.process_id >= 0 else _env_int(environ, ENV_PROCESS_ID, minimum=0)
-  cluster = detect_cluster(environ)
+  if count == 1:  # said outright: one process, whatever the environment
+    return None
+  cluster = None if None not in (coordinator, count, pid) else detect_cluster(environ)
   if None not in (coordinator, count, pid):
     source = EXPLICIT
   elif cluster is not None:
     count = count or cluster.num_processes
     pid = pid if pid is not None else cluster.process_id
     source = cluster.source
+    if count is None and importlib.util.find_spec("kubernetes") is None:
+      raise ConfigError(f"a Kubernetes indexed Job (JOB_COMPLETION_INDEX={pid}) finds its "
+                        "peers through the Kubernetes API: pip install 'jax[k8s]', or set "
+                        f"{ENV_NUM_PROCESSES}=1 for a Job of one pod")
   elif coordinator is None and count is None and pid is None:
     return None
   else:
@@ -113,23 +121,42 @@ def resolve(dist: DistributedConfig, environ) -> Peers | None:
 
 
 def detect_cluster(environ) -> Peers | None:
-  """A SLURM step, an Open MPI job or a Kubernetes indexed Job, as JAX will detect it."""
-  if all(name in environ for name in _SLURM_VARIABLES):
-    return Peers(None, int(environ["SLURM_NTASKS"]), int(environ["SLURM_PROCID"]), "SLURM")
+  """An Open MPI job, a SLURM step or a Kubernetes indexed Job, as JAX will detect it (in
+  JAX's order: mpirun inside an srun step is the Open MPI job). A launcher JAX does not
+  detect (Open MPI 5, torchrun) is refused rather than run as separate single processes."""
   if "OMPI_MCA_orte_hnp_uri" in environ:
-    return Peers(None, int(environ["OMPI_COMM_WORLD_SIZE"]),
-                 int(environ["OMPI_COMM_WORLD_RANK"]), "Open MPI")
+    return Peers(None, _cluster_int(environ, "OMPI_COMM_WORLD_SIZE", 1),
+                 _cluster_int(environ, "OMPI_COMM_WORLD_RANK", 0), "Open MPI")
+  if all(name in environ for name in _SLURM_VARIABLES):
+    return Peers(None, _cluster_int(environ, "SLURM_NTASKS", 1),
+                 _cluster_int(environ, "SLURM_PROCID", 0), "SLURM")
   if "KUBERNETES_SERVICE_HOST" in environ and "JOB_COMPLETION_INDEX" in environ:
     # The process count is the Job's parallelism, which only JAX asks the API for.
-    return Peers(None, None, int(environ["JOB_COMPLETION_INDEX"]), "Kubernetes")
+    return Peers(None, None, _cluster_int(environ, "JOB_COMPLETION_INDEX", 0), "Kubernetes")
+  for launcher, size in (("an Open MPI 5 job (mpirun without OMPI_MCA_orte_hnp_uri)",
+                          "OMPI_COMM_WORLD_SIZE"), ("a torchrun job", "WORLD_SIZE")):
+    if (_cluster_int(environ, size, 1) if environ.get(size) else 1) > 1:
+      raise ConfigError(f"{size}={environ[size]}: JAX does not find the peers of "
+                        f"{launcher}; start the processes with srun, jaxzero.launch (one "
+                        f"host), or set {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and "
+                        f"{ENV_PROCESS_ID} in each ({ENV_NUM_PROCESSES}=1: one process)")
   return None
+
+
+def _cluster_int(environ, name: str, minimum: int) -> int:
+  """A cluster's count or id: its variable as an integer >= `minimum`, else ConfigError."""
+  value = _env_int(environ, name, minimum)
+  if value is None:
+    raise ConfigError(f"{name} is empty; the cluster's launcher sets it to an integer "
+                      f">= {minimum}")
+  return value
 
 
 def _env_int(environ, name: str, minimum: int) -> int | None:
   text = environ.get(name, "").strip()
   if not text:
     return None
-  if not text.isdigit() or int(text) < minimum:
+  if not re.fullmatch(r"[0-9]+", text) or int(text) < minimum:
     raise ConfigError(f"{name}={text!r} must be an integer >= {minimum}")
   return int(text)
 
@@ -165,14 +192,19 @@ def _share_virtual_devices(cfg: Config, num_processes: int | None) -> None:
 
   The CLI asked XLA for as many CPU devices as the mesh names; with several
   processes those are spread over them, as GPUs are spread over hosts. A mesh of -1
-  means one node's (mesh.DEFAULT_DEVICES), shared the same way, unless
-  JAX_NUM_CPU_DEVICES gives each process its own count (as jaxzero.launch does).
+  means one node's (mesh.DEFAULT_DEVICES), shared the same way where they divide, unless
+  JAX_NUM_CPU_DEVICES gives each process its own count (as jaxzero.launch does); it takes
+  whatever devices there are, so it never stops a run (32 processes of one GPU each
+  train a -1 mesh of 32).
   """
   needed = mesh_lib.devices_needed(cfg.mesh)
-  if not needed and not os.environ.get(mesh_lib.ENV_CPU_DEVICES, "").strip():
-    needed = mesh_lib.DEFAULT_DEVICES
-  if not needed or not num_processes:
+  if not num_processes:
     return
+  if not needed:
+    if os.environ.get(mesh_lib.ENV_CPU_DEVICES, "").strip() or \
+        mesh_lib.DEFAULT_DEVICES % num_processes:
+      return
+    needed = mesh_lib.DEFAULT_DEVICES
   if needed % num_processes:
     raise ConfigError(f"mesh.replica={cfg.mesh.replica} x mesh.fsdp={cfg.mesh.fsdp} = {needed} "
                       f"devices cannot be shared evenly by {num_processes} processes")

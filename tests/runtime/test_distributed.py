@@ -1,6 +1,8 @@
 """Joining a multi-process run: where the coordinates come from, GPU flags, and
 clear errors (not hangs) when the coordinator is wrong or a peer never comes."""
 
+import importlib.util
+import re
 import subprocess
 import sys
 import textwrap
@@ -42,7 +44,26 @@ def test_clusters_are_detected_and_explicit_values_win():
   mpi = {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:3", "OMPI_COMM_WORLD_SIZE": "8",
          "OMPI_COMM_WORLD_RANK": "5"}
   assert resolve(DistributedConfig(), mpi) == Peers(None, 8, 5, "Open MPI")
+  torchrun = {"WORLD_SIZE": "2", "RANK": "1"}
+  assert resolve(DistributedConfig(), {**torchrun, **LAUNCHED}) == Peers("10.0.0.1:1234", 2, 1,
+                                                                         EXPLICIT)
+  assert resolve(DistributedConfig(), {**torchrun, "JAXZERO_NUM_PROCESSES": "1"}) is None
+  # mpirun inside an srun step: JAX takes the Open MPI job, and so does jaxzero.
+  assert resolve(DistributedConfig(), {**SLURM, **mpi}) == Peers(None, 8, 5, "Open MPI")
+
+
+def test_a_kubernetes_job_needs_jax_k8s_unless_it_is_one_pod(monkeypatch):
   k8s = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "JOB_COMPLETION_INDEX": "3"}
+  with pytest.raises(ConfigError, match=re.escape(
+      "a Kubernetes indexed Job (JOB_COMPLETION_INDEX=3) finds its peers through the "
+      "Kubernetes API: pip install 'jax[k8s]', or set JAXZERO_NUM_PROCESSES=1 for a Job of "
+      "one pod")):
+    resolve(DistributedConfig(), k8s)
+  one_pod = {**k8s, "JOB_COMPLETION_INDEX": "0", "JAXZERO_NUM_PROCESSES": "1"}
+  assert resolve(DistributedConfig(), one_pod) is None
+  found = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: object() if name == "kubernetes" else found(name, *a))
   assert resolve(DistributedConfig(), k8s) == Peers(None, None, 3, "Kubernetes")
 
 
@@ -56,6 +77,16 @@ def test_clusters_are_detected_and_explicit_values_win():
     (DistributedConfig(), {**LAUNCHED, "JAXZERO_NUM_PROCESSES": "two"},
      "JAXZERO_NUM_PROCESSES='two' must be an integer >= 1"),
     (DistributedConfig(timeout_s=0), {}, "distributed.timeout_s=0 must be at least 1"),
+    (DistributedConfig(), {**LAUNCHED, "JAXZERO_NUM_PROCESSES": "\u00b2"},
+     "JAXZERO_NUM_PROCESSES='\u00b2' must be an integer >= 1"),
+    (DistributedConfig(), {**SLURM, "SLURM_NTASKS": ""},
+     "SLURM_NTASKS is empty; the cluster's launcher sets it to an integer >= 1"),
+    (DistributedConfig(), {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
+     "OMPI_COMM_WORLD_SIZE=4: JAX does not find the peers of an Open MPI 5 job (mpirun without"),
+    (DistributedConfig(), {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "10.0.0.1"},
+     "WORLD_SIZE=2: JAX does not find the peers of a torchrun job; start the processes with "
+     "srun, jaxzero.launch (one host), or set JAXZERO_COORDINATOR, JAXZERO_NUM_PROCESSES and "
+     "JAXZERO_PROCESS_ID in each (JAXZERO_NUM_PROCESSES=1: one process)"),
 ])
 def test_incomplete_or_bad_coordinates_are_one_clear_error(cfg, environ, message):
   with pytest.raises(ConfigError) as error:
@@ -162,3 +193,15 @@ def test_missing_peer_and_wrong_coordinator_fail_within_the_timeout(tmp_path):
     # The configured timeout, plus starting Python and importing JAX on a busy machine.
     assert timeout_s <= elapsed < timeout_s + 40
   assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+def test_a_mesh_of_minus_one_never_stops_a_run_of_any_process_count():
+  """fsdp=-1 takes the devices there are: 32 processes of one GPU each (or 3 on a CPU)
+  run, where a count that does not divide 8 used to be refused before joining. A mesh
+  that names its size must still be shared evenly."""
+  from jaxzero import config
+  from jaxzero.runtime import distributed
+  for processes in (3, 32):
+    distributed._share_virtual_devices(config.load(TINY, ["mesh.fsdp=-1"]), processes)
+  with pytest.raises(ConfigError, match="= 8 devices cannot be shared evenly by 3 processes"):
+    distributed._share_virtual_devices(config.load(TINY, ["mesh.fsdp=8"]), 3)
