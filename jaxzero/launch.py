@@ -22,6 +22,8 @@ import threading
 import time
 
 from jaxzero import cli, train
+from jaxzero.errors import ConfigError
+from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.runtime import distributed
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -54,10 +56,30 @@ def main(argv=None) -> int:
   if train_args is None:
     parser.error(hint)
   # Bad training arguments are said once, before any process starts (each would say it).
-  refused = train.check_arguments(train_args)
+  refused = train.check_arguments(train_args, also=_fits_the_launch(args.nproc))
   if refused:
     return refused
   return Launch(args.nproc, args.devices_per_proc, train_args).run()
+
+
+def _fits_the_launch(nproc: int):
+  """The launcher's checks of the training config: it says where each process joins, and
+  a mesh that names its size is shared evenly by the processes."""
+  def check(cfg) -> None:
+    d = cfg.distributed
+    set_here = [f"distributed.{name}={value}" for name, value, unset in (
+        ("coordinator_address", d.coordinator_address, ""), ("num_processes", d.num_processes, 0),
+        ("process_id", d.process_id, -1)) if value != unset]
+    if set_here:
+      raise ConfigError(f"{', '.join(set_here)}: jaxzero.launch says where each of its "
+                        "processes joins; leave distributed.coordinator_address, "
+                        "num_processes and process_id out of the training arguments")
+    needed = mesh_lib.devices_needed(cfg.mesh)
+    if needed and needed % nproc:
+      raise ConfigError(f"the mesh names {needed} devices, which --nproc {nproc} processes "
+                        f"cannot share evenly; use --nproc among "
+                        f"{', '.join(map(str, mesh_lib.divisors(needed)))}")
+  return check
 
 
 def _split_at_dashes(argv: list[str]) -> tuple[list[str], list[str] | None]:
@@ -102,10 +124,19 @@ class Launch:
 
   def run(self) -> int:
     coordinator = f"127.0.0.1:{free_port()}"
-    previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too: a closed terminal or a dropped ssh would leave the processes (each in
+    # its own session) running on without the launcher.
+    previous = {sig: signal.signal(sig, self._forward)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-      for rank in range(self.nproc):
-        self._start(rank, coordinator)
+      try:
+        for rank in range(self.nproc):
+          if self.interrupted is not None:  # Ctrl-C while starting: start no more
+            break
+          self._start(rank, coordinator)
+      except BaseException:  # those already started must not run on alone
+        self._signal_all(signal.SIGKILL)
+        raise
       _say("started " + ", ".join(f"process {r} (pid {p.pid})" for r, p in enumerate(self.procs))
            + f"; coordinator {coordinator}")
       failed = self._wait_for_first_failure()

@@ -97,8 +97,9 @@ def _check_steps(parser, args, cfg) -> None:
                  f"{args.steps}) to train that far")
 
 
-def check_arguments(argv: list[str]) -> int:
-  """0 when `argv` parses and its config loads; else 2, its error said in one line.
+def check_arguments(argv: list[str], also=None) -> int:
+  """0 when `argv` parses and its config loads (and `also(cfg)`, a launcher's own checks,
+  raises no ConfigError); else 2, its error said in one line.
 
   For a launcher, before it starts processes that would each say the same error.
   """
@@ -109,7 +110,10 @@ def check_arguments(argv: list[str]) -> int:
     return e.code or 0
 
   def body():
-    _check_steps(parser, args, cli.load_config(args).cfg)
+    cfg = cli.load_config(args).cfg
+    _check_steps(parser, args, cfg)
+    if also is not None:
+      also(cfg)
   try:
     return cli.run_main(parser.prog, body)
   except SystemExit as e:

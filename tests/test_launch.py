@@ -216,6 +216,29 @@ def test_a_killed_process_ends_the_launch_within_60s(tmp_path, launch_env):
   assert not pathlib.Path(f"/proc/{survivor}").exists(), "the other process was left running"
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_hangup_of_the_launcher_stops_its_processes(tmp_path, launch_env):
+  """A closed terminal or a dropped ssh (SIGHUP) reaches every process, as Ctrl-C does:
+  none runs on without the launcher."""
+  err = tmp_path / "err.txt"
+  with open(err, "w") as err_file:
+    launcher = subprocess.Popen(
+        [sys.executable, *launch_args(tmp_path / "w", sets=["train.steps=1000"])], cwd=ROOT,
+        env=launch_env, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
+  try:
+    pids = wait_for(lambda: re.search(r"process 0 \(pid (\d+)\), process 1 \(pid (\d+)\)",
+                                      err.read_text()), launcher)
+    os.kill(launcher.pid, signal.SIGHUP)
+    code = launcher.wait(timeout=90)
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+  assert code == 128 + signal.SIGHUP, err.read_text()
+  assert "interrupted by SIGHUP; stopped all processes" in err.read_text()
+  assert not any(pathlib.Path(f"/proc/{pid}").exists() for pid in pids.groups())
+
+
 def wait_for(condition, launcher, timeout_s=300):
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline:
@@ -239,12 +262,19 @@ def test_a_failing_process_ends_the_launch_with_its_error(tmp_path, launch_env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bad", [["--set", "zero.stage=5"], ["--steps", "100000"]])
-def test_bad_training_arguments_are_one_line_before_any_process_starts(tmp_path, bad):
+@pytest.mark.parametrize("bad, message", [
+    (["--set", "zero.stage=5"], "zero.stage"),
+    (["--steps", "100000"], "--steps"),
+    (["--set", "distributed.num_processes=3"], "distributed.num_processes=3: jaxzero.launch "
+     "says where each of its processes joins"),
+    (["--set", "mesh.fsdp=3", "--set", "train.global_batch=12"], "the mesh names 3 devices, "
+     "which --nproc 2 processes cannot share evenly; use --nproc among 1, 3"),
+])
+def test_bad_training_arguments_are_one_line_before_any_process_starts(tmp_path, bad, message):
   result = run_python(*launch_args(tmp_path, *bad), timeout=60)
   assert result.returncode == 2
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-  assert result.stderr.startswith("jaxzero.train: error: ")
+  assert result.stderr.startswith("jaxzero.train: error: ") and message in result.stderr
   assert "started" not in result.stdout + result.stderr
 
 
