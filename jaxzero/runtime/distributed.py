@@ -94,6 +94,9 @@ def resolve(dist: DistributedConfig, environ) -> Peers | None:
   """The run's coordinates from config, JAXZERO_* variables or the cluster; None = one process."""
   if dist.timeout_s < 1:
     raise ConfigError(f"distributed.timeout_s={dist.timeout_s} must be at least 1")
+  if dist.process_id < -1:
+    raise ConfigError(f"distributed.process_id={dist.process_id} must be at least 0 "
+                      "(-1 = from the environment)")
   coordinator = dist.coordinator_address or environ.get(ENV_COORDINATOR) or None
   count = dist.num_processes or _env_int(environ, ENV_NUM_PROCESSES, minimum=1)
   pid = dist.process_id if dist.process_id >= 0 else _env_int(environ, ENV_PROCESS_ID, minimum=0)
@@ -174,9 +177,11 @@ def _require_all(coordinator, count, pid) -> None:
 def _check(coordinator, count, pid) -> None:
   if coordinator is not None:
     host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
+    if (not host or (":" in host and not bracketed) or re.search(r"\s", coordinator)
+        or not re.fullmatch(r"[0-9]+", port) or not 0 < int(port) < 65536):
       raise ConfigError(f"coordinator address {coordinator!r} must look like HOST:PORT, "
-                        "e.g. 10.0.0.1:1234")
+                        "e.g. 10.0.0.1:1234 ([fe80::1]:1234 for an IPv6 host)")
   if count is not None and count < 1:
     raise ConfigError(f"distributed.num_processes={count} must be at least 1")
   if count is not None and pid is not None and not 0 <= pid < count:

@@ -32,6 +32,8 @@ def test_no_environment_is_a_single_process():
 
 def test_jaxzero_variables_and_config_values_that_win_over_them():
   assert resolve(DistributedConfig(), LAUNCHED) == Peers("10.0.0.1:1234", 2, 1, EXPLICIT)
+  ipv6 = {**LAUNCHED, "JAXZERO_COORDINATOR": "[fe80::1]:1234"}
+  assert resolve(DistributedConfig(), ipv6) == Peers("[fe80::1]:1234", 2, 1, EXPLICIT)
   cfg = DistributedConfig(coordinator_address="10.0.0.9:99", process_id=0)
   assert resolve(cfg, LAUNCHED) == Peers("10.0.0.9:99", 2, 0, EXPLICIT)
 
@@ -72,11 +74,18 @@ def test_a_kubernetes_job_needs_jax_k8s_unless_it_is_one_pod(monkeypatch):
      "missing: JAXZERO_NUM_PROCESSES or distributed.num_processes, JAXZERO_PROCESS_ID or"),
     (DistributedConfig(), {**LAUNCHED, "JAXZERO_COORDINATOR": "10.0.0.1"},
      "coordinator address '10.0.0.1' must look like HOST:PORT"),
+    (DistributedConfig(), {**LAUNCHED, "JAXZERO_COORDINATOR": "fe80::1"},
+     "coordinator address 'fe80::1' must look like HOST:PORT, e.g. 10.0.0.1:1234 "
+     "([fe80::1]:1234 for an IPv6 host)"),
+    (DistributedConfig(coordinator_address=" 10.0.0.1:1234"), LAUNCHED,
+     "coordinator address ' 10.0.0.1:1234' must look like HOST:PORT"),
     (DistributedConfig(), {**LAUNCHED, "JAXZERO_PROCESS_ID": "2"},
      "process id 2 is out of range for 2 processes (0..1)"),
     (DistributedConfig(), {**LAUNCHED, "JAXZERO_NUM_PROCESSES": "two"},
      "JAXZERO_NUM_PROCESSES='two' must be an integer >= 1"),
     (DistributedConfig(timeout_s=0), {}, "distributed.timeout_s=0 must be at least 1"),
+    (DistributedConfig(process_id=-3), LAUNCHED,
+     "distributed.process_id=-3 must be at least 0 (-1 = from the environment)"),
     (DistributedConfig(), {**LAUNCHED, "JAXZERO_NUM_PROCESSES": "\u00b2"},
      "JAXZERO_NUM_PROCESSES='\u00b2' must be an integer >= 1"),
     (DistributedConfig(), {**SLURM, "SLURM_NTASKS": ""},
