@@ -7,7 +7,9 @@ The loss is the user's ``loss_fn(model, batch)``, called with the model bound to
 the current parameters (an NNX module, or a callable applying the Linen module or
 ``apply_fn``). Names the model gives its dimensions become ZeRO's placement through
 jaxzero.parallel.rules. NNX state that is not a Param (e.g. RNG counters) is kept as
-it was created and never trained.
+it was created and never trained; a model that changes it in training (dropout drawing,
+BatchNorm's statistics) is refused in one line, as are integer or boolean parameters and
+a loss_fn that returns anything but a scalar.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import importlib
 import inspect
 from typing import Any, Callable
 
+import flax
 import jax
 from flax import nnx
 
@@ -94,6 +97,27 @@ def _is_linen(model) -> bool:
   return isinstance(model, nn.Module)
 
 
+def _checked_loss(value):
+  """The user's loss_fn result, which must be one scalar (the engine differentiates it)."""
+  if isinstance(value, (tuple, list, dict)):
+    raise ConfigError(f"loss_fn returned a {type(value).__name__}; it returns the scalar "
+                      "mean loss alone (compute auxiliary outputs outside it)")
+  if jax.numpy.shape(value) != ():
+    raise ConfigError(f"loss_fn returned an array of shape {jax.numpy.shape(value)}; it "
+                      "returns the scalar mean loss (e.g. jnp.mean of the per-example losses)")
+  return value
+
+
+def _specs(shapes, names, rules, shard_size, min_size):
+  """rules_lib.specs of a model's parameters, all of which must be floating point."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating):
+      raise ConfigError(f"parameter {jax.tree_util.keystr(path)} is {leaf.dtype}: jaxzero "
+                        "trains floating-point parameters (fp32 masters); keep integer and "
+                        "boolean values out of the parameters")
+  return rules_lib.specs(shapes, names, rules, shard_size, min_size)
+
+
 # ----------------------------------------------------------------------------- Flax NNX
 
 
@@ -116,15 +140,28 @@ def _nnx(model, loss_fn, shard_size, rules, min_size, remat_block) -> Model:
                         nnx.to_pure_dict(abstract_params))
   rest = (nnx.split(instance, nnx.Param, ...)[2] if instance is not None else
           jax.jit(lambda: nnx.split(make(jax.random.key(0)), nnx.Param, ...)[2])())
+  statistics = [v for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
+                if isinstance(v, nnx.BatchStat)]
+  if statistics:
+    raise ConfigError(f"model {type(abstract).__name__} keeps running statistics "
+                      "(nnx.BatchStat, e.g. BatchNorm) besides its parameters; jaxzero trains "
+                      "parameters only (e.g. use LayerNorm, not BatchNorm)")
 
   def init(key):
     return nnx.to_pure_dict(nnx.split(make(key), nnx.Param, ...)[1])
 
   def loss(params, batch, hooks: Hooks):
     with _remat(remat_block, hooks):
-      return loss_fn(nnx.merge(graphdef, params, rest), batch)
+      try:
+        return _checked_loss(loss_fn(nnx.merge(graphdef, params, rest), batch))
+      except flax.errors.TraceContextError as e:  # its RNG counter or statistics changed
+        raise ConfigError(
+            f"model {type(abstract).__name__} changes its own state in training (a Dropout "
+            "or other nnx.Rngs draw, or a running statistic): jaxzero trains the parameters "
+            "of a model of one's own, so build it with dropout off (deterministic=True or "
+            "rate 0); a model that needs dropout is a jaxzero Model with keyed_rows") from e
 
-  return Model(rules_lib.specs(shapes, names, rules, shard_size, min_size), init, loss)
+  return Model(_specs(shapes, names, rules, shard_size, min_size), init, loss)
 
 
 def _nnx_names(variable) -> tuple | None:
@@ -177,9 +214,10 @@ def _linen(module, init_args, loss_fn, shard_size, rules, min_size, remat_block)
 
   def loss(params, batch, hooks: Hooks):
     del hooks
-    return loss_fn(lambda *a, **k: module.apply({"params": params}, *a, **k), batch)
+    return _checked_loss(loss_fn(lambda *a, **k: module.apply({"params": params}, *a, **k),
+                                 batch))
 
-  return Model(rules_lib.specs(shapes, names, rules, shard_size, min_size), init, loss)
+  return Model(_specs(shapes, names, rules, shard_size, min_size), init, loss)
 
 
 # ----------------------------------------------------------------------------- functions
@@ -193,9 +231,9 @@ def _functions(init_fn, apply_fn, loss_fn, shard_size, rules, min_size, remat_bl
 
   def loss(params, batch, hooks: Hooks):
     del hooks
-    return loss_fn(lambda *a, **k: apply_fn(params, *a, **k), batch)
+    return _checked_loss(loss_fn(lambda *a, **k: apply_fn(params, *a, **k), batch))
 
-  return Model(rules_lib.specs(shapes, None, rules, shard_size, min_size), init_fn, loss)
+  return Model(_specs(shapes, None, rules, shard_size, min_size), init_fn, loss)
 
 
 def model_for(cfg: Config, shard_size: int) -> Model:

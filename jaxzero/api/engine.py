@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -100,6 +101,7 @@ class Engine:
                min_shard_size: int | None = None, init_args: tuple = (), seed: int = 0,
                workdir: str | pathlib.Path | None = None, force: bool = False):
     mesh = mesh if mesh is not None else globals()["mesh"]()
+    _check_kinds(optimizer, zero, mesh)
     remat = remat if isinstance(remat, Remat) else Remat(remat)
     precision = precision if isinstance(precision, Precision) else Precision(compute=precision)
     offload = Offload(offload) if isinstance(offload, str) else offload or Offload()
@@ -187,6 +189,9 @@ class Engine:
   def init(self, rng: jax.Array | None = None):
     """Step 0, drawn straight into its shards (`rng`: a jax.random key)."""
     self._check_open()
+    if rng is not None and not _is_key(rng):
+      raise UserError(f"init(rng={rng!r}): give a jax.random.key(seed), or nothing for the "
+                      "engine's seed")
     return self.runner.init(key=rng)
 
   def _micro_batches(self, batch: Any) -> Any:
@@ -194,17 +199,28 @@ class Engine:
     a = self.cfg.train.grad_accum
 
     def split(x):
+      if jnp.ndim(x) == 0:
+        raise ConfigError(f"a batch leaf is a scalar ({x!r}): every leaf of a batch has its "
+                          "rows on its leading axis")
       if x.shape[0] % (a * self.layout.data_parallel_size):
         raise ConfigError(f"a batch of {x.shape[0]} rows does not split into grad_accum={a} "
                           f"micro-batches over {self.layout.data_parallel_size} devices")
       x = x.reshape(a, x.shape[0] // a, *x.shape[1:])
       return jax.device_put(x, NamedSharding(self.mesh, P(None, mesh_lib.AXES)))
 
+    rows = {jnp.shape(x)[0] for x in jax.tree.leaves(batch) if jnp.ndim(x)}
+    if len(rows) > 1:
+      raise ConfigError(f"the batch's leaves have {sorted(rows)} rows: every leaf of a batch "
+                        "has the same rows on its leading axis")
     return jax.tree.map(split, batch)
 
   def step(self, state, batch) -> tuple[Any, dict]:
-    """One optimizer step on `batch` (any pytree whose leading axis is the batch)."""
+    """One optimizer step on `batch` (any pytree whose leading axis is the batch). `state`
+    is consumed (its buffers are reused): train on with the state returned."""
     self._check_open()
+    if state is None:
+      raise UserError("step(state=None, ...): pass the state init() or restore() returned, "
+                      "then each step's")
     return self.runner.step(state, self._micro_batches(batch))
 
   def save(self, state, path: str | pathlib.Path) -> pathlib.Path:
@@ -293,3 +309,25 @@ class Engine:
       compiled = self.runner.lower(self.program.abstract_state(), shapes).compile()
       plan["total_bytes"] = planner.xla_total_bytes(compiled.memory_analysis())
     return plan
+
+
+def _check_kinds(optimizer, zero, mesh) -> None:
+  """One line for an argument of the wrong kind, before anything is built."""
+  if not (callable(getattr(optimizer, "init", None)) and
+          callable(getattr(optimizer, "update", None))):
+    raise ConfigError(f"optimizer={optimizer!r} is not an optax optimizer: give one made, e.g. "
+                      "optax.adamw(3e-4), not the function optax.adamw")
+  if not isinstance(zero, Zero):
+    raise ConfigError(f"zero={zero!r}: give jaxzero.Zero(stage=...)")
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise ConfigError(f"mesh={mesh!r}: give jaxzero.mesh(fsdp=..., ...) or a jax.sharding.Mesh")
+
+
+def _is_key(rng) -> bool:
+  """A typed jax.random.key, or a raw jax.random.PRNGKey (uint32 [2])."""
+  dtype = getattr(rng, "dtype", None)
+  if dtype is None:
+    return False
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return True
+  return dtype == jnp.uint32 and tuple(jnp.shape(rng)) == (2,)

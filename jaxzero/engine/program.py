@@ -156,8 +156,10 @@ class TrainProgram:
     frozen_key, master_key = jax.random.split(key)
 
     def derive(master, frozen):
-      # Offloaded (pinned_host) master weights are used on the device, as in the step.
-      master = jax.device_put(master, on_device(sh.master))
+      # Offloaded (pinned_host) master weights are used on the device, as in the step;
+      # fp32 whatever a model's init drew them in (a bf16 init of one's own).
+      master = jax.tree.map(lambda w: w.astype(jnp.float32),
+                            jax.device_put(master, on_device(sh.master)))
       params = jax.tree.map(lambda w: w.astype(compute), master)
       if model.frozen_specs is not None:
         frozen = model.frozen_init(frozen_key) if frozen is None else frozen

@@ -381,13 +381,90 @@ def test_an_offloaded_engine_refuses_a_state_a_later_init_replaced(offload, tmp_
      "Precision(matmul='fp8') sets the built-in models' projections"),
     (dict(mesh=jaxzero.mesh(fsdp=4, context=2, devices=jax.devices()[:8])),
      "a mesh with context=2 splits the sequence of a model that shards its activations "
-     "through the engine's hooks")])
+     "through the engine's hooks"),
+    (dict(optimizer=optax.adamw), "is not an optax optimizer: give one made, e.g. "
+     "optax.adamw(3e-4), not the function optax.adamw"),
+    (dict(optimizer=None), "optimizer=None is not an optax optimizer"),
+    (dict(zero=3), "zero=3: give jaxzero.Zero(stage=...)"),
+    (dict(mesh=8), "mesh=8: give jaxzero.mesh(fsdp=..., ...) or a jax.sharding.Mesh"),
+    (dict(model=(lambda k: {"w": jnp.ones(3), "n": jnp.arange(3)}, lambda p, x: x)),
+     "parameter ['n'] is int32: jaxzero trains floating-point parameters")])
 def test_bad_engine_arguments_are_one_line_before_anything_is_built(option, message):
   """As jaxzero.train refuses them in its config (grad_accum=0 was a ZeroDivisionError at
-  the first step; a negative clip_norm or min_shard_size passed silently)."""
-  option = {"mesh": jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]), **option}
+  the first step; a negative clip_norm or min_shard_size passed silently; an integer
+  parameter was trained as a float; optimizer=None trained with the config's AdamW)."""
+  option = {"mesh": jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]),
+            "optimizer": optax.sgd(0.1), "model": (mlp_init, mlp_apply), **option}
   with pytest.raises(ConfigError, match=re.escape(message)):
-    jaxzero.Engine((mlp_init, mlp_apply), optimizer=optax.sgd(0.1), loss_fn=mlp_loss, **option)
+    jaxzero.Engine(option.pop("model"), loss_fn=mlp_loss, **option)
+
+
+@pytest.mark.parametrize("loss_fn, message", [
+    (lambda apply, b: (mlp_loss(apply, b), 0.0), "loss_fn returned a tuple; it returns the "
+     "scalar mean loss alone"),
+    (lambda apply, b: (apply(b["x"]) - b["y"]) ** 2, "loss_fn returned an array of shape "
+     "(16, 8); it returns the scalar mean loss")])
+def test_a_loss_that_is_not_one_scalar_is_one_line(loss_fn, message):
+  e = jaxzero.Engine((mlp_init, mlp_apply), optimizer=optax.sgd(0.1), loss_fn=loss_fn,
+                     mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]))
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    e.step(e.init(jax.random.key(0)), mlp_batches()[0])
+
+
+def test_misused_calls_are_one_line():
+  e = jaxzero.Engine((mlp_init, mlp_apply), optimizer=optax.sgd(0.1), loss_fn=mlp_loss,
+                     mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]))
+  with pytest.raises(UserError, match=re.escape("init(rng=0): give a jax.random.key(seed)")):
+    e.init(0)
+  batch = mlp_batches()[0]
+  with pytest.raises(UserError, match=re.escape("step(state=None, ...): pass the state")):
+    e.step(None, batch)
+  state = e.init(jax.random.PRNGKey(0))  # a raw key too
+  with pytest.raises(ConfigError, match="a batch leaf is a scalar"):
+    e.step(state, {**batch, "w": 1.0})
+  with pytest.raises(ConfigError, match=re.escape("the batch's leaves have [8, 16] rows")):
+    e.step(state, {**batch, "y": batch["y"][:8]})
+
+
+def test_a_bfloat16_init_trains_fp32_masters():
+  """A model of one's own that draws its parameters in bf16 gets fp32 masters, and
+  trains as its fp32 cast does (the step failed: the state was declared fp32)."""
+  half = lambda key: jax.tree.map(lambda w: w.astype(jnp.bfloat16), mlp_init(key))
+  mesh = jaxzero.mesh(fsdp=8, devices=jax.devices()[:8])
+  states = []
+  for init in (half, lambda key: jax.tree.map(lambda w: w.astype(jnp.float32), half(key))):
+    e = jaxzero.Engine((init, mlp_apply), optimizer=optax.adam(1e-3), loss_fn=mlp_loss,
+                       mesh=mesh)
+    state = e.init(jax.random.key(0))
+    assert {w.dtype for w in jax.tree.leaves(state.master)} == {jnp.dtype(jnp.float32)}
+    state, _ = e.step(state, mlp_batches()[0])
+    states.append(jax.device_get(state.master))
+  chex.assert_trees_all_equal(*states)
+
+
+def test_an_nnx_model_that_changes_its_own_state_is_one_line():
+  class Dropped(nnx.Module):
+    def __init__(self, rngs):
+      self.linear, self.drop = nnx.Linear(16, 8, rngs=rngs), nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.drop(self.linear(x))
+
+  class Normed(nnx.Module):
+    def __init__(self, rngs):
+      self.linear, self.norm = nnx.Linear(16, 8, rngs=rngs), nnx.BatchNorm(8, rngs=rngs)
+
+    def __call__(self, x):
+      return self.norm(self.linear(x))
+
+  loss = lambda model, b: jnp.mean((model(b["x"]) - b["y"]) ** 2)
+  mesh = jaxzero.mesh(fsdp=8, devices=jax.devices()[:8])
+  with pytest.raises(ConfigError, match=re.escape("model Normed keeps running statistics")):
+    jaxzero.Engine(Normed, optimizer=optax.sgd(0.1), loss_fn=loss, mesh=mesh)
+  e = jaxzero.Engine(Dropped, optimizer=optax.sgd(0.1), loss_fn=loss, mesh=mesh)
+  with pytest.raises(ConfigError, match=re.escape(
+      "model Dropped changes its own state in training (a Dropout or other nnx.Rngs draw")):
+    e.step(e.init(jax.random.key(0)), mlp_batches()[0])
 
 
 def test_restore_only_reads_and_names_the_steps_there_are(tmp_path):
