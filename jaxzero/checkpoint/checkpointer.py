@@ -17,6 +17,7 @@ import shutil
 from typing import Any
 
 import jax
+import optax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import multihost
 
@@ -134,7 +135,15 @@ class Checkpointer(CheckpointDirectory):
     where = self.step_dir(step)
     info = self.info(step)
     hint = _model_difference(info.get("model", {}), self._info["model"])
-    saved, wanted = self.leaf_shapes(step), tree_leaf_shapes(target)
+    saved = self.leaf_shapes(step)
+    clip = None if into is not None or self.side_saved(step) else \
+        _clip_change(saved, tree_leaf_shapes(target))
+    if clip is not None:
+      log.warning("checkpoint %s was saved %s gradient clipping: its optimizer state restores, "
+                  "and steps clip as train.clip_norm says from here on", where,
+                  "with" if clip == "saved" else "without")
+      target = _as_saved(target, clip)
+    wanted = tree_leaf_shapes(target)
     stored = dict(saved)  # as stored: padded where the saving mesh padded
     saved.update({n: tuple(s) for n, s in info.get(TRUE_SHAPES, {}).items()})
     repadded = {n for n, s in wanted.items() if n in stored and stored[n] != s}
@@ -176,7 +185,7 @@ class Checkpointer(CheckpointDirectory):
     recorded = self.recorded_checksums(step, item)
     _raise_if_damaged(where, *integrity.mismatches(restored, recorded, true_shapes))
     if into is None:
-      return restored
+      return _as_wanted(restored, clip)
     try:  # its leaves: from the side item, or from an in-memory run's `state`
       differ = into.fill(recorded, item, lambda kind: saved_array(where / STATE, kind))
     except read_errors.ReadError as e:  # this process's part of them
@@ -256,6 +265,43 @@ def check_same_lora_scale(saved: dict | None, wanted: dict | None, where: pathli
     raise CheckpointError(f"checkpoint {where} was trained with lora.alpha={saved['alpha']:g}, "
                           f"this config has lora.alpha={wanted['alpha']:g}: the adapters would "
                           f"be scaled otherwise; set lora.alpha={saved['alpha']:g}")
+
+
+# The optimizer's state under global-norm clipping, optax.chain(clip, inner): the clip's
+# EmptyState (no leaves), then the inner state, whose leaves move one level down.
+_CLIPPED = "opt_state/1/"
+
+
+def _clip_change(saved: dict, wanted: dict) -> str | None:
+  """"saved" where only the checkpoint's optimizer state is a clipped chain's, "wanted"
+  where only the target's is (train.clip_norm changed on resume, which DeepSpeed and
+  torch allow: clipping keeps no state); else None."""
+  opt = lambda names: {n[len("opt_state/"):] for n in names if n.startswith("opt_state/")}
+  clipped = lambda names: {_CLIPPED + n for n in opt(names)}
+  saved_opt = {n for n in saved if n.startswith("opt_state/")}
+  wanted_opt = {n for n in wanted if n.startswith("opt_state/")}
+  if saved_opt and saved_opt != wanted_opt:
+    if saved_opt == clipped(wanted):
+      return "saved"
+    if wanted_opt == clipped(saved):
+      return "wanted"
+  return None
+
+
+def _as_saved(target, clip: str):
+  """`target` with its optimizer state nested as the checkpoint's (see _clip_change)."""
+  if clip == "saved":
+    return target._replace(opt_state=(optax.EmptyState(), target.opt_state))
+  return target._replace(opt_state=target.opt_state[1])
+
+
+def _as_wanted(restored, clip: str | None):
+  """A state restored by _as_saved's target, nested as the one asked for."""
+  if clip == "saved":
+    return restored._replace(opt_state=restored.opt_state[1])
+  if clip == "wanted":
+    return restored._replace(opt_state=(optax.EmptyState(), restored.opt_state))
+  return restored
 
 
 def _without(tree, names) -> Any:

@@ -694,3 +694,24 @@ def test_a_state_that_cannot_fit_is_one_line_before_anything_is_allocated(monkey
     jaxzero.Engine(model, optimizer=optax.adam(1e-3), loss_fn=loss, mesh=mesh)
   engine = jaxzero.Engine(model, optimizer=optax.adam(1e-3), loss_fn=loss, mesh=mesh, force=True)
   assert engine.plan()["state_bytes"] == pytest.approx(400e9, rel=1e-6)
+
+
+def test_a_checkpoint_restores_with_clipping_turned_on_or_off(tmp_path):
+  """Global-norm clipping keeps no state (as in DeepSpeed and torch, gradient_clipping may
+  change on resume): a state saved with clip_norm=1 restores under 0 and back, every
+  optimizer leaf as saved."""
+  mesh = jaxzero.mesh(fsdp=8, devices=jax.devices()[:8])
+  make = lambda clip: jaxzero.Engine((mlp_init, mlp_apply), optimizer=optax.adam(1e-2),
+                                     loss_fn=mlp_loss, mesh=mesh, clip_norm=clip)
+  clipped, plain = make(1.0), make(0.0)
+  state, _ = clipped.step(clipped.init(jax.random.key(0)), mlp_batches()[0])
+  saved = jax.device_get(state)
+  clipped.save(state, tmp_path / "a")
+  restored = plain.restore(tmp_path / "a")
+  chex.assert_trees_all_equal(jax.device_get(restored.opt_state), saved.opt_state[1])
+  chex.assert_trees_all_equal(jax.device_get(restored.master), saved.master)
+  state, _ = plain.step(restored, mlp_batches()[1])
+  plain.save(state, tmp_path / "b")
+  back = clipped.restore(tmp_path / "b")
+  chex.assert_trees_all_equal(jax.device_get(back.opt_state[1]),
+                              jax.device_get(state.opt_state))
