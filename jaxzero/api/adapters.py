@@ -180,8 +180,12 @@ def _remat(block: tuple | None, hooks: Hooks):
     yield
     return
   block, policy = block
+  checkpoint_policy = remat.block_policy(policy)
+  if checkpoint_policy is None:  # remat "none": the block as it is
+    yield
+    return
   original = block.__call__
-  block.__call__ = nnx.remat(original, policy=remat.checkpoint_policy(policy), prevent_cse=False)
+  block.__call__ = nnx.remat(original, policy=checkpoint_policy)
   try:
     yield
   finally:

@@ -27,6 +27,7 @@ from jaxzero import config as config_lib
 from jaxzero import engine as engine_lib
 from jaxzero.api import adapters
 from jaxzero.checkpoint import checkpointer
+from jaxzero.engine import remat as remat_lib
 from jaxzero.engine import state_bytes
 from jaxzero.errors import CheckpointError, ConfigError, UserError
 from jaxzero.models.interface import is_spec
@@ -107,6 +108,11 @@ class Engine:
     offload = Offload(offload) if isinstance(offload, str) else offload or Offload()
     if remat.block is not None and not isinstance(remat.block, type):
       raise ConfigError(f"Remat(block={remat.block!r}) must be a Flax NNX module class")
+    if remat.block is not None:
+      try:
+        remat_lib.block_policy(remat.policy)
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
     if min_shard_size is not None:  # the config's, so that what reports it names it
       zero = dataclasses.replace(zero, min_shard_size=min_shard_size)
     base = config_lib.base()

@@ -53,3 +53,27 @@ def remat_wrapper(policy: str) -> Callable[[Callable], Callable]:
     raise ValueError(f"remat.policy={policy!r} is unknown; choose one of: "
                      + ", ".join(POLICY_NAMES))
   return functools.partial(jax.checkpoint, policy=_POLICIES[policy](), prevent_cse=False)
+
+
+# A block of one's own (jaxzero.Engine's Remat(block=...)) names none of its activations,
+# so the names above would keep nothing: its policies keep what JAX can tell apart without
+# names, the outputs of its dots that have no batch dimension (its projections, not
+# attention's batched products). "none" leaves the block as it is.
+_BLOCK_POLICIES: dict[str, Callable[[], object]] = {
+    "full": lambda: jax.checkpoint_policies.nothing_saveable,
+    "save_matmuls": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload_matmuls": lambda: jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        "device", "pinned_host"),
+}
+
+
+def block_policy(policy: str):
+  """The jax.checkpoint policy for an unnamed block of one's own; None for "none" (no
+  checkpoint). ValueError for a policy that needs the built-in models' names."""
+  if policy == "none":
+    return None
+  if policy not in _BLOCK_POLICIES:
+    raise ValueError(f"remat.policy={policy!r} keeps activations by the names the built-in "
+                     "models give them, which a block of one's own lacks; for a block choose "
+                     "one of: none, " + ", ".join(_BLOCK_POLICIES))
+  return _BLOCK_POLICIES[policy]()

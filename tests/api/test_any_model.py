@@ -310,6 +310,49 @@ def test_remat_of_the_models_own_block_class_changes_no_loss():
   assert jaxpr.count("remat2[") == 2  # one per Block call: the blocks are recomputed
 
 
+class MLPBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.up, self.down = nnx.Linear(16, 64, rngs=rngs), nnx.Linear(64, 16, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.down(jnp.tanh(self.up(x)))
+
+
+class BlockNet(nnx.Module):
+  def __init__(self, rngs):
+    self.blocks = nnx.List([MLPBlock(rngs) for _ in range(2)])
+    self.head = nnx.Linear(16, 8, rngs=rngs)
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x)
+
+
+def test_each_remat_policy_of_a_block_of_ones_own_keeps_what_it_says():
+  """A block of one's own names no activations: "none" leaves it as it is, "save_matmuls"
+  keeps its projections' outputs (the backward recomputes the tanh only) and "full"
+  recomputes it all (both projections' dots again); "save_attention" needs names."""
+  loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+  mesh = jaxzero.mesh(fsdp=8, devices=jax.devices()[:8])
+  found = {}
+  for policy in ("none", "save_matmuls", "full"):
+    e = jaxzero.Engine(BlockNet, optimizer=optax.sgd(0.1), loss_fn=loss, mesh=mesh,
+                       remat=jaxzero.Remat(policy, block=MLPBlock))
+    batch = e._micro_batches(mlp_batches()[0])  # pylint: disable=protected-access
+    jaxpr = str(e.program.train_step.trace(e.program.abstract_state(), batch).jaxpr)
+    found[policy] = (jaxpr.count("remat2["), jaxpr.count("tanh"), jaxpr.count("dot_general"))
+  assert found["none"] == (0, 2, 14)
+  assert found["save_matmuls"] == (2, 4, 14)  # the tanh again, no dot again
+  assert found["full"] == (2, 4, 16)  # and the up projection's dot (down's input is saved)
+  with pytest.raises(ConfigError, match=re.escape(
+      "remat.policy='save_attention' keeps activations by the names the built-in models give "
+      "them, which a block of one's own lacks; for a block choose one of: none, full, "
+      "save_matmuls, offload_matmuls")):
+    jaxzero.Engine(BlockNet, optimizer=optax.sgd(0.1), loss_fn=loss, mesh=mesh,
+                   remat=jaxzero.Remat("save_attention", block=MLPBlock))
+
+
 def test_the_nvme_tiers_files_go_when_the_engine_is_closed_left_or_collected(tmp_path):
   """As jaxzero.train deletes them at its end: an engine's store (the optimizer state's
   size) is deleted by close(), at the end of a with block, or when the engine is gone."""
