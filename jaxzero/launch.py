@@ -5,7 +5,8 @@ with K virtual CPU devices, joined by ``jax.distributed`` over loopback and
 talking through gloo. Bad training arguments are refused in one line before any
 process starts. Output lines carry the process rank. When one process
 fails the launcher stops the others and exits with that process's error, so
-nothing waits on a dead peer; Ctrl-C is forwarded to every process.
+nothing waits on a dead peer; Ctrl-C and SIGTERM are forwarded to every process, and a
+hangup (unless ignored, as under nohup) reaches them as SIGTERM: each saves and exits.
 """
 
 from __future__ import annotations
@@ -125,9 +126,10 @@ class Launch:
   def run(self) -> int:
     coordinator = f"127.0.0.1:{free_port()}"
     # SIGHUP too: a closed terminal or a dropped ssh would leave the processes (each in
-    # its own session) running on without the launcher.
+    # its own session) running on without the launcher; unless it is ignored (nohup).
+    hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
     previous = {sig: signal.signal(sig, self._forward)
-                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+                for sig in (signal.SIGINT, signal.SIGTERM, *hangup)}
     try:
       try:
         for rank in range(self.nproc):
@@ -176,7 +178,9 @@ class Launch:
     if self.interrupted is not None:
       self._signal_all(signal.SIGKILL)
     self.interrupted = signum
-    self._signal_all(signum)
+    # A hangup reaches them as SIGTERM, which they answer as a preemption: a checkpoint of
+    # the step they are at, then exit.
+    self._signal_all(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
   def _signal_all(self, signum) -> None:
     for proc in self.procs:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxzero import config
+from jaxzero.checkpoint.reader import latest_step
 from jaxzero.training import loop
 
 import damage
@@ -219,8 +220,8 @@ def test_a_killed_process_ends_the_launch_within_60s(tmp_path, launch_env):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_hangup_of_the_launcher_stops_its_processes(tmp_path, launch_env):
-  """A closed terminal or a dropped ssh (SIGHUP) reaches every process, as Ctrl-C does:
-  none runs on without the launcher."""
+  """A closed terminal or a dropped ssh (SIGHUP) reaches every process as SIGTERM, a
+  preemption: they save the step they are at, and none runs on without the launcher."""
   err = tmp_path / "err.txt"
   with open(err, "w") as err_file:
     launcher = subprocess.Popen(
@@ -229,6 +230,7 @@ def test_a_hangup_of_the_launcher_stops_its_processes(tmp_path, launch_env):
   try:
     pids = wait_for(lambda: re.search(r"process 0 \(pid (\d+)\), process 1 \(pid (\d+)\)",
                                       err.read_text()), launcher)
+    wait_for(lambda: (tmp_path / "w" / "metrics.jsonl").exists(), launcher)  # mid-run
     os.kill(launcher.pid, signal.SIGHUP)
     code = launcher.wait(timeout=90)
   finally:
@@ -237,6 +239,7 @@ def test_a_hangup_of_the_launcher_stops_its_processes(tmp_path, launch_env):
   assert code == 128 + signal.SIGHUP, err.read_text()
   assert "interrupted by SIGHUP; stopped all processes" in err.read_text()
   assert not any(pathlib.Path(f"/proc/{pid}").exists() for pid in pids.groups())
+  assert latest_step(tmp_path / "w") is not None, err.read_text()  # saved as it stopped
 
 
 def wait_for(condition, launcher, timeout_s=300):
