@@ -132,7 +132,7 @@ def micro_steps(cfg: Config, layout: Layout, state_sh, model: Model) -> GradSum:
     frozen = weights_for_compute(layout, frozen, state_sh.frozen, key)
     bound = functools.partial(loss, frozen=frozen)
     micro = groups.per_group(per_layer_grads(bound, model, place) if per_layer
-                             else whole_grads(bound), per_layer)
+                             else whole_grads(bound), per_layer, model.batch_weight)
     zeros = jax.lax.with_sharding_constraint(jax.tree.map(
         lambda p: jnp.zeros(groups.sum_shape(p), grad_dtype), params), sum_sh)
     (loss_sum, grad_sum), _ = jax.lax.scan(

@@ -16,6 +16,7 @@ import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -75,13 +76,18 @@ class Groups:
   def sum_shape(self, leaf) -> tuple[int, ...]:
     return (self.count, *leaf.shape) if self.axes else tuple(leaf.shape)
 
-  def per_group(self, micro: Callable, per_layer: bool) -> Callable:
+  def per_group(self, micro: Callable, per_layer: bool,
+                batch_weight: Callable | None = None) -> Callable:
     """`micro` (params, batch, layers_sum, scale) -> (loss, grads, layers_sum) run once
-    per group on its rows, each group's sums a row of the stacked ones; the loss is
-    the groups' mean (equal rows per group: the mean of means is the mean)."""
+    per group on its rows, each group's sums a row of the stacked ones. Each group's loss
+    is the mean over its own targets; weighed by its share of the batch's targets
+    (`batch_weight`, Model.batch_weight: a loss mask gives groups unequal counts), its
+    loss and, through the scale it is differentiated with, its gradient add up to the
+    whole batch's, as on one device. Without `batch_weight` the groups weigh alike."""
     if not self.axes:
       return micro
-    grouped = jax.vmap(micro, in_axes=(None, 0, 0 if per_layer else None, None),
+    weighed = batch_weight is not None
+    grouped = jax.vmap(micro, in_axes=(None, 0, 0 if per_layer else None, 0 if weighed else None),
                        spmd_axis_name=self.axes)
     rows = tuple(a for a in AXES if a not in self.axes) or None
 
@@ -89,8 +95,16 @@ class Groups:
       split = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
           x.reshape(self.count, -1, *x.shape[1:]),
           self.sharding(P(rows, *[None] * (x.ndim - 1)))), batch)
-      losses, grads, layers_sum = grouped(params, split, layers_sum, scale)
-      return losses.mean(), grads, layers_sum
+      if not weighed:
+        losses, grads, layers_sum = grouped(params, split, layers_sum, scale)
+        return losses.mean(), grads, layers_sum
+      counts = jax.vmap(batch_weight)(split)
+      total = counts.sum()
+      # (Groups' shares, times their number: the reduce takes the groups' mean.)
+      share = jnp.where(total > 0, counts * self.count / jnp.where(total > 0, total, 1.0), 1.0)
+      losses, grads, layers_sum = grouped(params, split, layers_sum,
+                                          share if scale is None else scale * share)
+      return (losses * share).mean(), grads, layers_sum
     return run
 
   def reduce(self, grad_sum: Any, shardings: Any, reduce_dtype) -> Any:

@@ -102,6 +102,10 @@ class Model:
     keyed_rows: the loss draws randomness (e.g. dropout): in training the engine passes
       it a :class:`KeyedBatch`, the batch with a key per row; evaluation passes the
       batch alone (no randomness, as in PyTorch's eval mode).
+    batch_weight: batch -> its weight in the mean loss of a batch it is part of (its
+      targets' count, where a loss mask makes rows count unequally); None: its rows.
+      Where the engine takes a batch's loss as parts (the device groups of stages 0-1),
+      it weighs each part's by this, so that the loss is the one of the whole batch.
   """
   specs: Any
   init: Callable[[Array], Any]
@@ -111,6 +115,7 @@ class Model:
   frozen_specs: Any = None
   frozen_init: Callable[[Array], Any] | None = None
   keyed_rows: bool = False
+  batch_weight: Callable[[Any], Array] | None = None
 
 
 class KeyedBatch(NamedTuple):

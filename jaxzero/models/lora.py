@@ -199,7 +199,8 @@ def lora_llama(cfg: LlamaConfig, rank: int, alpha: float, targets: tuple[str, ..
 
   return Model(specs=specs, init=lambda key: init_adapters(specs, key), loss=loss,
                decay=lambda path: True, layers_key="layers",
-               frozen_specs=frozen_specs, frozen_init=frozen_init, keyed_rows=dropout > 0)
+               frozen_specs=frozen_specs, frozen_init=frozen_init, keyed_rows=dropout > 0,
+               batch_weight=trainable.target_count)
 
 
 def head_low_rank(params: dict, x_BxTxD, gather, scale: float, top_axes: dict,

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxzero.models.interface import Hooks, Model
+from jaxzero.models.interface import Hooks, KeyedBatch, Model
 from jaxzero.models import fp8
 from jaxzero.models.llama import (Llama, LlamaConfig, decoder_forward, param_specs,
                                   segment_positions)
@@ -49,6 +49,17 @@ def unpack_batch(batch) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     weights = same if weights is None else weights * same
     segment_ids = segment_ids[:, :-1]
   return batch["tokens"], segment_ids, weights
+
+
+def target_count(batch) -> jax.Array:
+  """The targets a batch's mean loss is over (Model.batch_weight): its weighted
+  positions, or all of them without a loss mask or segments."""
+  if isinstance(batch, KeyedBatch):
+    batch = batch.batch
+  tokens, _, weights = unpack_batch(batch)
+  if weights is None:
+    return jnp.float32(tokens.shape[0] * (tokens.shape[1] - 1))
+  return jnp.sum(weights.astype(jnp.float32))
 
 
 class Sequences(NamedTuple):
@@ -96,4 +107,5 @@ def llama(cfg: LlamaConfig, matmul: str = "default") -> Model:
 
   # No weight decay on norm gains or on Qwen2's q/k/v biases (as transformers' Trainer).
   decay = lambda path: "norm" not in path and not re.search(r"\['b[qkv]_", path)
-  return Model(specs=param_specs(cfg), init=init, loss=loss, decay=decay, layers_key="layers")
+  return Model(specs=param_specs(cfg), init=init, loss=loss, decay=decay, layers_key="layers",
+               batch_weight=target_count)

@@ -63,3 +63,41 @@ def test_metrics_have_the_documented_fields(tmp_path):
   for r in records:
     assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s"} <= set(r)
     assert r["tokens_per_sec"] > 0 and r["grad_norm"] > 0
+
+
+def test_a_loss_mask_that_leaves_devices_unequal_targets_trains_as_one_device():
+  """Stages 0-1 and HYBRID take the loss as one part per device group; with a loss mask
+  (SFT) the parts have unequal targets, and each is weighed by its share of them: the loss
+  and the update are the whole batch's, as on one device and at stage 3 (they weighed
+  alike, which doubled the gradient norm here)."""
+  from tiny import initial_state_and_batches, make_engine  # pylint: disable=import-outside-toplevel
+
+  def cfg(stage, replica=1, fsdp=1, accum=1):
+    c = config.base()
+    return dataclasses.replace(
+        c, model=LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                             mlp_dim=64, rope_theta=10_000.0, attention="xla"),
+        zero=config.ZeroConfig(stage=stage, grad_dtype="float32", hybrid=replica > 1),
+        mesh=config.MeshConfig(replica=replica, fsdp=fsdp),
+        train=dataclasses.replace(c.train, global_batch=8, grad_accum=accum, seq_len=8,
+                                  lr=3e-3, warmup_steps=1),
+        precision=config.PrecisionConfig(compute="float32"))
+
+  state0, tokens = initial_state_and_batches(cfg(0), 1)
+  mask = np.zeros_like(tokens[0])
+  mask[0, :4, :] = 1  # the first half of the rows: 8 targets each
+  mask[0, 4:, 1] = 1  # the second: one each
+  batch = {"tokens": tokens[0], "loss_mask": mask}
+  results = {}
+  for name, c in {"one": cfg(0), "stage0": cfg(0, fsdp=4), "stage1": cfg(1, fsdp=4),
+                  "hybrid": cfg(3, replica=2, fsdp=2), "stage3": cfg(3, fsdp=4)}.items():
+    program = make_engine(c)
+    state, metrics = program.train_step(jax.device_put(state0, program.shardings),
+                                        jax.device_put(batch, program.batch_sharding))
+    results[name] = (float(metrics["loss"]), float(metrics["grad_norm"]),
+                     jax.device_get(state.master))
+  loss, norm, master = results.pop("one")
+  for name, (got_loss, got_norm, got_master) in results.items():
+    np.testing.assert_allclose([got_loss, got_norm], [loss, norm], rtol=2e-6, err_msg=name)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 got_master, master)
