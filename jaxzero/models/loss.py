@@ -77,5 +77,8 @@ def cross_entropy(x_BxTxD: Array, head_DxV: Array, labels_BxT: Array, *, chunk: 
   if weights_BxT is None:
     return jnp.mean(nll_BxT)
   weights_BxT = weights_BxT.astype(jnp.float32)
-  # (A batch with no weighted position has loss 0, and no gradient.)
-  return jnp.sum(weights_BxT * nll_BxT) / jnp.maximum(jnp.sum(weights_BxT), 1.0)
+  # (A batch with no weighted position has loss 0, and no gradient; weights summing
+  # below 1 still give their weighted mean.)
+  total = jnp.sum(weights_BxT)
+  return jnp.where(total > 0, jnp.sum(weights_BxT * nll_BxT) / jnp.where(total > 0, total, 1.0),
+                   0.0)

@@ -173,6 +173,19 @@ def test_chunked_cross_entropy_matches_optax(chunk, C):
   assert _max_diff(got_grads, want_grads) <= TOL
 
 
+@pytest.mark.parametrize("weights", [[[1.0, 1.0, 0.0]], [[0.25, 0.25, 0.0]], [[0.5, 0.0, 0.0]],
+                                     [[0.0, 0.0, 0.0]]])
+def test_weighted_cross_entropy_is_the_weighted_mean(weights):
+  """Any weights, those summing below 1 too (they were divided by 1); none: loss 0."""
+  x, head = _normal(0, 1, 3, 16), _normal(1, 16, 13, scale=0.5)
+  labels = jnp.array([[1, 5, 7]])
+  w = jnp.asarray(weights)
+  logits = jnp.einsum("btd,dv->btv", x, head)
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  want = float((w * nll).sum() / w.sum()) if float(w.sum()) else 0.0
+  assert abs(float(cross_entropy(x, head, labels, chunk=8, weights_BxT=w)) - want) <= TOL
+
+
 def test_chunked_cross_entropy_holds_no_full_logits():
   B, T, D, V, chunk = 2, 512, 32, 4096, 512
   args = (jax.ShapeDtypeStruct((B, T, D), jnp.float32), jax.ShapeDtypeStruct((D, V), jnp.float32),
