@@ -99,6 +99,12 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
     if isinstance(q_offset, int) and q_offset % block:
       raise ValueError(f"q_offset={q_offset} is not a multiple of the {block}-position tile "
                        f"of {T} queries (a part of the sequence is whole tiles)")
+    if offset and S % block and segment_ids_BxT is None:
+      # The keys are padded to whole tiles, and a query past the keys (q_offset + t >= S)
+      # would see the padding as earlier keys: one segment for all, the padding none.
+      B = q_BxTxHxE.shape[0]
+      segment_ids_BxT = jnp.zeros((B, T), jnp.int32)
+      kv_segment_ids_BxS = jnp.zeros((B, S), jnp.int32)
     out, lse = _flash(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, segment_ids_BxT, kv_segment_ids_BxS,
                       q_offset // block if offset else 0, block, window, return_lse)
     return (out, lse) if return_lse else out
@@ -115,8 +121,13 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
     mask = visible_TxS if mask is None else mask & visible_TxS
     if return_lse:
       return _reference_with_lse(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask)
-    return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask,
+    # A query that sees no key (q_offset < 0) gets 0, as from "blockwise", not the mean of
+    # the values that jax's masked softmax gives.
+    sees = mask.any(-1)  # [T], or [B, 1, T] with segment ids
+    sees_BxTx1x1 = sees[None, :, None, None] if mask.ndim == 2 else sees[:, 0, :, None, None]
+    out = jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask,
                                        implementation=implementation)
+    return jnp.where(sees_BxTx1x1, out, jnp.zeros((), out.dtype))
   # jax's (left, right) local window counts the keys besides the query's own.
   return jax.nn.dot_product_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask=mask,
                                      is_causal=True,

@@ -86,6 +86,34 @@ def test_blockwise_matches_xla(B, T, H, K, E, block, window):
     assert _max_diff(want, attention(q, k, v, implementation="xla")) > 0.1
 
 
+@pytest.mark.parametrize("T, S, q_offset, block", [(8, 12, 16, 8), (8, 10, 8, 4), (6, 9, 6, 6),
+                                                   (8, 8, -8, 8)])
+def test_a_part_of_the_queries_attends_as_a_plain_softmax_over_the_keys_it_sees(T, S, q_offset,
+                                                                               block):
+  """Queries at q_offset among S keys, S not whole tiles (the padding was seen as earlier
+  keys past the end) and queries that see no key (0 from both kernels, not the values'
+  mean): values and gradients as a float64 softmax over the visible keys."""
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+             for shape in ((1, T, 2, 16), (1, S, 1, 16), (1, S, 1, 16)))
+
+  def reference(q, k, v):
+    visible = (q_offset + jnp.arange(T))[:, None] >= jnp.arange(S)[None, :]
+    scores = jnp.einsum("bthe,bse->bhts", q, k[:, :, 0]) / 4.0
+    weights = jnp.where(visible, jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), -1), 0.0)
+    return jnp.einsum("bhts,bse->bthe", jnp.nan_to_num(weights), v[:, :, 0])
+
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+  want = reference(q, k, v)
+  want_grads = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+  for implementation in ("xla", "blockwise"):
+    run = lambda q, k, v: attention(q, k, v, implementation=implementation, q_offset=q_offset,
+                                    block=block)
+    assert float(jnp.abs(run(q, k, v) - want).max()) <= 1e-5, implementation
+    got_grads = jax.grad(loss(run), argnums=(0, 1, 2))(q, k, v)
+    assert _max_diff(got_grads, want_grads) <= 1e-5, implementation
+
+
 def test_window_edges():
   q, k, v = _qkv(1, 16, 2, 1, 8)
   for impl in ("xla", "blockwise"):  # a window of 1: each query sees its own key only
