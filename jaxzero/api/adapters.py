@@ -140,12 +140,6 @@ def _nnx(model, loss_fn, shard_size, rules, min_size, remat_block) -> Model:
                         nnx.to_pure_dict(abstract_params))
   rest = (nnx.split(instance, nnx.Param, ...)[2] if instance is not None else
           jax.jit(lambda: nnx.split(make(jax.random.key(0)), nnx.Param, ...)[2])())
-  statistics = [v for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
-                if isinstance(v, nnx.BatchStat)]
-  if statistics:
-    raise ConfigError(f"model {type(abstract).__name__} keeps running statistics "
-                      "(nnx.BatchStat, e.g. BatchNorm) besides its parameters; jaxzero trains "
-                      "parameters only (e.g. use LayerNorm, not BatchNorm)")
 
   def init(key):
     return nnx.to_pure_dict(nnx.split(make(key), nnx.Param, ...)[1])
@@ -157,9 +151,11 @@ def _nnx(model, loss_fn, shard_size, rules, min_size, remat_block) -> Model:
       except flax.errors.TraceContextError as e:  # its RNG counter or statistics changed
         raise ConfigError(
             f"model {type(abstract).__name__} changes its own state in training (a Dropout "
-            "or other nnx.Rngs draw, or a running statistic): jaxzero trains the parameters "
-            "of a model of one's own, so build it with dropout off (deterministic=True or "
-            "rate 0); a model that needs dropout is a jaxzero Model with keyed_rows") from e
+            "or other nnx.Rngs draw, or BatchNorm's running statistics): jaxzero trains the "
+            "parameters of a model of one's own, so build it with dropout off "
+            "(deterministic=True or rate 0) and its statistics frozen "
+            "(use_running_average=True) or LayerNorm; a model that needs dropout is a "
+            "jaxzero Model with keyed_rows") from e
 
   return Model(_specs(shapes, names, rules, shard_size, min_size), init, loss)
 

@@ -84,9 +84,11 @@ class CheckpointDirectory:
     item = self.side_saved(step)
     return {**tree_leaf_shapes(tree), **(item.shapes() if item else {})}
 
-  def recorded_checksums(self, step: int, item: SavedSide | None = None) -> dict:
-    """The checksums saved with checkpoint `step` (with its side item's, `item`). Checkpoints
-    from before checksums were saved are only checked to be finite."""
+  def recorded_checksums(self, step: int, item: SavedSide | None = None,
+                         unchecked: str = "only checked to be finite") -> dict:
+    """The checksums saved with checkpoint `step` (with its side item's, `item`). A
+    checkpoint from before checksums were saved has none: a warning says what its values
+    are then (`unchecked`: a restore checks them to be finite)."""
     where = self.step_dir(step)
     recorded = {}
     if (where / CHECKSUMS).exists():
@@ -97,7 +99,7 @@ class CheckpointDirectory:
         raise read_errors.read_failure(where, e, f"its checksums ({CHECKSUMS}/)") from e
     else:
       log.warning("checkpoint %s has no checksums (saved by an older jaxzero): its values are "
-                  "only checked to be finite", where)
+                  "%s", where, unchecked)
     if item:
       saved, _ = item.recorded()
       recorded = {**recorded, "checksums": {**recorded.get("checksums", {}),

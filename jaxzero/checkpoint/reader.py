@@ -65,12 +65,13 @@ class CheckpointReader(CheckpointDirectory):
     stored padded, jaxzero.parallel.padding, comes without its padding), checked
     against the checksum saved with it."""
     name = "/".join(path)
+    self._record(step)  # (its own errors say what failed: the metadata or the checksums)
     saved = self._side_view(step, path)
     try:
       leaf = np.asarray(saved.read().result()) if saved is not None else \
           self._restore_leaf(step, path)
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(read_errors.read_error(self.step_dir(step), e, f"leaf {name}")) from e
+      raise read_errors.read_failure(self.step_dir(step), e, f"leaf {name}") from e
     checked = self._checked_shape(step, name, leaf.shape)
     self._verify(step, name, [integrity.host_checksum(leaf[_box(checked)])])
     return leaf[_box(shape)].astype(np.float32, copy=False)
@@ -114,7 +115,8 @@ class CheckpointReader(CheckpointDirectory):
           dtypes={integrity.leaf_name(p): np.dtype(leaf.dtype) for p, leaf in leaves
                   if hasattr(leaf, "dtype")},
           true_shapes=self.info(step).get(TRUE_SHAPES, {}),
-          checksums=self.recorded_checksums(step, self.side_saved(step)))
+          checksums=self.recorded_checksums(step, self.side_saved(step),
+                                            unchecked="not checked"))
     return self._records[step]
 
   def read_by_layer(self, step: int, path: Path, shape: tuple[int, ...]):

@@ -494,20 +494,30 @@ def test_an_nnx_model_that_changes_its_own_state_is_one_line():
       return self.drop(self.linear(x))
 
   class Normed(nnx.Module):
-    def __init__(self, rngs):
-      self.linear, self.norm = nnx.Linear(16, 8, rngs=rngs), nnx.BatchNorm(8, rngs=rngs)
+    def __init__(self, rngs, frozen=False):
+      self.linear = nnx.Linear(16, 8, rngs=rngs)
+      self.norm = nnx.BatchNorm(8, use_running_average=frozen, rngs=rngs)
 
     def __call__(self, x):
       return self.norm(self.linear(x))
 
   loss = lambda model, b: jnp.mean((model(b["x"]) - b["y"]) ** 2)
   mesh = jaxzero.mesh(fsdp=8, devices=jax.devices()[:8])
-  with pytest.raises(ConfigError, match=re.escape("model Normed keeps running statistics")):
-    jaxzero.Engine(Normed, optimizer=optax.sgd(0.1), loss_fn=loss, mesh=mesh)
-  e = jaxzero.Engine(Dropped, optimizer=optax.sgd(0.1), loss_fn=loss, mesh=mesh)
-  with pytest.raises(ConfigError, match=re.escape(
-      "model Dropped changes its own state in training (a Dropout or other nnx.Rngs draw")):
-    e.step(e.init(jax.random.key(0)), mlp_batches()[0])
+  for model, name in ((Dropped, "Dropped"), (Normed, "Normed")):
+    e = jaxzero.Engine(model, optimizer=optax.sgd(0.1), loss_fn=loss, mesh=mesh)
+    with pytest.raises(ConfigError, match=re.escape(
+        f"model {name} changes its own state in training (a Dropout or other nnx.Rngs draw, "
+        "or BatchNorm's running statistics)")):
+      e.step(e.init(jax.random.key(0)), mlp_batches()[0])
+  # Frozen statistics (fine-tuning a pretrained model) train.
+  e = jaxzero.Engine(lambda rngs: Normed(rngs, frozen=True), optimizer=optax.sgd(0.1),
+                     loss_fn=loss, mesh=mesh)
+  state = e.init(jax.random.key(0))
+  losses = []
+  for batch in mlp_batches()[:3]:
+    state, metrics = e.step(state, batch)
+    losses.append(float(metrics["loss"]))
+  assert losses[-1] < losses[0]
 
 
 def test_restore_only_reads_and_names_the_steps_there_are(tmp_path):

@@ -259,11 +259,26 @@ def test_an_export_checks_every_leaf_against_its_checksum(saved, tmp_path, capsy
   assert sorted(p.name for p in tmp_path.iterdir()) == ["w"]
 
 
+@pytest.mark.parametrize("flag", [[], ["--peft"]])
+def test_a_damaged_checksum_record_is_named_as_such(saved, tmp_path, capsys, flag):
+  shutil.copytree(saved, tmp_path / "w")
+  (checkpoint_dir(tmp_path / "w") / "5" / "checksums" / "metadata").write_text("{")
+  if flag:  # a LoRA run's record, so that --peft reads on
+    info_file = checkpoint_dir(tmp_path / "w") / "5" / "info" / "metadata"
+    info_file.write_text(json.dumps({**json.loads(info_file.read_text()),
+                                     "lora": {"rank": 4, "alpha": 8.0, "targets": ["q"]}}))
+  error = export_error(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "out"),
+                        *flag], capsys)
+  assert re.search(r"checkpoint \S+/checkpoints/5 is damaged: its checksums \(checksums/\) "
+                   "cannot be read", error), error
+
+
 def test_damaged_data_stops_an_export_with_one_line_or_exports_the_saved_weights(
     saved, tmp_path, capsys):
-  """Garbage in the saved data (as a bad disk leaves it) is a read error or a checksum
-  that differs, never a traceback or an export of other values (the damage may fall in
-  the optimizer's state alone, which export does not read)."""
+  """Garbage in the saved data (as a bad disk leaves it) is one line (here a read error
+  that comes first; a checksum that differs is test_an_export_checks_every_leaf...), never
+  a traceback or an export of other values (the damage may fall in the optimizer's state
+  alone, which export does not read)."""
   good = export_hf(saved, tmp_path / "good")
   want = load_file(good.out / good.files[0])
   shutil.copytree(saved, tmp_path / "w")
