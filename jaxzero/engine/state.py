@@ -12,6 +12,7 @@ A model's frozen leaves (``frozen``) have no master, moments or gradient.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +23,8 @@ from jaxzero.config import Config
 from jaxzero.engine import loss_scale
 from jaxzero.models.interface import Model, is_spec
 from jaxzero.parallel.zero import Layout
+
+log = logging.getLogger(__name__)
 
 
 class TrainState(NamedTuple):
@@ -71,6 +74,11 @@ def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformatio
   return shardings, abstract
 
 
+# An optimizer-state leaf this large placed whole is said once (Adafactor's factored rows
+# and columns of a large embedding; a state nested unlike the weights).
+_WHOLE_WARNING = 100_000
+
+
 def opt_state_shardings(opt_state: Any, master: Any, master_sh: Any, other) -> Any:
   """Each optimizer-state leaf placed as the weight it belongs to: the one whose path ends
   its own path (``mu["layers"]["wq"]`` is ``master["layers"]["wq"]``'s), where their
@@ -87,13 +95,23 @@ def opt_state_shardings(opt_state: Any, master: Any, master_sh: Any, other) -> A
     weights[tuple(path)] = (tuple(leaf.shape), sharding)
 
   def place(path, leaf):
+    if not leaf.shape:  # a count or a scale: the device's, whatever a weight is named
+      return other
     for start in range(len(path) + 1):  # the longest ending of `path` that names a weight
       shape, sharding = weights.get(tuple(path[start:]), (None, None))
       if shape is not None:
         return sharding if shape == tuple(leaf.shape) else other
     return other
 
-  return jax.tree_util.tree_map_with_path(place, opt_state)
+  placed = jax.tree_util.tree_map_with_path(place, opt_state)
+  whole = [jax.tree_util.keystr(path) for (path, leaf), sharding in zip(
+      jax.tree_util.tree_flatten_with_path(opt_state)[0], jax.tree.leaves(placed))
+           if leaf.size >= _WHOLE_WARNING and sharding is other]
+  if whole:
+    log.warning("%d optimizer-state leaves of no weight's shape stay whole on every device "
+                "(e.g. opt_state%s): the optimizer keeps statistics of its own shapes",
+                len(whole), whole[0])
+  return placed
 
 
 def frozen_abstract(model: Model, compute) -> Any:

@@ -138,11 +138,12 @@ def detect_cluster(environ) -> Peers | None:
     return Peers(None, None, _cluster_int(environ, "JOB_COMPLETION_INDEX", 0), "Kubernetes")
   for launcher, size in (("an Open MPI 5 job (mpirun without OMPI_MCA_orte_hnp_uri)",
                           "OMPI_COMM_WORLD_SIZE"), ("a torchrun job", "WORLD_SIZE")):
-    if (_cluster_int(environ, size, 1) if environ.get(size) else 1) > 1:
-      raise ConfigError(f"{size}={environ[size]}: JAX does not find the peers of "
-                        f"{launcher}; start the processes with srun, jaxzero.launch (one "
-                        f"host), or set {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and "
-                        f"{ENV_PROCESS_ID} in each ({ENV_NUM_PROCESSES}=1: one process)")
+    if (_cluster_int(environ, size, 1) if environ.get(size, "").strip() else 1) > 1:
+      raise ConfigError(f"{size}={environ[size]} says this is one of several processes, as "
+                        f"{launcher} sets it, whose peers JAX does not find: start the "
+                        f"processes with srun or jaxzero.launch (one host), or set "
+                        f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} in each; "
+                        f"if this is not a multi-process run, set {ENV_NUM_PROCESSES}=1")
   return None
 
 

@@ -50,6 +50,7 @@ def test_clusters_are_detected_and_explicit_values_win():
   assert resolve(DistributedConfig(), {**torchrun, **LAUNCHED}) == Peers("10.0.0.1:1234", 2, 1,
                                                                          EXPLICIT)
   assert resolve(DistributedConfig(), {**torchrun, "JAXZERO_NUM_PROCESSES": "1"}) is None
+  assert resolve(DistributedConfig(), {"WORLD_SIZE": " "}) is None  # blank: unset
   # mpirun inside an srun step: JAX takes the Open MPI job, and so does jaxzero.
   assert resolve(DistributedConfig(), {**SLURM, **mpi}) == Peers(None, 8, 5, "Open MPI")
 
@@ -91,11 +92,12 @@ def test_a_kubernetes_job_needs_jax_k8s_unless_it_is_one_pod(monkeypatch):
     (DistributedConfig(), {**SLURM, "SLURM_NTASKS": ""},
      "SLURM_NTASKS is empty; the cluster's launcher sets it to an integer >= 1"),
     (DistributedConfig(), {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},
-     "OMPI_COMM_WORLD_SIZE=4: JAX does not find the peers of an Open MPI 5 job (mpirun without"),
+     "OMPI_COMM_WORLD_SIZE=4 says this is one of several processes, as an Open MPI 5 job"),
     (DistributedConfig(), {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "10.0.0.1"},
-     "WORLD_SIZE=2: JAX does not find the peers of a torchrun job; start the processes with "
-     "srun, jaxzero.launch (one host), or set JAXZERO_COORDINATOR, JAXZERO_NUM_PROCESSES and "
-     "JAXZERO_PROCESS_ID in each (JAXZERO_NUM_PROCESSES=1: one process)"),
+     "WORLD_SIZE=2 says this is one of several processes, as a torchrun job sets it, whose "
+     "peers JAX does not find: start the processes with srun or jaxzero.launch (one host), or "
+     "set JAXZERO_COORDINATOR, JAXZERO_NUM_PROCESSES and JAXZERO_PROCESS_ID in each; if this "
+     "is not a multi-process run, set JAXZERO_NUM_PROCESSES=1"),
 ])
 def test_incomplete_or_bad_coordinates_are_one_clear_error(cfg, environ, message):
   with pytest.raises(ConfigError) as error:
