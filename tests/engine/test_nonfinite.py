@@ -45,8 +45,7 @@ def poison(monkeypatch):
 
 # Each mode under one stage: the guard is the same code for every stage, and the
 # stages differ in where the loss is taken (per device at stage 0, whole at 3).
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [0])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])
 def test_stop_names_the_step_and_saves_nothing_poisoned(stage, poison, tmp_path):
   # Logged every 5 steps, saved every step: a saved step is checked before it is saved.
   cfg = tiny_config(stage, "stop")
