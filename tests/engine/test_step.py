@@ -42,7 +42,8 @@ def single_device_losses(tmp_path_factory):
 
 
 @pytest.mark.parametrize("zero", [
-    pytest.param({"stage": 0}, marks=pytest.mark.slow), {"stage": 1}, {"stage": 2},
+    pytest.param({"stage": 0}, marks=pytest.mark.slow), {"stage": 1},
+    pytest.param({"stage": 2}, marks=pytest.mark.slow),
     {"stage": 3},
     pytest.param({"strategy": "HYBRID_SHARD"}, marks=pytest.mark.slow),
     pytest.param({"strategy": "HYBRID_SHARD_ZERO2"}, marks=pytest.mark.slow),
@@ -89,8 +90,9 @@ def test_a_loss_mask_that_leaves_devices_unequal_targets_trains_as_one_device():
   mask[0, 4:, 1] = 1  # the second: one each
   batch = {"tokens": tokens[0], "loss_mask": mask}
   results = {}
-  for name, c in {"one": cfg(0), "stage0": cfg(0, fsdp=4), "stage1": cfg(1, fsdp=4),
-                  "hybrid": cfg(3, replica=2, fsdp=2), "stage3": cfg(3, fsdp=4)}.items():
+  # (Stage 0 takes the loss as stage 1 does; stage 3 whole, as one device.)
+  for name, c in {"one": cfg(0), "stage1": cfg(1, fsdp=4),
+                  "hybrid": cfg(3, replica=2, fsdp=2)}.items():
     program = make_engine(c)
     state, metrics = program.train_step(jax.device_put(state0, program.shardings),
                                         jax.device_put(batch, program.batch_sharding))

@@ -99,7 +99,8 @@ def test_the_quantized_base_is_stored_as_parts_and_never_changes(nf4_one_device)
       param_specs(p.cfg.model), is_leaf=lambda x: hasattr(x, "logical_axes")))
 
 
-@pytest.mark.parametrize("base_dtype", ["nf4", pytest.param("int8", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("base_dtype", ["nf4", "int8"])
 def test_qlora_on_eight_devices_equals_one_device(nf4_one_device, base_dtype):
   if base_dtype == "nf4":
     _, want_losses, want, _ = nf4_one_device

@@ -98,16 +98,17 @@ def no_offload():
 # updates in chunks of at most 4 KiB, so that weights are cut along their unsplit
 # dimensions as well as by layer (the weights of a chunk then go into the
 # replicated compute copy in place).
-# The fast lane keeps stage 3 with the weights, the optimizer or both on the host, and the NVMe
-# tier at stages 1, 2 and with its weights on the host.
+# The fast lane keeps stage 3 with the weights and the optimizer on the host, and the NVMe
+# tier at stage 1.
 @pytest.mark.parametrize("stage,optimizer,params", [
     pytest.param(1, "pinned_host", "device", marks=pytest.mark.slow),
     pytest.param(2, "pinned_host", "device", marks=pytest.mark.slow),
     pytest.param(3, "pinned_host", "device", marks=pytest.mark.slow),
-    (3, "device", "pinned_host"), (3, "pinned_host", "pinned_host"),
-    (1, "nvme", "device"), (2, "nvme", "device"),
+    pytest.param(3, "device", "pinned_host", marks=pytest.mark.slow),
+    (3, "pinned_host", "pinned_host"), (1, "nvme", "device"),
+    pytest.param(2, "nvme", "device", marks=pytest.mark.slow),
     pytest.param(3, "nvme", "device", marks=pytest.mark.slow),
-    (3, "nvme", "pinned_host")])
+    pytest.param(3, "nvme", "pinned_host", marks=pytest.mark.slow)])
 def test_offload_trains_like_no_offload(no_offload, stage, optimizer, params, tmp_path,
                                        monkeypatch):
   if stage == 2:

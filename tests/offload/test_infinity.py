@@ -82,6 +82,7 @@ def infinity_run(tmp_path_factory, nvme_dir):
   return workdir
 
 
+@pytest.mark.slow  # its in-memory reference trains for the fast lane's budget alone
 def test_every_loss_and_the_final_weights_are_the_in_memory_run(reference, infinity_run,
                                                                  nvme_dir):
   assert_same_run(infinity_run, reference[8, 2], range(1, 11))
@@ -126,12 +127,14 @@ def test_a_resumed_run_is_the_uninterrupted_run_bit_for_bit(infinity_run, nvme_d
   assert losses(workdir) == losses(infinity_run)
 
 
+@pytest.mark.slow  # the infinity_run fixture trains
 def test_its_checkpoint_resumes_in_memory_on_another_mesh_and_stage(infinity_run, tmp_path):
   workdir = at_step(infinity_run, 5, tmp_path / "w")
   assert train(workdir, ["train.grad_accum=2", "zero.stage=1"], devices=4).start_step == 5
   assert_same_run(workdir, infinity_run, range(6, 11))
 
 
+@pytest.mark.slow  # it trains the in-memory reference
 def test_an_in_memory_checkpoint_resumes_with_everything_on_nvme(reference, nvme_dir, tmp_path):
   # On 1 device, one micro-step of 16 rows where the run had two of 8: the same mean
   # gradient, summed in another order (~1e-6 apart after 10 steps in memory too).
@@ -140,6 +143,7 @@ def test_an_in_memory_checkpoint_resumes_with_everything_on_nvme(reference, nvme
   assert_same_run(workdir, reference[8, 2], range(6, 11), rtol=3e-6)
 
 
+@pytest.mark.slow  # the infinity_run fixture trains
 def test_checksums_cover_its_checkpoint(infinity_run, nvme_dir, tmp_path):
   workdir = at_step(infinity_run, 5, tmp_path / "w")
   item = workdir / "checkpoints/5/nvme/layers.w_up_LxDxF"
@@ -195,6 +199,7 @@ def test_two_processes_train_as_in_memory(reference, tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.slow  # the infinity_run fixture trains
 def test_no_room_counts_the_gradients_and_changes_nothing(infinity_run, nvme_dir, monkeypatch,
                                                           tmp_path):
   workdir = at_step(infinity_run, 5, tmp_path / "w")

@@ -56,7 +56,8 @@ def test_attention_of_each_part_of_the_sequence_is_that_of_the_whole(implementat
 @pytest.mark.parametrize("strategy, balanced, implementation, window, packed", [
     ("all_gather", True, "blockwise", 0, True), ("all_gather", False, "xla", 6, False),
     pytest.param("ring", True, "blockwise", 0, True, marks=SLOW),
-    ("ring", True, "xla", 12, True), ("ring", False, "blockwise", 20, False),
+    pytest.param("ring", True, "xla", 12, True, marks=SLOW),
+    ("ring", False, "blockwise", 20, False),
     pytest.param("ring", True, "blockwise", 6, True, marks=SLOW)])
 def test_each_strategy_attends_as_the_whole_sequence(strategy, balanced, implementation, window,
                                                      packed):

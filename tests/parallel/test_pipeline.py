@@ -187,6 +187,7 @@ def test_what_cannot_apply_is_one_line(sets, message):
     config.load(processes.TINY, ["mesh.fsdp=1", *sets])
 
 
+@pytest.mark.slow  # starts processes
 def test_an_unknown_schedule_or_a_pipeline_that_does_not_divide_the_devices_exits_2(tmp_path):
   for sets, message in ((["pipeline.schedule=zigzag"], "pipeline.schedule"),
                         (["mesh.pipeline=4", "mesh.fsdp=-1", "mesh.replica=1",
