@@ -217,7 +217,13 @@ def _write_export(directory: pathlib.Path, reader: CheckpointReader, step: int,
         read = reader.read_by_layer if path[0] == "layers" else reader.read
         leaf = read(step, ("master", *path), shape)
       for name, tensor in tensors.jaxzero_to_hf_tensors(path, leaf, model):
-        writer.write(name, tensor.astype(np_dtype, copy=False))
+        with np.errstate(over="ignore"):  # (an overflow is said below, in one line)
+          cast = tensor.astype(np_dtype, copy=False)
+        if dtype == "float16" and not np.isfinite(cast).all():  # past 65504: inf
+          raise CheckpointError(f"weight {name} has values beyond float16's range (largest "
+                                f"{float(np.abs(tensor).max()):.4g}, float16's 65504): export "
+                                "it with --dtype bfloat16 or float32")
+        writer.write(name, cast)
       del leaf
   index = {"metadata": {"total_size": sum(t.nbytes for shard in shards for t in shard)},
            "weight_map": dict(sorted((t.name, file) for file, shard in zip(names, shards)

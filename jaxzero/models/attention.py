@@ -26,6 +26,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 Array = jax.Array
@@ -81,6 +82,8 @@ def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
   if window < 0:
     raise ValueError(f"attention window {window} must not be negative (0 = full causal)")
   T, S = q_BxTxHxE.shape[1], k_BxSxKxE.shape[1]
+  if isinstance(q_offset, np.integer):  # a known offset, checked as one (not floored)
+    q_offset = int(q_offset)
   offset = S != T or not (isinstance(q_offset, int) and q_offset == 0)
   if return_lse and implementation == "cudnn":
     raise ValueError("attention with return_lse (a part to be merged) is not supported with "

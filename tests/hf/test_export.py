@@ -301,6 +301,22 @@ def test_damaged_data_stops_an_export_with_one_line_or_exports_the_saved_weights
   raise AssertionError("no damage to the data files stopped the export")
 
 
+def test_weights_beyond_float16_are_refused_for_a_float16_export(tmp_path, capsys):
+  cfg = config.load(TINY, SETTINGS)
+  model = Llama(cfg.model, rngs=nnx.Rngs(params=1))
+  master = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+  master["final_norm"] = master["final_norm"] * 1e5
+  state = engine_lib.TrainState(jnp.int32(5), master, master,
+                                engine_lib.make_optimizer(cfg).init(master))
+  with Checkpointer(tmp_path / "w", 1, checkpoint_lib.run_info(cfg.model, "float32", 0)) as c:
+    c.save(5, state, wait=True)
+  error = export_error(["--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "out"),
+                        "--dtype", "float16"], capsys)
+  assert error.endswith("weight model.norm.weight has values beyond float16's range (largest "
+                        "1e+05, float16's 65504): export it with --dtype bfloat16 or float32")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["w"]
+
+
 @pytest.mark.parametrize("model", [{"factory": "mymodel:build"}, {"parameters": 1000}],
                          ids=["model_factory", "engine"])
 @pytest.mark.parametrize("flag", [[], ["--peft"], ["--merged"]])

@@ -117,6 +117,12 @@ def test_a_part_of_the_queries_attends_as_a_plain_softmax_over_the_keys_it_sees(
     assert _max_diff(got_grads, want_grads) <= 1e-5, implementation
 
 
+def test_a_numpy_offset_is_checked_as_an_int_not_floored():
+  q = k = v = jnp.zeros((1, 8, 2, 16))
+  with pytest.raises(ValueError, match=r"q_offset=6 is not a multiple of the 4-position tile"):
+    attention(q, k, v, implementation="blockwise", q_offset=np.int64(6), block=4)
+
+
 def test_window_edges():
   q, k, v = _qkv(1, 16, 2, 1, 8)
   for impl in ("xla", "blockwise"):  # a window of 1: each query sees its own key only
