@@ -6,7 +6,8 @@ embedding's two gradients once, where XLA would reduce them apart). Under hybrid
 sharding each ``replica`` group reduce-scatters within ``fsdp`` every micro-step, and
 only the shards cross ``replica``, once. A vmap over a leading group axis, which
 ``spmd_axis_name`` places one row per group, does both; with no such axes every
-method is the identity.
+method is the identity. Each group's loss and gradient weigh by its share of the batch's
+targets (Model.batch_weight), so the step is the whole batch's, as on one device.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Each coordinate comes from the first that has it: the config's ``distributed.*``, then
 ``JAXZERO_COORDINATOR``, ``JAXZERO_NUM_PROCESSES`` and ``JAXZERO_PROCESS_ID`` (as
-``jaxzero.launch`` sets them), then JAX's cluster detection (SLURM, Open MPI, Kubernetes).
-With none of these the run is a single process. All of it must happen before JAX starts its
+``jaxzero.launch`` sets them), then the cluster as JAX detects it, in JAX's order (Open MPI,
+SLURM, Kubernetes). With none of these the run is a single process; a launcher JAX does not
+detect (torchrun, Open MPI 5) is refused rather than run as separate single processes. All of it must happen before JAX starts its
 backends, which is why the CLI calls :func:`initialize` right after loading the config.
 """
 
