@@ -29,6 +29,8 @@ from jaxzero.training import throughput
 log = logging.getLogger(__name__)
 
 TB_DIR = "tb"
+# Records a resumed run dropped from metrics.jsonl (drop_metrics_after).
+DROPPED_FILE = "metrics.dropped.jsonl"
 # metrics.jsonl field -> TensorBoard tag.
 TB_TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
            "tokens_per_sec": "perf/tokens_per_sec", "step_time_s": "perf/step_time_s",
@@ -83,10 +85,11 @@ class MetricsLogger:
     if tensorboard:
       SummaryWriter = _summary_writer()  # pylint: disable=invalid-name
       # purge_step: TensorBoard hides the events of steps after the one this run resumes
-      # from (the run logs them again from start + 1; step `start` itself stays).
+      # from (the run logs them again from start + 1; step `start` itself stays). A run
+      # from step 0 logs step 0's eval again: an earlier attempt's events all go.
       # flush_secs: tensorboardX writes events from its own thread, and flushes them at
       # most this long after; a killed run loses no more than that of them.
-      self._tb = SummaryWriter(str(workdir / TB_DIR), purge_step=start + 1 if start else None,
+      self._tb = SummaryWriter(str(workdir / TB_DIR), purge_step=start + 1 if start else 0,
                                flush_secs=1)
 
   def log(self, records: list[dict]) -> None:
@@ -196,7 +199,7 @@ class PendingMetrics:
     self._extra.setdefault(step, {}).update(fields)
 
   def restart_clock(self) -> None:
-    """The next step's time counts from now (after compiling, evaluating)."""
+    """The next step's time counts from now (after compiling, evaluating, saving)."""
     self._last_end = time.perf_counter()
 
   def add(self, metrics) -> None:
@@ -251,7 +254,9 @@ def drop_metrics_after(path: pathlib.Path, step: int) -> None:
   A run that ends without saving its last steps (killed, or crashed) has logged
   metrics that the resumed run logs again; those records are dropped, as is a
   line a kill cut short, so each step appears once. The file is rewritten only
-  when something is dropped, and only after the restore succeeded.
+  when something is dropped, and only after the restore succeeded. What is dropped
+  is appended to metrics.dropped.jsonl (a --resume-step's abandoned history included):
+  nothing a run logged is lost.
   """
   if jax.process_index() != 0 or not path.exists():
     return
@@ -260,10 +265,14 @@ def drop_metrics_after(path: pathlib.Path, step: int) -> None:
           for line in lines if _logged_step(line) <= step]
   if kept == lines:
     return
+  dropped = [line for line in lines if step < _logged_step(line) < math.inf]  # (not a cut line)
+  with open(path.with_name(DROPPED_FILE), "a", encoding="utf-8") as kept_aside:
+    kept_aside.writelines(dropped)
   partial = path.with_name(path.name + ".partial")
   partial.write_text("".join(kept), encoding="utf-8")
   partial.replace(path)
-  log.info("dropped %d metrics records past step %d from %s", len(lines) - len(kept), step, path)
+  log.info("dropped %d metrics records past step %d from %s (kept in %s)",
+           len(lines) - len(kept), step, path, DROPPED_FILE)
 
 
 def nonfinite_streak(path: pathlib.Path, step: int) -> int:

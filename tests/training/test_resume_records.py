@@ -65,6 +65,27 @@ def test_tensorboard_events_are_on_disk_a_moment_after_they_are_logged(tmp_path)
   logger.close()
 
 
+def test_a_restart_from_step_0_hides_the_earlier_attempt_s_tensorboard_events(tmp_path):
+  """An attempt that saved nothing (killed before its first checkpoint) logged steps 1-2;
+  the run that starts over from step 0 shows each step once."""
+  record = {"loss": 5.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_sec": 1.0,
+            "step_time_s": 1.0, "tflops": 1.0}
+  for steps in ([1, 2], [1]):
+    time.sleep(1.05)  # an event file's name holds the second it was made in
+    logger = MetricsLogger(tmp_path, total_steps=10, start=0, progress=False)
+    logger.log([{"step": step, **record} for step in steps])
+    logger.close()
+  assert tensorboard_steps(tmp_path) == [1]
+  # The restart's own marker, not only the reader's purge of a step gone back (which not
+  # every reader does): a session START at step 0 hides every earlier event.
+  from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+  from tensorboard.compat.proto.event_pb2 import SessionLog
+  starts = [event.step for path in sorted((tmp_path / "tb").iterdir())
+            for event in EventFileLoader(str(path)).Load()
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START]
+  assert len(list((tmp_path / "tb").iterdir())) == 2 and starts[-1:] == [0]
+
+
 @pytest.mark.slow
 def test_a_signal_during_the_last_save_lets_it_finish(tmp_path):
   """SIGTERM while the end-of-run checkpoint is written: the save completes (a first
