@@ -154,6 +154,10 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
     if require_checkpoint and latest is None:
       raise CheckpointError(
           f"--resume: there is no checkpoint to resume in {checkpoints.directory}")
+    if resume_step is not None and resume_step not in checkpoints.all_steps():
+      raise CheckpointError(f"--resume-step {resume_step}: no such checkpoint in "
+                            f"{checkpoints.directory}; available steps: "
+                            f"{', '.join(map(str, checkpoints.all_steps())) or 'none'}")
     if cfg.init.hf_checkpoint and latest is None:
       # A mismatched preset fails before tokenizing or compiling. With a
       # checkpoint the run resumes from it and the HF weights are not read.
@@ -211,11 +215,7 @@ def _restore_or_init(run: Run, checkpoints: checkpoint_lib.Checkpointer,
   that has checkpoints never starts from scratch: when none verifies, it stops.
   """
   steps = checkpoints.all_steps()
-  if resume_step is not None:
-    if resume_step not in steps:
-      raise CheckpointError(f"--resume-step {resume_step}: no such checkpoint in "
-                            f"{checkpoints.directory}; available steps: "
-                            f"{', '.join(map(str, steps)) or 'none'}")
+  if resume_step is not None:  # (one of `steps`: checked before the build)
     return _restore(run, checkpoints, resume_step)
   damaged_newer = []  # set aside only once an older checkpoint verifies
   for step in reversed(steps):
@@ -341,7 +341,8 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
   cfg = run.cfg
   logger = MetricsLogger(workdir, total_steps=total, start=start, progress=progress,
                          tracker=tracker)
-  profiler = profiling.StepProfiler(cfg.profile.window, workdir)
+  profiler = profiling.StepProfiler(cfg.profile.window, workdir, first=start + 1, last=total)
+  _say(profiler.note)
   metrics = PendingMetrics(logger, cfg.train.global_batch * cfg.train.seq_len,
                            model_flops_per_token(cfg, run.program.n_params, run.program.n_frozen),
                            run.devices,
@@ -378,6 +379,8 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
       if saving:
         peerwatch.phase(f"save {done}")
         run.runner.save(checkpoints, done, state)  # asynchronous: training goes on meanwhile
+        # Its blocking part (the copy off the devices) is not the next step's time.
+        metrics.restart_clock()
     guard.check(metrics.log(done))
   finally:
     profiler.close()

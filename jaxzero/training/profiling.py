@@ -16,11 +16,26 @@ PROFILE_DIR = "profile"
 
 
 class StepProfiler:
-  """Starts the trace before step START and stops it once step END has run."""
+  """Starts the trace before step START and stops it once step END has run.
 
-  def __init__(self, window: tuple[int, int] | None, workdir: pathlib.Path):
-    self.window, self.directory = window, workdir / PROFILE_DIR
+  The window is cut to the steps this run trains, `first`..`last` (a resumed run, a
+  --steps short of END); `note` says so, or that none of them is in it.
+  """
+
+  def __init__(self, window: tuple[int, int] | None, workdir: pathlib.Path,
+               first: int = 1, last: int | None = None):
+    self.window, self.directory, self.note = None, workdir / PROFILE_DIR, None
     self._on = False
+    if window:
+      asked = f"profile.steps={window[0]}:{window[1]}"
+      start, end = max(window[0], first), min(window[1], window[1] if last is None else last)
+      if start > end:
+        self.note = (f"{asked}: this run trains steps {first}-{last}, none of them; "
+                     "nothing is traced")
+      else:
+        self.window = (start, end)
+        if (start, end) != tuple(window):
+          self.note = f"{asked}: this run trains steps {first}-{last}; tracing {start}-{end}"
 
   def step(self, step: int, state) -> contextlib.AbstractContextManager:
     """The context one step (1-based `step`) runs in; `state` is waited for at the end."""

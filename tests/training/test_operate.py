@@ -305,7 +305,36 @@ def test_resume_step_goes_back_to_an_earlier_checkpoint(run, tmp_path):
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
   steps = [json.loads(l)["step"] for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert steps == [1, 2]
-  with pytest.raises(UserError, match="--resume-step 3: no such checkpoint"):
+  dropped = (workdir / "metrics.dropped.jsonl").read_text().splitlines()
+  assert [json.loads(l)["step"] for l in dropped] == [3, 4]  # the abandoned records kept
+
+
+@pytest.mark.slow
+def test_a_saving_step_does_not_slow_the_next_step_s_figures(run, tmp_path, monkeypatch):
+  """The blocking part of an asynchronous save (here 3 s) is no step's time: the step after
+  a save shows the step's own speed in tokens/s and MFU."""
+  from jaxzero.checkpoint import checkpointer
+  real_save = checkpointer.Checkpointer.save
+
+  def slow_save(self, step, state, **kw):
+    time.sleep(3)
+    return real_save(self, step, state, **kw)
+  monkeypatch.setattr(checkpointer.Checkpointer, "save", slow_save)
+  workdir = tmp_path / "w"
+  shutil.copytree(run.workdir, workdir)
+  loop.run_training(small(), workdir, steps=6, devices=jax.devices()[:8], progress=False,
+                    resume_step=2)  # saves 4 (during the run) and 6 (at its end)
+  records = {r["step"]: r for r in map(json.loads, (workdir / "metrics.jsonl").open())}
+  assert sorted(records) == [1, 2, 3, 4, 5, 6]
+  assert records[5]["step_time_s"] < 2, records[5]
+
+
+def test_a_resume_step_with_no_checkpoint_is_refused_before_the_build(run, tmp_path,
+                                                                        monkeypatch):
+  workdir = tmp_path / "w"
+  shutil.copytree(run.workdir, workdir)
+  monkeypatch.setattr(loop, "build", lambda *a, **k: pytest.fail("built"))
+  with pytest.raises(UserError, match="--resume-step 3: no such checkpoint.*steps: 2, 4"):
     loop.run_training(small(), workdir, devices=jax.devices()[:8], resume_step=3)
 
 
@@ -393,3 +422,17 @@ def test_eval_source_is_tokenized_like_the_training_data(tmp_path):
   cfg = dataclasses.replace(config.base(), data=data)
   tokens = pipeline.open_data(cfg, tmp_path / "run", rows=1, progress=False).held_out.tokens
   assert bytes(np.asarray(tokens)) == b"held out text " * 20 + b"\0"  # bytes, then the separator
+
+
+def test_a_profile_window_is_cut_to_the_steps_the_run_trains(tmp_path):
+  """A resumed run past START traces from its first step, a --steps short of END to its
+  last; a window the run never reaches says so instead of tracing nothing in silence."""
+  from jaxzero.training import profiling
+  cut = profiling.StepProfiler((3, 5), tmp_path, first=4, last=10)
+  assert cut.window == (4, 5)
+  assert cut.note == "profile.steps=3:5: this run trains steps 4-10; tracing 4-5"
+  missed = profiling.StepProfiler((3, 5), tmp_path, first=6, last=10)
+  assert missed.window is None and "none of them; nothing is traced" in missed.note
+  whole = profiling.StepProfiler((3, 5), tmp_path, first=1, last=10)
+  assert (whole.window, whole.note) == ((3, 5), None)
+  assert profiling.StepProfiler(None, tmp_path, first=1, last=10).note is None
