@@ -80,11 +80,18 @@ def read_index(cache: pathlib.Path) -> dict | None:
 def cached(cache: pathlib.Path, want: dict, read: Callable[[pathlib.Path], dict | None],
            build: Callable[[], dict]) -> dict:
   """The index of `cache` if `read` finds one matching `want` (reusable), else `build()`'s.
-  One process builds; others started at the same time wait, then reuse."""
+  One process builds; others started at the same time wait, then reuse. A build first
+  deletes the partial files (*.tmp) a killed build left: only the lock's holder writes
+  them, so any there now is an orphan (a SIGKILL, or Ctrl-C's immediate exit at start-up,
+  runs no clean-up)."""
   cache.mkdir(parents=True, exist_ok=True)
   with locked(cache / "lock"):
     index = read(cache)
-    return index if reusable(index, want) else build()
+    if reusable(index, want):
+      return index
+    for orphan in cache.glob("*.tmp"):
+      orphan.unlink(missing_ok=True)
+    return build()
 
 
 @contextlib.contextmanager

@@ -44,8 +44,14 @@ def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
     if d.eval_source:
       held_out = _naming_eval_source(d, lambda: tokens_lib.open_tokens(
           held_out_cfg, workdir, progress=progress, model_vocab_size=cfg.model.vocab_size)).tokens
-    train = batches_lib.Batches(tokens, t.seq_len, t.grad_accum, rows, cfg.seed,
-                                order=source.order)
+    try:
+      train = batches_lib.Batches(tokens, t.seq_len, t.grad_accum, rows, cfg.seed,
+                                  order=source.order)
+    except DataError as e:
+      if not d.eval_fraction:
+        raise
+      raise DataError(f"the training split, after data.eval_fraction={d.eval_fraction} of "
+                      f"{source.tokens.size:,} tokens is held out: {e}") from e
     evaluation = None if held_out is None else EvalBatches(
         held_out, cfg.eval.batches, eval_rows, t.seq_len, _held_out_name(d))
     return RunData(train, evaluation, f"{d.source}: {tokens.size:,} training tokens")

@@ -261,3 +261,15 @@ def test_a_held_out_sources_errors_name_data_eval_source(corpus, tmp_path):
       f"data.cache_dir={tmp_path / 'cache'}"])
   with pytest.raises(DataError, match="files of data.eval_source hold no text"):
     pipeline.open_data(run, tmp_path, 8, progress=False)
+
+
+def test_a_training_split_too_short_after_the_held_out_part_names_eval_fraction(corpus,
+                                                                                  tmp_path):
+  from jaxzero.data import pipeline
+  from jaxzero import config as config_lib
+  run = config_lib.apply_overrides(config_lib.base(), [
+      f"data.source={corpus / 'txt'}", "data.eval_fraction=0.99999",
+      f"data.cache_dir={tmp_path / 'cache'}"])
+  with pytest.raises(DataError, match=r"the training split, after data.eval_fraction=0.99999 "
+                     r"of [\d,]+ tokens is held out: corpus has \d+ tokens, fewer than"):
+    pipeline.open_data(run, tmp_path, 8, progress=False)

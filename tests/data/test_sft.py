@@ -416,6 +416,21 @@ def test_a_failed_tokenization_leaves_no_partial_file(tmp_path):
   assert not list((tmp_path / "cache").rglob("*.tmp"))
 
 
+def test_a_killed_tokenization_s_partial_file_is_removed_by_the_next_build(tmp_path):
+  """A SIGKILL (or Ctrl-C's immediate exit at start-up) runs no clean-up; the next build of
+  that cache deletes what it left, before writing its own."""
+  from jaxzero.data import tokens as tokens_lib
+  source = write_jsonl(tmp_path / "text.jsonl", [{"text": f"line {i}"} for i in range(30)])
+  data = DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"))
+  tokens_lib.open_tokens(data, None, progress=False)
+  (cache,) = [d for d in (tmp_path / "cache").iterdir() if d.is_dir()]
+  (cache / "index.json").unlink()  # as if the build had been killed before its end
+  (cache / "tokens.bin.12345.tmp").write_bytes(b"\0" * 1000)
+  (cache / "mask.bin.tmp").write_bytes(b"\0" * 1000)
+  tokens_lib.open_tokens(data, None, progress=False)
+  assert not list(cache.glob("*.tmp")) and (cache / "index.json").exists()
+
+
 def test_a_prompt_and_completion_of_different_kinds_is_skipped_naming_both(tmp_path):
   source = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "2+3=", "completion": " 5"},
                                                {"prompt": "2+2=", "completion": 4}])
