@@ -79,6 +79,11 @@ def test_offload_settings_that_cannot_run_are_one_line(assignments, expected):
     ("train.clip_norm=inf", "train.clip_norm=inf must be a finite number"),
     ("model.rope_theta=-inf", "model.rope_theta=-inf must be a finite number"),
     ("data.max_bytes=-5", "data.max_bytes=-5 must not be negative"),
+    ("train.eps=-1", "train.eps=-1.0 must not be negative"),
+    ("train.b1=1.5", "train.b1=1.5 must be in [0, 1)"),
+    ("train.b2=1", "train.b2=1.0 must be in [0, 1)"),
+    ("train.min_lr_ratio=5", "train.min_lr_ratio=5.0 must be at most 1 (a fraction of train.lr)"),
+    ("eval.batches=0", "eval.batches=0 must be at least 1"),
 ])
 def test_validate_rejects_values_that_would_fail_later(assignment, expected):
   with pytest.raises(ConfigError) as info:

@@ -99,13 +99,20 @@ def validate(cfg: Config) -> None:
       raise ConfigError(f"model.{key}={getattr(m, key)} must be at least 1")
   for key, value in (("seed", cfg.seed), ("train.warmup_steps", cfg.train.warmup_steps),
                      ("train.lr", cfg.train.lr), ("train.weight_decay", cfg.train.weight_decay),
-                     ("train.clip_norm", cfg.train.clip_norm),
+                     ("train.clip_norm", cfg.train.clip_norm), ("train.eps", cfg.train.eps),
                      ("train.warmup_min_ratio", cfg.train.warmup_min_ratio),
                      ("train.min_lr_ratio", cfg.train.min_lr_ratio),
                      ("zero.min_shard_size", cfg.zero.min_shard_size),
                      ("data.max_bytes", cfg.data.max_bytes)):
     if value < 0:
       raise ConfigError(f"{key}={value} must not be negative")
+  for key, value in (("train.b1", cfg.train.b1), ("train.b2", cfg.train.b2)):
+    if not 0 <= value < 1:  # (Adam's betas, as torch.optim.Adam bounds them)
+      raise ConfigError(f"{key}={value} must be in [0, 1)")
+  for key, value in (("train.min_lr_ratio", cfg.train.min_lr_ratio),
+                     ("train.warmup_min_ratio", cfg.train.warmup_min_ratio)):
+    if value > 1:
+      raise ConfigError(f"{key}={value} must be at most 1 (a fraction of train.lr)")
   try:
     cfg.model.validate()
   except ValueError as e:
@@ -347,8 +354,10 @@ def _validate_eval(cfg: Config) -> None:
   if d.eval_fraction and d.eval_source:
     raise ConfigError("data.eval_fraction and data.eval_source both name a held-out split; "
                       "set one")
-  if e.every < 0 or e.batches < 1:
-    raise ConfigError(f"eval.every={e.every} must be >= 0 and eval.batches={e.batches} >= 1")
+  if e.every < 0:
+    raise ConfigError(f"eval.every={e.every} must be >= 0 (0: no evaluation)")
+  if e.batches < 1:
+    raise ConfigError(f"eval.batches={e.batches} must be at least 1")
   if e.every and not (d.eval_fraction or d.eval_source):
     raise ConfigError(f"eval.every={e.every} needs a held-out split: set data.eval_fraction "
                       "(e.g. 0.01) or data.eval_source")
