@@ -30,6 +30,8 @@ def state_bytes(program) -> dict[str, int]:
              for name in ("params", "master", "opt_state", "frozen")
              if getattr(abstract, name) is not None)
   frozen = bytes_per_device(abstract.frozen, sh.frozen) if abstract.frozen is not None else 0
+  host_frozen = (_bytes_in_memory(abstract.frozen, sh.frozen, "pinned_host")
+                 if abstract.frozen is not None else 0)
   return {
       "transfer": transfer_bytes(program),
       # Weights at rest: the trained compute copy and the frozen ones (of which "frozen").
@@ -40,6 +42,7 @@ def state_bytes(program) -> dict[str, int]:
       "optimizer": (bytes_per_device(abstract.master, sh.master)
                     + bytes_per_device(abstract.opt_state, sh.opt_state)),
       "host": host,
+      "host_frozen": host_frozen,  # of which frozen weights (they have no gradient)
   }
 
 

@@ -43,13 +43,14 @@ def per_process(runner, state: dict, local_devices: int, *, estimate_activations
 
 def pinned_bytes(program, state: dict, local_devices: int, estimate_activations: bool) -> int:
   """What this process places in XLA's pinned pool: each of its devices' weights in
-  pinned_host (exact, from the shardings) with a micro-step's gradient of them on its way
-  back, and the matmul outputs remat.policy=offload_matmuls keeps there
-  (pinned_pool.offloaded_matmul_bytes)."""
+  pinned_host (exact, from the shardings) with a micro-step's gradient of the trained ones
+  on its way back (a frozen LoRA base has none), and the matmul outputs
+  remat.policy=offload_matmuls keeps there (pinned_pool.offloaded_matmul_bytes)."""
   cfg = program.cfg
   weights = state.get("pinned_pool", state["host"])  # per device
+  trained = weights - state.get("host_frozen", 0)
   compute = jnp.dtype(cfg.precision.compute).itemsize
-  gradient = (weights * jnp.dtype(cfg.zero.grad_dtype).itemsize // compute
+  gradient = (trained * jnp.dtype(cfg.zero.grad_dtype).itemsize // compute
               if cfg.offload.params == "pinned_host" else 0)
   activations = 0
   if estimate_activations and cfg.remat.policy == "offload_matmuls":

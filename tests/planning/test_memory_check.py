@@ -153,6 +153,21 @@ def test_host_memory_comes_from_the_resolved_mesh_and_each_shard_once(sets, byte
   assert part == pytest.approx(bytes_per_param * count_params(cfg.model), rel=2e-3)
 
 
+def test_a_lora_base_in_pinned_host_has_no_gradient_in_the_pool(monkeypatch):
+  """Llama-3.1-8B LoRA on one GPU with its bf16 base in pinned_host: the pool holds the
+  base (16 GB) and the adapters' weights and gradient, not a gradient of the base (which
+  made it 48 GB and refused the run on a 64 GB workstation)."""
+  from jaxzero.models.llama import count_params
+  monkeypatch.setattr(memory_check, "host_memory_bytes", lambda: 64 * 10**9)
+  monkeypatch.setenv(memory_check.pinned_pool.ENV, "40")
+  cfg = config.load("configs/llama8b_lora.py", ["mesh.fsdp=1", "offload.params=pinned_host"])
+  devices = jax.devices()[:1]
+  budget = memory_check.budget(loop.prepare(cfg, devices, check=False), [GPU(devices[0])])
+  base = 2 * count_params(cfg.model)
+  assert base <= budget.pinned_process <= base * 1.02, (budget.pinned_process, base)
+  assert budget.host_fits, memory_check.host_message(budget)
+
+
 def test_an_engines_check_takes_no_collective(monkeypatch):
   """An Engine may be built by some processes alone: its check must not wait for the others
   (processes_on_this_host is a collective), and counts no save's copy."""
