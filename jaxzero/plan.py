@@ -29,6 +29,9 @@ def main(argv=None) -> int:
   parser.add_argument("--devices", type=int, help="devices to plan for (default: the config's "
                       f"mesh; for -1, JAX_NUM_CPU_DEVICES or {DEFAULT_DEVICES}, as jaxzero.train "
                       "resolves it on a CPU)")
+  parser.add_argument("--devices-per-process", type=int, metavar="K",
+                      help="the devices of one process, for its host memory (default: 8, a "
+                      "GPU host's, or all if fewer)")
   parser.add_argument("--hbm-gb", type=float, default=80.0,
                       help="device memory budget in GB (1e9 bytes); default 80 (H100)")
   parser.add_argument("--sweep", choices=("stages", "remat", "offload"), default="stages",
@@ -68,6 +71,8 @@ def main(argv=None) -> int:
   def make_plan():
     if args.devices is not None and args.devices < 1:
       parser.error(f"--devices={args.devices} must be at least 1")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+      parser.error(f"--devices-per-process={args.devices_per_process} must be at least 1")
     if not 0 < args.hbm_gb < math.inf:  # (nan and inf compare false and true)
       parser.error(f"--hbm-gb={args.hbm_gb:g} must be a positive number")
     cfg = config_lib.load(args.config, args.set)
@@ -92,7 +97,8 @@ def main(argv=None) -> int:
     from jaxzero.planning import planner  # pylint: disable=import-outside-toplevel
     rates = {"tflops": args.tflops, "pcie_gbps": args.pcie_gbps, "host_gbps": args.host_gbps}
     plan = planner.plan(cfg, n_devices, int(args.hbm_gb * 1e9), args.sweep,
-                        search=not args.no_search, comm=args.comm, rates=rates)
+                        search=not args.no_search, comm=args.comm, rates=rates,
+                        devices_per_process=args.devices_per_process)
     if args.json:
       print(json.dumps(as_json(plan), indent=2))
       return
@@ -152,8 +158,9 @@ def format_table(plan_, title: str) -> str:
       f"per device, in {unit}; state = params + grads + optimizer (fp32 master + Adam m, v), "
       f"N = sharding devices; activations = XLA temporaries less the gradient buffers "
       f"(activations, gathered weights, workspace); XLA total = state + activations; "
-      f"host/process = one process's host memory (offloaded state, its update's workspace, "
-      f"XLA's pinned pool); step s = predicted at {plan_.rates['tflops']:g} TFLOP/s, PCIe "
+      f"host/process = the host memory of one process of {r0.devices_per_process} devices "
+      f"(offloaded state, its update's workspace, XLA's pinned pool, a save's copy; "
+      f"--devices-per-process); step s = predicted at {plan_.rates['tflops']:g} TFLOP/s, PCIe "
       f"{plan_.rates['pcie_gbps']:g} GB/s, host update {plan_.rates['host_gbps']:g} GB/s "
       "(--tflops, --pcie-gbps, --host-gbps)",
       "", fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body), ""]

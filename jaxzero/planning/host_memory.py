@@ -28,17 +28,32 @@ class HostMemory(NamedTuple):
   save_copy: int  # of which, a checkpoint save's copy of the device state
 
 
-def local_count(devices) -> int:
-  """How many of `devices` are this process's."""
-  return sum(d.process_index == jax.process_index() for d in devices)
+def process_devices(devices) -> list:
+  """Of `devices`, this process's."""
+  return [d for d in devices if d.process_index == jax.process_index()]
 
 
-def per_process(runner, state: dict, local_devices: int, *, estimate_activations: bool,
+def per_process(runner, state: dict, devices, *, estimate_activations: bool,
                 count_save: bool = True) -> HostMemory:
-  """This process's host memory for `runner` (whose plan() is `state`) on a GPU."""
-  pinned = pinned_bytes(runner.program, state, local_devices, estimate_activations)
-  saved = save_copy_bytes(runner) if count_save else 0
-  return HostMemory(state.get("host_process", 0) + pinned + saved, pinned, saved)
+  """The host memory, on a GPU, of the process whose devices are `devices` (of the mesh),
+  for `runner` (whose plan() is `state`). The planner poses a process of some of its
+  virtual devices (all of them are its own): the runner's store then counts the share of
+  those devices (runner_share)."""
+  pinned = pinned_bytes(runner.program, state, len(devices), estimate_activations)
+  saved = save_copy_bytes(runner, devices) if count_save else 0
+  return HostMemory(runner_share(state, len(devices)) + pinned + saved, pinned, saved)
+
+
+def runner_share(state: dict, devices: int) -> int:
+  """What the runner keeps in host memory for a process of `devices` devices: its store
+  (at most `devices` devices' share of it: each holds a different shard but where shards
+  repeat) with what grows with it, and the update's workspace."""
+  process, store = state.get("host_process", 0), state.get("host_store", 0)
+  if not store:
+    return process
+  per_device = state["host"] - state.get("pinned_pool", 0)  # the store's, on one device
+  workspace = state.get("host_workspace", 0)
+  return workspace + (process - workspace) * min(store, devices * per_device) // store
 
 
 def pinned_bytes(program, state: dict, local_devices: int, estimate_activations: bool) -> int:
@@ -59,8 +74,8 @@ def pinned_bytes(program, state: dict, local_devices: int, estimate_activations:
   return (weights + gradient + activations) * local_devices
 
 
-def save_copy_bytes(runner) -> int:
-  """The bytes a save copies off this process's devices: each distinct shard of the
+def save_copy_bytes(runner, devices) -> int:
+  """The bytes a save copies off the process's `devices`: each distinct shard of the
   device-resident state once (a replicated leaf's copies are one). A runner whose
   optimizer state is the host's or the disk's saves it chunk by chunk from there, so only
   its weights are copied; ZeRO-Infinity's state is all on disk."""
@@ -72,16 +87,16 @@ def save_copy_bytes(runner) -> int:
   # state off the device: jaxzero.runners.
   if runner.device_program != "step":
     abstract, shardings = abstract.params, shardings.params
-  return unique_local_bytes(abstract, shardings, jax.process_index())
+  return unique_bytes(abstract, shardings, devices)
 
 
-def unique_local_bytes(abstract, shardings, process_index: int) -> int:
-  """Bytes of the distinct shards of `abstract`'s leaves on `process_index`'s devices."""
-  total = 0
+def unique_bytes(abstract, shardings, devices) -> int:
+  """Bytes of the distinct shards of `abstract`'s leaves on `devices`."""
+  devices, total = set(devices), 0
   for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
     shape, itemsize = tuple(leaf.shape), np.dtype(leaf.dtype).itemsize
     shards = {tuple(s.indices(n)[:2] for s, n in zip(index, shape))
               for device, index in sharding.devices_indices_map(shape).items()
-              if device.process_index == process_index}
+              if device in devices}
     total += sum(math.prod(stop - start for start, stop in shard) for shard in shards) * itemsize
   return total

@@ -218,9 +218,10 @@ def budget(runner, devices, estimate_activations: bool | None = None,
       cfg, mesh_lib.micro_batch(cfg.train, layout.data_parallel_size), layout.shard_size,
       layout.is_sharded("params") or cfg.offload.params == "nvme")
   on_a_cpu = devices[0].platform == "cpu"
-  local = host_memory.local_count(devices)
+  local = len(host_memory.process_devices(devices))
   host = (host_memory.HostMemory(0, 0, 0) if on_a_cpu else host_memory.per_process(
-      runner, state, local, estimate_activations=estimate_activations, count_save=whole_run))
+      runner, state, host_memory.process_devices(layout.mesh.devices.flat),
+      estimate_activations=estimate_activations, count_save=whole_run))
   return Budget(state["params"], state["grads"], state["optimizer"], state["host"], activations,
                 available, where, len(devices), devices[0].platform, disk=disk,
                 host_process=host.process,

@@ -86,6 +86,9 @@ class Variant:
 # --host-gbps): dense bf16 at ~40% of an H100's peak; PCIe 4 x16 one way; a host update
 # streaming through DRAM at what a 16-core server sustains.
 DEFAULT_RATES = {"tflops": 400.0, "pcie_gbps": 25.0, "host_gbps": 20.0}
+# A process's devices where the plan is not told: a GPU host's (jaxzero.launch starts one
+# process a host).
+DEVICES_PER_HOST = 8
 
 
 @dataclasses.dataclass
@@ -127,9 +130,11 @@ class Row:
   tensor: int = 1  # mesh.tensor: `devices` = replica x fsdp x tensor x pipeline
   pipeline: int = 1  # mesh.pipeline: stages, each device holding its stage's layers
   context: int = 1  # devices each sequence is split over (mesh.context)
-  # Host memory of one process: the offloaded state, its update's workspace and XLA's
-  # pinned pool (the runner's plan); what the host's update reads and writes a step.
+  # Host memory of one process of `devices_per_process` devices: the offloaded state, its
+  # update's workspace, XLA's pinned pool and a save's copy (jaxzero.planning.host_memory);
+  # what the host's update reads and writes a step.
   host_process_bytes: int = 0
+  devices_per_process: int = 1
   host_update_bytes: int = 0
   # The predicted step, in seconds, at the plan's rates: the device's compute, the
   # host's update, PCIe; `step_s` adds the update's part (the slower of host and PCIe,
@@ -322,10 +327,12 @@ def predicted_step(cfg: Config, n_params: int, devices: int, transfer: int, host
 
 
 def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant] = "stages",
-         search: bool = True, comm: bool = False, rates: dict | None = None) -> Plan:
+         search: bool = True, comm: bool = False, rates: dict | None = None,
+         devices_per_process: int | None = None) -> Plan:
   """Plans each variant of `sweep` (a name in SWEEPS, or the variants themselves)
   for `cfg` on `n_devices` virtual CPU devices; `comm` also counts each
-  variant's collectives (jaxzero.planning.collectives)."""
+  variant's collectives (jaxzero.planning.collectives). Host memory is one process's, of
+  `devices_per_process` of them (default: a host of 8 GPUs, or all `n_devices` if fewer)."""
   t0 = time.perf_counter()
   devices = cpu_devices(n_devices)
   cfg = for_cpu(cfg)
@@ -338,7 +345,8 @@ def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant]
     program = engine_lib.TrainProgram(variant_cfg, Layout.from_config(variant_cfg, mesh),
                                       builtin_model(variant_cfg))
     row, n = _plan_variant(make_runner(program, check=False), variant, hbm_bytes, search, comm,
-                           {**DEFAULT_RATES, **(rates or {})})
+                           {**DEFAULT_RATES, **(rates or {})},
+                           min(n_devices, devices_per_process or DEVICES_PER_HOST))
     rows.append(row)
     compiles += n
     n_trained = program.n_params if program.n_frozen else None
@@ -348,12 +356,14 @@ def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant]
 
 
 def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
-                  search: bool, comm: bool, rates: dict) -> tuple[Row, int]:
+                  search: bool, comm: bool, rates: dict,
+                  devices_per_process: int) -> tuple[Row, int]:
   """The row of one variant, and how many compiles it took."""
   program = runner.program
   micro = mesh_lib.micro_batch(program.cfg.train, program.layout.data_parallel_size)
   compiled = compile_step(runner, micro, MEMORY_COMPILE_OPTIONS)
-  row = _row(runner, variant, compiled.memory_analysis(), micro, hbm_bytes, rates)
+  row = _row(runner, variant, compiled.memory_analysis(), micro, hbm_bytes, rates,
+             devices_per_process)
   compiles = 1
   if comm:
     compiles += 1
@@ -369,7 +379,7 @@ def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
 
 
 def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int,
-         rates: dict) -> Row:
+         rates: dict, devices_per_process: int) -> Row:
   cfg, layout = runner.program.cfg, runner.program.layout
   state = runner.plan()
   seconds, step_s, bound = predicted_step(cfg, runner.program.n_params, layout.mesh.size,
@@ -400,9 +410,11 @@ def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int,
       xla_host_bytes=xla_host_bytes(stats),
       xla_separates_host=xla_host_bytes(stats) > 0 or not (
           state.get("pinned_pool", state["host"]) or variant.remat in OFFLOADING_POLICIES),
+      # (The mesh's first devices, as a host's GPUs are in a multi-host mesh.)
       host_process_bytes=host_memory.per_process(
-          runner, state, len(layout.mesh.local_devices),
+          runner, state, list(layout.mesh.devices.flat)[:devices_per_process],
           estimate_activations=not cfg.model_factory).process,
+      devices_per_process=devices_per_process,
       host_update_bytes=state.get("host_update", 0), seconds=seconds, step_s=step_s, bound=bound)
 
 

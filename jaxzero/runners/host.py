@@ -128,10 +128,12 @@ class HostRunner(nvme.NvmeRunner):
     params = on_host // (4 * kinds)  # parameters updated on the host, this process
     compute = np.dtype(engine_lib.dtype_of(self.cfg.precision.compute)).itemsize
     grad = state_bytes_lib.grad_bytes_per_param(self.program)
+    workspace = self.workspace_bytes()
     planned.update(
         nvme=0, host=planned["host"] + self.host_bytes_per_device(), pinned_pool=planned["host"],
         # (DPU: a step's gradients wait on the host for the update in flight.)
-        host_process=on_host + self.workspace_bytes() + self.delayed * params * grad,
+        host_process=on_host + workspace + self.delayed * params * grad,
+        host_store=on_host, host_workspace=workspace,
         transfer=planned["transfer"] + params * (grad + compute) // devices,
         host_update=params * (grad + 2 * 4 * kinds + compute))
     return planned

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from jaxzero import config
-from jaxzero.planning import memory_check, planner
+from jaxzero.planning import host_memory, memory_check, planner
 from jaxzero.planning.planner import Variant
 from jaxzero.training import loop
 
@@ -168,6 +168,23 @@ def test_a_lora_base_in_pinned_host_has_no_gradient_in_the_pool(monkeypatch):
   assert budget.host_fits, memory_check.host_message(budget)
 
 
+def test_one_process_s_host_memory_is_its_devices_share():
+  """ZeRO-Offload at stage 3 over 8 devices, as a process of 2 of them holds it: a quarter
+  of the host store (12 bytes a parameter) and of a save's copy of the weights, and the
+  whole update workspace (the planner poses such a process; its devices are all one's)."""
+  cfg = config.load(TINY, ["offload.optimizer=pinned_host", "mesh.fsdp=8",
+                           "train.global_batch=64", "train.grad_accum=1"])
+  devices = jax.devices()[:8]
+  runner = loop.prepare(cfg, devices, check=False)
+  state = runner.plan()
+  whole = host_memory.per_process(runner, state, devices, estimate_activations=True)
+  two = host_memory.per_process(runner, state, devices[:2], estimate_activations=True)
+  assert state["host_store"] == 8 * (state["host"] - state["pinned_pool"])
+  assert whole.process == state["host_process"] + whole.save_copy
+  assert two.save_copy == whole.save_copy // 4
+  assert two.process == state["host_workspace"] + state["host_store"] // 4 + two.save_copy
+
+
 def test_an_engines_check_takes_no_collective(monkeypatch):
   """An Engine may be built by some processes alone: its check must not wait for the others
   (processes_on_this_host is a collective), and counts no save's copy."""
@@ -194,5 +211,8 @@ def test_a_saves_copy_counts_each_distinct_shard_once():
             "step": jax.ShapeDtypeStruct((), np.int32)}
   shardings = {"split": NamedSharding(mesh, P("fsdp")), "whole": NamedSharding(mesh, P()),
                "step": NamedSharding(mesh, P())}
-  assert host_memory.unique_local_bytes(leaves, shardings, jax.process_index()) == (
+  assert host_memory.unique_bytes(leaves, shardings, jax.devices()) == (
       12 * 3 * 4 + 5 * 4 + 4)
+  # A process of 2 of the 4 devices: 2 of the split leaf's shards.
+  assert host_memory.unique_bytes(leaves, shardings, jax.devices()[2:4]) == (
+      6 * 3 * 4 + 5 * 4 + 4)
