@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxzero.engine.state import dtype_of
 from jaxzero.offload import nvme_store
-from jaxzero.planning import planner
+from jaxzero.planning import planner, variants
 from jaxzero.planning.flops import model_flops_per_token
 from jaxzero.utils.formatting import format_bytes
 
@@ -174,7 +174,7 @@ def _tier(cfg, n_devices: int):
   if jax.default_backend() != "cpu" and len(local) >= n_devices:
     devices = local[:n_devices]
   else:
-    cfg, devices = planner.for_cpu(cfg), planner.cpu_devices(n_devices)
+    cfg, devices = variants.for_cpu(cfg)[0], variants.cpu_devices(n_devices)
   mesh = mesh_lib.mesh_for(cfg.mesh, devices)
   program = TrainProgram(cfg, Layout.from_config(cfg, mesh), builtin_model(cfg))
   # Planned only: nothing is opened or written under the store's directory.

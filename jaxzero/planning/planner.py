@@ -20,7 +20,6 @@ import jax
 from jaxzero import config as config_lib
 from jaxzero import engine as engine_lib
 from jaxzero.config import Config
-from jaxzero.engine.remat import POLICY_NAMES
 from jaxzero.errors import ConfigError
 from jaxzero.config.builtin_model import builtin_model
 from jaxzero.models.llama import count_params
@@ -29,7 +28,10 @@ from jaxzero.parallel import pipeline
 from jaxzero.parallel.zero import Layout
 from jaxzero.planning import comm_report as comm_lib
 from jaxzero.planning import host_memory
+from jaxzero.planning import variants as variants_lib
 from jaxzero.planning import zero_formula
+# (Variant is the plan's row kind: callers name it planner.Variant.)
+from jaxzero.planning.variants import Variant
 from jaxzero.planning.flops import model_flops_per_token
 from jaxzero.runners.base import Runner
 from jaxzero.runners.choose import make_runner
@@ -56,30 +58,8 @@ MEMORY_COMPILE_OPTIONS = {**FAST_COMPILE_OPTIONS,
                           "xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 # The largest micro-batch per device the search tries.
 MICRO_BATCH_LIMIT = 1024
-SWEEPS = ("stages", "remat", "offload")
 # Remat policies that move saved activations to pinned_host.
 OFFLOADING_POLICIES = frozenset({"offload_matmuls"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-  """One row of a plan: where the state lives and how activations are kept."""
-  stage: int
-  hybrid: bool
-  remat: str
-  offload_optimizer: str = "device"
-  offload_params: str = "device"
-
-  @property
-  def strategy(self) -> str:
-    return config_lib.strategy_name(self.stage, self.hybrid)
-
-  def apply(self, cfg: Config) -> Config:
-    return dataclasses.replace(
-        cfg, zero=dataclasses.replace(cfg.zero, stage=self.stage, strategy="", hybrid=self.hybrid),
-        remat=dataclasses.replace(cfg.remat, policy=self.remat),
-        offload=dataclasses.replace(cfg.offload, optimizer=self.offload_optimizer,
-                                    params=self.offload_params))
 
 
 # The rates a predicted step assumes unless given (jaxzero.plan --tflops, --pcie-gbps,
@@ -160,80 +140,6 @@ class Plan:
   rates: dict = dataclasses.field(default_factory=lambda: dict(DEFAULT_RATES))
   # The trained parameters, where some are frozen (LoRA: the adapters; else n_params).
   n_trained: int | None = None
-
-
-# ----------------------------------------------------------------------------
-# What to plan
-
-
-def variants(cfg: Config, sweep: str, replica: int) -> list[Variant]:
-  """The rows of a plan: every stage, every remat policy, or every offload setting."""
-  stage, hybrid = cfg.zero.resolved
-  policy, offload = cfg.remat.policy, cfg.offload
-  if sweep == "stages":
-    rows = [Variant(s, False, policy, offload.optimizer, offload.params if s == 3 else "device")
-            for s in range(4)]
-    if replica > 1:
-      rows += [Variant(3, True, policy, offload.optimizer, offload.params),
-               Variant(2, True, policy, offload.optimizer)]
-    return rows
-  if sweep == "remat":
-    return [Variant(stage, hybrid, name, offload.optimizer, offload.params)
-            for name in POLICY_NAMES]
-  if sweep == "offload":
-    if cfg.lora.rank:  # the adapters' state stays; the frozen base may rest on the host
-      if stage != 3:
-        raise ConfigError(f"--sweep offload with lora.rank at zero.stage={stage}: a LoRA "
-                          "run's one offload is its frozen base's (offload.params=pinned_host),"
-                          " at stage 3; set zero.stage=3")
-      return [Variant(stage, hybrid, policy, "device", params)
-              for params in ("device", "pinned_host")]
-    kinds = [("device", "device"), ("pinned_host", "device")]
-    if stage == 3:
-      kinds += [("device", "pinned_host"), ("pinned_host", "pinned_host")]
-    return [Variant(stage, hybrid, policy, opt, params) for opt, params in kinds]
-  raise ValueError(f"sweep={sweep!r}; choose one of: {', '.join(SWEEPS)}")
-
-
-def fit_batch_arithmetic(cfg: Config, n_data_parallel: int) -> tuple[Config, list[str]]:
-  """`cfg` with a grad_accum that splits train.global_batch over the devices.
-
-  A preset written for 8 devices (global_batch 64 = micro 1 x 8 x grad_accum
-  8) does not divide 64 devices. Planning keeps global_batch and takes the
-  largest grad_accum up to the configured one that divides it, as one would
-  when moving to more devices; the plan says so.
-  """
-  t = cfg.train
-  for accum in range(t.grad_accum, 0, -1):
-    if t.global_batch % (n_data_parallel * accum) == 0:
-      break
-  else:
-    raise ConfigError(f"train.global_batch={t.global_batch} cannot be split over "
-                      f"{n_data_parallel} data-parallel devices; use a multiple of "
-                      f"{n_data_parallel} (--set train.global_batch=...)")
-  if accum == t.grad_accum:
-    return cfg, []
-  note = (f"train.grad_accum {t.grad_accum} -> {accum} so that global_batch {t.global_batch} "
-          f"= micro-batch {t.global_batch // (n_data_parallel * accum)} x {n_data_parallel} "
-          f"devices x {accum}")
-  return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum=accum)), [note]
-
-
-def for_cpu(cfg: Config) -> Config:
-  """`cfg` as compiled on virtual CPU devices: attention "auto" resolves from the
-  default backend (cuDNN on a GPU machine), which XLA:CPU cannot lower, so it is
-  set to what XLA:CPU runs ("blockwise")."""
-  if jax.default_backend() == "cpu" or getattr(cfg.model, "attention", None) != "auto":
-    return cfg
-  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="blockwise"))
-
-
-def cpu_devices(n: int) -> list:
-  devices = jax.devices("cpu")
-  if n > len(devices):
-    raise ConfigError(f"planning for {n} devices needs {n} virtual CPU devices, but JAX started "
-                      f"with {len(devices)}; run jaxzero.plan in a fresh process")
-  return devices[:n]
 
 
 # ----------------------------------------------------------------------------
@@ -329,19 +235,26 @@ def predicted_step(cfg: Config, n_params: int, devices: int, transfer: int, host
 def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant] = "stages",
          search: bool = True, comm: bool = False, rates: dict | None = None,
          devices_per_process: int | None = None) -> Plan:
-  """Plans each variant of `sweep` (a name in SWEEPS, or the variants themselves)
+  """Plans each variant of `sweep` (a name in variants.SWEEPS, or the variants themselves)
   for `cfg` on `n_devices` virtual CPU devices; `comm` also counts each
   variant's collectives (jaxzero.planning.collectives). Host memory is one process's, of
   `devices_per_process` of them (default: a host of 8 GPUs, or all `n_devices` if fewer)."""
   t0 = time.perf_counter()
-  devices = cpu_devices(n_devices)
-  cfg = for_cpu(cfg)
+  devices = variants_lib.cpu_devices(n_devices)
+  cfg, notes = variants_lib.for_cpu(cfg)
   replica, fsdp, tensor = mesh_lib.resolve_shape(cfg.mesh, n_devices)
-  cfg, notes = fit_batch_arithmetic(cfg, replica * fsdp)
+  cfg, fitted = variants_lib.fit_batch_arithmetic(cfg, replica * fsdp)
+  notes += fitted
   mesh = mesh_lib.mesh_for(cfg.mesh, devices)
   rows, compiles, n_trained = [], 0, None
-  for variant in variants(cfg, sweep, replica) if isinstance(sweep, str) else sweep:
+  for variant in (variants_lib.variants(cfg, sweep, replica) if isinstance(sweep, str)
+                  else sweep):
     variant_cfg = variant.apply(cfg)
+    try:  # a row jaxzero.train would refuse is not planned: the plan says why
+      config_lib.validate(variant_cfg)
+    except ConfigError as refused:
+      notes.append(f"no row for {variants_lib.name(variant)}: {refused}")
+      continue
     program = engine_lib.TrainProgram(variant_cfg, Layout.from_config(variant_cfg, mesh),
                                       builtin_model(variant_cfg))
     row, n = _plan_variant(make_runner(program, check=False), variant, hbm_bytes, search, comm,
@@ -350,6 +263,9 @@ def plan(cfg: Config, n_devices: int, hbm_bytes: int, sweep: str | list[Variant]
     rows.append(row)
     compiles += n
     n_trained = program.n_params if program.n_frozen else None
+  if not rows:
+    asked = f"--sweep {sweep}" if isinstance(sweep, str) else "the rows asked for"
+    raise ConfigError(f"{asked}: jaxzero.train refuses every one; {notes[-1]}")
   notes += _notes(cfg, sweep, rows)
   return Plan(rows, notes, count_params(cfg.model), hbm_bytes, compiles,
               time.perf_counter() - t0, {**DEFAULT_RATES, **(rates or {})}, n_trained)

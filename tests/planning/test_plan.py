@@ -8,7 +8,7 @@ import pytest
 
 from jaxzero import config
 from jaxzero import plan as plan_cli
-from jaxzero.planning import planner
+from jaxzero.planning import planner, variants
 from jaxzero.planning.planner import Variant
 
 from processes import ROOT, run_python
@@ -191,10 +191,29 @@ def test_largest_micro_batch_search_needs_few_compiles():
 
 
 def test_a_preset_for_8_devices_plans_on_64_by_adjusting_grad_accum():
-  cfg, notes = planner.fit_batch_arithmetic(config.load(LLAMA_70B), 64)
+  cfg, notes = variants.fit_batch_arithmetic(config.load(LLAMA_70B), 64)
   assert cfg.train.grad_accum == 1 and "grad_accum 8 -> 1" in notes[0]
   with pytest.raises(config.ConfigError, match="cannot be split over 128"):
-    planner.fit_batch_arithmetic(cfg, 128)
+    variants.fit_batch_arithmetic(cfg, 128)
+
+
+def test_the_plan_plans_what_train_accepts():
+  """A pipeline's micro-batches stay at least its stages; a row train refuses (weights in
+  pinned_host beside a pipeline) is a note, not a traceback; cuDNN's attention is planned
+  as XLA:CPU's blockwise, and the plan says so."""
+  cfg = config.load(str(ROOT / "configs/tiny_zero3.py"),
+                    ["mesh.pipeline=2", "mesh.fsdp=4", "train.global_batch=16",
+                     "train.grad_accum=2"])
+  with pytest.raises(config.ConfigError, match="in at least mesh.pipeline=2 micro-batches; "
+                     "use a multiple of 32"):
+    variants.fit_batch_arithmetic(cfg, 16)
+  with pytest.raises(config.ConfigError, match="the rows asked for: jaxzero.train refuses every "
+                     "one; no row for FULL_SHARD .*offload.params=pinned_host: mesh.pipeline=2 "
+                     "with offload.params=pinned_host is not supported"):
+    planner.plan(cfg, 8, H100, [Variant(3, False, "none", "device", "pinned_host")])
+  cudnn = config.load(str(ROOT / "configs/tiny_zero3.py"), ["model.attention=cudnn"])
+  planned, notes = variants.for_cpu(cudnn)
+  assert planned.model.attention == "blockwise" and "planned as blockwise" in notes[0]
 
 
 @pytest.mark.slow
