@@ -187,7 +187,10 @@ class HloModule:
     wide, narrow = _arrays(inst.shape)[0][0], _arrays(source.shape)[0][0]
     return narrow if wide in ("f32", "f64") and narrow in ("bf16", "f16") else None
 
-  def collectives(self) -> Iterator[Collective]:
+  def collectives(self, sent_wide=lambda op, groups: False) -> Iterator[Collective]:
+    """Every collective; a widening convert into one is XLA:CPU's, and undone, but where
+    `sent_wide(op, replica_groups)` says the program itself sends the wide values (a
+    gradient reduced in float32, converted from bfloat16 just before, looks alike)."""
     dtypes = lambda arrays: "+".join(dict.fromkeys(dt for dt, _ in arrays))
     for comp, insts in self.comps.items():
       for inst in insts:
@@ -196,7 +199,9 @@ class HloModule:
           continue
         operands = [self.insts[o] for o in inst.operands if o in self.insts]
         compiled = [a for o in operands for a in _arrays(o.shape)]
-        sent = [(self.narrow_dtype(o.name) or dt, dims)
+        groups = replica_groups(inst.attrs, self.n_devices)
+        wide = sent_wide(op, groups)
+        sent = [((None if wide else self.narrow_dtype(o.name)) or dt, dims)
                 for o in operands for dt, dims in _arrays(o.shape)]
         results = _arrays(inst.shape)
         if inst.opcode == "all-gather-start":  # (operands..., results...)
@@ -205,7 +210,6 @@ class HloModule:
           results = sent
         elif len(results) == len(sent):  # the element types of the (narrowed) operands
           results = [(s[0], r[1]) for s, r in zip(sent, results)]
-        groups = replica_groups(inst.attrs, self.n_devices)
         yield Collective(
             name=inst.name, op=op, dtype=dtypes(sent),
             shape=", ".join(f"{dt}[{','.join(map(str, dims))}]" for dt, dims in results),

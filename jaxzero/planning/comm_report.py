@@ -32,10 +32,15 @@ def mesh_axes(groups: Groups, mesh) -> tuple[str, ...]:
   return tuple(name for k, name in enumerate(mesh.axis_names) if k in spanned)
 
 
-def zero_paper_units(stage: int, grad_accum: int = 1) -> int:
-  """The ZeRO paper's figure, counted as jaxzero.planning.collectives counts; a hybrid stage
-  has its stage's."""
-  return {0: 2, 1: 2, 2: grad_accum + 1, 3: 3 * grad_accum}[stage]
+def zero_paper_units(stage: int, grad_accum: int = 1, weight_bytes: int = 2,
+                     gradient_bytes: int = 2) -> float:
+  """The ZeRO paper's figure, counted as jaxzero.planning.collectives counts, in units of
+  Φ x 2 bytes; a hybrid stage has its stage's. The paper sends fp16 weights and gradients;
+  `weight_bytes` and `gradient_bytes` are a run's (gathered in the compute dtype, reduced
+  in zero.reduce_dtype): the figure at those dtypes."""
+  weights, gradients = {0: (0, 2), 1: (1, 1), 2: (1, grad_accum),
+                        3: (2 * grad_accum, grad_accum)}[stage]
+  return (weights * weight_bytes + gradients * gradient_bytes) / 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +91,15 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
            stage: int | None = None, grad_accum: int = 1, tensor: int = 1,
            activation_bytes: int | None = None, kv_bytes: int | None = None,
            context: int = 1, context_strategy: str = "all_gather",
-           kv_runs: int = 0) -> CommReport:
+           kv_runs: int = 0, dtype_bytes: tuple[int, int] = (2, 2)) -> CommReport:
   """Every collective of a compiled step, and the bytes per device per step.
 
   Args:
     compiled_or_text: a ``jax.stages.Compiled`` (or ``Lowered``), or HLO text.
     mesh: the ``jax.sharding.Mesh`` it was compiled for; None leaves axes empty.
     n_params: Φ; unit_bytes_per_param: the bytes of one unit per parameter.
-    stage, grad_accum: when the stage is given, the ZeRO paper's figure is added.
+    stage, grad_accum: when the stage is given, the ZeRO paper's figure is added, at
+      `dtype_bytes` (the bytes of a gathered weight and of a reduced gradient).
     tensor: `mesh.tensor`; each device then holds 1/tensor of every weight, so the
       paper's figure (for the data axes) is divided by it.
     activation_bytes: with a ``pipeline`` axis, one micro-batch's activations at a stage
@@ -108,7 +114,15 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
       sequence's), and their gradients back.
   """
   module = HloModule(hlo_text(compiled_or_text))
-  found = list(module.collectives())
+  # A weight's gradient reduced in float32 (dtype_bytes[1] == 4), across the data axes (and
+  # `context`, whose devices share the weights), is sent so; other float32 casts into a
+  # collective are XLA:CPU's widening of bf16, undone.
+  def reduced_wide(op, groups) -> bool:
+    if dtype_bytes[1] != 4 or mesh is None or op not in ("all-reduce", "reduce-scatter"):
+      return False
+    axes = set(mesh_axes(groups, mesh))
+    return bool(axes & {"replica", "fsdp"}) and axes <= {"replica", "fsdp", "context"}
+  found = list(module.collectives(reduced_wide))
   alike: dict[tuple, list[Collective]] = {}
   for c in found:
     axes = mesh_axes(c.replica_groups, mesh) if mesh is not None else ()
@@ -127,6 +141,10 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
       "partitioned program sends",
       "{} while loop(s) with collectives inside and no known trip count: counted as running "
       "once")) if n]
+  if stage is not None and dtype_bytes != (2, 2):
+    notes.append(f"the ZeRO paper's figure at this run's dtypes: weights gathered in "
+                 f"{dtype_bytes[0]}-byte, gradients reduced in {dtype_bytes[1]}-byte values "
+                 f"(the paper's fp16 throughout: {zero_paper_units(stage, grad_accum) / tensor:g})")
   if tensor > 1:
     notes.append(f"mesh.tensor={tensor}: the ZeRO paper's figure is over the data axes, for "
                  f"the 1/{tensor} of each weight a device holds; what crosses `tensor` "
@@ -151,7 +169,8 @@ def report(compiled_or_text: Any, mesh, n_params: int, unit_bytes_per_param: int
       rows, found, total, total / (n_params * unit_bytes_per_param),
       {a: sum(r.counted_bytes for r in rows if a in r.axes) for a in getattr(mesh, "axis_names", ())},
       n_params, unit_bytes_per_param,
-      None if stage is None else zero_paper_units(stage, grad_accum) / tensor, notes,
+      None if stage is None else zero_paper_units(stage, grad_accum, *dtype_bytes) / tensor,
+      notes,
       sum(r.counted_bytes for r in alone),
       sum(r.counted_bytes for r in alone if r.op == "collective-permute"), formula,
       sum(r.counted_bytes for r in rows if r.axes == ("context",)), context_formula_bytes,
@@ -168,7 +187,10 @@ def for_program(compiled: Any, program, micro: int) -> CommReport:
                 activation_bytes=boundary_bytes(program, micro),
                 kv_bytes=kv_bytes(program, micro), context=layout.context_size,
                 context_strategy=layout.context_strategy,
-                kv_runs=cfg.model.n_layers // layout.pipeline_size * cfg.train.grad_accum)
+                kv_runs=cfg.model.n_layers // layout.pipeline_size * cfg.train.grad_accum,
+                dtype_bytes=(np.dtype(dtype_of(cfg.precision.compute)).itemsize,
+                             np.dtype(dtype_of(cfg.zero.reduce_dtype
+                                               or cfg.zero.grad_dtype)).itemsize))
 
 
 def boundary_bytes(program, micro: int) -> int | None:

@@ -167,6 +167,30 @@ def test_a_value_widened_then_transposed_counts_at_its_narrow_dtype():
 def test_zero_paper_units():
   assert [comm_report.zero_paper_units(s, 4) for s in range(4)] == [2, 2, 5, 12]
   assert [comm_report.zero_paper_units(s) for s in range(4)] == [2, 2, 2, 3]
+  # bf16 weights gathered, gradients reduced in float32 (zero.grad_dtype's default).
+  assert [comm_report.zero_paper_units(s, 2, 2, 4) for s in range(4)] == [4, 3, 5, 8]
+
+
+@pytest.mark.parametrize("axis, dtype_bytes, sent", [
+    ("fsdp", (2, 4), ("f32", 24)),  # a gradient reduced in float32: sent so
+    ("fsdp", (2, 2), ("bf16", 12)),  # reduced in bf16: the float32 is XLA:CPU's widening
+    ("tensor", (2, 4), ("bf16", 12)),  # activations across `tensor`: XLA:CPU's widening
+])
+def test_a_gradient_reduced_in_float32_counts_as_float32(axis, dtype_bytes, sent):
+  """A bf16 gradient cast to float32 for its reduce looks like XLA:CPU's widening; across
+  the data axes with zero.reduce_dtype float32 it is the program's, and counted so."""
+  fused = """%widen (fp: bf16[2,3]) -> f32[2,3] {
+  %fp = bf16[2,3]{1,0} parameter(0)
+  ROOT %nf = f32[2,3]{1,0} convert(%fp)
+}"""
+  entry = """  %p0 = bf16[2,3]{1,0} parameter(0)
+  %w = f32[2,3]{1,0} fusion(%p0), kind=kLoop, calls=%widen
+  ROOT %ar = f32[2,3]{1,0} all-reduce(%w), replica_groups=[1,8]<=[8], to_apply=%add"""
+  mesh = Mesh(np.array(jax.devices()[:8]), (axis,))
+  rep = comm_report.report(_module(fused, entry=entry), mesh, n_params=6, stage=0,
+                           dtype_bytes=dtype_bytes)
+  (c,) = rep.collectives
+  assert (c.dtype, c.operand_bytes) == sent
 
 
 def _scan_step(mesh):
