@@ -39,7 +39,8 @@ def main(argv=None) -> int:
                       "setting at the config's stage")
   parser.add_argument("--no-search", action="store_true",
                       help="skip the search for the largest micro-batch that fits")
-  parser.add_argument("--json", action="store_true", help="print a JSON list, one object per row")
+  parser.add_argument("--json", action="store_true", help="print JSON: a list, one object per "
+                      "row (offload.params=nvme: one object, the run's programs)")
   parser.add_argument("--tflops", type=float, default=400.0,
                       help="the device's achieved TFLOP/s for the predicted step time "
                       "(default 400: dense bf16 at ~40%% of an H100's peak)")
@@ -68,6 +69,29 @@ def main(argv=None) -> int:
     if said:
       print(said, file=sys.stderr)
 
+  def plan_infinity(cfg, n_devices: int):
+    from jaxzero.planning import infinity_plan  # pylint: disable=import-outside-toplevel
+    from jaxzero.planning import variants  # pylint: disable=import-outside-toplevel
+    given = [flag for flag, dest in (("--sweep", "sweep"), ("--comm", "comm"),
+                                     ("--no-search", "no_search"), ("--host-gbps", "host_gbps"),
+                                     ("--devices-per-process", "devices_per_process"))
+             if getattr(args, dest) != parser.get_default(dest)]
+    if given:
+      parser.error(f"{', '.join(given)}: not for offload.params=nvme, whose run is planned "
+                   "program by program (its flags: --devices, --hbm-gb, --json, --tflops, "
+                   "--pcie-gbps, --disk-gbps)")
+    replica, fsdp, _ = mesh_lib.resolve_shape(cfg.mesh, n_devices)
+    cfg, notes = variants.fit_batch_arithmetic(cfg, replica * fsdp)
+    found = infinity_plan.plan(cfg, n_devices, args.tflops, args.pcie_gbps, args.disk_gbps)
+    fits = found.device_bytes <= args.hbm_gb * 1e9
+    if args.json:
+      print(json.dumps({**infinity_plan.as_json(found), "fits": fits, "notes": notes}, indent=2))
+      return
+    print(infinity_plan.format_text(found, f"jaxzero.plan --config {args.config}"))
+    print(f"fits {args.hbm_gb:g} GB a device (--hbm-gb): {'yes' if fits else 'no'}")
+    for note in notes:
+      print(f"note: {note}")
+
   def make_plan():
     if args.devices is not None and args.devices < 1:
       parser.error(f"--devices={args.devices} must be at least 1")
@@ -89,10 +113,7 @@ def main(argv=None) -> int:
       parser.error("--tflops, --pcie-gbps, --disk-gbps and --host-gbps must be positive "
                    "numbers")
     if cfg.offload.params == "nvme":  # a run of per-layer programs: planned program by program
-      from jaxzero.planning import infinity_plan  # pylint: disable=import-outside-toplevel
-      found = infinity_plan.plan(cfg, n_devices, args.tflops, args.pcie_gbps, args.disk_gbps)
-      print(json.dumps(infinity_plan.as_json(found), indent=2) if args.json else
-            infinity_plan.format_text(found, f"jaxzero.plan --config {args.config}"))
+      plan_infinity(cfg, n_devices)
       return
     from jaxzero.planning import planner  # pylint: disable=import-outside-toplevel
     rates = {"tflops": args.tflops, "pcie_gbps": args.pcie_gbps, "host_gbps": args.host_gbps}

@@ -235,6 +235,10 @@ def test_cli_plans_llama70b_on_64_virtual_devices():
   assert rows[3]["fits"] and not rows[0]["fits"]
 
 
+NVME = ["--set", "offload.params=nvme", "--set", "offload.optimizer=nvme",
+        "--set", "offload.nvme_dir=/nonexistent/nvme"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--devices", "0"], "--devices=0 must be at least 1"),
     (["--devices", "6", "--set", "mesh.fsdp=8"],
@@ -243,6 +247,9 @@ def test_cli_plans_llama70b_on_64_virtual_devices():
     (["--hbm-gb", "-1"], "--hbm-gb=-1 must be a positive number"),
     (["--hbm-gb", "nan"], "--hbm-gb=nan must be a positive number"),
     (["--tflops", "inf"], "--tflops, --pcie-gbps, --disk-gbps and --host-gbps must be positive"),
+    ([*NVME, "--sweep", "remat", "--comm"], "--sweep, --comm: not for offload.params=nvme"),
+    ([*NVME, "--set", "train.global_batch=4"],
+     "train.global_batch=4 cannot be split over 8 data-parallel devices"),
 ])
 @pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_code_2(args, message):
