@@ -99,6 +99,26 @@ def cfg_params(cfg) -> int:
   return count_params(cfg.model)
 
 
+def test_what_xla_cpu_counts_on_the_device_but_a_gpu_keeps_in_host_memory_is_not_device():
+  """XLA:CPU reports weights in pinned_host, and offloaded activations, as device memory;
+  whether a row fits, and its largest micro-batch, leave them out (a GPU compiler reports
+  them apart, and its figure is then taken as is)."""
+  import types
+  from jaxzero.runtime import pinned_pool
+  from jaxzero.training import loop
+  cfg = config.load(str(CONFIGS / "tiny_zero3.py"), ["offload.params=pinned_host",
+                                                      "remat.policy=offload_matmuls"])
+  runner = loop.prepare(cfg, jax.devices()[:8], check=False)
+  fields = ("argument", "output", "alias", "temp")
+  cpu = types.SimpleNamespace(**{f"{k}_size_in_bytes": 10**7 for k in fields},
+                              **{f"host_{k}_size_in_bytes": 0 for k in fields},
+                              generated_code_size_in_bytes=0)
+  on_host = runner.plan()["host"] + pinned_pool.offloaded_matmul_bytes(cfg, 4)
+  assert 0 < on_host and planner.device_bytes(cpu, runner, 4) == 2 * 10**7 - on_host
+  gpu = types.SimpleNamespace(**{**vars(cpu), "host_argument_size_in_bytes": 1})
+  assert planner.device_bytes(gpu, runner, 4) == planner.xla_total_bytes(gpu) == 2 * 10**7
+
+
 @pytest.mark.slow
 def test_offload_moves_state_to_the_host():
   cfg = config.load(LLAMA_70B)
