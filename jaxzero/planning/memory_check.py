@@ -312,6 +312,7 @@ def suggest(program, b: Budget) -> str:
     state += frozen / n  # a LoRA base, sharded at every stage
     policy_cfg = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy=policy))
     state /= getattr(layout, "tensor_size", 1)  # mesh.tensor splits every weight further
+    state /= getattr(layout, "pipeline_size", 1)  # a stage holds its layers (about 1/S)
     return int(state + (activation_bytes(policy_cfg, m, n, stage == 3 and n > 1)
                         if estimated else 0))
 
@@ -328,7 +329,8 @@ def suggest(program, b: Budget) -> str:
   if (offloadable and not cpu and cfg.offload.optimizer == "device" and host_holds
       and fits(needed(offload="pinned_host"))):
     ideas.append(f"offload.optimizer=pinned_host (~{format_bytes(needed(offload='pinned_host'))})")
-  elif offloadable and cfg.offload.optimizer != "nvme" and fits(needed(offload="nvme")):
+  elif (offloadable and cfg.offload.optimizer != "nvme" and cfg.mesh.pipeline == 1
+        and fits(needed(offload="nvme"))):  # (a pipeline keeps its optimizer in memory)
     ideas.append(f"offload.optimizer=nvme with offload.nvme_dir=PATH "
                  f"(~{format_bytes(needed(offload='nvme'))})")
   if micro > 1 and fits(needed(m=1)):
@@ -338,14 +340,19 @@ def suggest(program, b: Budget) -> str:
     return "what would fit: " + " or ".join(ideas)
   smallest = needed(stage=3, policy="full", m=1)
   how = "ZeRO-3 with remat.policy=full and micro-batch 1" if estimated else "ZeRO-3"
+  if fits(smallest):  # no one change fits, all of them together do
+    return f"what would fit: {how} (~{format_bytes(smallest)})"
   if cpu:
     return (f"nothing fits this host: even {how} "
             f"needs ~{format_bytes(smallest)} per device, the model state alone "
             f"{format_bytes((c + g + 12) * phi)} in all; train a smaller model here, or "
             + ("plan GPUs with jaxzero.plan --config ... --hbm-gb G" if estimated else
                "on GPUs (jaxzero.Engine(..., force=True).plan(batch) gives XLA's figure)"))
+  # The devices each shard group has beside it (tensor, pipeline, context, replicas) stay.
+  beside = max(1, b.devices // layout.shard_size)
   for n in (2 ** k for k in range(1, 17)):
     if n > layout.shard_size and fits(needed(stage=3, policy="full", m=1, n=n)):
-      return (f"{how} would fit on {n} such devices "
-              f"(~{format_bytes(needed(stage=3, policy='full', m=1, n=n))} each)")
+      return (f"{how} would fit on {n * beside} such devices"
+              + (f", each weight split {n} ways" if beside > 1 else "")
+              + f" (~{format_bytes(needed(stage=3, policy='full', m=1, n=n))} each)")
   return f"even {how} needs ~{format_bytes(smallest)}"

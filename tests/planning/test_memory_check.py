@@ -66,6 +66,27 @@ def test_what_would_fit_counts_a_lora_base_and_offers_no_offload_for_it():
       "ZeRO-3 with remat.policy=full and micro-batch 1 would fit on 2 such devices")
 
 
+def test_what_would_fit_combines_the_fixes_and_counts_a_pipeline_s_devices():
+  """No one change fits where all together do (ZeRO-3, full remat, micro-batch 1 on these
+  devices); with a pipeline each device holds its stage's layers, and more devices are
+  counted with the stages beside each shard group."""
+  import dataclasses
+  devices = jax.devices()[:8]
+  runner = loop.prepare(config.load(TINY, ["zero.stage=2"]), devices, check=False)
+  small = dataclasses.replace(memory_check.budget(runner, devices), available=8 * 10**6,
+                              platform="gpu", host_ram=None)
+  assert memory_check.suggest(runner.program, small).startswith(
+      "what would fit: ZeRO-3 with remat.policy=full and micro-batch 1 (~6.")
+  cfg = config.load("configs/llama8b_zero3.py", ["mesh.pipeline=2", "mesh.fsdp=4",
+                                                 "train.global_batch=8", "train.grad_accum=2"])
+  runner = loop.prepare(cfg, devices, check=False)
+  budget = dataclasses.replace(memory_check.budget(runner, devices), available=14 * 10**9,
+                               platform="gpu", host_ram=None)
+  assert memory_check.suggest(runner.program, budget).startswith(
+      "ZeRO-3 with remat.policy=full and micro-batch 1 would fit on 32 such devices, each "
+      "weight split 16 ways (~11.")
+
+
 class GPU:
   """A virtual CPU device posing as an 80 GB GPU, for the check's accounting."""
   platform, device_kind = "gpu", "NVIDIA H100"
