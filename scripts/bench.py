@@ -120,8 +120,13 @@ def add_rates(result: dict, cfg) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   t = cfg.train
   tokens = t.global_batch * t.seq_len
+  from jaxzero.models import lora  # pylint: disable=import-outside-toplevel
   from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
-  flops_per_token = model_flops_per_token(cfg, count_params(cfg.model))
+  n_params, n_frozen = count_params(cfg.model), 0
+  if cfg.lora.rank:  # the training log's count: the adapters train, the base is frozen
+    n_params, n_frozen = lora.n_adapter_params(lora.adapter_specs(
+        cfg.model, cfg.lora.rank, lora.resolve_targets(cfg.lora.targets))), n_params
+  flops_per_token = model_flops_per_token(cfg, n_params, n_frozen)
   tflops = flops_per_token * tokens / result["step_time_s"] / 1e12
   peak = device_peak_tflops(jax.devices()[0])
   devices = result["devices"]

@@ -39,6 +39,28 @@ def test_model_flops_follow_the_palm_convention():
   assert bench.model_flops_per_token(cfg, phi) == 6 * phi + 12 * 2 * 64 * 128
 
 
+def test_a_lora_run_s_mfu_counts_its_frozen_base_as_the_training_log_does(monkeypatch):
+  """6 a token for the adapters, 4 for the frozen base (its weights get no gradient), on
+  an H100 NVL's own peak (835 TFLOP/s, not the SXM part's 989)."""
+  import types
+  from jaxzero import config  # pylint: disable=import-outside-toplevel
+  from jaxzero.models.llama import count_params
+  from jaxzero.training import throughput
+  bench = load_script("bench")
+  cfg = config.load(str(ROOT / "configs" / "llama8b_lora.py"))
+  nvl = types.SimpleNamespace(device_kind="NVIDIA H100 NVL", platform="gpu")
+  assert throughput.device_peak_tflops(nvl) == 835.0
+  monkeypatch.setattr(bench, "device_peak_tflops", throughput.device_peak_tflops)
+  monkeypatch.setattr("jax.devices", lambda *a: [nvl])
+  result = bench.add_rates({"step_time_s": 1.0, "devices": 1}, cfg)
+  tokens = cfg.train.global_batch * cfg.train.seq_len
+  m = cfg.model
+  adapters = result["model_tflops"] * 1e12 / tokens - 4 * count_params(m) - (
+      12 * m.n_layers * m.dim * cfg.train.seq_len)
+  assert 0 < adapters / 6 < 0.01 * count_params(m)  # rank-16 adapters: well under 1%
+  assert result["mfu"] == pytest.approx(result["model_tflops"] / 835.0)
+
+
 @pytest.mark.slow
 def test_offload_bench_reports_every_figure(capsys):
   bench = load_script("offload_bench")

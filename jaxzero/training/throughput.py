@@ -6,9 +6,11 @@ devices' bf16 dense peak, where the device is known (a CPU has none).
 
 from __future__ import annotations
 
-# bf16 dense peak per device, TFLOP/s (vendor datasheets, without sparsity).
-# The H100 figure is the SXM part's; PCIe H100s peak lower (756 TFLOP/s).
-PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
+# bf16 dense peak per device, TFLOP/s (vendor datasheets, without sparsity), the first
+# name in the device kind wins. The H100 figure is the SXM part's; PCIe and NVL H100s peak
+# lower.
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.4, "H200": 989.4,
+               "A100": 312.0}
 
 
 def device_peak_tflops(device) -> float | None:
