@@ -236,8 +236,11 @@ def predicted_step(cfg: Config, n_params: int, devices: int, transfer: int, host
                    rates: dict, n_frozen: int = 0) -> tuple[dict, float, str]:
   """({compute, host, pcie} seconds, the step's seconds, the slowest part's name)."""
   tokens = cfg.train.global_batch * cfg.train.seq_len
-  recompute = 4 / 3 if cfg.remat.policy == "full" else 1.0  # the forward pass again
-  flops = model_flops_per_token(cfg, n_params, n_frozen) * tokens * recompute / devices
+  per_token = model_flops_per_token(cfg, n_params, n_frozen)
+  if cfg.remat.policy == "full":  # the forward pass again: 2 a weight (frozen or not) and
+    # a third of attention's (the other policies' recompute is not counted)
+    per_token += 2 * (n_params + n_frozen) + (per_token - 6 * n_params - 4 * n_frozen) / 3
+  flops = per_token * tokens / devices
   seconds = {"compute": flops / (rates["tflops"] * 1e12),
              "host": host_update / (rates["host_gbps"] * 1e9),
              "pcie": transfer / (rates["pcie_gbps"] * 1e9)}

@@ -313,3 +313,22 @@ def test_a_lora_offload_sweep_rests_the_frozen_base_in_host_memory():
   with pytest.raises(config.ConfigError, match="--sweep offload with lora.rank at "
                      "zero.stage=1"):
     planner.plan(config.load(LLAMA_8B, ["lora.rank=8", "zero.stage=1"]), 8, H100, "offload")
+
+
+def test_full_remat_s_predicted_step_adds_one_forward_pass_of_every_weight():
+  """A LoRA run's frozen base costs 4 a token (no weight gradient), and its forward, 2 a
+  token, again under full remat: 4/3 of the step would count the base 5.3, not 6."""
+  import dataclasses
+  cfg = config.load(str(CONFIGS / "tiny_zero3.py"))
+  rates = {"tflops": 1e-6, "host_gbps": 1.0, "pcie_gbps": 1.0}
+  phi, frozen = 1000, 10**6
+  seconds = {}
+  for policy in ("none", "full"):
+    at = dataclasses.replace(cfg, remat=dataclasses.replace(cfg.remat, policy=policy))
+    seconds[policy] = planner.predicted_step(at, phi, 1, 0, 0, rates, frozen)[0]["compute"]
+  m, t = cfg.model, cfg.train
+  attention = 12 * m.n_layers * m.dim * t.seq_len
+  tokens = t.global_batch * t.seq_len
+  assert seconds["none"] == pytest.approx((6 * phi + 4 * frozen + attention) * tokens / 1e6)
+  assert seconds["full"] - seconds["none"] == pytest.approx(
+      (2 * (phi + frozen) + attention / 3) * tokens / 1e6)
