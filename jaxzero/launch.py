@@ -6,7 +6,9 @@ talking through gloo. Bad training arguments are refused in one line before any
 process starts. Output lines carry the process rank. When one process
 fails the launcher stops the others and exits with that process's error, so
 nothing waits on a dead peer; Ctrl-C and SIGTERM are forwarded to every process, and a
-hangup (unless ignored, as under nohup) reaches them as SIGTERM: each saves and exits.
+hangup (unless ignored, as under nohup) reaches them as SIGTERM: each saves and exits. A
+launcher killed outright (SIGKILL, the OOM killer) leaves none running: on Linux the
+kernel sends each of them SIGTERM (jaxzero.runtime.distributed.stop_with_launcher).
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def child_env(rank: int, nproc: int, devices: int, coordinator: str, base=os.env
       distributed.ENV_COORDINATOR: coordinator,
       distributed.ENV_NUM_PROCESSES: str(nproc),
       distributed.ENV_PROCESS_ID: str(rank),
+      distributed.ENV_LAUNCHER_PID: str(os.getpid()),  # SIGTERM when the launcher dies
       # JAX's jax_num_cpu_devices option, the one way jaxzero makes virtual
       # devices (jaxzero.parallel.mesh); a mesh that names its size re-divides them.
       "JAX_NUM_CPU_DEVICES": str(devices),

@@ -242,6 +242,42 @@ def test_a_hangup_of_the_launcher_stops_its_processes(tmp_path, launch_env):
   assert latest_step(tmp_path / "w") is not None, err.read_text()  # saved as it stopped
 
 
+@pytest.mark.slow
+def test_a_process_the_launcher_started_ends_when_the_launcher_is_killed(tmp_path):
+  """SIGKILL (or the OOM killer) gives the launcher no chance to stop its processes; each
+  gets SIGTERM from the kernel instead, and none runs on alone."""
+  child = ("import sys, time; from jaxzero.runtime import distributed; "
+           "distributed.stop_with_launcher(); print('ready', flush=True); time.sleep(120)")
+  parent = (f"import os, subprocess, sys, time\n"
+            f"env = dict(os.environ, JAXZERO_LAUNCHER_PID=str(os.getpid()))\n"
+            f"c = subprocess.Popen([sys.executable, '-c', {child!r}], env=env)\n"
+            f"print(c.pid, flush=True)\ntime.sleep(120)\n")
+  ready = tmp_path / "out.txt"
+  with open(ready, "w") as out:
+    launcher = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT, stdout=out,
+                                env=child_env(pythonpath=True))
+  try:
+    wait_for(lambda: "ready" in ready.read_text(), launcher, timeout_s=60)
+    pid = int(ready.read_text().split()[0])
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(pid):
+      time.sleep(0.1)
+    assert not _running(pid)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+
+
+def _running(pid: int) -> bool:
+  """Whether `pid` exists and is not a zombie (an exited process not yet reaped)."""
+  try:
+    return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+  except (FileNotFoundError, ProcessLookupError):
+    return False
+
+
 def wait_for(condition, launcher, timeout_s=300):
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline:

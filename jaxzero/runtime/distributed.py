@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 ENV_COORDINATOR = "JAXZERO_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXZERO_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXZERO_PROCESS_ID"
+ENV_LAUNCHER_PID = "JAXZERO_LAUNCHER_PID"  # set by jaxzero.launch for the processes it starts
 EXPLICIT = "config or JAXZERO_* variables"
 
 # What JAX's SLURM detection reads; SLURM_STEP_NODELIST exists only inside `srun`.
@@ -55,6 +57,7 @@ def initialize(cfg: Config, prog: str = "jaxzero") -> Peers | None:
   On CPU a multi-process run shares the mesh's devices: each of N processes
   gets mesh-size / N virtual devices, and the processes talk through gloo.
   """
+  stop_with_launcher()
   xla_flags.apply_gpu_defaults()
   peers = resolve(cfg.distributed, os.environ)
   processes = peers.num_processes if peers and peers.num_processes else 1
@@ -80,6 +83,20 @@ def initialize(cfg: Config, prog: str = "jaxzero") -> Peers | None:
 
 
 _joined = False
+
+
+def stop_with_launcher(environ=os.environ) -> None:
+  """A process jaxzero.launch started gets SIGTERM when the launcher dies, even of SIGKILL
+  (or the OOM killer), as it would from the launcher itself: it saves and exits instead of
+  running on without it (Linux's PR_SET_PDEATHSIG; elsewhere nothing is done)."""
+  launcher = environ.get(ENV_LAUNCHER_PID, "")
+  if not launcher.isdigit() or not sys.platform.startswith("linux"):
+    return
+  import ctypes  # pylint: disable=import-outside-toplevel
+  pr_set_pdeathsig = 1
+  ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+  if os.getppid() != int(launcher):  # it died before the signal was asked for
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def joined() -> bool:
