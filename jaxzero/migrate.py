@@ -57,7 +57,13 @@ def main(argv=None) -> int:
   parser.add_argument("file", help="ds_config.json, or an Accelerate FSDP .yaml")
   parser.add_argument("--base", help="the config file it applies over (default: jaxzero's "
                       "built-in defaults, config.base())")
+  parser.add_argument("--devices", type=int, metavar="N",
+                      help="the devices the run will use, for a batch size the file leaves to "
+                      "the device count (\"auto\", or micro-batch x accumulation); default: "
+                      "the mesh's size, else 8")
   args = parser.parse_args(argv)
+  if args.devices is not None and args.devices < 1:
+    parser.error(f"--devices={args.devices} must be at least 1")
 
   def body():
     # pylint: disable-next=import-outside-toplevel
@@ -68,10 +74,16 @@ def main(argv=None) -> int:
     if tr.batch is not None:  # "auto" batch sizes, for the devices jaxzero.train would use
       from jaxzero.parallel import mesh  # pylint: disable=import-outside-toplevel
       applied = tr.apply(base)
-      resolved, how = deepspeed.resolve_batch(applied, tr, mesh.devices_for(applied.mesh))
+      devices = args.devices or mesh.devices_for(applied.mesh)
+      resolved, how = deepspeed.resolve_batch(applied, tr, devices)
+      # A size found from the device count holds for that count only: the file written says
+      # which it assumed when the mesh named none and --devices was not given.
+      assumed = ("" if args.devices or mesh.devices_needed(applied.mesh)
+                 else f" (for {devices} devices: jaxzero.migrate --devices N for yours)")
       for key in ("train.global_batch", "train.grad_accum"):
         origin = how.get(key, " / ".join(k for k, v in tr.batch.items() if v is not None))
-        tr.set(key, getattr(resolved.train, key.split(".")[1]), origin)
+        tr.set(key, getattr(resolved.train, key.split(".")[1]),
+               origin + (assumed if how.get(key, "").startswith("auto") else ""))
     config_lib.validate(tr.apply(base))  # refuse here what train would refuse
     command = "python -m jaxzero.migrate " + " ".join(argv if argv is not None else sys.argv[1:])
     sys.stdout.write(render(tr, base, args.base, command))

@@ -127,9 +127,9 @@ def _main(argv) -> int:
 
   def body():
     loaded = cli.load_config(args)  # before JAX starts: creates virtual CPU devices
-    if args.print_config:
-      from jaxzero.parallel import mesh  # pylint: disable=import-outside-toplevel
-      print(loaded.describe(mesh.devices_for(loaded.cfg.mesh)))
+    if args.print_config:  # on the devices training would use: a GPU machine's all
+      import jax  # pylint: disable=import-outside-toplevel
+      print(loaded.describe(jax.device_count()))
       return
     distributed.initialize(loaded.cfg, prog=parser.prog)  # joins the other processes, if any
     import jax  # pylint: disable=import-outside-toplevel

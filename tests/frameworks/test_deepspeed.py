@@ -547,6 +547,24 @@ def test_migrate_output_resolves_to_the_same_config(tmp_path, capsys):
   assert config.load(str(migrated), SMALL) == config.load(TINY, RUN_SET + SMALL)
 
 
+def test_a_batch_from_the_device_count_is_found_on_the_devices_the_run_uses(tmp_path, capsys,
+                                                                           monkeypatch):
+  """Micro-batch 2 x accumulation 4 is a global batch of 2 x 4 x the devices: migrate writes
+  it for --devices N (else says which count it assumed), and --print-config finds it on
+  JAX's devices, as training does (a GPU machine's, not 8)."""
+  from jaxzero import train
+  ds_file = write(tmp_path, "mb.json", '{"train_micro_batch_size_per_gpu": 2, '
+                  '"gradient_accumulation_steps": 4}')
+  assert migrate.main([ds_file, "--devices", "4"]) == 0
+  assert "global_batch=32,  # auto: " in capsys.readouterr().out
+  assert migrate.main([ds_file]) == 0
+  assert "(for 8 devices: jaxzero.migrate --devices N for yours)" in capsys.readouterr().out
+  monkeypatch.setattr(jax, "device_count", lambda: 2)
+  assert train.main(["--config", TINY, "--deepspeed", ds_file, "--set", "mesh.fsdp=-1",
+                     "--print-config"]) == 0
+  assert "train.global_batch=16  # auto: " in capsys.readouterr().out
+
+
 def write(tmp_path, name, text):
   path = tmp_path / name
   path.write_text(text)
