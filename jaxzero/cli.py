@@ -79,10 +79,17 @@ def load_config(args) -> Loaded:
     origins = {key: f"{file.source}: {origin}" + (' ("auto": the base\'s)' if origin in file.autos
                                                   else "")
                for key, (_, origin) in file.settings.items()}
+    named = cfg.zero.strategy
     cfg = config_lib.apply_overrides(cfg, args.set)
     config_lib.validate(cfg)
   else:
     cfg = config_lib.load(args.config, args.set)
+  replaced = [k for k in ("zero.stage", "zero.hybrid") if k in sets]
+  if file is not None and named and not cfg.zero.strategy and replaced:
+    # --set zero.stage or zero.hybrid spells the file's strategy out (apply_overrides).
+    was = origins.get("zero.strategy", "base")
+    origins.update({"zero.stage": was, "zero.hybrid": was,
+                    "zero.strategy": f"--set {replaced[0]} replaces {named} ({was})"})
   origins.update({key: "--set" for key in sets})
   mesh_lib.use_cpu_devices_for(cfg.mesh)  # -1 means what it means to jaxzero.plan
   return Loaded(cfg, origins, file, sets)

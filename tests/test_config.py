@@ -139,6 +139,18 @@ def test_strategy_is_an_alternative_spelling_of_stage():
   assert config.base().zero.resolved == (3, False)
 
 
+def test_set_stage_or_hybrid_over_a_strategy_is_the_one_that_runs():
+  """--set zero.stage or zero.hybrid spells out a strategy set before it; a later
+  zero.strategy decides again."""
+  full = config.apply_overrides(config.base(), ["zero.strategy=FULL_SHARD"])
+  cases = {("zero.stage=2",): (2, False, ""), ("zero.hybrid=true",): (3, True, ""),
+           ("zero.stage=2", "zero.strategy=HYBRID_SHARD"): (2, False, "HYBRID_SHARD")}
+  for sets, (stage, hybrid, strategy) in cases.items():
+    zero = config.apply_overrides(full, list(sets)).zero
+    assert (zero.stage, zero.hybrid, zero.strategy) == (stage, hybrid, strategy), sets
+  assert config.apply_overrides(full, ["zero.stage=1"]).zero.resolved == (1, False)
+
+
 def test_mesh_shape_resolves_minus_one_and_rejects_misfits():
   cfg = config.apply_overrides(config.base(), ["mesh.replica=2", "mesh.fsdp=-1"])
   assert mesh.resolve_shape(cfg.mesh, 8) == (2, 4, 1)

@@ -97,8 +97,20 @@ def apply_overrides(cfg: Any, assignments: list[str]) -> Any:
     if key in MOVED_KEYS:
       log.warning("config key %s is deprecated; it is now %s", key, MOVED_KEYS[key])
       key = MOVED_KEYS[key]
-    cfg = override(cfg, key, text.strip())
+    cfg = override(_strategy_spelled_out(cfg, key), key, text.strip())
   return cfg
+
+
+def _strategy_spelled_out(cfg: Any, key: str) -> Any:
+  """`cfg` ready for an override of `key`: zero.strategy, when set, decides the stage and
+  the hybrid flag (ZeroConfig.resolved), so an override of either replaces the strategy by
+  the (stage, hybrid) it names; otherwise the value given would not be the one that runs."""
+  zero = getattr(cfg, "zero", None)
+  if key not in ("zero.stage", "zero.hybrid") or not getattr(zero, "strategy", ""):
+    return cfg
+  stage, hybrid = zero.resolved
+  return dataclasses.replace(cfg, zero=dataclasses.replace(zero, stage=stage, hybrid=hybrid,
+                                                           strategy=""))
 
 
 def check_literals(cfg: Any, _prefix: str = "") -> None:

@@ -135,6 +135,19 @@ def test_offload_params_and_the_knobs_are_reported_once(tmp_path, caplog):
                            "fsdp_sharding_strategy: SHARD_GRAD_OP"))
 
 
+def test_set_stage_and_hybrid_fix_the_strategy_the_file_names(tmp_path, capsys):
+  path = tmp_path / "fsdp.yaml"
+  path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n")
+  where = "fsdp.yaml: fsdp_config.fsdp_sharding_strategy"
+  for key, value, other in (("zero.stage", "2", "zero.hybrid=False"),
+                            ("zero.hybrid", "true", "zero.stage=3")):
+    assert train_cli.main(["--config", TINY, "--accelerate-config", str(path), "--set",
+                           f"{key}={value}", "--print-config"]) == 0
+    lines = set(capsys.readouterr().out.splitlines())
+    assert {f"{key}={value.title()}  # --set", f"{other}  # {where}",
+            f"zero.strategy=  # --set {key} replaces FULL_SHARD ({where})"} <= lines, lines
+
+
 def test_migrate_reads_an_accelerate_yaml(tmp_path, capsys):
   path = tmp_path / "fsdp.yaml"
   path.write_text(ACCELERATE_FSDP.format(strategy=2))

@@ -592,6 +592,17 @@ def test_bad_ds_config_is_one_line_and_exit_code_2(name, text, message, tmp_path
   assert not (tmp_path / "w").exists()
 
 
+def test_set_stage_fixes_the_strategy_of_a_mics_block(tmp_path, capsys):
+  path = write(tmp_path, "mics.json", '{"zero_optimization": {"stage": 3, "mics_shard_size": 4}}')
+  assert train_cli.main(["--config", TINY, "--deepspeed", path, "--set", "zero.stage=2",
+                         "--print-config"]) == 0
+  lines = set(capsys.readouterr().out.splitlines())
+  where = "mics.json: zero_optimization.mics_shard_size"
+  assert {"zero.stage=2  # --set", f"zero.hybrid=True  # {where}",
+          f"zero.strategy=  # --set zero.stage replaces HYBRID_SHARD ({where})",
+          f"mesh.fsdp=4  # {where}"} <= lines, lines
+
+
 @pytest.mark.slow
 def test_bad_ds_config_exits_2_from_the_command_line(tmp_path):
   path = write(tmp_path, "fp16.json", '{"fp16": {"enabled": true}, "bf16": {"enabled": true}}')
