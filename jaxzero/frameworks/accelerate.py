@@ -33,20 +33,25 @@ UNNEEDED_FSDP = {
     **dict.fromkeys(("fsdp_sync_module_states", "fsdp_cpu_ram_efficient_loading"), _INIT),
     "fsdp_state_dict_type": SHARDED_SAVES, "fsdp_version": "one implementation",
 }
+# Every key of Accelerate 1.x's ClusterConfig (accelerate/commands/config/config_args.py) is
+# here or in TOP_KEYS, with the older spellings it converts: dynamo_backend, fp16.
 UNNEEDED_TOP = {
     **dict.fromkeys(("compute_environment", "machine_rank", "main_process_ip",
                      "main_process_port", "main_training_function", "num_processes",
                      "rdzv_backend", "same_network", "gpu_ids", "enable_cpu_affinity",
-                     "num_machines", "use_cpu", "debug"), _LAUNCH),
+                     "num_machines", "use_cpu", "debug", "mpirun_config"), _LAUNCH),
     **dict.fromkeys(("downcast_bf16", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "tpu_name",
-                     "tpu_zone"), "TPU-only setting"),
-    "dynamo_config": "every step is compiled by XLA",
+                     "tpu_zone", "tpu_vm", "commands", "command_file"), "TPU-only setting"),
+    **dict.fromkeys(("dynamo_config", "dynamo_backend"), "every step is compiled by XLA"),
+    # Accelerate's launcher reads these blocks only under their own distributed_type.
+    "deepspeed_config": "Accelerate reads it only under distributed_type DEEPSPEED",
+    "megatron_lm_config": "Accelerate reads it only under distributed_type MEGATRON_LM",
 }
 FSDP_KEYS = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
              "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload",
              "fsdp_ignored_modules", *UNNEEDED_FSDP}
 TOP_KEYS = {"distributed_type", "fsdp_config", "mixed_precision", "fp8_config",
-            "parallelism_config", *UNNEEDED_TOP}
+            "parallelism_config", "fp16", *UNNEEDED_TOP}
 # Accelerate's ParallelismConfig (it has no pipeline size): key -> mesh key. A size it leaves
 # out is 1 (dp_shard: what is left).
 PARALLELISM_SIZES = {"parallelism_config_dp_replicate_size": "mesh.replica",
@@ -110,13 +115,20 @@ def _precision(tr: Translation, acc: dict, fsdp: bool) -> None:
   precision = acc.get("mixed_precision", None)
   if precision is False:  # YAML reads an unquoted `no` as false
     precision = "no"
+  # `fp16: true` is the older spelling of mixed_precision fp16; Accelerate reads it only
+  # where the file has no mixed_precision key.
+  legacy = "fp16" in acc and "mixed_precision" not in acc
+  if legacy and acc["fp16"]:
+    precision = "fp16"
+  elif "fp16" in acc and not legacy:
+    tr.unneeded["fp16"] = "Accelerate reads mixed_precision when both are given"
   if isinstance(precision, str):
     precision = precision.lower()  # as Accelerate reads it
   if precision not in (None, "no", "bf16", "fp16", "fp8"):
     raise tr.error(f"mixed_precision={acc['mixed_precision']!r} is not valid; choose one of: "
                    "no, bf16, fp16, fp8")
   compute = {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}.get(precision, "float32")
-  where = ("mixed_precision" if precision is not None
+  where = ("mixed_precision" if acc.get("mixed_precision") is not None else "fp16" if legacy
            else "no mixed_precision: Accelerate's default, no (fp32)")
   tr.set("precision.compute", compute, where)
   tr.set("precision.matmul", "fp8" if precision == "fp8" else "default", where)
@@ -270,8 +282,8 @@ def _strategy(tr: Translation, fsdp: dict) -> tuple[str | None, str]:
       value = "FULL_SHARD" if value else "SHARD_GRAD_OP"
     elif isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
       value = STRATEGY_NUMBERS.get(int(value), value)
-    elif isinstance(value, str):
-      value = value.lstrip("_")  # torch spells it _HYBRID_SHARD_ZERO2
+    elif isinstance(value, str):  # Accelerate upper-cases it; torch spells _HYBRID_SHARD_ZERO2
+      value = value.lstrip("_").upper()
     if value not in STRATEGY_NUMBERS.values():
       raise tr.error(f"fsdp_config.{key}={fsdp[key]!r} is not valid; choose one of: "
                      + ", ".join(f"{n} ({name})" for n, name in STRATEGY_NUMBERS.items()))

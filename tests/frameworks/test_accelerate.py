@@ -148,6 +148,27 @@ def test_set_stage_and_hybrid_fix_the_strategy_the_file_names(tmp_path, capsys):
             f"zero.strategy=  # --set {key} replaces FULL_SHARD ({where})"} <= lines, lines
 
 
+def test_every_key_accelerate_config_writes_is_accepted():
+  """Accelerate 1.x's ClusterConfig keys (and its older dynamo_backend and fp16), as
+  `accelerate config` writes them; blocks for another distributed_type are not read."""
+  text = (ACCELERATE_FSDP.format(strategy="full_shard")
+          + "deepspeed_config: {}\nmegatron_lm_config: {}\nmpirun_config: {}\n"
+          "dynamo_backend: 'NO'\ncommands: null\ncommand_file: null\ntpu_vm: null\n")
+  tr = accelerate.translate(yaml.safe_load(text), config.load(TINY))
+  assert tr.settings["zero.strategy"] == ("FULL_SHARD", "fsdp_config.fsdp_sharding_strategy")
+  assert {k: tr.unneeded[k] for k in ("deepspeed_config", "dynamo_backend", "tpu_vm")} == {
+      "deepspeed_config": "Accelerate reads it only under distributed_type DEEPSPEED",
+      "dynamo_backend": "every step is compiled by XLA", "tpu_vm": "TPU-only setting"}
+  cfg = over("distributed_type: FSDP\ndeepspeed_config:\n  zero_stage: 2\n"
+             "  gradient_accumulation_steps: 4\nfsdp_config:\n"
+             "  fsdp_sharding_strategy: hybrid_shard_zero2\n")
+  assert (cfg.zero.strategy, cfg.train.grad_accum) == ("HYBRID_SHARD_ZERO2", 2)
+  tr = accelerate.translate({"distributed_type": "FSDP", "fp16": True}, config.load(TINY))
+  assert tr.settings["precision.compute"] == ("float16", "fp16")
+  assert over("distributed_type: FSDP\nfp16: true\nmixed_precision: bf16\n"
+              ).precision.compute == "bfloat16"
+
+
 def test_migrate_reads_an_accelerate_yaml(tmp_path, capsys):
   path = tmp_path / "fsdp.yaml"
   path.write_text(ACCELERATE_FSDP.format(strategy=2))
