@@ -112,22 +112,68 @@ def param(tr: Translation, params: dict, where: str, key: str, base: Any, defaul
 
 
 def read_mapping(path: str, kind: str) -> dict:
-  """The mapping in a JSON (`kind` "DeepSpeed") or YAML ("Accelerate") file;
-  malformed text is one line with its line and column."""
+  """The mapping in a JSON (`kind` "DeepSpeed") or YAML ("Accelerate") file; a file that
+  cannot be read or parsed is one line naming it (and the line and column)."""
   file = pathlib.Path(path)
-  if not file.is_file():
+  if not file.exists():
     raise ConfigError(f"{kind} config {path!r} does not exist")
-  text = file.read_text()
+  if file.is_dir():
+    raise ConfigError(f"{kind} config {path!r} is a directory; give the file in it")
   try:
-    data = json.loads(text) if kind == "DeepSpeed" else yaml.safe_load(text)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: "
-                      f"{e.msg}") from None
+    text = file.read_bytes().decode("utf-8-sig")  # an editor's byte-order mark is fine
+  except OSError as e:
+    raise ConfigError(f"{kind} config {path!r} cannot be read: {e.strerror}") from None
+  except UnicodeDecodeError as e:
+    line = e.object.count(b"\n", 0, e.start) + 1
+    raise ConfigError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line});"
+                      " save it as UTF-8") from None
+  data = _json(path, text) if kind == "DeepSpeed" else _yaml(path, text)
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path}: a {kind} config must be a mapping of keys to values")
+  return data
+
+
+class _DuplicateKey(ValueError):
+  pass
+
+
+def _unique(pairs: list) -> dict:
+  """An object's pairs as a dict, refusing a key given twice, as DeepSpeed does
+  (its dict_raise_error_on_duplicate_keys): which one would count is not obvious."""
+  seen = set()
+  for key, _ in pairs:
+    if key in seen:
+      raise _DuplicateKey(key)
+    seen.add(key)
+  return dict(pairs)
+
+
+def _json(path: str, text: str):
+  """A ds_config read as DeepSpeed reads it: with hjson (a superset of JSON: comments,
+  trailing commas) where it is installed, else as JSON."""
+  try:
+    import hjson  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    hjson = None
+  try:
+    if hjson is not None:
+      return hjson.loads(text, object_pairs_hook=_unique)
+    return json.loads(text, object_pairs_hook=_unique)
+  except _DuplicateKey as e:
+    raise ConfigError(f"{path}: key {e.args[0]!r} is given twice in one object; DeepSpeed "
+                      "refuses duplicate keys, give it once") from None
+  except ValueError as e:  # json's and hjson's decode errors, with the line and column
+    hint = ("" if hjson is not None else
+            "; comments and trailing commas (DeepSpeed's hjson) need pip install hjson")
+    raise ConfigError(f"{path}: not valid JSON at line {getattr(e, 'lineno', '?')} column "
+                      f"{getattr(e, 'colno', '?')}: {getattr(e, 'msg', e)}{hint}") from None
+
+
+def _yaml(path: str, text: str):
+  try:
+    return yaml.safe_load(text)
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
     raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
-  if not isinstance(data, dict):
-    raise ConfigError(f"{path}: a {kind} config must be a mapping of keys to values")
-  return data

@@ -7,6 +7,8 @@ import dataclasses
 import json
 import logging
 import math
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,7 @@ from jaxzero import migrate
 from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError
 from jaxzero.frameworks import deepspeed
-from jaxzero.frameworks.translated_file import apply_file
+from jaxzero.frameworks.translated_file import apply_file, read_mapping
 from jaxzero.parallel import mesh as mesh_lib
 from jaxzero.training import loop
 
@@ -581,8 +583,11 @@ def write(tmp_path, name, text):
      "8 data-parallel devices = 64; use a mesh of 4 data-parallel devices"),
     ("stage.json", '{"zero_optimization": {"stage": 5}}',
      "zero_optimization.stage=5 is not valid; choose one of: 0, 1, 2, 3"),
-    ("malformed.json", '{\n  "train_batch_size": 32,\n  "bf16": {"enabled": true,}\n}',
-     "not valid JSON at line 3 column 28"),
+    ("malformed.json", '{\n  "train_batch_size": 32,\n  "bf16": {"enabled" true}\n}',
+     "not valid JSON at line 3 column 22: Expecting ':' delimiter"),
+    ("twice.json", '{"bf16": {"enabled": true, "enabled": false}}',
+     "twice.json: key 'enabled' is given twice in one object; DeepSpeed refuses duplicate "
+     "keys, give it once"),
 ])
 def test_bad_ds_config_is_one_line_and_exit_code_2(name, text, message, tmp_path, capsys):
   code = train_cli.main(["--config", TINY, "--deepspeed", write(tmp_path, name, text),
@@ -590,6 +595,39 @@ def test_bad_ds_config_is_one_line_and_exit_code_2(name, text, message, tmp_path
   errors = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(errors) == 1 and message in errors[0], errors
   assert not (tmp_path / "w").exists()
+
+
+def test_a_ds_config_is_read_as_deepspeed_reads_it(tmp_path, monkeypatch):
+  """With hjson, as DeepSpeed: a byte-order mark, comments and trailing commas; without it,
+  JSON and a line saying what hjson would add. A file that cannot be read is one line."""
+  path = write(tmp_path, "hjson.json", '\ufeff{\n  // ZeRO-2\n  "zero_optimization": '
+               '{"stage": 2,},\n  "bf16": {"enabled": true}, # bf16\n}\n')
+  assert read_mapping(path, "DeepSpeed") == {"zero_optimization": {"stage": 2},
+                                             "bf16": {"enabled": True}}
+  monkeypatch.setitem(sys.modules, "hjson", None)  # not installed
+  with pytest.raises(ConfigError) as e:
+    read_mapping(path, "DeepSpeed")
+  assert str(e.value) == (f"{path}: not valid JSON at line 2 column 3: Expecting property name "
+                          "enclosed in double quotes; comments and trailing commas (DeepSpeed's "
+                          "hjson) need pip install hjson")
+  assert read_mapping(write(tmp_path, "bom.json", '\ufeff{"bf16": {}}'), "DeepSpeed") == {
+      "bf16": {}}
+  latin = tmp_path / "latin.json"
+  latin.write_bytes(b'{\n"wandb": {"project": "caf\xe9"}}')
+  (tmp_path / "dir.json").mkdir()
+  for bad, message in ((str(latin), f"{latin}: not UTF-8 text (byte 0xe9 on line 2); save it "
+                        "as UTF-8"),
+                       (str(tmp_path / "dir.json"), f"DeepSpeed config '{tmp_path}/dir.json' is "
+                        "a directory; give the file in it")):
+    with pytest.raises(ConfigError) as e:
+      read_mapping(bad, "DeepSpeed")
+    assert str(e.value) == message
+  def refused(self):
+    raise PermissionError(13, "Permission denied")
+  monkeypatch.setattr(pathlib.Path, "read_bytes", refused)
+  with pytest.raises(ConfigError, match="^DeepSpeed config '.*bom.json' cannot be read: "
+                     "Permission denied$"):
+    read_mapping(str(tmp_path / "bom.json"), "DeepSpeed")
 
 
 def test_set_stage_fixes_the_strategy_of_a_mics_block(tmp_path, capsys):
