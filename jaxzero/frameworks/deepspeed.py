@@ -40,6 +40,7 @@ UNNEEDED_TOP = {
     "compile": "every step is compiled by XLA",
     "aio": NVME_FIXED,
     "tensorboard": "jaxzero always writes TensorBoard events to WORKDIR/tb/",
+  "dataloader_drop_last": "every batch is full: windows of the token stream, by step",
 }
 UNNEEDED_ACTIVATIONS = {
     "partition_activations": "activations are sharded over the batch at layer boundaries",
@@ -57,11 +58,20 @@ REFUSED_WHEN_ENABLED = {
     "amp": "(NVIDIA Apex AMP) is not available; use bf16",
     "elasticity": "(elastic batch sizes) is not available",
 }
+# DeepSpeed features that change what trains: refused when enabled (anywhere in the block:
+# DeepSpeed reads data_efficiency's inner switches on their own), accepted when disabled.
+UNSUPPORTED_WHEN_ENABLED = {
+    "hybrid_engine": "DeepSpeed's hybrid engine (generation inside RLHF training)",
+    "torch_autocast": "torch autocast",
+    "curriculum_learning": "curriculum learning",
+    "data_efficiency": "data efficiency (curriculum learning, random-LTD)",
+}
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "steps_per_print", "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16",
             "bfloat16", "zero_optimization", "activation_checkpointing", "data_types",
             "communication_data_type", "sparse_gradients", "wandb", *UNNEEDED_TOP,
-            "pipeline", "tensor_parallel", "sequence_parallel_size", *REFUSED_WHEN_ENABLED}
+            "pipeline", "tensor_parallel", "sequence_parallel_size", *REFUSED_WHEN_ENABLED,
+            *UNSUPPORTED_WHEN_ENABLED}
 BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow",
              "bf16_master_weights_and_grads", "bf16_optimizer_states"}
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
@@ -88,6 +98,14 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   for key, why in REFUSED_WHEN_ENABLED.items():
     if isinstance(ds.get(key), dict) and ds[key].get("enabled") is True:
       raise tr.error(f"{key}.enabled=true: {key} {why}")
+  for key, what in UNSUPPORTED_WHEN_ENABLED.items():
+    if key in ds:
+      switch = _switched_on(tr, ds[key], key)
+      if switch:
+        instead = " and enable bf16 instead" if key == "torch_autocast" else ""
+        raise tr.error(f"{switch}=true: {what} is a DeepSpeed setting jaxzero does not support;"
+                       f" leave it disabled{instead}")
+      tr.unneeded[key] = "disabled, as DeepSpeed's default"
   if ds.get("sparse_gradients"):
     raise tr.error("sparse_gradients=true: sparse gradients are not available")
   tr.unneeded.update({k: UNNEEDED_TOP[k] for k in ds if k in UNNEEDED_TOP})
@@ -108,6 +126,19 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
            "steps_per_print")
   _batch_request(tr, ds)
   return tr
+
+
+def _switched_on(tr: Translation, block, where: str) -> str | None:
+  """The first ``enabled: true`` in `block` (a mapping, searched through), by its dotted
+  key; None where every one is false or absent."""
+  if not isinstance(block, dict):
+    raise tr.error(f"{where} must be a mapping of keys to values, not {block!r}")
+  if block.get("enabled", False) not in (True, False):
+    raise tr.error(f"{where}.enabled={block['enabled']!r} must be true or false")
+  if block.get("enabled"):
+    return f"{where}.enabled"
+  inner = (_switched_on(tr, v, f"{where}.{k}") for k, v in block.items() if isinstance(v, dict))
+  return next((found for found in inner if found), None)
 
 
 def _wandb(tr: Translation, block: dict, base: config_lib.Config) -> None:

@@ -40,13 +40,27 @@ UNNEEDED_ZERO = {
     "ignore_unused_parameters": "JAX's gradients cover every parameter",
     "memory_efficient_linear": "remat.policy decides what the backward pass keeps",
     "cpu_offload_use_pin_memory": _PINNED,
+    # DeepSpeed 0.19's newer knobs: how its hooks fetch, pad and check; none changes the math.
+    "stage3_module_granularity_threshold": GATHERED_PER_LAYER, "leaf_module": GATHERED_PER_LAYER,
+    "stage3_allgather_sequential": BUFFERS, "parameter_alignment": BUFFERS,
+    "pipeline_loading_checkpoint": RESHARD,
+    "override_module_apply": "weights are created (or read) straight into their shards",
+    **dict.fromkeys(("log_trace_cache_warnings", "enable_sanity_checks"),
+                    "the step is one compiled XLA program: no module trace to cache or check"),
+    "compute_grad_norm": "the gradient norm is computed every step (the log, train.clip_norm and "
+                         "the non-finite guard)",
+    "legacy_stage1": "one implementation of each stage",
+    "save_muon_momentum_buffer_in_memory": "jaxzero trains with AdamW or Adam: no Muon state",
 }
 ZERO_KEYS = {"stage", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param",
              "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
              "zero_quantized_nontrainable_weights", "mics_shard_size",
-             "stage3_param_persistence_threshold", *UNNEEDED_ZERO}
+             "stage3_param_persistence_threshold", "zenflow", *UNNEEDED_ZERO}
 OFFLOAD_KEYS = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
-                "fast_init", "ratio", "pipeline", "pipeline_read", "pipeline_write"}
+                "fast_init", "ratio", "pipeline", "pipeline_read", "pipeline_write",
+                "super_offload", "cpuadam_cores_perc"}
+_HOST_UPDATE = {"super_offload": "the host's update is XLA:CPU's, over all its cores",
+                "cpuadam_cores_perc": "the host's update is XLA:CPU's, over all its cores"}
 
 
 def translate(tr: Translation, ds: dict) -> None:
@@ -73,6 +87,10 @@ def translate(tr: Translation, ds: dict) -> None:
                    ("zero_quantized_nontrainable_weights", "ZeRO++ quantized weights")):
     if zero.get(key):
       raise tr.error(f"zero_optimization.{key}=true: {why} are not available")
+  if zero.get("zenflow") is not None:  # a block (even {}) turns ZenFlow on
+    raise tr.error("zero_optimization.zenflow: ZenFlow (the less important gradients applied "
+                   "late, from the CPU) is a DeepSpeed setting jaxzero does not support; leave "
+                   "it out")
   if zero.get("zero_hpz_partition_size", 1) != 1:
     raise tr.error("zero_optimization.zero_hpz_partition_size: ZeRO++ hierarchical "
                    "partitioning is not available; HYBRID_SHARD (zero.strategy) is the nearest")
@@ -123,6 +141,8 @@ def _offload(tr: Translation, zero: dict, key: str, target: str, legacy: str) ->
   for name in block:
     if name == "pin_memory" and device != "nvme":
       tr.unneeded[where + name] = _PINNED
+    elif name in _HOST_UPDATE:
+      tr.unneeded[where + name] = _HOST_UPDATE[name]
     elif name not in ("device", "ratio") and not (device == "nvme" and name == "nvme_path"):
       tr.unneeded[where + name] = (_NVME_ONLY if device != "nvme" else
                                    _PARAM_BUFFERS.get(name, NVME_FIXED)

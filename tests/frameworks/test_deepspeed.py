@@ -597,6 +597,44 @@ def test_bad_ds_config_is_one_line_and_exit_code_2(name, text, message, tmp_path
   assert not (tmp_path / "w").exists()
 
 
+def test_deepspeed_019_keys_are_known():
+  """Keys DeepSpeed 0.19 takes: tuning knobs and disabled features accepted as unneeded;
+  features that change what trains refused as unsupported, not as typos."""
+  tr = deepspeed.translate({
+      "hybrid_engine": {"enabled": False, "max_out_tokens": 512}, "dataloader_drop_last": True,
+      "torch_autocast": {"enabled": False}, "curriculum_learning": {"enabled": False},
+      "data_efficiency": {"enabled": False, "data_sampling": {"curriculum_learning": {}}},
+      "zero_optimization": {
+          "stage": 3, "stage3_module_granularity_threshold": 0, "leaf_module": {},
+          "stage3_allgather_sequential": False, "log_trace_cache_warnings": False,
+          "compute_grad_norm": True, "parameter_alignment": False, "legacy_stage1": False,
+          "pipeline_loading_checkpoint": False, "override_module_apply": True,
+          "enable_sanity_checks": False, "zenflow": None,
+          "offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0.8}}}, base())
+  assert {"hybrid_engine", "dataloader_drop_last", "torch_autocast", "data_efficiency",
+          "zero_optimization.leaf_module", "zero_optimization.compute_grad_norm",
+          "zero_optimization.enable_sanity_checks",
+          "zero_optimization.offload_optimizer.cpuadam_cores_perc"} <= set(tr.unneeded)
+  assert tr.unneeded["hybrid_engine"] == "disabled, as DeepSpeed's default"
+  unsupported = "is a DeepSpeed setting jaxzero does not support; leave it disabled"
+  for ds, message in (
+      ({"hybrid_engine": {"enabled": True}}, "hybrid_engine.enabled=true: DeepSpeed's hybrid "
+       f"engine (generation inside RLHF training) {unsupported}"),
+      ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+       f"torch_autocast.enabled=true: torch autocast {unsupported} and enable bf16 instead"),
+      ({"data_efficiency": {"data_routing": {"random_ltd": {"enabled": True}}}},
+       "data_efficiency.data_routing.random_ltd.enabled=true: data efficiency (curriculum "
+       f"learning, random-LTD) {unsupported}"),
+      ({"curriculum_learning": {"enabled": True}},
+       f"curriculum_learning.enabled=true: curriculum learning {unsupported}"),
+      ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}},
+       "zero_optimization.zenflow: ZenFlow (the less important gradients applied late, from "
+       "the CPU) is a DeepSpeed setting jaxzero does not support; leave it out")):
+    with pytest.raises(ConfigError) as e:
+      deepspeed.translate(ds, base())
+    assert str(e.value) == f"ds_config: {message}"
+
+
 def test_a_ds_config_is_read_as_deepspeed_reads_it(tmp_path, monkeypatch):
   """With hjson, as DeepSpeed: a byte-order mark, comments and trailing commas; without it,
   JSON and a line saying what hjson would add. A file that cannot be read is one line."""
