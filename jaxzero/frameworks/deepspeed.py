@@ -40,6 +40,9 @@ UNNEEDED_TOP = {
     "compile": "every step is compiled by XLA",
     "aio": NVME_FIXED,
     "tensorboard": "jaxzero always writes TensorBoard events to WORKDIR/tb/",
+  # It spaces DeepSpeed's own progress print, not its metrics or overflow checks: taken as
+  # train.log_every, HF's 2000 would log (and check for non-finite steps) that rarely.
+  "steps_per_print": "metrics are logged every train.log_every steps (the base's)",
   "dataloader_drop_last": "every batch is full: windows of the token stream, by step",
 }
 UNNEEDED_ACTIVATIONS = {
@@ -67,7 +70,7 @@ UNSUPPORTED_WHEN_ENABLED = {
     "data_efficiency": "data efficiency (curriculum learning, random-LTD)",
 }
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-            "steps_per_print", "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16",
+            "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16",
             "bfloat16", "zero_optimization", "activation_checkpointing", "data_types",
             "communication_data_type", "sparse_gradients", "wandb", *UNNEEDED_TOP,
             "pipeline", "tensor_parallel", "sequence_parallel_size", *REFUSED_WHEN_ENABLED,
@@ -121,9 +124,6 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   elif ds["gradient_clipping"] != "auto":
     tr.set("train.clip_norm", number(tr, ds["gradient_clipping"], "gradient_clipping",
                                      minimum=0), "gradient_clipping")
-  if "steps_per_print" in ds and ds["steps_per_print"] != "auto":
-    tr.set("train.log_every", number(tr, ds["steps_per_print"], "steps_per_print", int, 1),
-           "steps_per_print")
   _batch_request(tr, ds)
   return tr
 

@@ -69,7 +69,7 @@ def test_zero1_adamw_warmup_lr():
       "zero_optimization": {"stage": 1, **XLA_KNOBS},
   })
   assert_fields(cfg, zero__stage=1, zero__strategy="", train__global_batch=64,
-                train__grad_accum=2, train__clip_norm=0.5, train__log_every=20,
+                train__grad_accum=2, train__clip_norm=0.5, train__log_every=5,  # the base's
                 precision__compute="bfloat16", train__optimizer="adamw", train__b1=0.9,
                 train__b2=0.98, train__eps=1e-6, train__weight_decay=0.05,
                 train__schedule="warmup_constant", train__lr=2e-4, train__warmup_steps=100,
@@ -595,6 +595,13 @@ def test_bad_ds_config_is_one_line_and_exit_code_2(name, text, message, tmp_path
   errors = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(errors) == 1 and message in errors[0], errors
   assert not (tmp_path / "w").exists()
+
+
+def test_steps_per_print_spaces_deepspeeds_own_print_not_the_metrics():
+  tr = deepspeed.translate({"steps_per_print": 2000}, base())  # HF's example configs' value
+  assert "train.log_every" not in tr.settings
+  assert tr.unneeded["steps_per_print"] == (
+      "metrics are logged every train.log_every steps (the base's)")
 
 
 def test_deepspeed_019_keys_are_known():
