@@ -170,10 +170,11 @@ def _flag(tr: Translation, fsdp: dict, key: str) -> bool:
 
 def _parallelism(tr: Translation, block: dict, strategy: str) -> None:
   """ParallelismConfig's sizes as the mesh, each 1 where it leaves one out (dp_shard: what
-  is left), over the strategy's: dp_replicate > 1 with dp_shard > 1 is HSDP; cp_size is
-  mesh.context (allgather: context.strategy=all_gather; alltoall, torch's ring rotation of
-  key/value shards: ring); sp_size (Ulysses' all-to-all over heads) is mesh.context with
-  all_gather, the nearest here: each device sees every position's keys and values."""
+  is left), over the strategy's: dp_replicate > 1 with dp_shard > 1 (or left out) is HSDP;
+  cp_size is mesh.context (allgather: context.strategy=all_gather; alltoall, torch's ring
+  rotation of key/value shards: ring); sp_size (Ulysses' all-to-all over heads) is
+  mesh.context with all_gather, the nearest here: each device sees every position's keys
+  and values."""
   block = tr.check_keys(block, "parallelism_config.", PARALLELISM_KEYS)
   hybrid = strategy.startswith("HYBRID")
   for key, target in PARALLELISM_SIZES.items():
@@ -205,9 +206,12 @@ def _parallelism(tr: Translation, block: dict, strategy: str) -> None:
            f"parallelism_config.{strategy_key}")
   replicas, shards = (tr.settings.get(k, (1,))[0] for k in ("mesh.replica", "mesh.fsdp"))
   promoted = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD_ZERO2"}
-  if strategy in promoted and replicas > 1 and shards > 1:  # HSDP: torch's 2-D mesh
+  # HSDP, torch's 2-D mesh: shards inside each replica, whether dp_shard_size gives their
+  # size or leaves it to the devices (-1); FULL_SHARD would shard over the replicas too.
+  if strategy in promoted and replicas > 1 and (shards > 1 or shards == -1):
     tr.set("zero.strategy", promoted[strategy],
-           "parallelism_config: dp_replicate_size and dp_shard_size above 1 (HSDP)")
+           "parallelism_config: dp_replicate_size above 1, dp_shard_size above 1 or what is "
+           "left (HSDP)")
 
 
 def _sharding(tr: Translation, acc: dict, fsdp: dict) -> str:

@@ -12,6 +12,7 @@ from jaxzero import train as train_cli
 from jaxzero.errors import ConfigError
 from jaxzero.frameworks import accelerate
 from jaxzero.frameworks.translated_file import apply_file
+from jaxzero.parallel import mesh as mesh_lib
 
 from processes import TINY
 
@@ -255,17 +256,18 @@ def test_files_read_as_accelerate_and_fsdp_run_them():
   cfg = over("distributed_type: MULTI_GPU\nmixed_precision: bf16\n")
   assert (cfg.zero.strategy, cfg.zero.grad_dtype, cfg.zero.reduce_dtype) == (
       "NO_SHARD", "float32", "float32")
-  # Not HSDP: FSDP1's SHARD_GRAD_OP over replicas (HYBRID_SHARD_ZERO2), DDP's replicas alone,
-  # or a shard size left to the device count.
+  # FSDP1's SHARD_GRAD_OP over replicas is HYBRID_SHARD_ZERO2; a shard size left to the
+  # device count shards inside each replica too (HSDP); DDP's replicas are not HSDP.
   cfg = over("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
              "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
              "  parallelism_config_dp_shard_size: 4\n")
   assert cfg.zero.strategy == "HYBRID_SHARD_ZERO2"
-  for text in ("distributed_type: MULTI_GPU\nparallelism_config:\n"
-               "  parallelism_config_dp_replicate_size: 8\n",
-               "distributed_type: FSDP\nparallelism_config:\n"
-               "  parallelism_config_dp_replicate_size: 2\n"):
-    assert not over(text).zero.strategy.startswith("HYBRID"), text
+  cfg = over("distributed_type: FSDP\nparallelism_config:\n"
+             "  parallelism_config_dp_replicate_size: 2\n")
+  assert (cfg.zero.strategy, cfg.mesh.replica, cfg.mesh.fsdp) == ("HYBRID_SHARD", 2, -1)
+  assert mesh_lib.resolve_shape(cfg.mesh, 8)[:2] == (2, 4)
+  assert over("distributed_type: MULTI_GPU\nparallelism_config:\n"
+              "  parallelism_config_dp_replicate_size: 8\n").zero.strategy == "NO_SHARD"
   # No parallelism_config: Accelerate runs neither tensor nor context parallelism.
   cfg = over("distributed_type: FSDP\n", "configs/llama8b_128k.py")
   assert (cfg.mesh.context, cfg.mesh.tensor, cfg.mesh.replica, cfg.mesh.fsdp) == (1, 1, 1, -1)
