@@ -198,7 +198,7 @@ def _precision(tr: Translation, ds: dict, base: config_lib.Config) -> None:
                              data_types.get("grad_accum_dtype")),
                             ("communication_data_type", "zero.reduce_dtype",
                              ds.get("communication_data_type"))):
-    if value is not None and value not in DTYPES:
+    if value is not None and (not isinstance(value, str) or value not in DTYPES):
       raise tr.error(f"{where}={value!r} is not available; choose one of: fp32, bf16, fp16")
     dtype = DTYPES[value] if value is not None else compute
     tr.set(key, dtype, where if value is not None else

@@ -62,7 +62,7 @@ SCHEDULES = {"WarmupLR": "warmup_constant", "WarmupDecayLR": "warmup_linear_deca
 def _scheduler(tr: Translation, block: dict, base: config_lib.Config, lr: float) -> None:
   tr.check_keys(block, "scheduler.", {"type", "params"})
   kind = block.get("type")
-  if kind not in SCHEDULES:
+  if not isinstance(kind, str) or kind not in SCHEDULES:
     raise tr.error(f"scheduler.type={kind!r} is not available; choose one of: "
                    + ", ".join(SCHEDULES))
   where, t = "scheduler.params.", base.train

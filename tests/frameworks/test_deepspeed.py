@@ -389,6 +389,20 @@ def test_known_but_unhonourable_and_unknown_keys_are_refused(ds, message):
   assert message in str(e.value)
 
 
+@pytest.mark.parametrize("ds, message", [
+    ({"scheduler": {"type": ["WarmupLR"]}}, "scheduler.type=['WarmupLR'] is not available; "
+     "choose one of: WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+    ({"data_types": {"grad_accum_dtype": ["fp32"]}}, "data_types.grad_accum_dtype=['fp32'] is "
+     "not available; choose one of: fp32, bf16, fp16"),
+    ({"communication_data_type": {"dtype": "bf16"}}, "communication_data_type={'dtype': 'bf16'} "
+     "is not available; choose one of: fp32, bf16, fp16"),
+])
+def test_a_list_or_mapping_where_a_name_goes_is_one_line(ds, message):
+  with pytest.raises(ConfigError) as e:
+    from_ds(ds)
+  assert str(e.value) == f"ds_config: {message}"
+
+
 # ----------------------------------------------------------------------------
 # Schedules: DeepSpeed's formulas (deepspeed/runtime/lr_schedules.py), written
 # out here in DeepSpeed's own parameters, at iteration n of update n.
