@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     # pylint: disable-next=import-outside-toplevel
     from jaxzero.frameworks import accelerate, deepspeed
     base = config_lib.load(args.base) if args.base else config_lib.base()
-    reader = accelerate if args.file.endswith((".yaml", ".yml")) else deepspeed
+    reader = accelerate if args.file.lower().endswith((".yaml", ".yml")) else deepspeed
     tr = reader.read(args.file, base)
     if tr.batch is not None:  # "auto" batch sizes, for the devices jaxzero.train would use
       from jaxzero.parallel import mesh  # pylint: disable=import-outside-toplevel

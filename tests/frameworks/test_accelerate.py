@@ -171,7 +171,7 @@ def test_every_key_accelerate_config_writes_is_accepted():
 
 
 def test_migrate_reads_an_accelerate_yaml(tmp_path, capsys):
-  path = tmp_path / "fsdp.yaml"
+  path = tmp_path / "FSDP.YAML"  # the suffix in any case
   path.write_text(ACCELERATE_FSDP.format(strategy=2))
   assert migrate.main([str(path), "--base", TINY]) == 0
   migrated = tmp_path / "migrated.py"
