@@ -81,6 +81,10 @@ FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_
              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
              "fp16_master_weights_and_grads"}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# grad_accum_dtype's other names, as DeepSpeed's DtypeEnum takes them (exactly).
+DTYPE_ALIASES = {"float32": "float32", "float": "float32", "torch.float32": "float32",
+                 "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16", "float16": "float16",
+                 "half": "float16", "torch.float16": "float16"}
 # fp16 block key -> (precision key, type, least value, DeepSpeed's default).
 FP16_SCALER = {"loss_scale": ("precision.loss_scale", float, 0, 0.0),
                "initial_scale_power": ("precision.initial_scale_power", int, 0, 16),
@@ -194,13 +198,18 @@ def _precision(tr: Translation, ds: dict, base: config_lib.Config) -> None:
            "no bf16 or fp16 block: DeepSpeed trains in fp32")
   compute = tr.settings["precision.compute"][0]
   data_types = tr.check_keys(ds.get("data_types", {}), "data_types.", {"grad_accum_dtype"})
-  for where, key, value in (("data_types.grad_accum_dtype", "zero.grad_dtype",
-                             data_types.get("grad_accum_dtype")),
-                            ("communication_data_type", "zero.reduce_dtype",
-                             ds.get("communication_data_type"))):
-    if value is not None and (not isinstance(value, str) or value not in DTYPES):
-      raise tr.error(f"{where}={value!r} is not available; choose one of: fp32, bf16, fp16")
-    dtype = DTYPES[value] if value is not None else compute
+  for where, key, value, names in (
+      ("data_types.grad_accum_dtype", "zero.grad_dtype", data_types.get("grad_accum_dtype"),
+       {**DTYPES, **DTYPE_ALIASES}),
+      ("communication_data_type", "zero.reduce_dtype", ds.get("communication_data_type"),
+       DTYPES)):
+    # DeepSpeed lower-cases communication_data_type, and reads grad_accum_dtype as written.
+    name = value.lower() if isinstance(value, str) and names is DTYPES else value
+    if value is not None and (not isinstance(value, str) or name not in names):
+      others = f" (or {', '.join(DTYPE_ALIASES)})" if names is not DTYPES else ""
+      raise tr.error(f"{where}={value!r} is not available; choose one of: fp32, bf16, fp16"
+                     + others)
+    dtype = names[name] if value is not None else compute
     tr.set(key, dtype, where if value is not None else
            f"no {where}: DeepSpeed's engine uses the training dtype, {compute}")
 

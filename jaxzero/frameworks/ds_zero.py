@@ -9,6 +9,8 @@ bucket and prefetch knobs are accepted as unneeded.
 
 from __future__ import annotations
 
+import os
+
 from jaxzero.frameworks.translated_file import (GATHERED_PER_LAYER, SHARDED_SAVES, Translation,
                                                 number)
 
@@ -133,7 +135,7 @@ def _offload(tr: Translation, zero: dict, key: str, target: str, legacy: str) ->
     tr.set(target, "device", f"no zero_optimization.{key}: DeepSpeed's default, none")
   if device == "nvme":
     named = tr.settings.get("offload.nvme_dir")
-    if named and named[0] != block["nvme_path"]:
+    if named and os.path.normpath(named[0]) != os.path.normpath(block["nvme_path"]):
       raise tr.error(f"{where}nvme_path={block['nvme_path']!r} differs from {named[1]}="
                      f"{named[0]!r}: the parameters, gradients and optimizer state share one "
                      "directory here (offload.nvme_dir); give both the same path")

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 import pathlib
 from typing import Any
 
@@ -90,12 +91,13 @@ def apply_file(tr: Translation, cfg: config_lib.Config) -> config_lib.Config:
 def number(tr: Translation, value: Any, where: str, kind=float, minimum=None) -> Any:
   """`value` as an int or float, refusing booleans, text and values below `minimum`."""
   ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  finite = not ok or math.isfinite(value)  # JSON's NaN and Infinity are floats
   if kind is int:
-    ok = ok and float(value).is_integer()
-  if not ok or (minimum is not None and value < minimum):
+    ok = ok and finite and float(value).is_integer()
+  if not ok or not finite or (minimum is not None and value < minimum):
     least = "" if minimum is None else f" of at least {minimum}"
-    raise tr.error(f"{where}={value!r} must be {'an integer' if kind is int else 'a number'}"
-                   f"{least}")
+    what = "an integer" if kind is int else "a number" if finite else "a finite number"
+    raise tr.error(f"{where}={value!r} must be {what}{least}")
   return kind(value)
 
 

@@ -247,6 +247,27 @@ def test_zero_infinity_puts_parameters_gradients_and_optimizer_on_nvme(tmp_path)
           "zero_optimization.offload_optimizer.buffer_count"} <= set(unneeded)
 
 
+def test_names_and_paths_are_read_as_deepspeed_reads_them(tmp_path):
+  """communication_data_type in any case; grad_accum_dtype by DtypeEnum's names; one
+  NVMe directory written with or without its trailing slash; no NaN clipping."""
+  cfg = from_ds({"communication_data_type": "BF16", "data_types": {"grad_accum_dtype": "float"}})
+  assert (cfg.zero.reduce_dtype, cfg.zero.grad_dtype) == ("bfloat16", "float32")
+  for name, dtype in (("torch.bfloat16", "bfloat16"), ("half", "float16"), ("fp32", "float32")):
+    assert from_ds({"data_types": {"grad_accum_dtype": name}}).zero.grad_dtype == dtype
+  with pytest.raises(ConfigError) as e:
+    from_ds({"data_types": {"grad_accum_dtype": "int8"}})
+  assert str(e.value) == ("ds_config: data_types.grad_accum_dtype='int8' is not available; "
+                          "choose one of: fp32, bf16, fp16 (or float32, float, torch.float32, "
+                          "bfloat16, torch.bfloat16, float16, half, torch.float16)")
+  cfg = from_ds({"zero_optimization": {
+      "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": f"{tmp_path}/"},
+      "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+  assert cfg.offload.params == "nvme"
+  with pytest.raises(ConfigError) as e:
+    deepspeed.translate(json.loads('{"gradient_clipping": NaN}'), base())
+  assert str(e.value) == "ds_config: gradient_clipping=nan must be a finite number of at least 0"
+
+
 def test_tensor_parallel_and_pipeline_blocks_are_the_mesh_axes():
   ds = {"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True},
         "pipeline": {"stages": 2, "partition": "parameters", "activation_checkpoint_interval": 1,
@@ -393,7 +414,8 @@ def test_known_but_unhonourable_and_unknown_keys_are_refused(ds, message):
     ({"scheduler": {"type": ["WarmupLR"]}}, "scheduler.type=['WarmupLR'] is not available; "
      "choose one of: WarmupLR, WarmupDecayLR, WarmupCosineLR"),
     ({"data_types": {"grad_accum_dtype": ["fp32"]}}, "data_types.grad_accum_dtype=['fp32'] is "
-     "not available; choose one of: fp32, bf16, fp16"),
+     "not available; choose one of: fp32, bf16, fp16 (or float32, float, torch.float32, "
+     "bfloat16, torch.bfloat16, float16, half, torch.float16)"),
     ({"communication_data_type": {"dtype": "bf16"}}, "communication_data_type={'dtype': 'bf16'} "
      "is not available; choose one of: fp32, bf16, fp16"),
 ])
