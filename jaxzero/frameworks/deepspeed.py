@@ -40,10 +40,10 @@ UNNEEDED_TOP = {
     "compile": "every step is compiled by XLA",
     "aio": NVME_FIXED,
     "tensorboard": "jaxzero always writes TensorBoard events to WORKDIR/tb/",
-  # It spaces DeepSpeed's own progress print, not its metrics or overflow checks: taken as
-  # train.log_every, HF's 2000 would log (and check for non-finite steps) that rarely.
-  "steps_per_print": "metrics are logged every train.log_every steps (the base's)",
-  "dataloader_drop_last": "every batch is full: windows of the token stream, by step",
+    # It spaces DeepSpeed's own progress print, not its metrics or overflow checks: taken as
+    # train.log_every, HF's 2000 would log (and check for non-finite steps) that rarely.
+    "steps_per_print": "metrics are logged every train.log_every steps (the base's)",
+    "dataloader_drop_last": "every batch is full: windows of the token stream, by step",
 }
 UNNEEDED_ACTIVATIONS = {
     "partition_activations": "activations are sharded over the batch at layer boundaries",

@@ -91,7 +91,7 @@ def apply_file(tr: Translation, cfg: config_lib.Config) -> config_lib.Config:
 def number(tr: Translation, value: Any, where: str, kind=float, minimum=None) -> Any:
   """`value` as an int or float, refusing booleans, text and values below `minimum`."""
   ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-  finite = not ok or math.isfinite(value)  # JSON's NaN and Infinity are floats
+  finite = not isinstance(value, float) or math.isfinite(value)  # JSON's NaN, Infinity
   if kind is int:
     ok = ok and finite and float(value).is_integer()
   if not ok or not finite or (minimum is not None and value < minimum):
