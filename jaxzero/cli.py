@@ -74,7 +74,10 @@ def load_config(args) -> Loaded:
     from jaxzero.frameworks import accelerate, deepspeed, translated_file
     reader = deepspeed if ds_config else accelerate
     cfg = config_lib.load(args.config)
-    file = reader.read(ds_config or accelerate_config, cfg)
+    # A block's "enabled": "auto" (the HF Trainer's) follows the training dtype, which
+    # --set precision.compute gives here as the Trainer's --fp16/--bf16 flags do there.
+    dtype = [a for a, key in zip(args.set, sets) if key == "precision.compute"]
+    file = reader.read(ds_config or accelerate_config, config_lib.apply_overrides(cfg, dtype))
     cfg = translated_file.apply_file(file, cfg)
     origins = {key: f"{file.source}: {origin}" + (' ("auto": the base\'s)' if origin in file.autos
                                                   else "")

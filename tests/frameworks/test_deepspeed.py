@@ -732,6 +732,23 @@ def test_bad_ds_config_exits_2_from_the_command_line(tmp_path):
       "enable one"]
 
 
+def test_an_auto_precision_block_follows_the_dtype_set_on_the_command_line(tmp_path, capsys):
+  """The HF Trainer's "enabled": "auto" follows its --fp16/--bf16 flags; here --set
+  precision.compute: the fp16 block's scaler applies, and gradients are float16."""
+  from jaxzero import train
+  ds_file = write(tmp_path, "auto.json", json.dumps({
+      "fp16": {"enabled": "auto", "loss_scale_window": 100, "initial_scale_power": 12},
+      "bf16": {"enabled": "auto"}}))
+  assert train.main(["--config", TINY, "--deepspeed", ds_file, "--set",
+                     "precision.compute=float16", "--print-config"]) == 0
+  printed = dict(line.split("  # ")[0].split("=", 1)
+                 for line in capsys.readouterr().out.splitlines())
+  assert {k: printed[k] for k in ("precision.compute", "precision.loss_scale_window",
+                                  "precision.initial_scale_power", "zero.grad_dtype")} == {
+      "precision.compute": "float16", "precision.loss_scale_window": "100",
+      "precision.initial_scale_power": "12", "zero.grad_dtype": "float16"}
+
+
 def test_files_from_the_wild_read_as_deepspeed_reads_them():
   """What each of these files means in DeepSpeed 0.19: an "auto" precision block applies in
   full where the run trains in its dtype, "auto" peaks at the optimizer's lr, the legacy
