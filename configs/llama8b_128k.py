@@ -10,7 +10,8 @@ where they are used and recomputed activations (remat full) keep the rest small.
       --set data.tokenizer=/models/Meta-Llama-3.1-8B --set "data.source=/data/long/*.jsonl"
 
 The plan: python -m jaxzero.plan --config configs/llama8b_128k.py (docs/stages-and-meshes.md,
-context parallelism). On 16 devices: --set mesh.fsdp=2 doubles the sequences a step.
+context parallelism). On 16 devices: --set mesh.fsdp=2 --set train.global_batch=16 doubles
+the sequences a step.
 """
 
 import dataclasses

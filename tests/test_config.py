@@ -45,6 +45,15 @@ def test_bad_override_names_key_and_choices(assignment, expected):
   assert "\n" not in str(info.value)
 
 
+def test_llama3_rope_scaling_needs_its_frequency_band():
+  """A low frequency factor of 0 divides by zero at compile; one at or above the high
+  factor gives wrong frequencies without a sign."""
+  with pytest.raises(ConfigError, match=r"model.rope_scaling_factor=8.0 \(Llama 3's rope "
+                     r"scaling\) needs .* got 8192, 0.0 and 4.0$"):
+    config.validate(config.apply_overrides(config.base(), [
+        "model.rope_scaling_factor=8", "model.rope_low_freq_factor=0"]))
+
+
 @pytest.mark.parametrize("assignments, expected", [
     (["offload.optimizer=pinned_host", "offload.optimizer_fraction=-0.1"],
      "offload.optimizer_fraction=-0.1 must be between 0 and 1"),
@@ -84,6 +93,11 @@ def test_offload_settings_that_cannot_run_are_one_line(assignments, expected):
     ("train.b2=1", "train.b2=1.0 must be in [0, 1)"),
     ("train.min_lr_ratio=5", "train.min_lr_ratio=5.0 must be at most 1 (a fraction of train.lr)"),
     ("eval.batches=0", "eval.batches=0 must be at least 1"),
+    ("data.source=", "data.source is empty; set it to 'stdlib', or a file, directory or glob"),
+    ("model.rope_theta=0", "model.rope_theta=0.0 must be positive"),
+    ("model.norm_eps=0", "model.norm_eps=0.0 must be positive"),
+    ("model.init_std=0", "model.init_std=0.0 must be positive"),
+    ("seed=9223372036854775808", "seed=9223372036854775808 must be below 2**63"),
 ])
 def test_validate_rejects_values_that_would_fail_later(assignment, expected):
   with pytest.raises(ConfigError) as info:
@@ -260,3 +274,10 @@ def test_a_config_file_that_does_not_load_is_one_line_naming_the_line(source, ex
     config.load(str(path))
   message = str(info.value)
   assert str(path) in message and expected in message and "\n" not in message, message
+
+
+def test_a_model_factory_run_is_not_checked_against_the_built_in_model_s_fields():
+  """mesh.tensor and the model.* numbers are the built-in Llama's; a model_factory model's
+  own shapes are checked once it is built (jaxzero.parallel.zero)."""
+  config.validate(config.apply_overrides(config.base(), [
+      "model_factory=mymodule:build", "mesh.tensor=8", "model.n_heads=3"]))

@@ -93,10 +93,10 @@ def validate(cfg: Config) -> None:
   """Checks everything that does not need to know the devices."""
   check_types(cfg)
   check_literals(cfg)
-  m = cfg.model
-  for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "mlp_dim"):
-    if getattr(m, key) < 1:
-      raise ConfigError(f"model.{key}={getattr(m, key)} must be at least 1")
+  if not cfg.model_factory:  # (a model_factory model's shapes are its own, checked built)
+    _validate_model(cfg.model)
+  if cfg.seed >= 2**63:
+    raise ConfigError(f"seed={cfg.seed} must be below 2**63 (a 64-bit seed)")
   for key, value in (("seed", cfg.seed), ("train.warmup_steps", cfg.train.warmup_steps),
                      ("train.lr", cfg.train.lr), ("train.weight_decay", cfg.train.weight_decay),
                      ("train.clip_norm", cfg.train.clip_norm), ("train.eps", cfg.train.eps),
@@ -113,10 +113,6 @@ def validate(cfg: Config) -> None:
                      ("train.warmup_min_ratio", cfg.train.warmup_min_ratio)):
     if value > 1:
       raise ConfigError(f"{key}={value} must be at most 1 (a fraction of train.lr)")
-  try:
-    cfg.model.validate()
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
   t = cfg.train
   for key, value in (("train.steps", t.steps), ("train.global_batch", t.global_batch),
                      ("train.grad_accum", t.grad_accum), ("train.seq_len", t.seq_len),
@@ -129,7 +125,8 @@ def validate(cfg: Config) -> None:
       raise ConfigError(f"{key}={value} must be a positive device count or -1 (all remaining)")
   if cfg.mesh.replica == -1 and cfg.mesh.fsdp == -1:
     raise ConfigError("mesh.replica and mesh.fsdp cannot both be -1")
-  mesh_checks.check_tensor(cfg.mesh.tensor, cfg.model)
+  if not cfg.model_factory:
+    mesh_checks.check_tensor(cfg.mesh.tensor, cfg.model)
   mesh_checks.check_pipeline(cfg)
   mesh_checks.check_context(cfg)
   if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
@@ -295,8 +292,33 @@ def _validate_matmul(cfg: Config) -> None:
                       "model_factory model chooses its own matmuls")
 
 
+def _validate_model(m) -> None:
+  """The built-in model's sizes and numbers: each would fail later, or train on nonsense
+  (a rope theta of 0 gives NaN at the first step, a norm eps of 0 at the first zero row)."""
+  for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "mlp_dim"):
+    if getattr(m, key) < 1:
+      raise ConfigError(f"model.{key}={getattr(m, key)} must be at least 1")
+  for key in ("rope_theta", "norm_eps", "init_std"):
+    if not getattr(m, key) > 0:
+      raise ConfigError(f"model.{key}={getattr(m, key)} must be positive")
+  if m.rope_scaling_factor > 1 and not (
+      m.rope_original_max_len >= 1 and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
+    raise ConfigError(
+        f"model.rope_scaling_factor={m.rope_scaling_factor} (Llama 3's rope scaling) needs "
+        f"model.rope_original_max_len >= 1 and 0 < model.rope_low_freq_factor < "
+        f"model.rope_high_freq_factor; got {m.rope_original_max_len}, "
+        f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+  try:
+    m.validate()
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
 def _validate_data_format(cfg: Config) -> None:
   d = cfg.data
+  if not d.source.strip():  # (an unset shell variable): not every file under the cwd
+    raise ConfigError("data.source is empty; set it to 'stdlib', or a file, directory or glob "
+                      "of .txt, .jsonl or .parquet files")
   formats = ("text", "chat", "prompt_completion")
   if d.format not in formats:
     raise ConfigError(f"data.format={d.format!r}; choose one of {', '.join(formats)}")
