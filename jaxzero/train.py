@@ -87,6 +87,10 @@ def _parse(argv):
     parser.error(f"--steps={args.steps} must be at least 1")
   if args.resume_step is not None and args.resume_step < 0:
     parser.error(f"--resume-step={args.resume_step} must be a checkpoint's step (>= 0)")
+  if None not in (args.steps, args.resume_step) and args.steps < args.resume_step:
+    # (It would set the later checkpoints aside, then train nothing.)
+    parser.error(f"--steps={args.steps} is before --resume-step={args.resume_step}: "
+                 "nothing would be trained; give --steps past the step resumed from")
   return parser, args
 
 

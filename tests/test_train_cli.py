@@ -84,6 +84,11 @@ def exit_code(main, argv) -> int:
     (["--config", TINY, "--set", "model.dim=132"], "is a head dimension of 33"),
     (["--config", TINY, "--set", "train.weight_decay=nan"],
      "train.weight_decay=nan must be a finite number"),
+    (["--config", TINY, "--set", "model.attention=cudnn"], "model.attention=cudnn needs a GPU "
+     "(cuDNN); these devices are cpu: use model.attention=auto (cuDNN where it can run) or "
+     "blockwise"),
+    (["--config", TINY, "--resume-step", "4", "--steps", "2"], "--steps=2 is before "
+     "--resume-step=4: nothing would be trained; give --steps past the step resumed from"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(args, message, tmp_path, capsys):
   (tmp_path / "cfg.json").write_text('{"train_batch_size": 32}')

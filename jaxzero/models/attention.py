@@ -43,6 +43,19 @@ def check_implementation(name: str, key: str = "attention implementation") -> No
     raise ValueError(f"{key}={name!r} is unknown; choose one of: " + ", ".join(IMPLEMENTATIONS))
 
 
+def check_runs_on(name: str, platform: str, compute: str) -> None:
+  """Raises ValueError when implementation `name` cannot run on `platform`'s devices in
+  `compute` dtype: cuDNN needs a GPU, and float16 or bfloat16."""
+  if name != "cudnn":
+    return
+  if platform != "gpu":
+    raise ValueError(f"model.attention=cudnn needs a GPU (cuDNN); these devices are {platform}:"
+                     " use model.attention=auto (cuDNN where it can run) or blockwise")
+  if compute == "float32":
+    raise ValueError("model.attention=cudnn needs float16 or bfloat16 compute; "
+                     "precision.compute=float32: use model.attention=auto or blockwise")
+
+
 def attention(q_BxTxHxE: Array, k_BxSxKxE: Array, v_BxSxKxE: Array, *,
               implementation: str = "auto", block: int = DEFAULT_BLOCK, window: int = 0,
               segment_ids_BxT: Array | None = None, kv_segment_ids_BxS: Array | None = None,

@@ -26,9 +26,11 @@ from jaxzero.checkpoint import checkpointer as checkpoint_lib
 from jaxzero.config import Config
 from jaxzero.data import batches as batches_lib
 from jaxzero.data import pipeline
-from jaxzero.errors import CheckpointError, DamagedCheckpointError, NonFiniteError
+from jaxzero.errors import (CheckpointError, ConfigError, DamagedCheckpointError,
+                            NonFiniteError)
 from jaxzero.hf import load as hf_load
 from jaxzero.hf import peft as hf_peft
+from jaxzero.models import attention as attention_lib
 from jaxzero.models import lora as lora_lib
 from jaxzero.models.llama import param_specs
 from jaxzero.parallel import mesh as mesh_lib
@@ -81,6 +83,11 @@ def prepare(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None
   chooses, its targets checked (one line for one it cannot use) unless `check` is
   False. Reads and writes nothing; `workdir` names the NVMe store's directory."""
   devices = list(jax.devices() if devices is None else devices)
+  if check and not cfg.model_factory:  # cuDNN where it cannot run fails at compile otherwise
+    try:
+      attention_lib.check_runs_on(cfg.model.attention, devices[0].platform, cfg.precision.compute)
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   layout = Layout.from_config(cfg, mesh_lib.mesh_for(cfg.mesh, devices))
   program = engine_lib.TrainProgram(cfg, layout, adapters.model_for(cfg, layout.shard_size))
   return make_runner(program, workdir, check=check)
