@@ -73,6 +73,16 @@ def check_matches(model: LlamaConfig, path: str | os.PathLike) -> LlamaConfig:
   return found
 
 
+def check_tokenizer(tokenizer: str, path: str | os.PathLike) -> None:
+  """Refuses the byte tokenizer for a checkpoint that has its own (a tokenizer.json):
+  its embedding would read byte values as its own token ids, and train on nonsense."""
+  own = _checkpoint_dir(path) / "tokenizer.json"
+  if tokenizer == "byte" and own.is_file():
+    raise HFCheckpointError(f"init.hf_checkpoint={str(path)!r} has its own tokenizer ({own}); "
+                            "data.tokenizer='byte' would feed it byte values as token ids: "
+                            f"set data.tokenizer={str(path)!r}")
+
+
 def load_llama(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *,
                dtype: Any = jnp.float32) -> Llama:
   """A jaxzero.models.llama.Llama holding a Hugging Face Llama, Mistral or Qwen2

@@ -169,6 +169,7 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
       # A mismatched preset fails before tokenizing or compiling. With a
       # checkpoint the run resumes from it and the HF weights are not read.
       hf_load.check_matches(cfg.model, cfg.init.hf_checkpoint)
+      hf_load.check_tokenizer(cfg.data.tokenizer, cfg.init.hf_checkpoint)
     if cfg.lora.init_from and latest is None:  # likewise a mismatched adapter
       hf_peft.check_adapter(cfg.lora.init_from, cfg.model, _lora_record(cfg))
     run = build(cfg, workdir=workdir, progress=progress, runner=runner)

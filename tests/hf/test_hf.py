@@ -338,6 +338,17 @@ def test_bad_checkpoint_is_one_line_naming_the_culprit(case, message, tmp_path):
     assert "--set model.family=qwen2" in text
 
 
+def test_a_checkpoint_with_its_own_tokenizer_is_not_fed_bytes(tmp_path):
+  """The byte tokenizer's ids mean nothing to a pretrained embedding: refused where the
+  checkpoint has a tokenizer.json (one jaxzero exported from a byte-level run has none)."""
+  hf_load.check_tokenizer("byte", tmp_path)  # no tokenizer.json: may be a byte-level model
+  (tmp_path / "tokenizer.json").write_text("{}")
+  hf_load.check_tokenizer(str(tmp_path), tmp_path)
+  with pytest.raises(HFCheckpointError, match=r"has its own tokenizer .*data.tokenizer='byte' "
+                     r"would feed it byte values as token ids: set data.tokenizer="):
+    hf_load.check_tokenizer("byte", tmp_path)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("num_attention_heads", 0, "'num_attention_heads' is 0; it must be a positive integer"),
     ("num_key_value_heads", 0, "'num_key_value_heads' is 0; it must be a positive integer"),
