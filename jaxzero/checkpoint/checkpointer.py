@@ -113,6 +113,20 @@ class Checkpointer(CheckpointDirectory):
     """Blocks until every save has been written and renamed into place."""
     self._manager.wait_until_finished()
 
+  def check_model_shape(self, step: int) -> None:
+    """Raises CheckpointError when checkpoint `step` was saved for a model of another shape
+    (a reused workdir): at once, from its run record, before the run is built. A record
+    that cannot be read is left to the restore (which may fall back to an older one)."""
+    try:
+      saved = self.info(step).get("model", {})
+    except CheckpointError:
+      return
+    current = {k: v for k, v in self._info["model"].items() if k in SHAPE_FIELDS and k in saved}
+    if any(saved[k] != v for k, v in current.items()):
+      raise CheckpointError(f"checkpoint {self.step_dir(step)} does not fit this config"
+                            f"{_model_difference(saved, current)}; another model needs "
+                            "another --workdir")
+
   def restore(self, step: int, target, into: SideTarget | None = None,
               optional: tuple[str, ...] = (),
               true_shapes: dict[str, tuple[int, ...]] | None = None):
@@ -317,6 +331,11 @@ def _raise_if_damaged(where: pathlib.Path, differ: list[str], nonfinite: list[st
       more = f" and {len(bad) - 1} more leaves" if len(bad) > 1 else ""
       raise DamagedCheckpointError(f"checkpoint {where} is damaged: the values of leaf "
                                    f"{bad[0]}{more} {what}")
+
+
+# The model fields that set the state's leaf shapes: another value cannot resume.
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "mlp_dim",
+                "tie_embeddings", "qkv_bias")
 
 
 def _model_difference(saved: dict, current: dict) -> str:

@@ -165,6 +165,8 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
       raise CheckpointError(f"--resume-step {resume_step}: no such checkpoint in "
                             f"{checkpoints.directory}; available steps: "
                             f"{', '.join(map(str, checkpoints.all_steps())) or 'none'}")
+    if latest is not None:  # another model's checkpoint: said before tokenizing
+      checkpoints.check_model_shape(latest if resume_step is None else resume_step)
     if cfg.init.hf_checkpoint and latest is None:
       # A mismatched preset fails before tokenizing or compiling. With a
       # checkpoint the run resumes from it and the HF weights are not read.

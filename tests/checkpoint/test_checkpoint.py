@@ -139,16 +139,31 @@ def test_resume_on_the_same_mesh_is_bitwise_equal_and_drops_unsaved_metrics(
 
 
 @pytest.mark.slow  # runs jaxzero.train processes
-def test_another_model_shape_is_refused_naming_the_leaf_and_both_shapes(workdir_at_3):
+def test_another_model_shape_is_refused_before_the_build_naming_the_fields(workdir_at_3,
+                                                                           monkeypatch):
+  """From the checkpoint's run record, before tokenizing or compiling (a reused workdir);
+  the restore itself names the leaf and both shapes where no record says (an Engine's)."""
   cfg = config.load(TINY, [*SETTINGS, "model.dim=128"])
   before = snapshot(workdir_at_3)
+  monkeypatch.setattr(loop, "build", lambda *a, **k: pytest.fail("built"))
   with pytest.raises(CheckpointError) as error:
     loop.run_training(cfg, workdir_at_3, progress=False)
   message = str(error.value)
-  assert "leaf params/embed_VxD has shape (256, 64) in the checkpoint but (256, 128)" in message
-  assert "model.dim=64 in the checkpoint, 128 here" in message
-  assert "\n" not in message
+  assert message.endswith("/3 does not fit this config (model.dim=64 in the checkpoint, 128 "
+                          "here); another model needs another --workdir")
   assert snapshot(workdir_at_3) == before
+
+
+def test_a_leaf_of_another_shape_is_named_with_both_shapes(tmp_path):
+  from jaxzero.checkpoint import directory
+  with pytest.raises(CheckpointError) as error:
+    directory.check_fits({"params/embed_VxD": (256, 64)}, {"params/embed_VxD": (256, 128)},
+                         tmp_path / "3", "this config", " (model.dim=64 in the checkpoint, 128 "
+                         "here)")
+  assert str(error.value) == (
+      f"checkpoint {tmp_path / '3'} does not fit this config: leaf params/embed_VxD has shape "
+      "(256, 64) in the checkpoint but (256, 128) in this config (model.dim=64 in the "
+      "checkpoint, 128 here)")
 
 
 @pytest.mark.parametrize("damage, expected", [
