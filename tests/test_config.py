@@ -281,3 +281,13 @@ def test_a_model_factory_run_is_not_checked_against_the_built_in_model_s_fields(
   own shapes are checked once it is built (jaxzero.parallel.zero)."""
   config.validate(config.apply_overrides(config.base(), [
       "model_factory=mymodule:build", "mesh.tensor=8", "model.n_heads=3"]))
+
+
+def test_settings_that_do_not_do_what_they_seem_are_said_at_start():
+  assert config.notices(config.base()) == []
+  said = config.notices(config.apply_overrides(config.base(), [
+      "train.steps=100", "train.warmup_steps=500", "offload.nvme_dir=/nvme",
+      "data.eval_fraction=0.01"]))
+  assert [line.split(" ")[0] for line in said] == [
+      "train.warmup_steps=500", "offload.nvme_dir='/nvme'", "data.eval_fraction=0.01"]
+  assert "never reaches its decay" in said[0] and "never evaluates" in said[2]

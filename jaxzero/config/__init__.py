@@ -6,7 +6,7 @@ only the sections it needs. Reading a config starts no JAX backend, so the CLI c
 many virtual CPU devices to create before JAX starts.
 """
 
-from jaxzero.config.loading import (load, validate, validate_frozen_offload,
+from jaxzero.config.loading import (load, notices, validate, validate_frozen_offload,
                                     validate_offload, validate_precision)
 from jaxzero.config.mesh_checks import validate_pipeline
 from jaxzero.config.overrides import (MOVED_KEYS, apply_overrides, as_dotted, check_literals,
@@ -20,7 +20,7 @@ from jaxzero.config.sections import (STRATEGIES, CheckpointConfig, Config, Conte
                                      ZeroConfig, base, strategy_name)
 from jaxzero.errors import ConfigError
 
-__all__ = ["MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", "ConfigError",
+__all__ = ["notices", "MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", "ConfigError",
            "ContextConfig", "DataConfig",
            "DistributedConfig", "Dtype", "EvalConfig", "InitConfig", "LogConfig", "LoraConfig", "MemoryKind",
            "MeshConfig", "OffloadConfig", "PipelineConfig", "PrecisionConfig", "ProfileConfig",

@@ -292,6 +292,23 @@ def _validate_matmul(cfg: Config) -> None:
                       "model_factory model chooses its own matmuls")
 
 
+def notices(cfg: Config) -> list[str]:
+  """Settings that pass the checks but do not do what they seem to: said once, at start."""
+  t, d, o = cfg.train, cfg.data, cfg.offload
+  said = []
+  if t.warmup_steps > t.steps:
+    said.append(f"train.warmup_steps={t.warmup_steps} is past train.steps={t.steps}, where the "
+                "schedule ends: the learning rate never reaches its decay (to stop early, keep "
+                "train.steps and give --steps N)")
+  if o.nvme_dir and "nvme" not in (o.optimizer, o.params):
+    said.append(f"offload.nvme_dir={o.nvme_dir!r} is unused: nothing is offloaded to NVMe "
+                "(offload.optimizer=nvme or offload.params=nvme)")
+  if d.eval_fraction and not cfg.eval.every:
+    said.append(f"data.eval_fraction={d.eval_fraction} holds data out of training that "
+                "eval.every=0 never evaluates: set eval.every, or leave data.eval_fraction 0")
+  return said
+
+
 def _validate_model(m) -> None:
   """The built-in model's sizes and numbers: each would fail later, or train on nonsense
   (a rope theta of 0 gives NaN at the first step, a norm eps of 0 at the first zero row)."""

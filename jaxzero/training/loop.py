@@ -20,6 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from orbax.checkpoint import multihost
 
+from jaxzero import config as config_lib
 from jaxzero import engine as engine_lib
 from jaxzero.api import adapters
 from jaxzero.checkpoint import checkpointer as checkpoint_lib
@@ -174,6 +175,9 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
       hf_load.check_tokenizer(cfg.data.tokenizer, cfg.init.hf_checkpoint)
     if cfg.lora.init_from and latest is None:  # likewise a mismatched adapter
       hf_peft.check_adapter(cfg.lora.init_from, cfg.model, _lora_record(cfg))
+    if jax.process_index() == 0:
+      for notice in config_lib.notices(cfg):
+        log.warning("%s", notice)
     run = build(cfg, workdir=workdir, progress=progress, runner=runner)
     budget = memory_check.check(run.runner, run.devices, force)  # before any state exists
     if jax.process_index() == 0:
