@@ -33,9 +33,7 @@ def host_devices() -> list:
 def layer_of(leaf: nvme_store.Leaf, starts: tuple[int, ...]) -> int:
   """The layer a chunk belongs to (-1: a weight outside the layer stack), by which the
   update orders its chunks: the forward pass's order."""
-  if leaf.name.startswith("layers/") and 0 in leaf.cut:
-    return starts[leaf.cut.index(0)]
-  return -1
+  return leaf.layer(starts)
 
 
 _owned = jax.jit(lambda x: x.copy())

@@ -34,8 +34,11 @@ def weight_copies(tx: optax.GradientTransformation, opt_state: Any,
   per-weight leaf of the optimizer state in its order (e.g. Adam's mu, nu)."""
   weights = jax.tree_util.tree_map_with_path(
       lambda p, _: _Weight(integrity.leaf_name(p)), master)
-  marked = optax.tree_map_params(tx, lambda _, w: w, opt_state, weights,
-                                 transform_non_params=lambda v: jax.tree.map(lambda _: None, v))
+  # A masked-out weight's place in a masked or multi_transform state is a MaskedNode: no
+  # copy of it there.
+  marked = optax.tree_map_params(
+      tx, lambda leaf, w: None if _masked(leaf) else w, opt_state, weights,
+      transform_non_params=lambda v: jax.tree.map(lambda _: None, v), is_leaf=_masked)
   copies = {w.name: [f"master/{w.name}"] for w in jax.tree.leaves(weights)}
   for path, w in jax.tree_util.tree_flatten_with_path(
       marked, is_leaf=lambda x: isinstance(x, _Weight))[0]:
@@ -46,7 +49,12 @@ def weight_copies(tx: optax.GradientTransformation, opt_state: Any,
 def weight_flags(tx: optax.GradientTransformation, state: Any) -> list[bool]:
   """For each leaf of `state`: whether it mirrors a weight (else a scalar, e.g. a count)."""
   return jax.tree.leaves(optax.tree_map_params(
-      tx, lambda _: True, state, transform_non_params=lambda v: jax.tree.map(lambda _: False, v)))
+      tx, lambda leaf: leaf if _masked(leaf) else True, state,
+      transform_non_params=lambda v: jax.tree.map(lambda _: False, v), is_leaf=_masked))
+
+
+def _masked(x) -> bool:
+  return isinstance(x, optax.MaskedNode)
 
 
 def nest(name: str, value: Any) -> dict:
@@ -69,8 +77,11 @@ def update_chunk(cfg, inner: optax.GradientTransformation, name: str, grad_sum: 
   template = inner.init(master)  # its zeros are replaced (and never computed)
   flags = weight_flags(inner, template)
   copies, counts = iter(list(chunk[1:])), iter(scalars)
-  state = jax.tree.unflatten(jax.tree.structure(template),
-                             [next(copies) if f else next(counts) for f in flags])
+  # A copy is stored in float32; the optimizer computes it in its own dtype (mu_dtype=
+  # bfloat16's moment, whose values float32 holds exactly), as in memory.
+  state = jax.tree.unflatten(jax.tree.structure(template), [
+      next(copies).astype(leaf.dtype) if f else next(counts)
+      for f, leaf in zip(flags, jax.tree.leaves(template))])
   updates, state = inner.update(nest(name, g), state, master)
   new_master = jax.tree.leaves(optax.apply_updates(master, updates))[0]
   leaves = jax.tree.leaves(state)
@@ -126,6 +137,9 @@ def check_updates_by_box(inner: optax.GradientTransformation, weights: dict[str,
              "LAMB's trust ratios, Adafactor's factored moments)")
   except Exception as e:  # pylint: disable=broad-except
     why = f"it fails on one box of one weight: {type(e).__name__}: {str(e).splitlines()[0]}"
+    if "pytree structure" in str(e):  # a mask or labels given as a tree of every weight
+      why += ("; a mask= or multi_transform's labels given as a tree of the parameters "
+              "cannot take one weight alone: give them as a function of the parameters")
   if why:
     raise ConfigError(f"{where} updates each weight a box at a time, and this optimizer "
                       f"cannot be: {why}; use an elementwise optimizer (optax.adamw, sgd, "

@@ -68,6 +68,14 @@ class Leaf:
   chunk: tuple[int, ...]  # a chunk's length in each dimension (all of it where uncut)
   # Stored padded (jaxzero.parallel.padding): the weight's true shape, which checksums cover.
   true_shape: tuple[int, ...] | None = None
+  stacked: bool = False  # a layer stack (the model's layers_key): dimension 0 is the layer
+
+  def layer(self, starts: tuple[int, ...]) -> int:
+    """The layer a chunk at `starts` holds (-1: a weight outside the layer stack; 0 for a
+    stack of one layer, whose layer dimension is not cut)."""
+    if not self.stacked:
+      return -1
+    return starts[self.cut.index(0)] if 0 in self.cut else 0
 
   @property
   def cut(self) -> tuple[int, ...]:
@@ -137,7 +145,7 @@ def plan_leaf(name: str, shape: tuple[int, ...], kinds: tuple[str, ...],
   return Leaf(name, shape, kinds, sharding,
               tuple(n if d not in free else c for d, (n, c) in enumerate(zip(shape, chunk))),
               None if true_shape is None or tuple(true_shape) == tuple(shape)
-              else tuple(true_shape))
+              else tuple(true_shape), stacked)
 
 
 def index(box: Box) -> tuple[slice, ...]:

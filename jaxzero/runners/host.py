@@ -58,7 +58,7 @@ class HostRunner(nvme.NvmeRunner):
     offload = program.cfg.offload
     self.delayed = offload.delayed_update
     self.fraction = offload.optimizer_fraction
-    stacked = [leaf for leaf in self.leaves if leaf.name.startswith("layers/")]
+    stacked = [leaf for leaf in self.leaves if leaf.stacked]
     self.n_layers = stacked[0].shape[0] if stacked else 0
     self.device_layers = self.n_layers - round(self.fraction * self.n_layers)
     self._host_units: dict[str, Any] = {}
@@ -73,8 +73,7 @@ class HostRunner(nvme.NvmeRunner):
     """Twin-Flow: whether this chunk's state stays on the device (all of it at f = 0)."""
     if self.fraction == 0:
       return True
-    return 0 in leaf.cut and leaf.name.startswith("layers/") and (
-        starts[leaf.cut.index(0)] < self.device_layers)
+    return leaf.stacked and leaf.layer(starts) < self.device_layers
 
   def bytes_needed(self) -> int:
     return 0  # nothing on disk

@@ -28,6 +28,7 @@ makes it after every update. So a checkpoint's ``params`` are derived from its m
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import pathlib
 from typing import Any
 
@@ -57,8 +58,7 @@ class InfinityRunner(nvme_runner.NvmeRunner):
     self.key = self.programs.key
     self.names |= {f"params/{leaf.name}" for leaf in self.leaves}
     # The gradient sums: one fp32 copy per weight, chunked as the optimizer's state.
-    self.grad_leaves = [nvme_store.Leaf(leaf.name, leaf.shape, ("grad",), leaf.sharding,
-                                        leaf.chunk) for leaf in self.leaves]
+    self.grad_leaves = [dataclasses.replace(leaf, kinds=("grad",)) for leaf in self.leaves]
     self.grad_store: nvme_store.Store | None = None
     self._assembler = concurrent.futures.ThreadPoolExecutor(1, "jaxzero-infinity")
     self.io_bytes = self._io_bytes()
@@ -202,7 +202,7 @@ class InfinityRunner(nvme_runner.NvmeRunner):
     then receives, and holds, 2 bytes a weight in bf16, not the master's 4."""
     reads = []
     for leaf in leaves:
-      chunks = [s for s in leaf.starts() if layer is None or s[0] == layer]
+      chunks = [s for s in leaf.starts() if layer is None or leaf.layer(s) == layer]
       reads.append([(region, [(s, self.store.read(leaf, region, s, copies=1)) for s in chunks])
                     for region in leaf.regions])
     compute = engine_lib.dtype_of(self.cfg.precision.compute)
@@ -220,7 +220,7 @@ class InfinityRunner(nvme_runner.NvmeRunner):
         box = _layer_box(region.box, layer)
         data = np.asarray(shards[region.devices[0]])  # widened a chunk at a time, below
         for s in leaf.starts():
-          if layer is not None and s[0] != layer:
+          if layer is not None and leaf.layer(s) != layer:
             continue
           chunk = data[_local(leaf.chunk_box(region, s), box)][None].astype(np.float32)
           if not first:
@@ -268,8 +268,7 @@ class InfinityRunner(nvme_runner.NvmeRunner):
       inner, cfg = self._inner, self.cfg
       scalar_sh = jax.tree.leaves(self._scalar_sh)
       replicated = self.program.layout.replicated()
-      grad_sh = nvme_store.Leaf(leaf.name, leaf.shape, ("grad",), leaf.sharding,
-                                leaf.chunk).chunk_sharding
+      grad_sh = dataclasses.replace(leaf, kinds=("grad",)).chunk_sharding
       self._units[name] = jax.jit(
           lambda g, chunk, scalars, norm, scale: nvme_chunks.update_chunk(
               cfg, inner, leaf.name, g[0], chunk, scalars, norm, scale),

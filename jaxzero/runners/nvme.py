@@ -95,10 +95,12 @@ class NvmeRunner:
     flat, self._master_def = jax.tree_util.tree_flatten_with_path(abstract.master)
     master_sh = jax.tree.leaves(on_device(sh.master))
     true_shapes = [tuple(t.shape) for t in jax.tree.leaves(program.true_abstract.master)]
+    layers = program.model.layers_key
+    stacked = lambda name: bool(layers) and name.startswith(layers + "/")
     self.leaves = [
         nvme_store.plan_leaf(integrity.leaf_name(path), tuple(a.shape),
                              copies[integrity.leaf_name(path)], s,
-                             stacked=integrity.leaf_name(path).startswith("layers/"),
+                             stacked=stacked(integrity.leaf_name(path)),
                              chunk_bytes=self.chunk_bytes, true_shape=true)
         for (path, a), s, true in zip(flat, master_sh, true_shapes)]
     self.names = {kind for leaf in self.leaves for kind in leaf.kinds}

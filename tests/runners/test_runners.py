@@ -20,18 +20,18 @@ from processes import TINY
 VOCAB, DIM, LAYERS, STEPS = 64, 16, 2, 3
 
 
-def scanned_model(layers: int = LAYERS) -> Model:
+def scanned_model(layers: int = LAYERS, key: str = "layers") -> Model:
   """A user's model under the engine's own contract: embedding, a stack of residual
-  tanh layers scanned through the engine's hook (so it can stream layer by layer, or run
-  in pipeline stages), and a head."""
+  tanh layers (under `key`) scanned through the engine's hook (so it can stream layer by
+  layer, or run in pipeline stages), and a head."""
   specs = {"embed": Leaf((VOCAB, DIM), ("vocab", "embed")),
-           "layers": {"w": Leaf((layers, DIM, DIM), ("layers", "embed", "mlp"))},
+           key: {"w": Leaf((layers, DIM, DIM), ("layers", "embed", "mlp"))},
            "head": Leaf((DIM, VOCAB), ("embed", "vocab"))}
 
-  def init(key):
-    k1, k2, k3 = jax.random.split(key, 3)
+  def init(rng):
+    k1, k2, k3 = jax.random.split(rng, 3)
     return {"embed": jax.random.normal(k1, (VOCAB, DIM)) * 0.5,
-            "layers": {"w": jax.random.normal(k2, (layers, DIM, DIM)) * 0.3},
+            key: {"w": jax.random.normal(k2, (layers, DIM, DIM)) * 0.3},
             "head": jax.random.normal(k3, (DIM, VOCAB)) * 0.3}
 
   def loss(params, tokens, hooks):
@@ -40,11 +40,11 @@ def scanned_model(layers: int = LAYERS) -> Model:
     def layer(h, weights):
       return h + jnp.tanh(h @ hooks.gather(weights["w"], ("embed", "mlp"))), None
 
-    h = hooks.scan(layer, hooks.shard(x, ("batch", "seq", "embed")), params["layers"])
+    h = hooks.scan(layer, hooks.shard(x, ("batch", "seq", "embed")), params[key])
     logits = h @ hooks.gather(params["head"], ("embed", "vocab"))
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-  return Model(specs=specs, init=init, loss=loss, layers_key="layers")
+  return Model(specs=specs, init=init, loss=loss, layers_key=key)
 
 
 OFFLOADS = {"device": dict(optimizer="device"), "zero_offload": dict(optimizer="pinned_host"),
@@ -53,11 +53,14 @@ RUNNERS = {"device": base.InMemoryRunner, "zero_offload": host.HostRunner,
            "nvme": nvme.NvmeRunner, "infinity": infinity.InfinityRunner}
 
 
-def train(offload: str, nvme_dir) -> tuple[list[float], type]:
+def train(offload: str, nvme_dir, model: Model | None = None,
+          optimizer: optax.GradientTransformation | None = None, **options
+          ) -> tuple[list[float], type]:
   engine = jaxzero.Engine(
-      scanned_model(), optimizer=optax.adamw(1e-2), zero=jaxzero.Zero(stage=3),
-      mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]), grad_accum=2,
-      offload=jaxzero.Offload(**OFFLOADS[offload], nvme_dir=str(nvme_dir)), workdir=nvme_dir)
+      model or scanned_model(), optimizer=optimizer or optax.adamw(1e-2),
+      zero=jaxzero.Zero(stage=3), mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]),
+      grad_accum=2, workdir=nvme_dir,
+      offload=jaxzero.Offload(**OFFLOADS[offload], **options, nvme_dir=str(nvme_dir)))
   tokens = jax.random.randint(jax.random.key(1), (STEPS, 16, 9), 0, VOCAB, jnp.int32)
   state, losses = engine.init(jax.random.key(0)), []
   for batch in tokens:
@@ -77,6 +80,47 @@ def test_every_runner_trains_a_user_model_through_the_engine_to_the_same_losses(
     losses, kind = train(offload, tmp_path / offload)
     assert kind is RUNNERS[offload], offload
     np.testing.assert_allclose(losses, reference, rtol=1e-6, err_msg=offload)
+
+
+def _head_apart(params):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "head" if "head" in jax.tree_util.keystr(path) else "rest", params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["multi_transform", "bf16_moment", "blocks", "one_layer"])
+def test_the_runners_that_stream_the_state_take_what_memory_takes(case, tmp_path):
+  """Per-group optimizers (multi_transform, its labels a function), a moment kept in
+  bfloat16, a layer stack under another key, a stack of one layer: ZeRO-Offload with
+  Twin-Flow and ZeRO-Infinity train them as the in-memory step does (they crashed, or
+  kept the moment in float32)."""
+  model, optimizer = scanned_model(), None
+  if case == "multi_transform":
+    optimizer = optax.multi_transform({"rest": optax.adam(1e-2), "head": optax.sgd(0.1)},
+                                      _head_apart)
+  elif case == "bf16_moment":
+    optimizer = optax.adamw(1e-2, mu_dtype=jnp.bfloat16)
+  elif case == "blocks":
+    model = scanned_model(key="blocks")
+  else:
+    model = scanned_model(layers=1)
+  reference, _ = train("device", tmp_path, model, optimizer)
+  for offload, options in (("zero_offload", {"optimizer_fraction": 0.5}), ("infinity", {})):
+    (tmp_path / offload).mkdir()
+    losses, _ = train(offload, tmp_path / offload, model, optimizer, **options)
+    np.testing.assert_allclose(losses, reference, rtol=2e-7, err_msg=offload)
+
+
+def test_a_mask_given_as_a_tree_is_refused_naming_the_function_form(tmp_path):
+  """The box-by-box update runs the optimizer on one weight at a time: a mask tree of
+  every weight cannot match it; the same mask as a function can."""
+  mask = {"embed": False, "layers": {"w": True}, "head": True}
+  with pytest.raises(config.ConfigError, match="a mask= or multi_transform's labels given "
+                     "as a tree of the parameters cannot take one weight alone: give them as "
+                     "a function of the parameters"):
+    jaxzero.Engine(scanned_model(), optimizer=optax.adamw(1e-2, mask=mask),
+                   mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]),
+                   offload=jaxzero.Offload("pinned_host"))
 
 
 def test_a_model_without_a_layer_stack_cannot_stream_its_layers(tmp_path):
