@@ -345,9 +345,10 @@ def _transfer(call, fd: int, buffer, offset: int) -> None:
 
 
 def remove(directory: pathlib.Path) -> None:
-  """Deletes a store directory, only if this module made it; then its run's
-  directory if that is left empty."""
-  if not (directory / MARKER).exists():
+  """Deletes a store directory, only if this module made it (or it is empty: one a kill
+  left between making it and marking it); then its run's directory if that is left
+  empty."""
+  if not (directory / MARKER).exists() and any(directory.iterdir()):
     raise PathError(f"{directory} exists but was not made by jaxzero's NVMe tier: "
                           "it is left alone; move it away")
   shutil.rmtree(directory)

@@ -253,6 +253,23 @@ def test_an_nvme_dir_that_is_a_file_or_read_only_is_refused(tmp_path):
       offload_targets.check_offload(cfg, devices)
 
 
+def test_a_store_directory_is_removed_only_when_the_tier_made_it(tmp_path):
+  """A killed run's store (its marker) goes; so does one a kill left empty, before its
+  marker was written, which every restart would otherwise refuse; anything else stays."""
+  from jaxzero.offload import nvme_store
+  marked, empty, foreign = (tmp_path / "run" / name for name in ("a", "b", "c"))
+  for directory in (marked, empty, foreign):
+    directory.mkdir(parents=True)
+  (marked / nvme_store.MARKER).write_text("{}")
+  (marked / "x.f32").write_bytes(b"0")
+  (foreign / "data.bin").write_bytes(b"0")
+  nvme_store.remove(marked)
+  nvme_store.remove(empty)
+  with pytest.raises(PathError, match="was not made by jaxzero's NVMe tier"):
+    nvme_store.remove(foreign)
+  assert [p.name for p in (tmp_path / "run").iterdir()] == ["c"]
+
+
 def test_no_room_for_the_state_names_the_bytes_and_changes_nothing(nvme_run, nvme_dir,
                                                                    monkeypatch, tmp_path):
   workdir = at_step(nvme_run[0], 2, tmp_path / "w")
