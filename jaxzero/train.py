@@ -87,10 +87,6 @@ def _parse(argv):
     parser.error(f"--steps={args.steps} must be at least 1")
   if args.resume_step is not None and args.resume_step < 0:
     parser.error(f"--resume-step={args.resume_step} must be a checkpoint's step (>= 0)")
-  if None not in (args.steps, args.resume_step) and args.steps < args.resume_step:
-    # (It would set the later checkpoints aside, then train nothing.)
-    parser.error(f"--steps={args.steps} is before --resume-step={args.resume_step}: "
-                 "nothing would be trained; give --steps past the step resumed from")
   return parser, args
 
 
@@ -99,6 +95,12 @@ def _check_steps(parser, args, cfg) -> None:
     parser.error(f"--steps={args.steps} is past train.steps={cfg.train.steps}, where the "
                  "learning-rate schedule ends; raise train.steps (--set train.steps="
                  f"{args.steps}) to train that far")
+  end = args.steps if args.steps is not None else cfg.train.steps
+  if args.resume_step is not None and end < args.resume_step:
+    # (It would set the later checkpoints aside, then train nothing.)
+    said = f"--steps={end}" if args.steps is not None else f"train.steps={end}"
+    parser.error(f"{said} is before --resume-step={args.resume_step}: nothing would be "
+                 "trained; train to a step at or past the one resumed from")
 
 
 def check_arguments(argv: list[str], also=None) -> int:
@@ -131,9 +133,13 @@ def _main(argv) -> int:
 
   def body():
     loaded = cli.load_config(args)  # before JAX starts: creates virtual CPU devices
-    if args.print_config:  # on the devices training would use: a GPU machine's all
-      import jax  # pylint: disable=import-outside-toplevel
-      print(loaded.describe(jax.device_count()))
+    if args.print_config:
+      from jaxzero.parallel import mesh  # pylint: disable=import-outside-toplevel
+      devices = mesh.devices_needed(loaded.cfg.mesh)
+      if not devices and loaded.file and loaded.file.batch:  # a batch from the device count:
+        import jax  # pylint: disable=import-outside-toplevel
+        devices = jax.device_count()  # this machine's, as training finds them (one host's)
+      print(loaded.describe(devices or mesh.devices_for(loaded.cfg.mesh)))
       return
     distributed.initialize(loaded.cfg, prog=parser.prog)  # joins the other processes, if any
     import jax  # pylint: disable=import-outside-toplevel

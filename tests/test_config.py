@@ -290,4 +290,4 @@ def test_settings_that_do_not_do_what_they_seem_are_said_at_start():
       "data.eval_fraction=0.01"]))
   assert [line.split(" ")[0] for line in said] == [
       "train.warmup_steps=500", "offload.nvme_dir='/nvme'", "data.eval_fraction=0.01"]
-  assert "never reaches its decay" in said[0] and "never evaluates" in said[2]
+  assert "never reaches train.lr=" in said[0] and "never evaluates" in said[2]

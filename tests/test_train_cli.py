@@ -88,7 +88,9 @@ def exit_code(main, argv) -> int:
      "(cuDNN); these devices are cpu: use model.attention=auto (cuDNN where it can run) or "
      "blockwise"),
     (["--config", TINY, "--resume-step", "4", "--steps", "2"], "--steps=2 is before "
-     "--resume-step=4: nothing would be trained; give --steps past the step resumed from"),
+     "--resume-step=4: nothing would be trained; train to a step at or past the one resumed "
+     "from"),
+    (["--config", TINY, "--resume-step", "90"], "train.steps=80 is before --resume-step=90"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(args, message, tmp_path, capsys):
   (tmp_path / "cfg.json").write_text('{"train_batch_size": 32}')

@@ -95,6 +95,8 @@ def validate(cfg: Config) -> None:
   check_literals(cfg)
   if not cfg.model_factory:  # (a model_factory model's shapes are its own, checked built)
     _validate_model(cfg.model)
+  elif cfg.model.vocab_size < 1:  # (the data's token ids are checked against it)
+    raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} must be at least 1")
   if cfg.seed >= 2**63:
     raise ConfigError(f"seed={cfg.seed} must be below 2**63 (a 64-bit seed)")
   for key, value in (("seed", cfg.seed), ("train.warmup_steps", cfg.train.warmup_steps),
@@ -298,8 +300,8 @@ def notices(cfg: Config) -> list[str]:
   said = []
   if t.warmup_steps > t.steps:
     said.append(f"train.warmup_steps={t.warmup_steps} is past train.steps={t.steps}, where the "
-                "schedule ends: the learning rate never reaches its decay (to stop early, keep "
-                "train.steps and give --steps N)")
+                f"schedule ends: the learning rate never reaches train.lr={t.lr:g} (to stop "
+                "early, keep train.steps and give --steps N)")
   if o.nvme_dir and "nvme" not in (o.optimizer, o.params):
     said.append(f"offload.nvme_dir={o.nvme_dir!r} is unused: nothing is offloaded to NVMe "
                 "(offload.optimizer=nvme or offload.params=nvme)")

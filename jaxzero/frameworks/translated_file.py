@@ -92,8 +92,8 @@ def number(tr: Translation, value: Any, where: str, kind=float, minimum=None) ->
   """`value` as an int or float, refusing booleans, text and values below `minimum`."""
   ok = isinstance(value, (int, float)) and not isinstance(value, bool)
   finite = not isinstance(value, float) or math.isfinite(value)  # JSON's NaN, Infinity
-  if kind is int:
-    ok = ok and finite and float(value).is_integer()
+  if kind is int:  # (an int of any size is whole; float() of a huge one overflows)
+    ok = ok and (isinstance(value, int) or (finite and float(value).is_integer()))
   if not ok or not finite or (minimum is not None and value < minimum):
     least = "" if minimum is None else f" of at least {minimum}"
     what = "an integer" if kind is int else "a number" if finite else "a finite number"

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from jaxzero import config as config_lib
+from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import HFCheckpointError
 from jaxzero.hf import config_json, tensors
 from jaxzero.models.llama import Llama, LlamaConfig, param_specs
@@ -74,13 +75,22 @@ def check_matches(model: LlamaConfig, path: str | os.PathLike) -> LlamaConfig:
 
 
 def check_tokenizer(tokenizer: str, path: str | os.PathLike) -> None:
-  """Refuses the byte tokenizer for a checkpoint that has its own (a tokenizer.json):
-  its embedding would read byte values as its own token ids, and train on nonsense."""
+  """Refuses the byte tokenizer for a checkpoint that has a tokenizer of its own, larger
+  than bytes (a tokenizer.json): its embedding would read byte values as its own token
+  ids, and train on nonsense. A byte-level checkpoint (jaxzero's export of a byte-level
+  run, with or without a tokenizer.json of bytes) takes bytes."""
   own = _checkpoint_dir(path) / "tokenizer.json"
-  if tokenizer == "byte" and own.is_file():
-    raise HFCheckpointError(f"init.hf_checkpoint={str(path)!r} has its own tokenizer ({own}); "
-                            "data.tokenizer='byte' would feed it byte values as token ids: "
-                            f"set data.tokenizer={str(path)!r}")
+  if tokenizer != "byte" or not own.is_file():
+    return
+  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+  try:
+    size = Tokenizer.from_file(str(own)).get_vocab_size(with_added_tokens=True)
+  except Exception:  # pylint: disable=broad-except
+    return  # (the Rust side's own error type) not one jaxzero reads: said if it is asked for
+  if size > tokens_lib.BYTE_VOCAB:
+    raise HFCheckpointError(f"init.hf_checkpoint={str(path)!r} has its own tokenizer of "
+                            f"{size:,} tokens ({own}); data.tokenizer='byte' would feed it "
+                            f"byte values as token ids: set data.tokenizer={str(path)!r}")
 
 
 def load_llama(path: str | os.PathLike, mesh: jax.sharding.Mesh | None = None, *,

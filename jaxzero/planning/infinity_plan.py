@@ -217,7 +217,7 @@ def _outputs(compiled):
 def _update_program(tier, leaf):
   """The update of one chunk of `leaf`, compiled from shapes."""
   replicated = tier.program.layout.replicated()
-  grad = nvme_store.Leaf(leaf.name, leaf.shape, ("grad",), leaf.sharding, leaf.chunk)
+  grad = dataclasses.replace(leaf, kinds=("grad",))
   args = (_abstract((1, *leaf.chunk), np.float32, grad.chunk_sharding),
           _abstract((len(leaf.kinds), *leaf.chunk), np.float32, leaf.chunk_sharding),
           tier.abstract_scalars(), _abstract((), np.float32, replicated),

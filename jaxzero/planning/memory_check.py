@@ -340,7 +340,8 @@ def suggest(program, b: Budget) -> str:
     return "what would fit: " + " or ".join(ideas)
   smallest = needed(stage=3, policy="full", m=1)
   how = "ZeRO-3 with remat.policy=full and micro-batch 1" if estimated else "ZeRO-3"
-  if fits(smallest):  # no one change fits, all of them together do
+  already = (layout.stage, cfg.remat.policy, micro) == (3, "full", 1)
+  if fits(smallest) and not already:  # no one change fits, all of them together do
     return f"what would fit: {how} (~{format_bytes(smallest)})"
   if cpu:
     return (f"nothing fits this host: even {how} "

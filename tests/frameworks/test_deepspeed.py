@@ -585,6 +585,12 @@ def test_migrate_output_resolves_to_the_same_config(tmp_path, capsys):
   assert config.load(str(migrated), SMALL) == config.load(TINY, RUN_SET + SMALL)
 
 
+def test_an_integer_too_large_for_a_float_is_one_line(tmp_path):
+  huge = 10 ** 400
+  tr = deepspeed.translate({"train_micro_batch_size_per_gpu": huge}, base())
+  assert tr.batch["train_micro_batch_size_per_gpu"] == huge  # whole; the arithmetic refuses it
+
+
 def test_a_batch_from_the_device_count_is_found_on_the_devices_the_run_uses(tmp_path, capsys,
                                                                            monkeypatch):
   """Micro-batch 2 x accumulation 4 is a global batch of 2 x 4 x the devices: migrate writes
@@ -601,6 +607,11 @@ def test_a_batch_from_the_device_count_is_found_on_the_devices_the_run_uses(tmp_
   assert train.main(["--config", TINY, "--deepspeed", ds_file, "--set", "mesh.fsdp=-1",
                      "--print-config"]) == 0
   assert "train.global_batch=16  # auto: " in capsys.readouterr().out
+  # A mesh that names its size (here more devices than this machine has: a multi-host
+  # run's) is resolved on that size.
+  assert train.main(["--config", TINY, "--deepspeed", ds_file, "--set", "mesh.fsdp=16",
+                     "--print-config"]) == 0
+  assert "train.global_batch=128  # auto: " in capsys.readouterr().out
 
 
 def write(tmp_path, name, text):

@@ -338,15 +338,30 @@ def test_bad_checkpoint_is_one_line_naming_the_culprit(case, message, tmp_path):
     assert "--set model.family=qwen2" in text
 
 
-def test_a_checkpoint_with_its_own_tokenizer_is_not_fed_bytes(tmp_path):
+def _word_tokenizer(path, words: int):
+  tokenizers = pytest.importorskip("tokenizers")
+  vocab = {f"w{i}": i for i in range(words)}
+  tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0")).save(str(path))
+
+
+def test_a_checkpoint_with_its_own_tokenizer_is_not_fed_bytes(tmp_path, monkeypatch):
   """The byte tokenizer's ids mean nothing to a pretrained embedding: refused where the
-  checkpoint has a tokenizer.json (one jaxzero exported from a byte-level run has none)."""
-  hf_load.check_tokenizer("byte", tmp_path)  # no tokenizer.json: may be a byte-level model
-  (tmp_path / "tokenizer.json").write_text("{}")
+  checkpoint has a tokenizer larger than bytes, before anything is built; a byte-level
+  checkpoint (jaxzero's export of a byte-level run) takes bytes."""
+  from jaxzero.training import loop
+  hf_load.check_tokenizer("byte", tmp_path)  # no tokenizer.json
+  _word_tokenizer(tmp_path / "tokenizer.json", 200)
+  hf_load.check_tokenizer("byte", tmp_path)  # no larger than bytes
+  _word_tokenizer(tmp_path / "tokenizer.json", 1000)
   hf_load.check_tokenizer(str(tmp_path), tmp_path)
-  with pytest.raises(HFCheckpointError, match=r"has its own tokenizer .*data.tokenizer='byte' "
-                     r"would feed it byte values as token ids: set data.tokenizer="):
-    hf_load.check_tokenizer("byte", tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps(config_json.hf_config_from_llama(CFG)))
+  cfg = config.apply_overrides(config.base(), [f"init.hf_checkpoint={tmp_path}"])
+  cfg = dataclasses.replace(cfg, model=CFG)
+  monkeypatch.setattr(loop, "build", lambda *a, **k: pytest.fail("built"))
+  with pytest.raises(HFCheckpointError, match=r"has its own tokenizer of 1,000 tokens .*"
+                     r"data.tokenizer='byte' would feed it byte values as token ids: set "
+                     r"data.tokenizer="):
+    loop.run_training(cfg, tmp_path / "w", devices=jax.devices()[:8], progress=False)
 
 
 @pytest.mark.parametrize("field, value, message", [

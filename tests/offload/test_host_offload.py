@@ -112,10 +112,13 @@ def no_offload():
     pytest.param(3, "nvme", "pinned_host", marks=pytest.mark.slow)])
 def test_offload_trains_like_no_offload(no_offload, stage, optimizer, params, tmp_path,
                                        monkeypatch):
+  cfg = tiny(stage, optimizer, params, nvme_dir=str(tmp_path))
   if stage == 2:  # (each runner's own limit: NvmeRunner's was read from nvme_store at import)
     for runner in (host.HostRunner, nvme_runner.NvmeRunner):
       monkeypatch.setattr(runner, "chunk_bytes", 4096)
-  got = losses(tiny(stage, optimizer, params, nvme_dir=str(tmp_path)))
+    leaves = loop.prepare(cfg, jax.devices()[:8], check=False).leaves
+    assert any(set(leaf.cut) - {0} for leaf in leaves)  # cut beyond the layers
+  got = losses(cfg)
   np.testing.assert_allclose(got, no_offload(stage), rtol=1e-6, atol=0)
 
 

@@ -85,6 +85,13 @@ def test_what_would_fit_combines_the_fixes_and_counts_a_pipeline_s_devices():
   assert memory_check.suggest(runner.program, budget).startswith(
       "ZeRO-3 with remat.policy=full and micro-batch 1 would fit on 32 such devices, each "
       "weight split 16 ways (~11.")
+  # A run at all three already, which the rough estimate says would fit: not offered itself.
+  at_all = loop.prepare(dataclasses.replace(cfg, remat=dataclasses.replace(
+      cfg.remat, policy="full")), devices, check=False)  # (micro-batch 1 already)
+  tight = dataclasses.replace(memory_check.budget(at_all, devices), platform="gpu",
+                              host_ram=1)  # (no room for offload either)
+  tight = dataclasses.replace(tight, available=tight.needed)
+  assert "such devices" in memory_check.suggest(at_all.program, tight)
 
 
 class GPU:

@@ -311,13 +311,13 @@ def test_resume_step_goes_back_to_an_earlier_checkpoint(run, tmp_path):
 
 @pytest.mark.slow
 def test_a_saving_step_does_not_slow_the_next_step_s_figures(run, tmp_path, monkeypatch):
-  """The blocking part of an asynchronous save (here 3 s) is no step's time: the step after
+  """The blocking part of an asynchronous save (here 5 s) is no step's time: the step after
   a save shows the step's own speed in tokens/s and MFU."""
   from jaxzero.checkpoint import checkpointer
   real_save = checkpointer.Checkpointer.save
 
   def slow_save(self, step, state, **kw):
-    time.sleep(3)
+    time.sleep(5)
     return real_save(self, step, state, **kw)
   monkeypatch.setattr(checkpointer.Checkpointer, "save", slow_save)
   workdir = tmp_path / "w"
@@ -326,7 +326,7 @@ def test_a_saving_step_does_not_slow_the_next_step_s_figures(run, tmp_path, monk
                     resume_step=2)  # saves 4 (during the run) and 6 (at its end)
   records = {r["step"]: r for r in map(json.loads, (workdir / "metrics.jsonl").open())}
   assert sorted(records) == [1, 2, 3, 4, 5, 6]
-  assert records[5]["step_time_s"] < 2, records[5]
+  assert records[5]["step_time_s"] < 2.5, records[5]
 
 
 def test_a_resume_step_with_no_checkpoint_is_refused_before_the_build(run, tmp_path,

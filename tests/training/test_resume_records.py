@@ -65,6 +65,7 @@ def test_tensorboard_events_are_on_disk_a_moment_after_they_are_logged(tmp_path)
   logger.close()
 
 
+@pytest.mark.slow  # two event files, named by the second they were made in: 2 s asleep
 def test_a_restart_from_step_0_hides_the_earlier_attempt_s_tensorboard_events(tmp_path):
   """An attempt that saved nothing (killed before its first checkpoint) logged steps 1-2;
   the run that starts over from step 0 shows each step once."""
