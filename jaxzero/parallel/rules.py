@@ -7,7 +7,9 @@ Where a model names its dimensions (Flax NNX ``with_partitioning``, Linen
 names jaxzero knows map to themselves. A leaf left with no dimension ZeRO may
 split gets one, as FSDP would: its largest dimension that divides the sharding
 devices, else its largest (padded: jaxzero.parallel.padding), never a ``layers``
-axis, which the layer scan slices. Leaves under
+axis, which the layer scan slices, nor the leading dimension of a leaf of three or
+more where only it divides and another is as large as the devices (an unnamed layer
+stack's: split, the scan would gather every layer at once). Leaves under
 `min_size` elements stay whole on every device (DeepSpeed's
 stage3_param_persistence_threshold). Invariant: every dimension of every leaf
 has exactly one name.
@@ -46,6 +48,12 @@ def leaf_axes(path: str, shape: tuple[int, ...], names: tuple | None, rules: Map
   if not any(a in FSDP_DIM_PREFERENCE for a in axes):
     free = [i for i, a in enumerate(axes) if a is None]  # unnamed, or a name jaxzero lacks
     divisible = [i for i in free if shard_size > 1 and shape[i] % shard_size == 0]
+    # The leading axis of three or more may be a layer stack's: where it alone divides,
+    # another is split, padded, if one is as large as the devices (its padding then
+    # wastes under half of it).
+    if (divisible == [0] and len(shape) >= 3
+        and any(shape[i] >= shard_size for i in free if i != 0)):
+      free, divisible = [i for i in free if i != 0], []
     if divisible or free:  # none dividing: the largest, padded (jaxzero.parallel.padding)
       axes[max(divisible or free, key=lambda i: (shape[i], -i))] = "embed"
   return tuple(a if a is not None else NONE for a in axes)

@@ -139,6 +139,17 @@ def test_big_presets_build_their_sharded_abstract_state(name):
   assert sum(got.values()) == pytest.approx(16 * phi / 8, rel=1e-6)
 
 
+def test_an_unnamed_layer_stack_is_sliced_by_layer_not_split():
+  """A scanned stack without dimension names (lax.scan over [L, D, F]): its leading axis
+  divides 8 devices and a model dimension does not; the model dimension is split, padded
+  (split, the stack would be gathered whole on every device for each layer's use)."""
+  from jaxzero.parallel import rules  # pylint: disable=import-outside-toplevel
+  assert rules.leaf_axes("['up']", (8, 36, 60), None, {}, 8, 0) == ("none", "none", "embed")
+  assert rules.leaf_axes("['w']", (64, 12), None, {}, 8, 0) == ("embed", "none")  # 2-D: any
+  # Nothing else as large as the devices: the leading axis (padding a 1 to 8 would not do).
+  assert rules.leaf_axes("['c']", (8, 1, 1), None, {}, 8, 0) == ("embed", "none", "none")
+
+
 def test_a_leaf_kept_whole_says_why_once(caplog):
   from jaxzero.parallel import rules  # pylint: disable=import-outside-toplevel
   caplog.set_level("INFO")
