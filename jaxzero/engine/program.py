@@ -22,7 +22,7 @@ from jaxzero.engine import loss_scale
 from jaxzero.engine import state_bytes as state_bytes_lib
 from jaxzero.engine.lr_schedule import learning_rate_schedule
 from jaxzero.engine.optimizer import make_optimizer
-from jaxzero.engine.state import TrainState, dtype_of, state_shardings
+from jaxzero.engine.state import TrainState, abstract_state, dtype_of, state_shardings
 from jaxzero.engine.step import make_grad_fn, make_train_step
 from jaxzero.models.interface import Model, is_spec
 from jaxzero.parallel import padding as padding_lib
@@ -109,7 +109,8 @@ class TrainProgram:
     state whose leaves are stored padded (the same as `abstract` where none is)."""
     if not self.padding.any:
       return self.abstract
-    return state_shardings(self.cfg, self.layout, self.tx, self.unpadded_model)[1]
+    # (Shapes only: placing the true shapes would say, falsely, they are replicated.)
+    return abstract_state(self.cfg, self.tx, self.unpadded_model)
 
   def abstract_state(self) -> TrainState:
     """The state as shapes carrying their shardings: a restore target, or a

@@ -45,20 +45,26 @@ def dtype_of(name: str):
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
-def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformation,
-                    model: Model) -> tuple[TrainState, TrainState]:
-  """(shardings, abstract shapes) of every train-state leaf; allocates nothing."""
-  specs = model.specs
+def abstract_state(cfg: Config, tx: optax.GradientTransformation, model: Model) -> TrainState:
+  """The shapes and dtypes of every train-state leaf (no placement); allocates nothing."""
   compute = dtype_of(cfg.precision.compute)
   abstract_master = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s.shape), jnp.float32),
-                                 specs, is_leaf=is_spec)
-  abstract = TrainState(
+                                 model.specs, is_leaf=is_spec)
+  return TrainState(
       step=jax.ShapeDtypeStruct((), jnp.int32),
       params=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, compute), abstract_master),
       master=abstract_master,
       opt_state=jax.eval_shape(tx.init, abstract_master),
       loss_scale=loss_scale.abstract(cfg.precision),
       frozen=frozen_abstract(model, compute))
+
+
+def state_shardings(cfg: Config, layout: Layout, tx: optax.GradientTransformation,
+                    model: Model) -> tuple[TrainState, TrainState]:
+  """(shardings, abstract shapes) of every train-state leaf; allocates nothing."""
+  specs = model.specs
+  abstract = abstract_state(cfg, tx, model)
+  abstract_master = abstract.master
   master_sh = layout.tree_shardings(specs, "optimizer")
   # Scalars (Adam's step count) stay on the device even when the moments are offloaded:
   # the update on the host reads it from there.

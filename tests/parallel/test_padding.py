@@ -31,6 +31,17 @@ def test_the_dimension_padded_is_the_one_that_wastes_least():
   assert padded_shape((5, 7), ("layers", "none"), 8) == (5, 7)  # nothing ZeRO may split
 
 
+def test_the_true_shapes_of_a_padded_state_are_not_said_to_be_replicated(caplog):
+  """Checkpoints and the NVMe tier read a padded state's true shapes; finding them placed
+  nothing, so nothing is said of their placement (it said each was replicated)."""
+  caplog.set_level("INFO")
+  layout = Layout.from_config(_cfg(3), make_mesh(1, 8, jax.devices()[:8]))
+  program = engine_lib.TrainProgram(_cfg(3), layout, trainable.llama(ODD))
+  assert program.true_abstract.master["embed_VxD"].shape == (257, 36)
+  assert program.abstract.master["embed_VxD"].shape != (257, 36)
+  assert not [r for r in caplog.records if "replicating" in r.getMessage()]
+
+
 def _cfg(stage, hybrid=False, grad_accum=2):
   c = config.base()
   return dataclasses.replace(
