@@ -167,6 +167,13 @@ class Engine:
     if self.model.frozen_specs is not None:  # the check jaxzero.train's config runs
       config_lib.validate_frozen_offload(cfg, "a model with frozen parameters (jaxzero.lora)")
     program = engine_lib.TrainProgram(cfg, self.layout, self.model, optimizer=optimizer)
+    if (optimizer is not None and program.padding.any
+        and engine_lib.padding_changes_updates(optimizer)):
+      log.warning("this optimizer's update of a weight reads its shape or norms, and some "
+                  "weights are stored padded with zeros (no dimension divides the %d sharding "
+                  "devices): it updates them a little otherwise than on one device; mesh "
+                  "sizes that divide them, or an elementwise optimizer (optax.adamw, ...), "
+                  "train as one device", self.layout.shard_size)
     self.runner = make_runner(program, workdir)  # as jaxzero.train chooses it
     # The NVMe tier's files are deleted when the engine is closed, collected, or at exit.
     self._release = weakref.finalize(self, self.runner.close)

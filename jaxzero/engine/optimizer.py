@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxzero.config import Config
@@ -78,3 +79,28 @@ def mean_grad(grad_sum: Any, accum: int) -> Any:
   """The mean gradient in float32, from a sum over `accum` micro-steps. Widened
   where used (the norm; the update), never all at once."""
   return jax.tree.map(lambda g: g.astype(jnp.float32) / accum, grad_sum)
+
+
+def padding_changes_updates(tx: optax.GradientTransformation) -> bool:
+  """Whether `tx` updates a weight stored padded with zeros (jaxzero.parallel.padding)
+  otherwise than the weight itself: one that reads a weight's shape or norms (Adafactor's
+  parameter scale, Muon's orthogonalization). Probed on one small weight over a few steps;
+  an optimizer the probe cannot run (a mask given as a tree) counts as unchanged."""
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((7, 9)).astype(np.float32)
+  grads = [k * rng.standard_normal((7, 9)).astype(np.float32) for k in (1.0, 3.0, 0.2)]
+  pad = lambda x: np.pad(x, ((0, 1), (0, 0)))
+
+  def trained(w, grads):
+    params = {"w": w}
+    state = tx.init(params)
+    for g in grads:
+      updates, state = tx.update({"w": g}, state, params)
+      params = optax.apply_updates(params, updates)
+    return params["w"]
+  try:
+    alone, padded = jax.jit(trained)(w, grads), jax.jit(trained)(pad(w), [pad(g) for g in grads])
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return not np.allclose(alone, np.asarray(padded)[:7], rtol=1e-5, atol=1e-7)
+
