@@ -162,10 +162,11 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
     if require_checkpoint and latest is None:
       raise CheckpointError(
           f"--resume: there is no checkpoint to resume in {checkpoints.directory}")
-    if resume_step is not None and resume_step not in checkpoints.all_steps():
+    steps = checkpoints.all_steps()
+    if resume_step is not None and resume_step not in steps:
       raise CheckpointError(f"--resume-step {resume_step}: no such checkpoint in "
                             f"{checkpoints.directory}; available steps: "
-                            f"{', '.join(map(str, checkpoints.all_steps())) or 'none'}")
+                            f"{', '.join(map(str, steps)) or 'none'}")
     if latest is not None:  # another model's checkpoint: said before tokenizing
       checkpoints.check_model_shape(latest if resume_step is None else resume_step)
     if cfg.init.hf_checkpoint and latest is None:
