@@ -220,7 +220,7 @@ def budget(runner, devices, estimate_activations: bool | None = None,
   on_a_cpu = devices[0].platform == "cpu"
   local = len(host_memory.process_devices(devices))
   host = (host_memory.HostMemory(0, 0, 0) if on_a_cpu else host_memory.per_process(
-      runner, state, host_memory.process_devices(layout.mesh.devices.flat),
+      runner, state, list(layout.mesh.local_devices),
       estimate_activations=estimate_activations, count_save=whole_run))
   return Budget(state["params"], state["grads"], state["optimizer"], state["host"], activations,
                 available, where, len(devices), devices[0].platform, disk=disk,

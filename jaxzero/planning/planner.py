@@ -181,14 +181,13 @@ def xla_host_bytes(stats) -> int:
           - stats.host_alias_size_in_bytes + stats.host_temp_size_in_bytes)
 
 
-def device_bytes(stats, runner: Runner, micro: int) -> int:
+def device_bytes(stats, cfg: Config, state: dict, micro: int) -> int:
   """XLA's total less what a GPU keeps in pinned_host, where the compiler counted it on
-  the device (XLA:CPU does): the weights placed there (exact, from the shardings) and
-  remat.policy=offload_matmuls's activations (estimated: pinned_pool)."""
+  the device (XLA:CPU does): the weights placed there (exact, from the runner's plan(),
+  `state`) and remat.policy=offload_matmuls's activations (estimated: pinned_pool)."""
   total = xla_total_bytes(stats)
   if xla_host_bytes(stats) > 0:  # the compiler reported them apart
     return total
-  cfg, state = runner.program.cfg, runner.plan()
   on_host = state.get("pinned_pool", state["host"])
   if cfg.remat.policy in OFFLOADING_POLICIES:
     on_host += pinned_pool.offloaded_matmul_bytes(cfg, micro)
@@ -296,8 +295,10 @@ def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
   program = runner.program
   micro = mesh_lib.micro_batch(program.cfg.train, program.layout.data_parallel_size)
   compiled = compile_step(runner, micro, MEMORY_COMPILE_OPTIONS)
-  row = _row(runner, variant, compiled.memory_analysis(), micro, hbm_bytes, rates,
-             devices_per_process)
+  state = runner.plan()
+  on_device = device_bytes(compiled.memory_analysis(), program.cfg, state, micro)
+  row = _row(runner, state, variant, compiled.memory_analysis(), micro, on_device <= hbm_bytes,
+             rates, devices_per_process)
   compiles = 1
   if comm:
     compiles += 1
@@ -307,18 +308,15 @@ def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
       nonlocal compiles
       compiles += 1
       return device_bytes(
-          compile_step(runner, micro_batch, MEMORY_COMPILE_OPTIONS).memory_analysis(), runner,
-          micro_batch)
-    row.max_micro_batch = largest_micro_batch(total_at, hbm_bytes, micro,
-                                              device_bytes(compiled.memory_analysis(), runner,
-                                                           micro))
+          compile_step(runner, micro_batch, MEMORY_COMPILE_OPTIONS).memory_analysis(),
+          program.cfg, state, micro_batch)
+    row.max_micro_batch = largest_micro_batch(total_at, hbm_bytes, micro, on_device)
   return row, compiles
 
 
-def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int,
+def _row(runner: Runner, state: dict, variant: Variant, stats, micro: int, fits: bool,
          rates: dict, devices_per_process: int) -> Row:
   cfg, layout = runner.program.cfg, runner.program.layout
-  state = runner.plan()
   seconds, step_s, bound = predicted_step(cfg, runner.program.n_params, layout.mesh.size,
                                           state["transfer"], state.get("host_update", 0), rates,
                                           runner.program.n_frozen)
@@ -343,7 +341,7 @@ def _row(runner: Runner, variant: Variant, stats, micro: int, hbm_bytes: int,
       host_bytes=state["host"], nvme_bytes=state["nvme"], transfer_bytes=state["transfer"],
       total_bytes=total,
       theory_state_bytes=theory, theory_formula=formula,
-      fits=device_bytes(stats, runner, micro) <= hbm_bytes,
+      fits=fits,
       max_micro_batch=None,
       xla_host_bytes=xla_host_bytes(stats),
       xla_separates_host=xla_host_bytes(stats) > 0 or not (

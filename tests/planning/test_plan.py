@@ -114,9 +114,9 @@ def test_what_xla_cpu_counts_on_the_device_but_a_gpu_keeps_in_host_memory_is_not
                               **{f"host_{k}_size_in_bytes": 0 for k in fields},
                               generated_code_size_in_bytes=0)
   on_host = runner.plan()["host"] + pinned_pool.offloaded_matmul_bytes(cfg, 4)
-  assert 0 < on_host and planner.device_bytes(cpu, runner, 4) == 2 * 10**7 - on_host
+  assert 0 < on_host and planner.device_bytes(cpu, cfg, runner.plan(), 4) == 2 * 10**7 - on_host
   gpu = types.SimpleNamespace(**{**vars(cpu), "host_argument_size_in_bytes": 1})
-  assert planner.device_bytes(gpu, runner, 4) == planner.xla_total_bytes(gpu) == 2 * 10**7
+  assert planner.device_bytes(gpu, cfg, runner.plan(), 4) == planner.xla_total_bytes(gpu) == 2 * 10**7
 
 
 @pytest.mark.slow
