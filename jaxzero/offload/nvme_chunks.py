@@ -111,14 +111,7 @@ def check_updates_by_box(inner: optax.GradientTransformation, weights: dict[str,
            for k in _PROBE_SCALES]
 
   def trained(params, grads):  # each of `params`' trees trained alone on its gradients
-    out = []
-    for p, gs in zip(params, grads):
-      state = inner.init(p)
-      for g in gs:
-        updates, state = inner.update(g, state, p)
-        p = optax.apply_updates(p, updates)
-      out.append(p)
-    return out
+    return [engine_lib.trained_alone(inner, p, gs) for p, gs in zip(params, grads)]
 
   def boxes(tree):  # each weight's two halves, each a tree of its own
     return [_nested({n: x[half]}) for n, x in sorted(tree.items()) for half in _halves(x.shape)]
