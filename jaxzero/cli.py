@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import shlex
 import sys
 from typing import Any
 
@@ -33,7 +34,8 @@ class Loaded:
   """A command's config, with where each value came from, before the batch sizes a
   DeepSpeed file leaves to the device count ("auto") are resolved."""
   cfg: config_lib.Config
-  origins: dict[str, str]  # dotted key -> "base", "FILE: KEY", "--set" or "auto: ..."
+  origins: dict[str, str]  # dotted key -> "base", "CONFIG_FILE", "FILE: KEY", "--set" or
+  # "auto: ..."
   file: Any = None  # the translated DeepSpeed or Accelerate file (frameworks.translated_file)
   sets: tuple[str, ...] = ()  # the dotted keys --set gave
 
@@ -48,9 +50,10 @@ class Loaded:
     return cfg
 
   def describe(self, n_devices: int) -> str:
-    """Every KEY=VALUE (each usable as --set), then where it came from."""
+    """Every KEY=VALUE (each usable as --set, quoted for the shell where it needs to be),
+    then where it came from."""
     cfg = self.resolve(n_devices)
-    return "\n".join(f"{key}={value}  # {self.origins.get(key, 'base')}"
+    return "\n".join(f"{shlex.quote(f'{key}={value}')}  # {self.origins.get(key, 'base')}"
                      for key, value in config_lib.as_dotted(cfg).items())
 
 
@@ -67,26 +70,33 @@ def load_config(args) -> Loaded:
     raise UserError("--deepspeed and --accelerate-config both say how to shard; give one")
   sets = tuple(config_lib.MOVED_KEYS.get(k, k) for k in
                (a.partition("=")[0].strip() for a in args.set))
-  origins = {}
+  # What the config file changes from the base config is the file's (as --print-config
+  # says); a DeepSpeed or Accelerate file's keys and --set then apply over it.
+  preset = config_lib.read(args.config)
+  base = config_lib.as_dotted(config_lib.base())
+  origins = {key: args.config for key, value in config_lib.as_dotted(preset).items()
+             if base.get(key) != value}
   file = None
   if ds_config or accelerate_config:
     # pylint: disable-next=import-outside-toplevel
     from jaxzero.frameworks import accelerate, deepspeed, translated_file
     reader = deepspeed if ds_config else accelerate
-    cfg = config_lib.load(args.config)
+    cfg = preset
+    config_lib.validate(cfg)
     # A block's "enabled": "auto" (the HF Trainer's) follows the training dtype, which
     # --set precision.compute gives here as the Trainer's --fp16/--bf16 flags do there.
     dtype = [a for a, key in zip(args.set, sets) if key == "precision.compute"]
     file = reader.read(ds_config or accelerate_config, config_lib.apply_overrides(cfg, dtype))
     cfg = translated_file.apply_file(file, cfg)
-    origins = {key: f"{file.source}: {origin}" + (' ("auto": the base\'s)' if origin in file.autos
+    origins |= {key: f"{file.source}: {origin}" + (' ("auto": the base\'s)' if origin in file.autos
                                                   else "")
                for key, (_, origin) in file.settings.items()}
     named = cfg.zero.strategy
     cfg = config_lib.apply_overrides(cfg, args.set)
     config_lib.validate(cfg)
   else:
-    cfg = config_lib.load(args.config, args.set)
+    cfg = config_lib.apply_overrides(preset, args.set)
+    config_lib.validate(cfg)
   replaced = [k for k in ("zero.stage", "zero.hybrid") if k in sets]
   if file is not None and named and not cfg.zero.strategy and replaced:
     # --set zero.stage or zero.hybrid spells the file's strategy out (apply_overrides).

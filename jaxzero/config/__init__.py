@@ -6,7 +6,7 @@ only the sections it needs. Reading a config starts no JAX backend, so the CLI c
 many virtual CPU devices to create before JAX starts.
 """
 
-from jaxzero.config.loading import (load, notices, validate, validate_frozen_offload,
+from jaxzero.config.loading import (load, notices, read, validate, validate_frozen_offload,
                                     validate_offload, validate_precision)
 from jaxzero.config.mesh_checks import validate_pipeline
 from jaxzero.config.overrides import (MOVED_KEYS, apply_overrides, as_dotted, check_literals,
@@ -25,6 +25,6 @@ __all__ = ["notices", "MOVED_KEYS", "STRATEGIES", "CheckpointConfig", "Config", 
            "DistributedConfig", "Dtype", "EvalConfig", "InitConfig", "LogConfig", "LoraConfig", "MemoryKind",
            "MeshConfig", "OffloadConfig", "PipelineConfig", "PrecisionConfig", "ProfileConfig",
            "RematConfig", "TrainConfig", "ZeroConfig", "apply_overrides", "as_dotted", "base",
-           "check_literals", "check_types", "load", "override", "strategy_name", "validate",
+           "check_literals", "check_types", "load", "override", "read", "strategy_name", "validate",
            "validate_frozen_offload", "validate_offload", "validate_pipeline",
            "validate_precision"]

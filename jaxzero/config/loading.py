@@ -20,6 +20,13 @@ from jaxzero.models import lora as lora_lib
 
 def load(path: str, assignments: list[str] = ()) -> Config:
   """Loads `get_config()` from a config file and applies `--set` overrides."""
+  cfg = apply_overrides(read(path), list(assignments))
+  validate(cfg)
+  return cfg
+
+
+def read(path: str) -> Config:
+  """The config file's `get_config()`, as it is: unchecked, before any `--set`."""
   file = _check_config_file(path)
   spec = importlib.util.spec_from_file_location(f"jaxzero_config_{file.stem}", file)
   module = importlib.util.module_from_spec(spec)
@@ -33,8 +40,6 @@ def load(path: str, assignments: list[str] = ()) -> Config:
   cfg = _run_config_file(path, module.get_config)
   if not isinstance(cfg, Config):
     raise ConfigError(f"{path}: get_config() returned {type(cfg).__name__}, not jaxzero Config")
-  cfg = apply_overrides(cfg, list(assignments))
-  validate(cfg)
   return cfg
 
 

@@ -170,6 +170,18 @@ def test_print_config_prints_the_resolved_config_and_exits(capsys):
   lines = capsys.readouterr().out.splitlines()
   assert {"eval.every=3  # --set", "eval.batches=4  # base", "data.eval_fraction=0.5  # --set",
           "data.eval_source=  # base"} <= set(lines)
+  # What the file changes from the base config is the file's.
+  assert {f"model.n_layers=4  # {TINY}", f"train.steps=80  # {TINY}",
+          "zero.min_shard_size=100000  # base"} <= set(lines)
+
+
+def test_print_config_quotes_a_value_the_shell_would_split(capsys, tmp_path):
+  source = tmp_path / "my corpus.txt"
+  source.write_text("some text " * 100)
+  assert train_cli.main(["--config", TINY, "--set", f"data.source={source}",
+                         "--print-config"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert f"'data.source={source}'  # --set" in lines
 
 
 def test_plain_lines_per_logged_step_and_per_step_metrics(run):
