@@ -81,6 +81,7 @@ FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_
              "hysteresis", "consecutive_hysteresis", "min_loss_scale",
              "fp16_master_weights_and_grads"}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DATA_TYPES_KEYS = {"grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"}
 # grad_accum_dtype's other names, as DeepSpeed's DtypeEnum takes them (exactly).
 DTYPE_ALIASES = {"float32": "float32", "float": "float32", "torch.float32": "float32",
                  "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16", "float16": "float16",
@@ -197,7 +198,8 @@ def _precision(tr: Translation, ds: dict, base: config_lib.Config) -> None:
            + ": DeepSpeed trains in fp32" if given else
            "no bf16 or fp16 block: DeepSpeed trains in fp32")
   compute = tr.settings["precision.compute"][0]
-  data_types = tr.check_keys(ds.get("data_types", {}), "data_types.", {"grad_accum_dtype"})
+  data_types = tr.check_keys(ds.get("data_types", {}), "data_types.", DATA_TYPES_KEYS)
+  _module_dtypes(tr, data_types, compute)
   for where, key, value, names in (
       ("data_types.grad_accum_dtype", "zero.grad_dtype", data_types.get("grad_accum_dtype"),
        {**DTYPES, **DTYPE_ALIASES}),
@@ -212,6 +214,32 @@ def _precision(tr: Translation, ds: dict, base: config_lib.Config) -> None:
     dtype = names[name] if value is not None else compute
     tr.set(key, dtype, where if value is not None else
            f"no {where}: DeepSpeed's engine uses the training dtype, {compute}")
+
+
+def _module_dtypes(tr: Translation, data_types: dict, compute: str) -> None:
+  """data_types' module casts, checked as DeepSpeed's engine checks them: param_dtype must
+  be the training dtype; buffer_dtype and keep_in_fp32_modules have nothing to act on (a
+  jaxzero model keeps no buffers: rotary frequencies are computed in float32)."""
+  names = {**DTYPES, **DTYPE_ALIASES}
+  for key in ("param_dtype", "buffer_dtype"):
+    value = data_types.get(key)
+    if value is not None and (not isinstance(value, str) or value not in names):
+      raise tr.error(f"data_types.{key}={value!r} is not available; choose one of: "
+                     f"{', '.join(names)}")
+  param = data_types.get("param_dtype")
+  if param is not None and names[param] != compute:
+    raise tr.error(f"data_types.param_dtype={param!r} conflicts with the training dtype, "
+                   f"{compute} (the fp16/bf16 blocks); match it or leave param_dtype out")
+  if param is not None:
+    tr.unneeded["data_types.param_dtype"] = f"the weights are cast to {compute} already"
+  keep = data_types.get("keep_in_fp32_modules", "auto")
+  if keep != "auto" and not (isinstance(keep, list) and all(isinstance(n, str) for n in keep)):
+    raise tr.error(f"data_types.keep_in_fp32_modules={keep!r} must be \"auto\" or a list of "
+                   "name patterns")
+  for key in ("buffer_dtype", "keep_in_fp32_modules"):
+    if key in data_types:
+      tr.unneeded[f"data_types.{key}"] = ("a jaxzero model keeps no buffers (rotary "
+                                          "frequencies are computed in float32)")
 
 
 def _nonfinite(tr: Translation, ds: dict) -> None:

@@ -5,6 +5,7 @@ output resolves to the same config, and bad input is one line with exit code 2."
 import argparse
 import dataclasses
 import json
+import re
 import logging
 import math
 import pathlib
@@ -266,6 +267,24 @@ def test_names_and_paths_are_read_as_deepspeed_reads_them(tmp_path):
   with pytest.raises(ConfigError) as e:
     deepspeed.translate(json.loads('{"gradient_clipping": NaN}'), base())
   assert str(e.value) == "ds_config: gradient_clipping=nan must be a finite number of at least 0"
+
+
+def test_data_types_module_casts_are_checked_as_deepspeed_checks_them():
+  """param_dtype must be the training dtype (DeepSpeed's engine asserts it); buffer_dtype
+  and keep_in_fp32_modules are read and have nothing to act on."""
+  data_types = {"param_dtype": "bf16", "buffer_dtype": "torch.float32",
+                "keep_in_fp32_modules": ["rotary_emb"]}
+  tr = deepspeed.translate({"bf16": {"enabled": True}, "data_types": data_types}, base())
+  assert {f"data_types.{k}" for k in data_types} <= set(tr.unneeded)
+  assert from_ds({"data_types": {"param_dtype": "float"}}).precision.compute == "float32"
+  for data_types, message in (
+      ({"param_dtype": "fp16"}, "data_types.param_dtype='fp16' conflicts with the training "
+       "dtype, float32 (the fp16/bf16 blocks); match it or leave param_dtype out"),
+      ({"buffer_dtype": "int4"}, "data_types.buffer_dtype='int4' is not available; choose"),
+      ({"keep_in_fp32_modules": "norm"}, "data_types.keep_in_fp32_modules='norm' must be "
+       "\"auto\" or a list of name patterns")):
+    with pytest.raises(ConfigError, match="^ds_config: " + re.escape(message)):
+      from_ds({"data_types": data_types})
 
 
 def test_tensor_parallel_and_pipeline_blocks_are_the_mesh_axes():
