@@ -209,7 +209,11 @@ def _write_export(directory: pathlib.Path, reader: CheckpointReader, step: int,
   names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   with _SafetensorsWriter(directory, names, shards, code) as writer:
     for path, shape in leaves.items():
-      if lora:  # the frozen base, with the adapters folded in where it has them
+      if lora and path[0] == "layers":  # the frozen base, the adapters folded in by layer
+        leaf = lora_lib.MergedLayers(path, shape, lambda name, shape: (
+            reader.read_by_layer if name[0] == "frozen" else reader.read)(step, name, shape),
+                                     lora)
+      elif lora:
         read = lambda name, shape: reader.read(step, name, shape)
         leaf = lora_lib.fold_adapters(path, lora_lib.read_base_leaf(path, shape, read, lora),
                                       read, lora)

@@ -276,13 +276,49 @@ def read_base_leaf(path: tuple[str, ...], shape: tuple[int, ...], read, record: 
   read by ``read(name, shape)``, dequantized where it is stored quantized."""
   if path[-1] not in stored_quantized(record):
     return np.asarray(read(("frozen", *path), shape), np.float32)
-  kind = record["base_dtype"]
+  layer = _base_layers(path, shape, read, record)
+  return np.stack([layer(i) for i in range(shape[0])])
+
+
+def _base_layers(path: tuple[str, ...], shape: tuple[int, ...], read, record: dict):
+  """i -> layer i of a stacked frozen base weight, in float32, dequantized where it is
+  stored quantized; each part is read by ``read(name, shape)`` and indexed by layer."""
+  if path[-1] not in stored_quantized(record):
+    whole = read(("frozen", *path), shape)
+    return lambda i: np.asarray(whole[i], np.float32)
   dtypes = {"uint8": np.uint8, "int8": np.int8, "float32": np.float32}
-  parts = {k: read(("frozen", *path, k), s.shape).astype(dtypes[s.dtype])
-           for k, s in quantize.stored_specs(shape, kind).items()}
-  return np.stack([np.asarray(quantize.dequantize({k: v[i] for k, v in parts.items()},
-                                                  shape[1:], np.float32))
-                   for i in range(shape[0])])
+  parts = {k: (read(("frozen", *path, k), s.shape), dtypes[s.dtype])
+           for k, s in quantize.stored_specs(shape, record["base_dtype"]).items()}
+  return lambda i: np.asarray(quantize.dequantize(
+      {k: np.asarray(v[i]).astype(dtype) for k, (v, dtype) in parts.items()}, shape[1:],
+      np.float32))
+
+
+class MergedLayers:
+  """A stacked base weight with its adapters folded in (W + alpha / r · A B, in float32),
+  made one layer at a time when indexed: merging never holds more than a layer of it.
+  ``read(name, shape)`` reads the adapters whole (rank-sized) and must return, for the
+  base, an array-like that reads one layer when indexed (CheckpointReader.read_by_layer)."""
+
+  def __init__(self, path: tuple[str, ...], shape: tuple[int, ...], read, record: dict):
+    self.shape = tuple(shape)
+    self._base = _base_layers(path, shape, read, record)
+    target = target_of(path)
+    self._adapters = None
+    if target is not None and target in record["targets"]:
+      rank, n_in = record["rank"], TARGETS[target][1]
+      a = read(("master", "layers", adapter_key(target, "a")), (*shape[:1 + n_in], rank))
+      b = read(("master", "layers", adapter_key(target, "b")), (shape[0], rank,
+                                                                 *shape[1 + n_in:]))
+      self._adapters = (np.asarray(a, np.float32), np.asarray(b, np.float32),
+                        record["alpha"] / rank)
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    weight = self._base(i)
+    if self._adapters is None:
+      return weight
+    a, b, scale = self._adapters
+    return weight + scale * low_rank_product(a[i:i + 1], b[i:i + 1])[0]
 
 
 def check_base_dtype(cfg: LlamaConfig, base_dtype: str) -> None:
@@ -326,23 +362,16 @@ def low_rank_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fold_adapters(path: tuple[str, ...], weight: np.ndarray, read, record: dict) -> np.ndarray:
-  """The base weight at `path` with its adapters (read by ``read(name, shape)`` from a
-  checkpoint's ``master``) folded in, in float32: W + alpha / r · A B; W as it is where
-  none."""
+  """The base weight at `path` outside the layer stack (the embedding [V, D] or the head
+  [D, V]) with its adapters (read by ``read(name, shape)`` from a checkpoint's ``master``)
+  folded in, in float32: W + alpha / r · A B; W as it is where none. (Stacked weights:
+  MergedLayers, a layer at a time.)"""
   target = target_of(path)
   if target is None or target not in record["targets"]:
     return weight
   rank = record["rank"]
-  if target in TOP_TARGETS:  # [in, out]: the embedding [V, D] or the head [D, V]
-    a = read(("master", adapter_key(target, "a")), (weight.shape[0], rank))
-    b = read(("master", adapter_key(target, "b")), (rank, weight.shape[1]))
-    return np.asarray(weight, np.float32) + record["alpha"] / rank * (
-        np.asarray(a, np.float32) @ np.asarray(b, np.float32))
-  n_in = TARGETS[target][1]
-  a_shape = (*weight.shape[:1 + n_in], rank)
-  b_shape = (weight.shape[0], rank, *weight.shape[1 + n_in:])
-  a = read(("master", "layers", adapter_key(target, "a")), a_shape)
-  b = read(("master", "layers", adapter_key(target, "b")), b_shape)
-  scale = record["alpha"] / rank
+  a = read(("master", adapter_key(target, "a")), (weight.shape[0], rank))
+  b = read(("master", adapter_key(target, "b")), (rank, weight.shape[1]))
   # In float32: the export casts once, to the dtype it writes.
-  return np.asarray(weight, np.float32) + scale * low_rank_product(a, b)
+  return np.asarray(weight, np.float32) + record["alpha"] / rank * (
+      np.asarray(a, np.float32) @ np.asarray(b, np.float32))

@@ -243,12 +243,22 @@ def jaxzero_lora_logits(model_cfg, frozen, adapters, record, tokens):
   return np.asarray(logits)
 
 
+def read_whole(monkeypatch) -> list[tuple[str, ...]]:
+  """The leaves CheckpointReader.read (whole leaves) reads from now on."""
+  from jaxzero.checkpoint.reader import CheckpointReader  # pylint: disable=import-outside-toplevel
+  paths, read = [], CheckpointReader.read
+  monkeypatch.setattr(CheckpointReader, "read", lambda self, step, path, shape: (
+      paths.append(tuple(path)), read(self, step, path, shape))[1])
+  return paths
+
+
 @pytest.mark.slow  # trains, exports twice and runs transformers and PEFT
 @pytest.mark.parametrize("family,window,targets", [
     ("llama", 0, "q,k,v,o,gate,up,down"), ("mistral", 8, "q,k,v,o,gate,up,down"),
     ("qwen2", 0, "q,k,v,o,gate,up,down"), ("llama", 0, "q,v,embed_tokens,lm_head")])
 def test_a_trained_adapter_loads_into_peft_and_merges_into_transformers(family, window,
-                                                                        targets, tmp_path):
+                                                                        targets, tmp_path,
+                                                                        monkeypatch):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   peft = pytest.importorskip("peft", reason="pip install peft")
@@ -269,8 +279,10 @@ def test_a_trained_adapter_loads_into_peft_and_merges_into_transformers(family, 
     checkpoints.save(2, state, wait=True)
   assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "peft"),
                       "--peft"]) == 0
+  whole = read_whole(monkeypatch)
   assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "merged"),
                       "--merged"]) == 0
+  assert whole and not [p for p in whole if p[:2] == ("frozen", "layers")]  # a layer at a time
   adapter_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
   assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 8.0)
 

@@ -154,7 +154,7 @@ def test_the_quantized_model_is_close_to_the_base_it_was_made_from():
 
 
 @pytest.mark.slow
-def test_a_qlora_run_resumes_on_another_mesh_and_exports_merged(tmp_path):
+def test_a_qlora_run_resumes_on_another_mesh_and_exports_merged(tmp_path, monkeypatch):
   """jaxzero.train from Hugging Face weights, quantized as read, in float32; resumed on 2
   devices at stage 1 in bfloat16 (the frozen embedding, head and norms cast with the
   compute copy, the NF4 parts as they are); the merged export (the dequantized base plus
@@ -186,8 +186,11 @@ def test_a_qlora_run_resumes_on_another_mesh_and_exports_merged(tmp_path):
   assert second.returncode == 0, second.stderr
   assert "resumed from step 2" in second.stderr
   assert "the compute copy is cast from the float32 masters to bfloat16" in second.stderr
+  from test_lora import read_whole  # pylint: disable=import-outside-toplevel
+  whole = read_whole(monkeypatch)
   assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "merged"),
                       "--merged", "--dtype", "float32"]) == 0
+  assert whole and not [p for p in whole if p[:2] == ("frozen", "layers")]  # a layer at a time
   # jaxzero's logits: the checkpoint's dequantized base and adapters.
   from jaxzero.checkpoint.reader import CheckpointReader  # pylint: disable=import-outside-toplevel
   from test_lora import jaxzero_lora_logits  # pylint: disable=import-outside-toplevel
