@@ -129,8 +129,10 @@ def hf_config_from_llama(cfg: LlamaConfig, *, carried: Mapping[str, Any] | None 
 
 
 def carried_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-  """The CARRIED_FIELDS a Hugging Face ``config.json`` dict sets."""
-  return {k: hf_config[k] for k in CARRIED_FIELDS if hf_config.get(k) is not None}
+  """The CARRIED_FIELDS a Hugging Face ``config.json`` dict sets: a token id set to null
+  too (no such token, where transformers would otherwise assume its default id)."""
+  return {k: hf_config[k] for k in CARRIED_FIELDS
+          if hf_config.get(k) is not None or (k.endswith("_token_id") and k in hf_config)}
 
 
 def _positive_int(hf_config: Mapping[str, Any], field: str) -> int:

@@ -82,14 +82,49 @@ def generation_settings(run: dict | None, base: str = "") -> Generation:
       carried = config_json.carried_fields(found)
       generation = _read_json(directory / GENERATION_CONFIG)
       generation = _ids_only(carried) if generation is None else generation
-      # The document separator the run trained with (data.eos_token) ends a text too.
-      end = _separator(run["data"]) if run and run["data"].get("eos_token") else None
-      return Generation(_with_end(carried, end), _with_end(generation, end))
+      # The document separator the run trained with (data.eos_token) ends a text too, and
+      # so does the end of a turn a chat fine-tune learned to emit.
+      ends = [_separator(run["data"]) if run and run["data"].get("eos_token") else None,
+              _turn_end(run["data"]) if run else None]
+      for end in ends:
+        carried, generation = _with_end(carried, end), _with_end(generation, end)
+      return Generation(carried, generation)
     log.warning("the run's init.hf_checkpoint=%s has no readable config.json now: the "
                 "export's special-token ids and max_position_embeddings are not that model's",
                 base)
-  ids = _tokenizer_ids(run["data"]) if run else {}
+  ids = _with_end(_tokenizer_ids(run["data"]), _turn_end(run["data"])) if run else {}
   return Generation(ids, _ids_only(ids))
+
+
+# A conversation whose rendering shows how the chat template ends an assistant's turn.
+_PROBE = {"messages": [{"role": "user", "content": "Hi"},
+                       {"role": "assistant", "content": "Hello"}]}
+
+
+def _turn_end(data: dict) -> int | None:
+  """The token a chat fine-tune (data.format=chat) learned to end its turns with: the last
+  special token of an assistant's message as its template renders it (Llama 3's
+  <|eot_id|>, ChatML's <|im_end|>). None for other runs and byte-level ones, or where the
+  template ends a turn with no special token."""
+  if data.get("format") != "chat" or data["tokenizer"] == "byte":
+    return None
+  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+  try:
+    template = chat.load_template(types.SimpleNamespace(
+        tokenizer=data["tokenizer"], chat_template=data.get("chat_template", "")))
+    text, spans, _ = chat.record_text(_PROBE, "chat", template)
+    vocab = Tokenizer.from_file(str(_tokenizer_file(data["tokenizer"])))
+  # A template or tokenizer the run read and that has changed since; the Rust side of
+  # tokenizers raises its own exception type.
+  except Exception as e:  # pylint: disable=broad-except
+    log.warning("the end of a chat turn cannot be found (%s): the export's end tokens "
+                "may not include it", e)
+    return None
+  special = {i for i, token in vocab.get_added_tokens_decoder().items() if token.special}
+  start, end = spans[-1]
+  found = [i for i in vocab.encode(text[start:end], add_special_tokens=False).ids
+           if i in special]
+  return found[-1] if found else None
 
 
 def _separator(data: dict) -> int | None:
@@ -132,10 +167,12 @@ def _read_json(path: pathlib.Path) -> dict | None:
 def _tokenizer_ids(data: dict) -> dict[str, Any]:
   """bos/eos/pad ids of a run's Hugging Face tokenizer: the tokens its tokenizer_config.json
   names, with the document separator the run used (jaxzero.data.tokens) as an end token
-  too; none for the byte-level tokenizer or one that is gone."""
+  too; for the byte-level tokenizer, its separator and no start or padding token (else
+  transformers' defaults, 1 and 2, would stand); none for a tokenizer that is gone."""
   name = data["tokenizer"]
   if name == "byte":
-    return {}
+    return {"bos_token_id": None, "eos_token_id": tokens_lib.BYTE_SEPARATOR,
+            "pad_token_id": None}
   try:
     separator = tokens_lib.load_tokenizer(name, data.get("eos_token", "")).separator[0]
   except DataError as e:

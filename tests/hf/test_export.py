@@ -101,7 +101,14 @@ def test_export_loads_into_transformers_and_jaxzero_with_the_same_logits(trained
   assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
                    for i in range(1, len(files) + 1)]
   assert sorted(p.name for p in out.iterdir()) == sorted(
-      ["config.json", "model.safetensors.index.json", *files])
+      ["config.json", "generation_config.json", "model.safetensors.index.json", *files])
+  # A byte-level run ends a document with byte 0, and has no start or padding token.
+  ids = {"bos_token_id": None, "eos_token_id": 0, "pad_token_id": None}
+  for name in ("config.json", "generation_config.json"):
+    assert ids.items() <= json.loads((out / name).read_text()).items()
+  transformers = pytest.importorskip("transformers")
+  generation = transformers.GenerationConfig.from_pretrained(out)
+  assert (generation.bos_token_id, generation.eos_token_id) == (None, 0)
   assert sorted(index["weight_map"]) == sorted(tensors.hf_tensor_shapes(cfg.model))
   state_dict = {}
   for name in files:
@@ -467,7 +474,7 @@ def hf_base(directory, generation_config: bool = True):
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
   tokenizer = transformers.PreTrainedTokenizerFast(
       tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-      unk_token="<unk>")
+      unk_token="<unk>", additional_special_tokens=["<|end|>"])
   tokenizer.chat_template = TEMPLATE
   tokenizer.save_pretrained(directory)
   assert (directory / "chat_template.jinja").is_file()
@@ -571,6 +578,18 @@ def test_an_export_carries_the_chat_template_the_run_trained_with(tmp_path, own_
   tokenizer = transformers.AutoTokenizer.from_pretrained(out)
   assert tokenizer.chat_template == (mine if own_template else TEMPLATE)
   assert tokenizer("hello world")["input_ids"] == [5, 6]
+
+
+@pytest.mark.parametrize("init", [True, False])
+def test_a_chat_fine_tune_stops_at_the_end_of_its_turn(tmp_path, init):
+  """The special token the template ends an assistant's turn with (<|end|>) is an end token
+  of the export, as the run learned to emit it; a plain-text run's are the base's."""
+  base = hf_base(tmp_path / "base", generation_config=False)
+  out = export_run(tmp_path, base, init=init, format="chat")
+  for name in ("config.json", "generation_config.json"):
+    assert json.loads((out / name).read_text())["eos_token_id"] == [2, 3]
+  out = export_run(tmp_path, base, init=init, out=tmp_path / "text")
+  assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2
 
 
 @pytest.mark.parametrize("eos_token, eos_ids", [("", 2), ("<|end|>", [2, 3])])
