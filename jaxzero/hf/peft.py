@@ -33,6 +33,7 @@ from jaxzero.offload import nvme_checkpoint
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model.model.layers"
+MODULES = "model.layers"  # the layers' modules as PEFT names them when it matches targets
 # The top-level targets' PEFT names of (A, B) and whether PEFT stores them [in, r] / [r, out]
 # (the embedding's) rather than transposed (a Linear's lora_A.weight [r, in]).
 TOP_NAMES = {"embed": ("base_model.model.model.embed_tokens.lora_embedding_A",
@@ -137,7 +138,11 @@ def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) ->
     raise HFCheckpointError(f"lora.init_from={path}: bias={found['bias']!r} is not supported "
                             "(bias='none' only)")
   _check_every_layer(path, found, model.n_layers)
-  targets = _peft_targets(found.get("target_modules"))
+  targets = _peft_targets(found)
+  if not targets:
+    raise HFCheckpointError(
+        f"lora.init_from={path}: target_modules={found.get('target_modules')!r} adapts none of "
+        f"the modules jaxzero adapts ({', '.join(map(lora_lib.peft_name, lora_lib.ALL_TARGETS))})")
   for key, want, have in (("rank", record["rank"], found.get("r")),
                           ("alpha", record["alpha"], found.get("lora_alpha")),
                           ("targets", ",".join(record["targets"]), ",".join(targets))):
@@ -169,8 +174,9 @@ def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) ->
 
 
 def _check_every_layer(path, found: dict, n_layers: int) -> None:
-  """Refuses an adapter on some of the layers only (PEFT's layers_to_transform, or a
-  target_modules regex that names layers): jaxzero adapts its targets in every layer."""
+  """Refuses an adapter on some of the layers only (PEFT's layers_to_transform, or
+  target_modules or exclude_modules naming layers): jaxzero adapts its targets in every
+  layer."""
   layers = found.get("layers_to_transform")
   if layers is not None:
     chosen = sorted({layers} if isinstance(layers, int) else set(layers))
@@ -179,21 +185,36 @@ def _check_every_layer(path, found: dict, n_layers: int) -> None:
           f"lora.init_from={path}: layers_to_transform={layers!r} adapts layers {chosen} of "
           f"this model's {n_layers} only; jaxzero adapts lora.targets in every layer, so the "
           "adapters cannot start from it")
-  modules = found.get("target_modules")
-  if not isinstance(modules, str) or modules == lora_lib.ALL_LINEAR:
-    return
-  try:
-    re.compile(modules)
-  except re.error as e:
-    raise HFCheckpointError(f"lora.init_from={path}: target_modules={modules!r} is not a "
-                            f"regular expression ({e})") from None
+  for key in ("target_modules", "exclude_modules"):
+    if isinstance(found.get(key), str) and found[key] != lora_lib.ALL_LINEAR:
+      try:
+        re.compile(found[key])
+      except re.error as e:
+        raise HFCheckpointError(f"lora.init_from={path}: {key}={found[key]!r} is not a "
+                                f"regular expression ({e})") from None
   for target, module in lora_lib.PEFT_MODULES.items():
-    chosen = [i for i in range(n_layers) if re.fullmatch(modules, f"model.layers.{i}.{module}")]
+    chosen = [i for i in range(n_layers) if _adapts(found, f"{MODULES}.{i}.{module}")]
     if 0 < len(chosen) < n_layers:
+      said = " and ".join(f"{k}={found[k]}" for k in ("target_modules", "exclude_modules")
+                          if found.get(k))
       raise HFCheckpointError(
-          f"lora.init_from={path}: target_modules={modules} adapts "
+          f"lora.init_from={path}: {said} adapts "
           f"{lora_lib.peft_name(target)} in layers {chosen} of this model's {n_layers} only; "
           "jaxzero adapts lora.targets in every layer, so the adapters cannot start from it")
+
+
+def _adapts(found: dict, module: str) -> bool:
+  """Whether PEFT adapts `module` (a full name, model.layers.0.self_attn.q_proj) under
+  `found`'s target_modules and exclude_modules, as PEFT matches them: a string is a regular
+  expression the whole name matches ("all-linear": every projection, not the head); a
+  list's names match the whole name or its end after a dot."""
+  def matches(spec) -> bool:
+    if isinstance(spec, str):
+      return (module.startswith(f"{MODULES}.") if spec == lora_lib.ALL_LINEAR else
+              re.fullmatch(spec, module) is not None)
+    return any(module == name or module.endswith(f".{name}") for name in spec or ())
+  return matches(found.get("target_modules")) and not (
+      found.get("exclude_modules") and matches(found["exclude_modules"]))
 
 
 def read_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) -> dict:
@@ -227,17 +248,12 @@ def _module_name(layer: int, target: str) -> str:
   return f"{PREFIX}.{layer}.{lora_lib.PEFT_MODULES[target]}"
 
 
-def _peft_targets(modules) -> tuple[str, ...]:
-  """jaxzero's targets of PEFT's target_modules: names, "all-linear", or a regex that
-  PEFT matches against whole module names."""
-  if isinstance(modules, str):
-    if modules == lora_lib.ALL_LINEAR:
-      return tuple(lora_lib.TARGETS)
-    full = {**{t: f"model.layers.0.{m}" for t, m in lora_lib.PEFT_MODULES.items()},
-            **{t: m for t, (_, m) in lora_lib.TOP_TARGETS.items()}}
-    return tuple(t for t in lora_lib.ALL_TARGETS if re.fullmatch(modules, full[t]))
-  names = set(modules or [])
-  return tuple(t for t in lora_lib.ALL_TARGETS if lora_lib.peft_name(t) in names)
+def _peft_targets(found: dict) -> tuple[str, ...]:
+  """jaxzero's targets of a PEFT adapter_config (`found`): those PEFT adapts in layer 0, or
+  outside the layers (_adapts)."""
+  full = {**{t: f"{MODULES}.0.{m}" for t, m in lora_lib.PEFT_MODULES.items()},
+          **{t: m for t, (_, m) in lora_lib.TOP_TARGETS.items()}}
+  return tuple(t for t in lora_lib.ALL_TARGETS if _adapts(found, full[t]))
 
 
 def _peft_shapes(model: LlamaConfig, record: dict) -> dict[str, tuple[int, int]]:

@@ -185,12 +185,20 @@ def test_bad_lora_settings_are_one_line(setting, message):
 
 
 def test_peft_target_modules_as_names_all_linear_or_a_regex():
-  targets = hf_peft._peft_targets  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  targets = lambda modules, **found: hf_peft._peft_targets({"target_modules": modules, **found})
   assert targets(["q_proj", "v_proj"]) == ("q", "v")
   assert targets("all-linear") == TARGETS
   assert targets(r".*\.(up|down)_proj") == ("up", "down")
   assert targets(["q_proj", "embed_tokens", "lm_head"]) == ("q", "embed", "head")
   assert targets(r"lm_head|.*\.v_proj") == ("v", "head")
+  # As PEFT matches a list: a name, or the end of one after a dot; exclude_modules likewise.
+  assert targets(["self_attn.q_proj", "mlp.down_proj", "model.embed_tokens"]) == (
+      "q", "down", "embed")
+  assert targets(["proj"]) == () and targets(["attn.q_proj"]) == ()
+  assert targets("all-linear", exclude_modules=["self_attn.q_proj", "k_proj"]) == (
+      "v", "o", "gate", "up", "down")
+  assert targets("all-linear", exclude_modules=r".*mlp.*") == ("q", "k", "v", "o")
 
 
 def test_targets_by_name_peft_name_or_pattern():
@@ -347,6 +355,12 @@ def test_a_peft_adapter_reads_back_exactly(adapter_dir):
      "of this model's 2 only; jaxzero adapts lora.targets in every layer"),
     ("bad_regex", r"target_modules='model\.\[layers' is not a regular expression \(unterminated "
      "character set"),
+    ("no_targets", r"target_modules=\['fc1', 'fc2'\] adapts none of the modules jaxzero adapts "
+     r"\(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, embed_tokens, lm_head\)"),
+    ("layer_names", r"target_modules=\['layers.1.self_attn.q_proj'\] adapts q_proj in layers "
+     r"\[1\] of this model's 2 only"),
+    ("exclude_layer", r"target_modules=\['q_proj'\] and exclude_modules=\['layers.0.self_attn."
+     r"q_proj'\] adapts q_proj in layers \[1\] of this model's 2 only"),
     ("not_an_object", "adapter_config.json is not a JSON object"),
     ("damaged_weights", "adapter_model.safetensors cannot be read: "),
 ])
@@ -358,12 +372,17 @@ def test_an_adapter_that_does_not_fit_is_one_line(adapter_dir, tmp_path, change,
     record = {**record, "targets": ["q", "v"]}
   elif change == "base":
     cfg = dataclasses.replace(cfg, dim=64, n_heads=8)
-  elif change in ("rslora", "layers_to_transform", "layer_regex", "bad_regex"):
+  elif change in ("rslora", "layers_to_transform", "layer_regex", "bad_regex", "layer_names",
+                  "exclude_layer", "no_targets"):
     found = json.loads((out / hf_peft.ADAPTER_CONFIG).read_text())
     found.update({"rslora": {"use_rslora": True},
                   "layers_to_transform": {"layers_to_transform": [1]},
                   "layer_regex": {"target_modules": r"model\.layers\.1\..*"},
-                  "bad_regex": {"target_modules": "model.[layers"}}[change])
+                  "bad_regex": {"target_modules": "model.[layers"},
+                  "layer_names": {"target_modules": ["layers.1.self_attn.q_proj"]},
+                  "no_targets": {"target_modules": ["fc1", "fc2"]},
+                  "exclude_layer": {"target_modules": ["q_proj"],
+                                    "exclude_modules": ["layers.0.self_attn.q_proj"]}}[change])
     (tmp_path / hf_peft.ADAPTER_CONFIG).write_text(json.dumps(found))
     (tmp_path / hf_peft.ADAPTER_WEIGHTS).write_bytes((out / hf_peft.ADAPTER_WEIGHTS).read_bytes())
     out = tmp_path
