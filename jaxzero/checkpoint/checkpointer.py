@@ -118,14 +118,21 @@ class Checkpointer(CheckpointDirectory):
     (a reused workdir): at once, from its run record, before the run is built. A record
     that cannot be read is left to the restore (which may fall back to an older one)."""
     try:
-      saved = self.info(step).get("model", {})
+      info = self.info(step)
     except CheckpointError:
       return
+    saved = info.get("model", {})
     current = {k: v for k, v in self._info["model"].items() if k in SHAPE_FIELDS and k in saved}
     if any(saved[k] != v for k, v in current.items()):
       raise CheckpointError(f"checkpoint {self.step_dir(step)} does not fit this config"
                             f"{_model_difference(saved, current)}; another model needs "
                             "another --workdir")
+    lora = _lora_difference(info.get("lora"), self._info.get("lora"))
+    if lora:
+      raise CheckpointError(f"checkpoint {self.step_dir(step)} does not fit this config "
+                            f"({'; '.join(lora)}); set {', '.join(_lora_settings(info))} to "
+                            "resume it, or train other adapters in another --workdir")
+    check_same_lora_scale(info.get("lora"), self._info.get("lora"), self.step_dir(step))
 
   def restore(self, step: int, target, into: SideTarget | None = None,
               optional: tuple[str, ...] = (),
@@ -148,7 +155,9 @@ class Checkpointer(CheckpointDirectory):
     """
     where = self.step_dir(step)
     info = self.info(step)
-    hint = _model_difference(info.get("model", {}), self._info["model"])
+    lora = _lora_difference(info.get("lora"), self._info.get("lora"))
+    hint = (_model_difference(info.get("model", {}), self._info["model"])
+            or (f" ({'; '.join(lora)})" if lora else ""))
     saved = self.leaf_shapes(step)
     clip = None if into is not None or self.side_saved(step) else \
         _clip_change(saved, tree_leaf_shapes(target))
@@ -342,6 +351,32 @@ def _model_difference(saved: dict, current: dict) -> str:
   diffs = [f"model.{k}={saved.get(k)} in the checkpoint, {v} here"
            for k, v in current.items() if saved.get(k) != v]
   return f" ({'; '.join(diffs)})" if diffs else ""
+
+
+# The LoRA settings that decide a checkpoint's leaves (jaxzero.models.lora.run_record).
+_LORA_SHAPE = ("rank", "targets", "base_dtype")
+
+
+def _lora_difference(saved: dict | None, current: dict | None) -> list[str]:
+  """The LoRA settings (of _LORA_SHAPE) in which two run records differ (only the rank
+  where one of them has no LoRA)."""
+  if not saved or not current:
+    rank = lambda record: record["rank"] if record else 0
+    return ([] if rank(saved) == rank(current) else
+            [f"lora.rank={rank(saved)} in the checkpoint, {rank(current)} here"])
+  value = lambda record, key: (",".join(record[key]) if key == "targets" else
+                               record.get(key, ""))
+  return [f"lora.{k}={value(saved, k)} in the checkpoint, {value(current, k)} here"
+          for k in _LORA_SHAPE if value(saved, k) != value(current, k)]
+
+
+def _lora_settings(info: dict) -> list[str]:
+  """The --set arguments for a checkpoint's LoRA shape settings (lora.rank=0 without)."""
+  lora = info.get("lora")
+  if not lora:
+    return ["lora.rank=0"]
+  return [f"lora.rank={lora['rank']}", f"lora.targets={','.join(lora['targets'])}",
+          f"lora.base_dtype={lora.get('base_dtype', '')}"]
 
 
 def _changed_settings(saved: dict, current: dict) -> str:

@@ -451,19 +451,32 @@ def test_evaluation_sees_the_frozen_base():
 
 
 @pytest.mark.slow
-def test_a_lora_run_resumes_only_under_its_own_alpha(tmp_path):
+def test_a_lora_run_resumes_only_under_its_own_lora_settings(tmp_path, monkeypatch):
   """A checkpoint's adapters under another lora.alpha fit every shape but are another
-  model: refused in one line, nothing changed; under its own alpha it resumes."""
+  model; another rank, targets or base storage, or none, another state: each refused in
+  one line naming what to set, before the run is built, nothing changed; under its own
+  settings it resumes."""
   from jaxzero.errors import CheckpointError
   from jaxzero.training import loop
   cfg = lora_config(train=dataclasses.replace(lora_config().train, steps=2),
                     checkpoint=config.CheckpointConfig(every=1))
   loop.train(cfg, tmp_path, 1, devices=jax.devices()[:8], progress=False)
   before = sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / "checkpoints").rglob("*"))
-  other = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, alpha=16.0))
-  with pytest.raises(CheckpointError, match=r"was trained with lora.alpha=8, this config has "
-                                            r"lora.alpha=16: .*; set lora.alpha=8$"):
-    loop.train(other, tmp_path, 2, devices=jax.devices()[:8], progress=False)
+  fits = "does not fit this config"
+  settings = "set lora.rank=4, lora.targets=q,k,v,o,gate,up,down, lora.base_dtype= to resume it"
+  with monkeypatch.context() as m:
+    m.setattr(loop, "build", lambda *a, **k: pytest.fail("built"))
+    for change, message in (
+        ({"alpha": 16.0}, r"was trained with lora.alpha=8, this config has lora.alpha=16: .*; "
+                          r"set lora.alpha=8$"),
+        ({"rank": 8}, rf"{fits} \(lora.rank=4 in the checkpoint, 8 here\); {settings}"),
+        ({"targets": "q,v"}, rf"{fits} \(lora.targets=q,k,v,o,gate,up,down in the checkpoint, "
+                             r"q,v here\)"),
+        ({"base_dtype": "int8"}, r"\(lora.base_dtype= in the checkpoint, int8 here\)"),
+        ({"rank": 0}, rf"\(lora.rank=4 in the checkpoint, 0 here\); {settings}")):
+      other = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, **change))
+      with pytest.raises(CheckpointError, match=message):
+        loop.train(other, tmp_path, 2, devices=jax.devices()[:8], progress=False)
   assert sorted((p, p.stat().st_mtime_ns)
                 for p in (tmp_path / "checkpoints").rglob("*")) == before
   assert [r["step"] for r in loop.train(cfg, tmp_path, 2, devices=jax.devices()[:8],
