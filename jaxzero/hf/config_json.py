@@ -69,7 +69,8 @@ def llama_config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
       mlp_dim=size("intermediate_size"), norm_eps=_positive_float(hf_config, "rms_norm_eps"),
       # transformers' configs default to untied; they always write the field.
       tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-      init_std=float(hf_config.get("initializer_range", LlamaConfig.init_std)),
+      init_std=_positive_float({"initializer_range": LlamaConfig.init_std, **hf_config},
+                               "initializer_range"),
       family=family, qkv_bias=family == "qwen2",
       sliding_window=_sliding_window_from_hf(hf_config, family),
       **_rope_fields_from_hf(hf_config))
@@ -78,7 +79,7 @@ def llama_config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
   except ValueError as e:
     raise ValueError(f"Hugging Face config is not a valid jaxzero model: {e}") from e
   head_dim = hf_config.get("head_dim")
-  if head_dim is not None and int(head_dim) != cfg.head_dim:
+  if head_dim is not None and _positive_int(hf_config, "head_dim") != cfg.head_dim:
     raise ValueError(f"Hugging Face config field 'head_dim'={head_dim} differs from hidden_size"
                      f" // num_attention_heads = {cfg.head_dim}; jaxzero derives head_dim")
   return cfg
@@ -144,6 +145,15 @@ def _positive_int(hf_config: Mapping[str, Any], field: str) -> int:
   return int(value)
 
 
+def _count(hf_config: Mapping[str, Any], field: str) -> int:
+  value = hf_config[field]
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
+      or value < 0:
+    raise ValueError(f"Hugging Face config field {field!r} is {value!r}; it must be an "
+                     "integer of at least 0")
+  return int(value)
+
+
 def _positive_float(hf_config: Mapping[str, Any], field: str) -> float:
   value = hf_config[field]
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -194,7 +204,8 @@ def _sliding_window_from_hf(hf_config: Mapping[str, Any], family: str) -> int:
   if family == "qwen2":
     key = "layer_types" if hf_config.get("layer_types") else "max_window_layers"
     types = list(hf_config.get("layer_types") or [
-        "sliding_attention" if i >= int(hf_config.get("max_window_layers", 28)) else "full"
+        "sliding_attention" if i >= _count({"max_window_layers": 28, **hf_config},
+                                           "max_window_layers") else "full"
         for i in range(int(hf_config["num_hidden_layers"]))])
     n_sliding = types.count("sliding_attention")
     if n_sliding == 0:

@@ -370,10 +370,16 @@ def test_a_checkpoint_with_its_own_tokenizer_is_not_fed_bytes(tmp_path, monkeypa
     ("hidden_size", [32], "'hidden_size' is [32]; it must be a positive integer"),
     ("intermediate_size", 64.5, "'intermediate_size' is 64.5; it must be a positive integer"),
     ("rms_norm_eps", "1e-5", "'rms_norm_eps' is '1e-5'; it must be a positive number"),
+    ("initializer_range", None, "'initializer_range' is None; it must be a positive number"),
+    ("head_dim", [16], "'head_dim' is [16]; it must be a positive integer"),
+    ("max_window_layers", None, "'max_window_layers' is None; it must be an integer of at "
+     "least 0"),
 ])
 def test_a_config_json_value_of_the_wrong_kind_is_one_line(field, value, message, tmp_path):
+  model = (dataclasses.replace(CFG, family="qwen2", qkv_bias=True, sliding_window=8)
+           if field == "max_window_layers" else CFG)
   (tmp_path / "config.json").write_text(json.dumps(
-      {**config_json.hf_config_from_llama(CFG), field: value}))
+      {**config_json.hf_config_from_llama(model), field: value}))
   with pytest.raises(HFCheckpointError) as info:
     hf_load.read_config(tmp_path)
   assert str(info.value).endswith(f"config.json: Hugging Face config field {message}")
