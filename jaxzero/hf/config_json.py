@@ -136,21 +136,12 @@ def carried_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
           if hf_config.get(k) is not None or (k.endswith("_token_id") and k in hf_config)}
 
 
-def _positive_int(hf_config: Mapping[str, Any], field: str) -> int:
+def _positive_int(hf_config: Mapping[str, Any], field: str, least: int = 1) -> int:
   value = hf_config[field]
   if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
-      or value < 1:
-    raise ValueError(f"Hugging Face config field {field!r} is {value!r}; it must be a "
-                     "positive integer")
-  return int(value)
-
-
-def _count(hf_config: Mapping[str, Any], field: str) -> int:
-  value = hf_config[field]
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
-      or value < 0:
-    raise ValueError(f"Hugging Face config field {field!r} is {value!r}; it must be an "
-                     "integer of at least 0")
+      or value < least:
+    kind = "a positive integer" if least == 1 else f"an integer of at least {least}"
+    raise ValueError(f"Hugging Face config field {field!r} is {value!r}; it must be {kind}")
   return int(value)
 
 
@@ -204,8 +195,8 @@ def _sliding_window_from_hf(hf_config: Mapping[str, Any], family: str) -> int:
   if family == "qwen2":
     key = "layer_types" if hf_config.get("layer_types") else "max_window_layers"
     types = list(hf_config.get("layer_types") or [
-        "sliding_attention" if i >= _count({"max_window_layers": 28, **hf_config},
-                                           "max_window_layers") else "full"
+        "sliding_attention" if i >= _positive_int({"max_window_layers": 28, **hf_config},
+                                                  "max_window_layers", least=0) else "full"
         for i in range(int(hf_config["num_hidden_layers"]))])
     n_sliding = types.count("sliding_attention")
     if n_sliding == 0:
