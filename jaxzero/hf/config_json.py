@@ -57,7 +57,7 @@ def llama_config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
     if hf_config.get(field) is None:
       raise ValueError(f"Hugging Face config is missing required field {field!r}")
   _check_unsupported(hf_config, family)
-  size = lambda field: _positive_int(hf_config, field)
+  size = lambda field: _integer(hf_config, field)
   n_heads = size("num_attention_heads")
   # Hugging Face's own meaning of an absent/null num_key_value_heads is plain
   # multi-head attention (Llama-1/2 configs omit it).
@@ -79,7 +79,7 @@ def llama_config_from_hf(hf_config: Mapping[str, Any]) -> LlamaConfig:
   except ValueError as e:
     raise ValueError(f"Hugging Face config is not a valid jaxzero model: {e}") from e
   head_dim = hf_config.get("head_dim")
-  if head_dim is not None and _positive_int(hf_config, "head_dim") != cfg.head_dim:
+  if head_dim is not None and _integer(hf_config, "head_dim") != cfg.head_dim:
     raise ValueError(f"Hugging Face config field 'head_dim'={head_dim} differs from hidden_size"
                      f" // num_attention_heads = {cfg.head_dim}; jaxzero derives head_dim")
   return cfg
@@ -136,7 +136,7 @@ def carried_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
           if hf_config.get(k) is not None or (k.endswith("_token_id") and k in hf_config)}
 
 
-def _positive_int(hf_config: Mapping[str, Any], field: str, least: int = 1) -> int:
+def _integer(hf_config: Mapping[str, Any], field: str, least: int = 1) -> int:
   value = hf_config[field]
   if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
       or value < least:
@@ -195,7 +195,7 @@ def _sliding_window_from_hf(hf_config: Mapping[str, Any], family: str) -> int:
   if family == "qwen2":
     key = "layer_types" if hf_config.get("layer_types") else "max_window_layers"
     types = list(hf_config.get("layer_types") or [
-        "sliding_attention" if i >= _positive_int({"max_window_layers": 28, **hf_config},
+        "sliding_attention" if i >= _integer({"max_window_layers": 28, **hf_config},
                                                   "max_window_layers", least=0) else "full"
         for i in range(int(hf_config["num_hidden_layers"]))])
     n_sliding = types.count("sliding_attention")
