@@ -128,8 +128,20 @@ def test_bad_targets_are_one_line(targets, message):
   with pytest.raises(ConfigError, match=message) as e:
     engine(1, model=jaxzero.lora(MLP, rank=4, targets=targets))
   assert "\n" not in str(e.value) and str(e.value).startswith("jaxzero.lora: ")
-  with pytest.raises(ConfigError, match="rank=0 must be positive"):
-    engine(1, model=jaxzero.lora(MLP, rank=0))
+
+
+@pytest.mark.parametrize("arguments,message", [
+    ({"rank": 0}, r"jaxzero.lora\(rank=0\) must be a positive integer"),
+    ({"rank": 2.5}, r"jaxzero.lora\(rank=2.5\) must be a positive integer"),
+    ({"rank": 4, "alpha": 0}, r"jaxzero.lora\(alpha=0\) must be a positive number \(PEFT's "
+     r"lora_alpha: the adapters are scaled by alpha / rank\)"),
+    ({"rank": 4, "alpha": -16.0}, r"jaxzero.lora\(alpha=-16.0\) must be a positive number"),
+    ({"rank": 4, "targets": ["up"]}, r"jaxzero.lora\(targets=\['up'\]\) must be a regular "
+     "expression"),
+])
+def test_bad_lora_arguments_are_one_line_at_the_call(arguments, message):
+  with pytest.raises(ConfigError, match=f"^{message}"):
+    jaxzero.lora(MLP, **arguments)
 
 
 def test_frozen_weights_in_host_memory_train_the_same(one_device):
