@@ -364,8 +364,9 @@ def _lora_difference(saved: dict | None, current: dict | None) -> list[str]:
     rank = lambda record: record["rank"] if record else 0
     return ([] if rank(saved) == rank(current) else
             [f"lora.rank={rank(saved)} in the checkpoint, {rank(current)} here"])
-  value = lambda record, key: (",".join(record[key]) if key == "targets" else
-                               record.get(key, ""))
+  # (jaxzero.Engine records jaxzero.lora's targets, a regex, as they were given.)
+  value = lambda record, key: (",".join(record[key]) if key == "targets" and not
+                               isinstance(record[key], str) else record.get(key, ""))
   return [f"lora.{k}={value(saved, k)} in the checkpoint, {value(current, k)} here"
           for k in _LORA_SHAPE if value(saved, k) != value(current, k)]
 

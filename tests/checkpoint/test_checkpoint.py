@@ -295,3 +295,17 @@ def test_a_stop_signal_saves_the_current_step_and_exits_0(tmp_path, cli_env, sig
   assert (f"stopped by {sig.name} at step {step}; checkpoint of step {step} in "
           f"{checkpoint_dir(workdir) / str(step)}") in stdout
   assert [r["step"] for r in logged(workdir)] == list(range(1, step + 1))
+
+
+def test_lora_settings_that_differ_are_named_as_each_side_records_them():
+  from jaxzero.checkpoint import checkpointer  # pylint: disable=import-outside-toplevel
+  differ = checkpointer._lora_difference  # pylint: disable=protected-access
+  run = {"rank": 4, "alpha": 8.0, "targets": ["q", "v"], "base_dtype": ""}
+  assert differ(run, {**run, "targets": ["q"], "alpha": 16.0}) == [
+      "lora.targets=q,v in the checkpoint, q here"]  # (alpha: its own check, at restore)
+  assert differ(None, run) == ["lora.rank=0 in the checkpoint, 4 here"]
+  assert differ(None, None) == [] and differ(run, dict(run)) == []
+  # jaxzero.Engine records jaxzero.lora's targets as given: a regex.
+  engine = {"rank": 4, "alpha": 8.0, "targets": "up/kernel"}
+  assert differ(engine, {**engine, "targets": "down/kernel"}) == [
+      "lora.targets=up/kernel in the checkpoint, down/kernel here"]
