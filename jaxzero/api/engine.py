@@ -234,6 +234,11 @@ class Engine:
     if state is None:
       raise UserError("step(state=None, ...): pass the state init() or restore() returned, "
                       "then each step's")
+    # A state passed twice: its buffers were donated to the step that consumed it, and
+    # running on them again crashes the process on several devices (no Python error).
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+      raise UserError("step(state, ...): this state was consumed by an earlier step (its "
+                      "buffers are reused); pass the state that step returned")
     return self.runner.step(state, self._micro_batches(batch))
 
   def save(self, state, path: str | pathlib.Path) -> pathlib.Path:

@@ -467,6 +467,9 @@ def test_misused_calls_are_one_line():
     e.step(state, {**batch, "w": 1.0})
   with pytest.raises(ConfigError, match=re.escape("the batch's leaves have [8, 16] rows")):
     e.step(state, {**batch, "y": batch["y"][:8]})
+  e.step(state, batch)  # consumes `state` (on 8 devices, running it again crashed JAX)
+  with pytest.raises(UserError, match=re.escape("this state was consumed by an earlier step")):
+    e.step(state, batch)
 
 
 def test_a_bfloat16_init_trains_fp32_masters():
