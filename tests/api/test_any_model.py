@@ -790,3 +790,16 @@ def test_an_optimizer_that_reads_a_weight_s_shape_is_warned_of_padding(caplog):
                    min_shard_size=0)
     said = [r.getMessage() for r in caplog.records if "stored padded" in r.getMessage()]
     assert bool(said) == warned, said
+
+
+def test_a_model_with_dropout_and_optimizer_offload_is_one_line_before_its_state():
+  """A Model that draws randomness per row trains through the device step only: refused
+  as the engine is made, naming offload (it was a ValueError at the first step)."""
+  from jaxzero.api import adapters  # pylint: disable=import-outside-toplevel
+  model = dataclasses.replace(adapters.build((mlp_init, mlp_apply), mlp_loss, shard_size=8),
+                              keyed_rows=True)
+  with pytest.raises(ConfigError, match=re.escape(
+      "(Model.keyed_rows: dropout) with offload.optimizer=pinned_host, offload.params=device: "
+      "it trains with its optimizer state on the device")):
+    jaxzero.Engine(model, optimizer=optax.sgd(0.1), offload="pinned_host",
+                   mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]))
