@@ -166,13 +166,6 @@ class Engine:
       config_lib.validate_pipeline(cfg, stacked[0].shape[0])
     if self.model.frozen_specs is not None:  # the check jaxzero.train's config runs
       config_lib.validate_frozen_offload(cfg, "a model with frozen parameters (jaxzero.lora)")
-    if self.model.keyed_rows and (offload.optimizer != "device" or offload.params == "nvme"):
-      # The offload runners take the step without its update (TrainProgram.grad_step),
-      # which draws no per-row randomness.
-      raise ConfigError(f"a model that draws randomness per row (Model.keyed_rows: dropout) "
-                        f"with offload.optimizer={offload.optimizer}, offload.params="
-                        f"{offload.params}: it trains with its optimizer state on the device; "
-                        "use offload=jaxzero.Offload(optimizer='device')")
     program = engine_lib.TrainProgram(cfg, self.layout, self.model, optimizer=optimizer)
     if (optimizer is not None and program.padding.any
         and engine_lib.padding_changes_updates(optimizer)):

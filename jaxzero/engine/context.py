@@ -28,7 +28,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxzero.config.mesh_checks import ATTENTION_TILE, CONTEXT_TILE
+from jaxzero.errors import ConfigError
 from jaxzero.parallel.mesh import CONTEXT
+
+
+def check_sequence(T: int, C: int, balanced: bool) -> None:
+  """ConfigError (one line, naming the lengths that fit) where ``context`` of C devices
+  cannot cut a sequence of T positions into equal pieces attention tiles whole: at most
+  ATTENTION_TILE positions, or a multiple of CONTEXT_TILE (else its tiles would be as
+  small as the piece's largest divisor). jaxzero.train's config checks train.seq_len
+  likewise; here a model of one's own's sequences are checked as they are traced."""
+  chunks = C * (2 if balanced else 1)
+  if C == 1 or (T % chunks == 0 and (T // chunks <= ATTENTION_TILE
+                                     or T // chunks % CONTEXT_TILE == 0)):
+    return
+  first = -(-T // chunks) * chunks
+  fits = [t for t in range(first, first + chunks * CONTEXT_TILE + 1, chunks)
+          if t // chunks <= ATTENTION_TILE or t // chunks % CONTEXT_TILE == 0][:1]
+  raise ConfigError(
+      f"a sequence of {T} positions over context={C}: attention cuts it into {chunks} equal "
+      f"pieces{' (2 a device: load-balanced)' if balanced else ''} of at most "
+      f"{ATTENTION_TILE} positions or a multiple of {CONTEXT_TILE}; give sequences of such a "
+      f"length (the next is {fits[0]})"
+      + (", or jaxzero.Context(load_balance=False)" if balanced else ""))
 
 
 def sequence_order(T: int, C: int, balanced: bool) -> np.ndarray | None:
@@ -36,9 +59,7 @@ def sequence_order(T: int, C: int, balanced: bool) -> np.ndarray | None:
   (device c's part is entries c*T/C .. (c+1)*T/C - 1); None for 0..T-1 (unbalanced)."""
   if C == 1 or not balanced:
     return None
-  if T % (2 * C):
-    raise ValueError(f"a load-balanced sequence of {T} positions over {C} devices needs "
-                     f"{2 * C} equal chunks")
+  check_sequence(T, C, balanced)
   L = T // (2 * C)
   chunks = [chunk for d in range(C) for chunk in (d, 2 * C - 1 - d)]
   return np.concatenate([np.arange(chunk * L, (chunk + 1) * L) for chunk in chunks])

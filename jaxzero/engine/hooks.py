@@ -76,6 +76,8 @@ class LayoutHooks:
                               C=self.layout.context_size, balanced=self.layout.context_balance)
 
     def run(q, k, v, segment_ids=None):
+      context_parallel.check_sequence(q.shape[1], self.layout.context_size,
+                                      self.layout.context_balance)
       args = (q, k, v) + (() if segment_ids is None else (segment_ids,))
       specs = (place(q, Q_AXES), place(k, KV_AXES), place(v, KV_AXES)) + (
           () if segment_ids is None else (place(segment_ids, ("batch", "seq")),))

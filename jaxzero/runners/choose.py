@@ -13,6 +13,7 @@ from __future__ import annotations
 import pathlib
 
 from jaxzero.engine import TrainProgram
+from jaxzero.errors import ConfigError
 from jaxzero.runners import host, infinity, nvme
 from jaxzero.runners.base import InMemoryRunner, Runner
 
@@ -30,6 +31,13 @@ def make_runner(program: TrainProgram, workdir: str | pathlib.Path | None = None
   else:
     kind = infinity.InfinityRunner if offload.params == "nvme" else nvme.NvmeRunner
     runner = kind(program, nvme.store_directory(offload.nvme_dir, workdir))
+  if check and program.model.keyed_rows and not isinstance(runner, InMemoryRunner):
+    # The offload runners take the step without its update (TrainProgram.grad_step),
+    # which draws no per-row randomness.
+    raise ConfigError(f"a model that draws randomness per row (Model.keyed_rows: dropout) "
+                      f"with offload.optimizer={offload.optimizer}, offload.params="
+                      f"{offload.params}: it trains with its optimizer state on the device; "
+                      "set offload.optimizer=device (jaxzero.Offload(optimizer='device'))")
   if check:
     runner.check()
   return runner

@@ -102,6 +102,30 @@ def test_a_balanced_device_holds_a_chunk_and_its_mirror():
   assert sequence_order(8, 2, False) is None and sequence_order(8, 1, True) is None
 
 
+@pytest.mark.parametrize("T, balanced, message", [
+    (15, False, "a sequence of 15 positions over context=2: attention cuts it into 2 equal "
+     "pieces of at most 512 positions or a multiple of 128; give sequences of such a length "
+     "(the next is 16)"),
+    (18, True, "into 4 equal pieces (2 a device: load-balanced) of at most 512 positions or a "
+     "multiple of 128; give sequences of such a length (the next is 20), or "
+     "jaxzero.Context(load_balance=False)"),
+    (2084, False, "(the next is 2304)"),  # pieces of 1042: tiles of 1 x 1, 30x slower
+])
+def test_a_sequence_context_cannot_cut_for_attention_is_one_line_as_it_is_traced(
+    T, balanced, message):
+  """A model of one's own (jaxzero.Engine) meets the rules jaxzero.train's config checks
+  on train.seq_len when its sequences are traced."""
+  from jaxzero.engine.hooks import LayoutHooks
+  from jaxzero.errors import ConfigError
+  from jaxzero.parallel.mesh import make_mesh
+  from jaxzero.parallel.zero import Layout
+  hooks = LayoutHooks(Layout(make_mesh(1, 1, jax.devices()[:2], context=2), 3,
+                             context_balance=balanced))
+  q = jax.ShapeDtypeStruct((2, T, 4, 8), jnp.float32)
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    jax.eval_shape(hooks.context(lambda q, k, v, **_: q), q, q, q)
+
+
 def tiny(*overrides):
   # 8 rows (the fewest the replica 2 x fsdp 2 mesh takes at grad_accum 2) of 64 positions
   # (8 a device at context 8) on a 64-wide model: the equalities hold at any size, and the
