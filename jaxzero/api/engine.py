@@ -139,8 +139,6 @@ class Engine:
                         "they apply to compute='float16' only")
     config_lib.validate_offload(cfg)
     self.cfg, self.mesh = cfg, mesh
-    self._lora = ({"rank": model.rank, "alpha": model.alpha, "targets": model.targets}
-                  if isinstance(model, adapters.Lora) else None)
     self.layout = Layout.from_config(cfg, mesh)
     self.model = adapters.build(
         model, loss_fn, shard_size=self.layout.shard_size, init_args=init_args, rules=rules,
@@ -296,8 +294,8 @@ class Engine:
   def _checkpointer(self, path) -> checkpointer.Checkpointer:
     info = {"model": {"parameters": self.program.n_params},
             "compute_dtype": self.cfg.precision.compute, "seed": self.cfg.seed}
-    if self._lora is not None:  # a restore under another alpha is refused, as the command's
-      info["lora"] = self._lora
+    if self.model.lora is not None:  # a restore under another alpha is refused, as the
+      info["lora"] = self.model.lora  # command's
     (pathlib.Path(path) / "checkpoints").mkdir(parents=True, exist_ok=True)
     return runners_base.checkpointer(path, None, info)  # keep every save
 

@@ -106,6 +106,8 @@ class Model:
       targets' count, where a loss mask makes rows count unequally); None: its rows.
       Where the engine takes a batch's loss as parts (the device groups of stages 0-1),
       it weighs each part's by this, so that the loss is the one of the whole batch.
+    lora: the LoRA settings a checkpoint records ({"rank", "alpha", "targets"}: a restore
+      under another alpha is refused) where the model's adapters are jaxzero.lora's.
   """
   specs: Any
   init: Callable[[Array], Any]
@@ -116,6 +118,7 @@ class Model:
   frozen_init: Callable[[Array], Any] | None = None
   keyed_rows: bool = False
   batch_weight: Callable[[Any], Array] | None = None
+  lora: dict | None = None
 
 
 class KeyedBatch(NamedTuple):

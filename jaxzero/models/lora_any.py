@@ -104,5 +104,6 @@ def with_lora(model: Model, rank: int, alpha: float, pattern: str) -> Model:
 
   return dataclasses.replace(model, specs=specs, init=init, loss=loss,
                              decay=lambda path: True, frozen_specs=model.specs,
-                             frozen_init=model.init)
+                             frozen_init=model.init,
+                             lora={"rank": rank, "alpha": alpha, "targets": pattern})
 

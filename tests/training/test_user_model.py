@@ -104,3 +104,32 @@ def test_the_examples_padded_leaves_train_at_stages_1_to_3_and_hybrid_as_on_one_
   for stage, hybrid in ((1, False), (2, False), (3, True)):
     got = run(f"stage{stage}{hybrid}", 8, stage=stage, hybrid=hybrid)
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, one)), (stage, got, one)
+
+
+@pytest.mark.slow  # two short runs in this process
+def test_a_factory_models_lora_is_recorded_and_another_alpha_is_refused(tmp_path, monkeypatch):
+  """A model_factory that returns jaxzero.lora(...) records its rank, alpha and targets
+  with each checkpoint, as jaxzero.Engine does: a resume under another alpha is refused."""
+  from jaxzero.checkpoint.reader import CheckpointReader  # pylint: disable=import-outside-toplevel
+  from jaxzero.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+  (tmp_path / "tiny_lm.py").write_text(MODEL)
+  for alpha in (8, 64):
+    (tmp_path / f"lora_lm_{alpha}.py").write_text(
+        "import jaxzero\nimport tiny_lm\n\n\ndef make():\n  spec = tiny_lm.make()\n"
+        f"  return {{**spec, 'model': jaxzero.lora(spec['model'], rank=2, alpha={alpha}, "
+        "targets='mlp/kernel')}\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  base = config.base()
+  cfg = lambda alpha: dataclasses.replace(
+      base, model_factory=f"lora_lm_{alpha}:make", model=dataclasses.replace(base.model,
+                                                                             vocab_size=256),
+      mesh=config.MeshConfig(replica=1, fsdp=2),
+      train=dataclasses.replace(base.train, steps=1, global_batch=4, grad_accum=1, seq_len=16),
+      precision=config.PrecisionConfig(compute="float32"),
+      data=config.DataConfig(max_bytes=100_000))
+  loop.train(cfg(8), tmp_path / "w", devices=jax.devices()[:2], progress=False)
+  with CheckpointReader(tmp_path / "w") as reader:
+    assert reader.info(1)["lora"] == {"rank": 2, "alpha": 8.0, "targets": "mlp/kernel"}
+  with pytest.raises(CheckpointError, match="was trained with lora.alpha=8, this config has "
+                                            "lora.alpha=64"):
+    loop.train(cfg(64), tmp_path / "w", 2, devices=jax.devices()[:2], progress=False)
