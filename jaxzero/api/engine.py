@@ -172,6 +172,7 @@ class Engine:
                   "devices): it updates them a little otherwise than on one device; mesh "
                   "sizes that divide them, or an elementwise optimizer (optax.adamw, ...), "
                   "train as one device", self.layout.shard_size)
+    self._warned_dtypes = False
     self.runner = make_runner(program, workdir)  # as jaxzero.train chooses it
     # The NVMe tier's files are deleted when the engine is closed, collected, or at exit.
     self._release = weakref.finalize(self, self.runner.close)
@@ -219,11 +220,29 @@ class Engine:
       x = x.reshape(a, x.shape[0] // a, *x.shape[1:])
       return jax.device_put(x, NamedSharding(self.mesh, P(None, mesh_lib.AXES)))
 
+    self._check_batch_dtypes(batch)
     rows = {jnp.shape(x)[0] for x in jax.tree.leaves(batch) if jnp.ndim(x)}
     if len(rows) > 1:
       raise ConfigError(f"the batch's leaves have {sorted(rows)} rows: every leaf of a batch "
                         "has the same rows on its leading axis")
     return jax.tree.map(split, batch)
+
+  def _check_batch_dtypes(self, batch: Any) -> None:
+    """Warns, once, where the batch's floating leaves are wider than the compute dtype:
+    against them JAX promotes the weights' compute copy, and the model's matmuls run in
+    the wider dtype (torch would refuse the mix; FSDP2 casts a module's inputs)."""
+    compute = engine_lib.dtype_of(self.cfg.precision.compute)
+    wide = [f"{jax.tree_util.keystr(path) or 'the batch'} ({jnp.result_type(x).name})"
+            for path, x in jax.tree_util.tree_leaves_with_path(batch)
+            if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+            and jnp.finfo(jnp.result_type(x)).bits > jnp.finfo(compute).bits]
+    if wide and not self._warned_dtypes:
+      self._warned_dtypes = True
+      name = self.cfg.precision.compute
+      log.warning("the batch's leaves %s are wider than precision=%s: a weight that meets one "
+                  "is promoted, and that matmul runs in the wider dtype; give the model's "
+                  "inputs in %s (as FSDP2's cast_forward_inputs does) to compute in it",
+                  ", ".join(wide), name, name)
 
   def step(self, state, batch) -> tuple[Any, dict]:
     """One optimizer step on `batch` (any pytree whose leading axis is the batch). `state`

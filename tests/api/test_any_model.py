@@ -803,3 +803,22 @@ def test_a_model_with_dropout_and_optimizer_offload_is_one_line_before_its_state
       "it trains with its optimizer state on the device")):
     jaxzero.Engine(model, optimizer=optax.sgd(0.1), offload="pinned_host",
                    mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]))
+
+
+def test_a_batch_wider_than_the_compute_dtype_is_warned_of_once(caplog):
+  """Against float32 inputs JAX promotes bfloat16 weights: the matmuls would run in
+  float32, unseen. Said once, naming the leaves; inputs in bfloat16 are not."""
+  e = jaxzero.Engine((mlp_init, mlp_apply), optimizer=optax.sgd(0.1), loss_fn=mlp_loss,
+                     mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]), precision="bfloat16")
+  batch = mlp_batches()[0]
+  state = e.init(jax.random.key(0))
+  half = {"x": batch["x"].astype(jnp.bfloat16), "y": batch["y"].astype(jnp.bfloat16)}
+  state, _ = e.step(state, half)
+  assert "wider than precision" not in caplog.text
+  for _ in range(2):
+    state, _ = e.step(state, batch)
+  said = [r.getMessage() for r in caplog.records if "wider than precision" in r.getMessage()]
+  assert said == ["the batch's leaves ['x'] (float32), ['y'] (float32) are wider than "
+                  "precision=bfloat16: a weight that meets one is promoted, and that matmul "
+                  "runs in the wider dtype; give the model's inputs in bfloat16 (as FSDP2's "
+                  "cast_forward_inputs does) to compute in it"]

@@ -17,3 +17,4 @@ def test_the_readme_example_runs_as_written(tmp_path):
   loss, state_bytes = result.stdout.split()
   assert float(loss) > 0 and int(state_bytes) > 0
   assert (tmp_path / "runs" / "mlp" / "checkpoints" / "1").is_dir()
+  assert "wider than precision" not in result.stderr  # it computes in bfloat16, as it says
