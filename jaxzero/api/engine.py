@@ -228,15 +228,18 @@ class Engine:
     return jax.tree.map(split, batch)
 
   def _check_batch_dtypes(self, batch: Any) -> None:
-    """Warns, once, where the batch's floating leaves are wider than the compute dtype:
-    against them JAX promotes the weights' compute copy, and the model's matmuls run in
-    the wider dtype (torch would refuse the mix; FSDP2 casts a module's inputs)."""
+    """Warns, once, where every floating leaf of the batch is wider than the compute
+    dtype: against such inputs JAX promotes the weights' compute copy, and the model's
+    matmuls run in the wider dtype (torch would refuse the mix; FSDP2 casts a module's
+    inputs). A batch with some leaf in the compute dtype has been cast where it matters
+    (its float32 targets, say, meet no weight)."""
     compute = engine_lib.dtype_of(self.cfg.precision.compute)
-    wide = [f"{jax.tree_util.keystr(path) or 'the batch'} ({jnp.result_type(x).name})"
-            for path, x in jax.tree_util.tree_leaves_with_path(batch)
-            if jnp.issubdtype(jnp.result_type(x), jnp.floating)
-            and jnp.finfo(jnp.result_type(x)).bits > jnp.finfo(compute).bits]
-    if wide and not self._warned_dtypes:
+    floating = [(path, jnp.result_type(x)) for path, x in
+                jax.tree_util.tree_leaves_with_path(batch)
+                if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    wide = [f"{jax.tree_util.keystr(path) or 'the batch'} ({dtype.name})"
+            for path, dtype in floating if jnp.finfo(dtype).bits > jnp.finfo(compute).bits]
+    if wide and len(wide) == len(floating) and not self._warned_dtypes:
       self._warned_dtypes = True
       name = self.cfg.precision.compute
       log.warning("the batch's leaves %s are wider than precision=%s: a weight that meets one "
