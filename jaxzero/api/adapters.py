@@ -85,8 +85,9 @@ def build(model: Any, loss_fn: Callable | None, *, shard_size: int, init_args: t
       raise ConfigError("a jaxzero.models.interface.Model carries its own loss: pass "
                         "loss_fn=None")
     return model
-  if loss_fn is None:
-    raise ConfigError(f"model {type(model).__name__} needs loss_fn=(model, batch) -> mean loss")
+  if loss_fn is None or not callable(loss_fn):
+    raise ConfigError(f"model {type(model).__name__} needs loss_fn=(model, batch) -> mean loss"
+                      + ("" if loss_fn is None else f", a function (not {loss_fn!r})"))
   remat_block = (remat_block, remat_policy) if remat_block is not None else None
   if isinstance(model, tuple) and len(model) == 2 and all(map(callable, model)):
     return _functions(*model, loss_fn, shard_size, rules, min_size, remat_block)

@@ -213,7 +213,8 @@ class Engine:
     def split(x):
       if jnp.ndim(x) == 0:
         raise ConfigError(f"a batch leaf is a scalar ({x!r}): every leaf of a batch has its "
-                          "rows on its leading axis")
+                          "rows on its leading axis (a list or tuple is a pytree of its "
+                          "items: give an array)")
       if x.shape[0] % (a * self.layout.data_parallel_size):
         raise ConfigError(f"a batch of {x.shape[0]} rows does not split into grad_accum={a} "
                           f"micro-batches over {self.layout.data_parallel_size} devices")
@@ -314,6 +315,8 @@ class Engine:
     self.close()
 
   def _checkpointer(self, path) -> checkpointer.Checkpointer:
+    if pathlib.Path(path).exists() and not pathlib.Path(path).is_dir():
+      raise UserError(f"{path} is a file: checkpoints are saved under a directory; give one")
     info = {"model": {"parameters": self.program.n_params},
             "compute_dtype": self.cfg.precision.compute, "seed": self.cfg.seed}
     if self.model.lora is not None:  # a restore under another alpha is refused, as the

@@ -454,7 +454,11 @@ def test_a_loss_that_is_not_one_scalar_is_one_line(loss_fn, message):
     e.step(e.init(jax.random.key(0)), mlp_batches()[0])
 
 
-def test_misused_calls_are_one_line():
+def test_misused_calls_are_one_line(tmp_path):
+  with pytest.raises(ConfigError, match=re.escape("needs loss_fn=(model, batch) -> mean loss, "
+                                                  "a function (not 3)")):
+    jaxzero.Engine((mlp_init, mlp_apply), optimizer=optax.sgd(0.1), loss_fn=3,
+                   mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]))
   e = jaxzero.Engine((mlp_init, mlp_apply), optimizer=optax.sgd(0.1), loss_fn=mlp_loss,
                      mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]))
   with pytest.raises(UserError, match=re.escape("init(rng=0): give a jax.random.key(seed)")):
@@ -467,6 +471,9 @@ def test_misused_calls_are_one_line():
     e.step(state, {**batch, "w": 1.0})
   with pytest.raises(ConfigError, match=re.escape("the batch's leaves have [8, 16] rows")):
     e.step(state, {**batch, "y": batch["y"][:8]})
+  (tmp_path / "file").write_text("")
+  with pytest.raises(UserError, match="file is a file: checkpoints are saved under a directory"):
+    e.save(state, tmp_path / "file")
   e.step(state, batch)  # consumes `state` (on 8 devices, running it again crashed JAX)
   with pytest.raises(UserError, match=re.escape("this state was consumed by an earlier step")):
     e.step(state, batch)
