@@ -132,8 +132,11 @@ def apply_ds_sets(ds: dict, assignments: list[str]) -> dict:
 
 def resolved_ds(ds: dict, cfg, world: int) -> dict:
   """The file as DeepSpeed must see it: the batch sizes ("auto" or absent) filled from
-  the run (DeepSpeed's rule, as jaxzero resolved it); any other "auto" is an error."""
+  the run (DeepSpeed's rule, as jaxzero resolved it); any other "auto" is an error. An
+  absent gradient_clipping is DeepSpeed's default written out (1.0: DeepSpeed and jaxzero
+  clip there), so that FSDP2, which reads this file, clips as they do."""
   ds = copy.deepcopy(ds)
+  ds.setdefault("gradient_clipping", 1.0)
   t = cfg.train
   sizes = dict(zip(BATCH_KEYS, (t.global_batch, t.global_batch // (t.grad_accum * world),
                                 t.grad_accum)))

@@ -74,6 +74,9 @@ def test_batch_sizes_follow_deepspeeds_rule_and_other_autos_are_refused():
   ds = compare.resolved_ds({"train_batch_size": "auto", "bf16": {"enabled": True}}, cfg, 2)
   assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
           ds["gradient_accumulation_steps"]) == (16, 1, 8)
+  # DeepSpeed's default clipping written out for FSDP2 (it read none: it did not clip).
+  assert ds["gradient_clipping"] == 1.0
+  assert compare.resolved_ds({"gradient_clipping": 0.0}, cfg, 2)["gradient_clipping"] == 0.0
   with pytest.raises(ValueError, match="optimizer.params.lr"):
     compare.resolved_ds({"optimizer": {"params": {"lr": "auto"}}}, cfg, 2)
   changed = compare.apply_ds_sets({"bf16": {"enabled": True}},
