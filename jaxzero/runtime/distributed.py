@@ -4,8 +4,8 @@ Each coordinate comes from the first that has it: the config's ``distributed.*``
 ``JAXZERO_COORDINATOR``, ``JAXZERO_NUM_PROCESSES`` and ``JAXZERO_PROCESS_ID`` (as
 ``jaxzero.launch`` sets them), then the cluster as JAX detects it, in JAX's order (Open MPI,
 SLURM, Kubernetes). With none of these the run is a single process; a launcher JAX does not
-detect (torchrun, Open MPI 5) is refused rather than run as separate single processes. All of it must happen before JAX starts its
-backends, which is why the CLI calls :func:`initialize` right after loading the config.
+detect (torchrun, Open MPI 5, MPICH and Intel MPI, MVAPICH2) is refused rather than run as
+separate single processes. All of it must happen before JAX starts its backends, which is why the CLI calls :func:`initialize` right after loading the config.
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ def resolve(dist: DistributedConfig, environ) -> Peers | None:
 def detect_cluster(environ) -> Peers | None:
   """An Open MPI job, a SLURM step or a Kubernetes indexed Job, as JAX will detect it (in
   JAX's order: mpirun inside an srun step is the Open MPI job). A launcher JAX does not
-  detect (Open MPI 5, torchrun) is refused rather than run as separate single processes."""
+  detect (Open MPI 5, torchrun, MPICH, Intel MPI, MVAPICH2) is refused rather than run as
+  separate single processes."""
   if "OMPI_MCA_orte_hnp_uri" in environ:
     return Peers(None, _cluster_int(environ, "OMPI_COMM_WORLD_SIZE", 1),
                  _cluster_int(environ, "OMPI_COMM_WORLD_RANK", 0), "Open MPI")
@@ -155,7 +156,9 @@ def detect_cluster(environ) -> Peers | None:
     # The process count is the Job's parallelism, which only JAX asks the API for.
     return Peers(None, None, _cluster_int(environ, "JOB_COMPLETION_INDEX", 0), "Kubernetes")
   for launcher, size in (("an Open MPI 5 job (mpirun without OMPI_MCA_orte_hnp_uri)",
-                          "OMPI_COMM_WORLD_SIZE"), ("a torchrun job", "WORLD_SIZE")):
+                          "OMPI_COMM_WORLD_SIZE"), ("a torchrun job", "WORLD_SIZE"),
+                         ("an MPICH or Intel MPI job (Hydra's PMI)", "PMI_SIZE"),
+                         ("an MVAPICH2 job", "MV2_COMM_WORLD_SIZE")):
     if (_cluster_int(environ, size, 1) if environ.get(size, "").strip() else 1) > 1:
       raise ConfigError(f"{size}={environ[size]} says this is one of several processes, as "
                         f"{launcher} sets it, whose peers JAX does not find: start the "

@@ -98,6 +98,11 @@ def test_a_kubernetes_job_needs_jax_k8s_unless_it_is_one_pod(monkeypatch):
      "peers JAX does not find: start the processes with srun or jaxzero.launch (one host), or "
      "set JAXZERO_COORDINATOR, JAXZERO_NUM_PROCESSES and JAXZERO_PROCESS_ID in each; if this "
      "is not a multi-process run, set JAXZERO_NUM_PROCESSES=1"),
+    (DistributedConfig(), {"PMI_SIZE": "2", "PMI_RANK": "1"},
+     "PMI_SIZE=2 says this is one of several processes, as an MPICH or Intel MPI job (Hydra's "
+     "PMI) sets it"),
+    (DistributedConfig(), {"MV2_COMM_WORLD_SIZE": "4"},
+     "MV2_COMM_WORLD_SIZE=4 says this is one of several processes, as an MVAPICH2 job"),
 ])
 def test_incomplete_or_bad_coordinates_are_one_clear_error(cfg, environ, message):
   with pytest.raises(ConfigError) as error:
