@@ -285,16 +285,19 @@ class _Stalls:
       with self._lock:
         phases, heard, limit = dict(self._phases), dict(self._heard), self.limit()
       stalled = now - min(when for _, when in phases.values())
-      if stalled <= limit:
+      # (stall_exit_s below the report's limit stops the run at its own time.)
+      exiting = bool(self.exit_s) and stalled > self.exit_s
+      if stalled <= limit and not exiting:
         reported = None
         continue
       silent = _silent(heard, now)
       # Once per limit while it lasts, and at once when another process falls silent.
-      if reported is None or now - reported >= limit or silent - reported_silent:
+      if stalled > limit and (reported is None or now - reported >= limit
+                              or silent - reported_silent):
         reported, reported_silent = now, silent
         _say_line(f"{self.watch.prog}: stalled for {stalled:.0f} s (limit {limit:.0f} s): "
                   f"{describe(phases, heard, now)}")
-      if self.exit_s and stalled > self.exit_s:
+      if exiting:
         _say_line(f"{self.watch.prog}: error: stalled for {stalled:.0f} s, past "
                   f"distributed.stall_exit_s={self.exit_s:g}: {describe(phases, heard, now)}; "
                   "the run stops")

@@ -141,3 +141,25 @@ def test_a_peers_phase_is_timed_by_process_0s_clock():
   assert name == "step 6" and sent - 1 <= when <= time.time()
   theirs.sendall(f"{peerwatch.BYE}\n".encode())  # a closed connection alone means lost
   theirs.close()
+
+
+def test_stall_exit_s_below_the_report_limit_stops_the_run_at_its_own_time(monkeypatch, capfd):
+  """distributed.stall_exit_s=10 with both processes 120 s in one phase (the report's own
+  limit is 300 s before the first step): the run stops, saying so."""
+  import threading
+  import types
+  from jaxzero.runtime import peerwatch
+  exited = threading.Event()
+  monkeypatch.setattr(peerwatch.os, "_exit", lambda code: (exited.set(), sys.exit()))
+  watch = types.SimpleNamespace(prog="jaxzero.train", leaving=lambda why: None)
+  stalls = peerwatch._Stalls(watch, 2, stall_s=0.0, exit_s=10.0)  # pylint: disable=protected-access
+  started = time.time() - 120
+  for process in (0, 1):
+    stalls.update(process, "compile", started)
+  stalls.heard(1)
+  assert stalls.limit() == 300.0
+  threading.Thread(target=stalls.run, daemon=True).start()
+  assert exited.wait(10)
+  err = capfd.readouterr().err
+  assert re.search(r"error: stalled for 12\d s, past distributed.stall_exit_s=10: ", err), err
+  assert "(limit 300 s)" not in err  # not a stall by the report's measure
