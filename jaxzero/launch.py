@@ -14,6 +14,7 @@ kernel sends each of them SIGTERM (jaxzero.runtime.distributed.stop_with_launche
 from __future__ import annotations
 
 import collections
+import math
 import os
 import pathlib
 import re
@@ -124,6 +125,7 @@ class Launch:
     self.procs: list[subprocess.Popen] = []
     self.tails = [collections.deque(maxlen=_TAIL_LINES) for _ in range(nproc)]
     self.readers: list[threading.Thread] = []
+    self.exited_at: list[float | None] = [None] * nproc  # (time.monotonic())
     self.interrupted: int | None = None
 
   def run(self) -> int:
@@ -158,11 +160,18 @@ class Launch:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
         start_new_session=True)  # its own process group: signals reach its children too
     self.procs.append(proc)
+    # When each process ended, to the millisecond: a peer that stops because another
+    # failed (the peer watch) ends a few milliseconds after it, within one poll.
+    threading.Thread(target=self._note_exit, args=(rank, proc), daemon=True).start()
     for stream, sink, tail in ((proc.stdout, sys.stdout, None),
                                (proc.stderr, sys.stderr, self.tails[rank])):
       reader = threading.Thread(target=_pump, args=(stream, sink, f"[{rank}] ", tail), daemon=True)
       reader.start()
       self.readers.append(reader)
+
+  def _note_exit(self, rank: int, proc: subprocess.Popen) -> None:
+    proc.wait()
+    self.exited_at[rank] = time.monotonic()
 
   def _wait_for_first_failure(self) -> int | None:
     """Rank of the first process to fail, or None when all succeed or on Ctrl-C."""
@@ -170,8 +179,12 @@ class Launch:
       codes = [p.poll() for p in self.procs]
       failures = [r for r, code in enumerate(codes) if code not in (None, 0)]
       if failures:
-        # A process killed by a signal is the likelier cause of its peers' errors.
-        return min(failures, key=lambda r: (codes[r] >= 0, r))
+        time.sleep(0.05)  # the exit times of those that ended together
+        codes = [p.poll() for p in self.procs]
+        failures = [r for r, code in enumerate(codes) if code not in (None, 0)]
+        # A process killed by a signal is the likelier cause of its peers' errors; else
+        # the first to end.
+        return min(failures, key=lambda r: (codes[r] >= 0, self.exited_at[r] or math.inf, r))
       if all(code == 0 for code in codes):
         return None
       time.sleep(0.1)
@@ -239,8 +252,14 @@ def _pump(stream, sink, prefix: str, tail) -> None:
         continue
     if tail is not None:
       tail.append(line)
-    sink.write(f"{prefix}{line}\n")
-    sink.flush()
+    if sink is not None:
+      try:
+        sink.write(f"{prefix}{line}\n")
+        sink.flush()
+      except (BrokenPipeError, ValueError):  # (ValueError: a closed sink)
+        # The reader went away (`| head`): the lines are dropped, but still read, or the
+        # child would block writing into a full pipe and stall the run.
+        sink = None
   stream.close()
 
 

@@ -324,3 +324,33 @@ def test_launch_needs_the_train_arguments_after_dashes():
   assert result.stderr.strip().splitlines() == [
       "jaxzero.launch: error: put the jaxzero.train arguments after --, e.g. -- --config "
       "configs/tiny_zero3.py"]
+
+
+def test_a_reader_that_went_away_does_not_stop_the_copy():
+  """`jaxzero.launch ... | head -1`: the launcher's stdout closes; a child's lines are
+  still read (and kept for the error summary), or the child would block on a full pipe."""
+  import collections
+  import io
+  from jaxzero import launch
+
+  class Closed(io.StringIO):
+    def write(self, text):
+      raise BrokenPipeError(32, "Broken pipe")
+
+  tail = collections.deque(maxlen=3)
+  stream = io.StringIO("".join(f"line {i}\n" for i in range(100_000)))
+  launch._pump(stream, Closed(), "[0] ", tail)  # pylint: disable=protected-access
+  assert stream.closed and list(tail) == ["line 99997", "line 99998", "line 99999"]
+
+
+def test_the_process_named_is_the_first_to_fail_not_the_peer_it_stopped():
+  """Process 1 fails; the peer watch ends process 0 a few milliseconds later, within one
+  poll: the summary names process 1."""
+  import types
+  from jaxzero import launch
+  run = launch.Launch(2, 1, [])
+  run.procs = [types.SimpleNamespace(poll=lambda: 1), types.SimpleNamespace(poll=lambda: 1)]
+  run.exited_at = [100.004, 100.0]
+  assert run._wait_for_first_failure() == 1  # pylint: disable=protected-access
+  run.procs[0] = types.SimpleNamespace(poll=lambda: -9)  # killed (out of memory, say)
+  assert run._wait_for_first_failure() == 0  # pylint: disable=protected-access
