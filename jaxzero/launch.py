@@ -60,15 +60,19 @@ def main(argv=None) -> int:
   if train_args is None:
     parser.error(hint)
   # Bad training arguments are said once, before any process starts (each would say it).
-  refused = train.check_arguments(train_args, also=_fits_the_launch(args.nproc))
-  if refused:
-    return refused
+  # A mesh that names its size takes it; else every device of every process.
+  n_devices = lambda cfg: mesh_lib.devices_needed(cfg.mesh) or args.nproc * args.devices_per_proc
+  done = train.check_arguments(train_args, also=_fits_the_launch(args.nproc, n_devices),
+                               n_devices=n_devices)
+  if done is not None:  # an error said once, or only --help or --print-config asked for
+    return done
   return Launch(args.nproc, args.devices_per_proc, train_args).run()
 
 
-def _fits_the_launch(nproc: int):
-  """The launcher's checks of the training config: it says where each process joins, and
-  a mesh that names its size is shared evenly by the processes."""
+def _fits_the_launch(nproc: int, n_devices):
+  """The launcher's checks of the training config: it says where each process joins, a
+  mesh that names its size is shared evenly by the processes, and the mesh and batch fit
+  the launch's devices (`n_devices(cfg)`, all processes')."""
   def check(cfg) -> None:
     d = cfg.distributed
     set_here = [f"distributed.{name}={value}" for name, value, unset in (
@@ -83,6 +87,8 @@ def _fits_the_launch(nproc: int):
       raise ConfigError(f"the mesh names {needed} devices, which --nproc {nproc} processes "
                         f"cannot share evenly; use --nproc among "
                         f"{', '.join(map(str, mesh_lib.divisors(needed)))}")
+    replica, fsdp, _ = mesh_lib.resolve_shape(cfg.mesh, n_devices(cfg))
+    mesh_lib.micro_batch(cfg.train, replica * fsdp)
   return check
 
 

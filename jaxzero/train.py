@@ -103,27 +103,39 @@ def _check_steps(parser, args, cfg) -> None:
                  "trained; train to a step at or past the one resumed from")
 
 
-def check_arguments(argv: list[str], also=None) -> int:
-  """0 when `argv` parses and its config loads (and `also(cfg)`, a launcher's own checks,
-  raises no ConfigError); else 2, its error said in one line.
+def check_arguments(argv: list[str], also=None, n_devices=None) -> int | None:
+  """None when a run of `argv` may start: it parses, its config loads (resolved for
+  `n_devices(cfg)` devices in all, where given) and `also(cfg)`, a launcher's own checks,
+  raises no ConfigError. Else the exit code: 2 with the error said in one line, or 0 where
+  `argv` asks only for the help or the config (said here, once).
 
-  For a launcher, before it starts processes that would each say the same error.
+  For a launcher, before it starts processes that would each say the same.
   """
   from jaxzero import cli  # pylint: disable=import-outside-toplevel
   try:
     parser, args = _parse(argv)
-  except SystemExit as e:  # argparse's error, already printed
+  except SystemExit as e:  # argparse's error or --help, already printed
     return e.code or 0
 
   def body():
-    cfg = cli.load_config(args).cfg
+    loaded = cli.load_config(args)
+    n = n_devices(loaded.cfg) if n_devices else mesh_devices(loaded.cfg)
+    cfg = loaded.resolve(n)
     _check_steps(parser, args, cfg)
     if also is not None:
       also(cfg)
+    if args.print_config:
+      print(loaded.describe(n))
   try:
-    return cli.run_main(parser.prog, body)
+    code = cli.run_main(parser.prog, body)
   except SystemExit as e:
-    return e.code or 0
+    code = e.code or 0
+  return code if code or args.print_config else None
+
+
+def mesh_devices(cfg) -> int:
+  from jaxzero.parallel import mesh  # pylint: disable=import-outside-toplevel
+  return mesh.devices_for(cfg.mesh)
 
 
 def _main(argv) -> int:

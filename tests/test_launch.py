@@ -308,6 +308,9 @@ def test_a_failing_process_ends_the_launch_with_its_error(tmp_path, launch_env):
      "says where each of its processes joins"),
     (["--set", "mesh.fsdp=3", "--set", "train.global_batch=12"], "the mesh names 3 devices, "
      "which --nproc 2 processes cannot share evenly; use --nproc among 1, 3"),
+    # On the launch's devices, before they exist (each process found it, once joined).
+    (["--set", "train.global_batch=24"], "train.global_batch=24 is not divisible by "
+     "data-parallel devices (8) x train.grad_accum (2) = 16"),
 ])
 def test_bad_training_arguments_are_one_line_before_any_process_starts(tmp_path, bad, message):
   result = run_python(*launch_args(tmp_path, *bad), timeout=60)
@@ -315,6 +318,15 @@ def test_bad_training_arguments_are_one_line_before_any_process_starts(tmp_path,
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr
   assert result.stderr.startswith("jaxzero.train: error: ") and message in result.stderr
   assert "started" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_help_and_print_config_are_said_once_and_start_nothing(tmp_path):
+  for asked in ("--help", "--print-config"):
+    result = run_python(*launch_args(tmp_path, asked), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "started" not in result.stderr and "[0]" not in result.stdout
+  assert result.stdout.count("train.steps=") == 1
 
 
 @pytest.mark.slow
