@@ -28,6 +28,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from jaxzero import cli  # noqa: E402  (before JAX: virtual devices)
+from jaxzero.errors import ConfigError  # noqa: E402
 from jaxzero.planning.flops import model_flops_per_token  # noqa: E402
 from jaxzero.runtime import xla_flags  # noqa: E402  (before JAX: virtual devices)
 from jaxzero.training.throughput import device_peak_tflops  # noqa: E402
@@ -63,7 +64,9 @@ def bench_jaxzero(cfg, steps: int, warmup: int) -> dict:
   device = jax.devices()[0]
   stats = device.memory_stats() or {}
   return {"framework": "jaxzero", "device": device.device_kind, "devices": jax.device_count(),
-          "step_time_s": step_time, "peak_memory_bytes": stats.get("peak_bytes_in_use")}
+          "step_time_s": step_time, "peak_memory_bytes": stats.get("peak_bytes_in_use"),
+          # The training log's counts: a model_factory model's own, LoRA's adapters trained.
+          "parameters": run.program.n_params, "frozen_parameters": run.program.n_frozen}
 
 
 def bench_torch(cfg, steps: int, warmup: int) -> dict:
@@ -102,7 +105,8 @@ def bench_torch(cfg, steps: int, warmup: int) -> dict:
   peak = torch.cuda.max_memory_allocated() if on_gpu else None
   return {"framework": "pytorch", "device": torch.cuda.get_device_name() if on_gpu else "cpu",
           "devices": 1, "step_time_s": step_time,
-          "peak_memory_bytes": peak}
+          "peak_memory_bytes": peak, "parameters": sum(p.numel() for p in model.parameters()),
+          "frozen_parameters": 0}
 
 
 def release_torch_memory() -> None:
@@ -120,13 +124,8 @@ def add_rates(result: dict, cfg) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   t = cfg.train
   tokens = t.global_batch * t.seq_len
-  from jaxzero.models import lora  # pylint: disable=import-outside-toplevel
-  from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
-  n_params, n_frozen = count_params(cfg.model), 0
-  if cfg.lora.rank:  # the training log's count: the adapters train, the base is frozen
-    n_params, n_frozen = lora.n_adapter_params(lora.adapter_specs(
-        cfg.model, cfg.lora.rank, lora.resolve_targets(cfg.lora.targets))), n_params
-  flops_per_token = model_flops_per_token(cfg, n_params, n_frozen)
+  flops_per_token = model_flops_per_token(cfg, result["parameters"],
+                                          result["frozen_parameters"])
   tflops = flops_per_token * tokens / result["step_time_s"] / 1e12
   peak = device_peak_tflops(jax.devices()[0])
   devices = result["devices"]
@@ -143,8 +142,9 @@ def print_table(results: list[dict]) -> None:
     peak = f"{r['peak_memory_bytes'] / 2**30:.1f}" if r["peak_memory_bytes"] else "n/a"
     print(f"{r['framework']:<10} {r['device'][:26]:<26} {r['step_time_s']:>8.3f} "
           f"{r['tokens_per_sec']:>12,.0f} {r['model_tflops']:>9.1f} {mfu:>6} {peak:>9}")
-  if len(results) == 2:
-    print(f"jaxzero / pytorch tokens/s: {results[0]['tokens_per_sec'] / results[1]['tokens_per_sec']:.2f}x")
+  if len(results) == 2:  # per device: PyTorch runs on one
+    mine, theirs = (r["tokens_per_sec"] / r["devices"] for r in results)
+    print(f"jaxzero / pytorch tokens/s per device: {mine / theirs:.2f}x")
 
 
 def main(argv=None) -> int:
@@ -165,6 +165,10 @@ def main(argv=None) -> int:
       # runs first and hands its cached memory back before JAX allocates.
       os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     loaded = cli.load_config(args)  # before JAX starts: creates virtual CPU devices
+    if args.torch and (loaded.cfg.model_factory or loaded.cfg.lora.rank):
+      raise ConfigError("--torch runs the config's Llama as a full fine-tune in PyTorch: it has "
+                        "no reference for a model_factory model or a LoRA run (lora.rank); "
+                        "leave --torch out")
     import jax  # pylint: disable=import-outside-toplevel
     cfg = loaded.resolve(jax.device_count())
     reference = None

@@ -25,6 +25,20 @@ def test_bench_cpu_mode_reports_every_figure(tmp_path):
     assert r["step_time_s"] > 0
     assert r["tokens_per_sec"] == pytest.approx(16 * 32 / r["step_time_s"])
     assert r["mfu"] is None  # no peak for a CPU
+  # The same model: its FLOPs from the same count (the training log's, for jaxzero).
+  assert jaxzero_result["parameters"] == torch_result["parameters"]
+  assert jaxzero_result["model_tflops"] / torch_result["model_tflops"] == pytest.approx(
+      torch_result["step_time_s"] / jaxzero_result["step_time_s"])
+
+
+@pytest.mark.parametrize("sets", [["lora.rank=4"], ["model_factory=tiny_lm:make"]])
+def test_torch_has_no_reference_for_lora_or_a_model_of_ones_own(sets, capsys):
+  bench = load_script("bench")
+  code = bench.main(["--config", str(ROOT / "configs" / "tiny_zero3.py"), "--torch",
+                     *[a for s in sets for a in ("--set", s)]])
+  assert code == 2
+  assert "--torch runs the config's Llama as a full fine-tune in PyTorch: it has no reference" \
+      in capsys.readouterr().err
 
 
 def test_model_flops_follow_the_palm_convention():
@@ -52,9 +66,13 @@ def test_a_lora_run_s_mfu_counts_its_frozen_base_as_the_training_log_does(monkey
   assert throughput.device_peak_tflops(nvl) == 835.0
   monkeypatch.setattr(bench, "device_peak_tflops", throughput.device_peak_tflops)
   monkeypatch.setattr("jax.devices", lambda *a: [nvl])
-  result = bench.add_rates({"step_time_s": 1.0, "devices": 1}, cfg)
-  tokens = cfg.train.global_batch * cfg.train.seq_len
+  from jaxzero.models import lora  # pylint: disable=import-outside-toplevel
   m = cfg.model
+  adapter_count = lora.n_adapter_params(lora.adapter_specs(
+      m, cfg.lora.rank, lora.resolve_targets(cfg.lora.targets)))  # the program's counts
+  result = bench.add_rates({"step_time_s": 1.0, "devices": 1, "parameters": adapter_count,
+                            "frozen_parameters": count_params(m)}, cfg)
+  tokens = cfg.train.global_batch * cfg.train.seq_len
   adapters = result["model_tflops"] * 1e12 / tokens - 4 * count_params(m) - (
       12 * m.n_layers * m.dim * cfg.train.seq_len)
   assert 0 < adapters / 6 < 0.01 * count_params(m)  # rank-16 adapters: well under 1%
