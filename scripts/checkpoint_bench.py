@@ -11,26 +11,32 @@ that time is reported separately.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import statistics
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from jaxzero import config as config_lib  # pylint: disable=wrong-import-position
-from jaxzero.parallel import mesh as mesh_lib  # pylint: disable=wrong-import-position
+from jaxzero import cli  # pylint: disable=wrong-import-position
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default="configs/tiny_zero3.py")
+def main(argv=None) -> int:
+  parser = cli.Parser(prog="checkpoint_bench.py", description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default=str(ROOT / "configs" / "tiny_zero3.py"))
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config field by its dotted name")
   parser.add_argument("--saves", type=int, default=10)
-  args = parser.parse_args()
-  cfg = config_lib.load(args.config)
-  mesh_lib.use_virtual_cpu_devices(mesh_lib.devices_needed(cfg.mesh))
+  args = parser.parse_args(argv)
+  if args.saves < 1:
+    parser.error(f"--saves={args.saves} must be at least 1")
+  return cli.run_main("checkpoint_bench.py", lambda: _bench(args))
+
+
+def _bench(args) -> None:
+  cfg = cli.load_config(args).cfg  # before JAX starts: creates virtual CPU devices
 
   # pylint: disable=import-outside-toplevel
   import jax
@@ -75,4 +81,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

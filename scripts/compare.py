@@ -113,6 +113,8 @@ def missing_extras() -> list[str]:
 
 def apply_ds_sets(ds: dict, assignments: list[str]) -> dict:
   """`ds` with each dotted KEY=VALUE (VALUE as JSON, else a string) set."""
+  if not isinstance(ds, dict):
+    raise ValueError("not a JSON object")
   ds = copy.deepcopy(ds)
   for assignment in assignments:
     key, sep, text = assignment.partition("=")
@@ -124,8 +126,11 @@ def apply_ds_sets(ds: dict, assignments: list[str]) -> dict:
       value = text
     *parents, leaf = key.split(".")
     block = ds
-    for name in parents:
+    for depth, name in enumerate(parents):
       block = block.setdefault(name, {})
+      if not isinstance(block, dict):
+        raise ValueError(f"--ds-set {assignment!r}: {'.'.join(parents[:depth + 1])} is "
+                         f"{json.dumps(block)}, not a block of keys")
     block[leaf] = value
   return ds
 
@@ -335,6 +340,10 @@ def main(argv=None) -> int:
     ds = apply_ds_sets(json.loads(pathlib.Path(args.deepspeed).read_text()), args.ds_set)
   except (OSError, ValueError) as e:
     print(f"compare.py: error: {args.deepspeed}: {e}", file=sys.stderr)
+    return 2
+  if any(not isinstance(ds.get(k, {}), dict) for k in ("fp16", "bf16", "zero_optimization")):
+    print(f"compare.py: error: {args.deepspeed}: its fp16, bf16 and zero_optimization "
+          "entries must be JSON objects", file=sys.stderr)
     return 2
   if ds.get("fp16", {}).get("enabled") is True:
     print("compare.py: error: fp16.enabled: compare.py compares fp32 and bf16 runs",

@@ -189,7 +189,8 @@ def in_a_process(args, sets: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  from jaxzero import cli  # pylint: disable=import-outside-toplevel
+  parser = cli.Parser(prog="offload_bench.py", description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", default=str(ROOT / "configs" / "tiny_zero3.py"))
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
   parser.add_argument("--steps", type=int, default=4, help="timed steps, after one warm-up")
@@ -198,9 +199,17 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   tiny = pathlib.Path(args.config).name == "tiny_zero3.py"
   sets = (CPU_SHAPE if tiny else []) + args.set
+  if args.steps < 1:
+    parser.error(f"--steps={args.steps} must be at least 1")
   if args.one:
     print(json.dumps(one_run(args.config, sets, args.steps)))
     return 0
+  from jaxzero import config as config_lib  # pylint: disable=import-outside-toplevel
+  from jaxzero.errors import UserError  # pylint: disable=import-outside-toplevel
+  try:  # the config, checked once here before anything is measured
+    config_lib.load(args.config, sets)
+  except UserError as e:
+    parser.error(str(e))
   copy = host_copy_gbps()
   print(f"host_copy_gbps: {copy:.2f}", file=sys.stderr, flush=True)
   runs = {}
@@ -212,6 +221,11 @@ def main(argv=None) -> int:
     # Each run's own figures as it ends, on stderr: a run cut short still tells them.
     print(f"{name}: {json.dumps(runs[name], default=str)}", file=sys.stderr, flush=True)
   none, exact, delayed = runs["none"], runs["exact"], runs["delayed"]
+  for name in ("exact", "delayed"):
+    if not runs[name].get("fits"):
+      raise SystemExit(f"offload_bench.py: error: the run with the optimizer in host memory "
+                       f"({name}) does not fit this machine, as its start-up check says; "
+                       "choose a smaller shape with --set")
   result = summary(copy, none, exact, delayed)
   print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
   return 0

@@ -96,3 +96,20 @@ def test_offload_bench_reports_every_figure(capsys):
   assert result["state_bytes"] == 12 * result["n_params"]
   # (That a step adds no second copy of the state to the host's memory, the update being
   # in place, is tests/offload/test_host_offload.py's: every chunk's buffer is the same.)
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("offload_bench", ["--steps", "0"], "--steps=0 must be at least 1"),
+    ("offload_bench", ["--config", "nope.py"], "config file 'nope.py' does not exist"),
+    ("checkpoint_bench", ["--saves", "0"], "--saves=0 must be at least 1"),
+    ("checkpoint_bench", ["--config", "nope.py"], "config file 'nope.py' does not exist"),
+])
+def test_the_benchmarks_say_bad_input_in_one_line_before_measuring(script, args, message,
+                                                                   capsys):
+  try:
+    code = load_script(script).main(args)
+  except SystemExit as e:  # argparse's own
+    code = e.code
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+  assert "host_copy_gbps" not in err  # nothing measured first

@@ -66,6 +66,21 @@ def test_without_the_extras_names_the_install_and_exits_2(monkeypatch, capsys, t
   assert "pip install 'jaxzero[compare]'" in err and "deepspeed" in err
 
 
+@pytest.mark.parametrize("ds_set, message", [
+    ("fp16=true", "its fp16, bf16 and zero_optimization entries must be JSON objects"),
+    ("zero_optimization.stage.x=1", "zero_optimization.stage is 3, not a block of keys"),
+])
+def test_a_ds_set_that_breaks_the_file_is_one_line(ds_set, message, monkeypatch, capsys,
+                                                    tmp_path):
+  compare = load_script("compare")
+  monkeypatch.setattr(compare, "missing_extras", lambda: [])
+  (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}}')
+  assert compare.main(["--deepspeed", str(tmp_path / "ds.json"), "--ds-set", ds_set,
+                       "--workdir", str(tmp_path / "w")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and message in err, err
+
+
 def test_batch_sizes_follow_deepspeeds_rule_and_other_autos_are_refused():
   compare = load_script("compare")
   cfg = config.base()
@@ -79,6 +94,10 @@ def test_batch_sizes_follow_deepspeeds_rule_and_other_autos_are_refused():
   assert compare.resolved_ds({"gradient_clipping": 0.0}, cfg, 2)["gradient_clipping"] == 0.0
   with pytest.raises(ValueError, match="optimizer.params.lr"):
     compare.resolved_ds({"optimizer": {"params": {"lr": "auto"}}}, cfg, 2)
+  with pytest.raises(ValueError, match=r"zero_optimization.stage is 1, not a block of keys"):
+    compare.apply_ds_sets({"zero_optimization": {"stage": 1}}, ["zero_optimization.stage.x=1"])
+  with pytest.raises(ValueError, match="not a JSON object"):
+    compare.apply_ds_sets([], [])
   changed = compare.apply_ds_sets({"bf16": {"enabled": True}},
                                   ["bf16.enabled=false", "zero_optimization.stage=2"])
   assert changed == {"bf16": {"enabled": False}, "zero_optimization": {"stage": 2}}
