@@ -11,6 +11,7 @@ separate single processes. All of it must happen before JAX starts its backends,
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib.util
 import logging
 import os
@@ -247,6 +248,11 @@ def _join(peers: Peers, timeout_s: int, prog: str) -> None:
   Nothing has run yet, so there is nothing to clean up.
   """
   import jax  # pylint: disable=import-outside-toplevel
+  taken = _port_taken(peers) if peers.process_id == 0 else None
+  if taken:  # process 0 serves the coordinator there; JAX's own failure may be a crash
+    _exit(prog, f"process 0 could not join the run ({peers.source}): port {taken} of the "
+          f"coordinator address {peers.coordinator} is in use on this host; choose another "
+          "port")
   done, errors = threading.Event(), []
 
   def connect():
@@ -271,6 +277,20 @@ def _join(peers: Peers, timeout_s: int, prog: str) -> None:
     first_line = (str(errors[0]).strip().splitlines() or [type(errors[0]).__name__])[0]
     _exit(prog, f"process {peers.process_id} could not join the run ({peers.source}): "
           f"{first_line}")
+
+
+def _port_taken(peers: Peers) -> int | None:
+  """The coordinator's port where something else on this host listens on it, else None."""
+  port = (peers.coordinator or "").rpartition(":")[2]
+  if not port.isdigit():
+    return None
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (TIME_WAIT is no owner)
+    try:
+      probe.bind(("", int(port)))
+    except OSError as e:
+      return int(port) if e.errno == errno.EADDRINUSE else None
+  return None
 
 
 def _exit_at_once_on_crash() -> None:

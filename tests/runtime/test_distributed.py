@@ -3,6 +3,7 @@ clear errors (not hangs) when the coordinator is wrong or a peer never comes."""
 
 import importlib.util
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -209,6 +210,23 @@ def test_missing_peer_and_wrong_coordinator_fail_within_the_timeout(tmp_path):
     # The configured timeout, plus starting Python and importing JAX on a busy machine.
     assert timeout_s <= elapsed < timeout_s + 40
   assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_coordinator_port_in_use_is_one_line_naming_it(tmp_path):
+  """JAX says only "Failed to start RPC server" (or crashes); the port is named."""
+  with socket.socket() as holder:
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    _, err = (proc := train_alone(tmp_path, 0, f"127.0.0.1:{port}", 20)).communicate(timeout=120)
+  assert proc.returncode == 2, err
+  assert err.strip().splitlines()[-1] == (
+      "jaxzero.train: error: process 0 could not join the run (config or JAXZERO_* variables): "
+      f"port {port} of the coordinator address 127.0.0.1:{port} is in use on this host; choose "
+      "another port")
 
 
 def test_a_mesh_of_minus_one_never_stops_a_run_of_any_process_count():
