@@ -6,7 +6,8 @@ talking through gloo. Bad training arguments are refused in one line before any
 process starts. Output lines carry the process rank. When one process
 fails the launcher stops the others and exits with that process's error, so
 nothing waits on a dead peer; Ctrl-C and SIGTERM are forwarded to every process, and a
-hangup (unless ignored, as under nohup) reaches them as SIGTERM: each saves and exits. A
+hangup (unless ignored, as under nohup) reaches them as SIGTERM: they agree to stop at
+their next logged step, save it and exit, and are waited for (a second signal kills them). A
 launcher killed outright (SIGKILL, the OOM killer) leaves none running: on Linux the
 kernel sends each of them SIGTERM (jaxzero.runtime.distributed.stop_with_launcher).
 """
@@ -34,9 +35,6 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 # After a failure the others get SIGTERM, then SIGKILL: a survivor may be stuck
 # in a collective with the dead process and never reach a step boundary.
 _STOP_GRACE_S = 5
-# After Ctrl-C they get time to stop at a step boundary and save it; a second
-# Ctrl-C kills them at once.
-_INTERRUPT_GRACE_S = 60
 _TAIL_LINES = 15
 
 
@@ -133,6 +131,7 @@ class Launch:
     self.readers: list[threading.Thread] = []
     self.exited_at: list[float | None] = [None] * nproc  # (time.monotonic())
     self.interrupted: int | None = None
+    self.killed = False  # by a second signal, before they had saved
 
   def run(self) -> int:
     coordinator = f"127.0.0.1:{free_port()}"
@@ -198,8 +197,14 @@ class Launch:
 
   def _forward(self, signum, _frame) -> None:
     if self.interrupted is not None:
+      self.killed = any(p.poll() is None for p in self.procs)
       self._signal_all(signal.SIGKILL)
+      return
     self.interrupted = signum
+    # The processes agree on the step to stop at where they next log (train.log_every),
+    # then save it: they are waited for as long as that takes.
+    _say(f"{signal.Signals(signum).name}: the processes stop and save at their next logged "
+         "step (train.log_every); send it again to stop them at once, unsaved")
     # A hangup reaches them as SIGTERM, which they answer as a preemption: a checkpoint of
     # the step they are at, then exit.
     self._signal_all(signal.SIGTERM if signum == signal.SIGHUP else signum)
@@ -216,9 +221,10 @@ class Launch:
     """Stops whatever still runs: SIGTERM (or the forwarded Ctrl-C), then SIGKILL."""
     if self.interrupted is None:
       self._signal_all(signal.SIGTERM)
-    grace = _STOP_GRACE_S if self.interrupted is None else _INTERRUPT_GRACE_S
-    deadline = time.monotonic() + grace
-    while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+    # After an interrupt, until they have saved (a second signal kills them).
+    deadline = time.monotonic() + _STOP_GRACE_S
+    while any(p.poll() is None for p in self.procs) and (
+        self.interrupted is not None or time.monotonic() < deadline):
       time.sleep(0.1)
     self._signal_all(signal.SIGKILL)
     for proc in self.procs:
@@ -228,7 +234,9 @@ class Launch:
 
   def _report(self, failed: int | None) -> int:
     if self.interrupted is not None:
-      _say(f"interrupted by {signal.Signals(self.interrupted).name}; stopped all processes")
+      _say(f"interrupted by {signal.Signals(self.interrupted).name}; "
+           + ("killed the processes at the second signal, before they saved" if self.killed
+              else "every process stopped"))
       return 128 + self.interrupted
     if failed is None:
       return 0

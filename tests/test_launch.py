@@ -237,7 +237,10 @@ def test_a_hangup_of_the_launcher_stops_its_processes(tmp_path, launch_env):
     if launcher.poll() is None:
       os.killpg(launcher.pid, signal.SIGKILL)
   assert code == 128 + signal.SIGHUP, err.read_text()
-  assert "interrupted by SIGHUP; stopped all processes" in err.read_text()
+  said = err.read_text()
+  assert ("SIGHUP: the processes stop and save at their next logged step (train.log_every); "
+          "send it again to stop them at once, unsaved") in said
+  assert "interrupted by SIGHUP; every process stopped" in said
   assert not any(pathlib.Path(f"/proc/{pid}").exists() for pid in pids.groups())
   assert latest_step(tmp_path / "w") is not None, err.read_text()  # saved as it stopped
 
@@ -318,6 +321,35 @@ def test_bad_training_arguments_are_one_line_before_any_process_starts(tmp_path,
   assert len(result.stderr.strip().splitlines()) == 1, result.stderr
   assert result.stderr.startswith("jaxzero.train: error: ") and message in result.stderr
   assert "started" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_after_a_ctrl_c_the_launcher_waits_for_the_save_and_a_second_kills(tmp_path,
+                                                                          launch_env):
+  """The processes agree to stop at a logged step, however far off: waited for (it was
+  cut at 60 s, unsaved and unsaid). A second Ctrl-C kills them, and says so."""
+  err = tmp_path / "err.txt"
+  with open(err, "w") as err_file:
+    launcher = subprocess.Popen(
+        [sys.executable, *launch_args(tmp_path / "w", sets=[
+            "train.steps=100000", "train.log_every=100000", "checkpoint.every=0",
+            "eval.every=0"])], cwd=ROOT,
+        env=launch_env, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
+  try:
+    wait_for(lambda: err.read_text().count("compiled the train step") == 2, launcher)
+    time.sleep(2)  # training, between logged steps
+    os.kill(launcher.pid, signal.SIGINT)
+    time.sleep(3)
+    assert launcher.poll() is None  # waiting for the agreed step
+    os.kill(launcher.pid, signal.SIGINT)
+    code = launcher.wait(timeout=60)
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+  assert code == 128 + signal.SIGINT, err.read_text()
+  assert ("interrupted by SIGINT; killed the processes at the second signal, before they "
+          "saved") in err.read_text()
 
 
 @pytest.mark.slow
