@@ -6,7 +6,8 @@ was lost, and each survivor prints one line naming it and exits with code 1 from
 thread, whatever its main thread is blocked in. A process leaving normally says "bye" first,
 one stopping on an error it reported says "failed". Over the same connection each process
 reports its phase (compile, step k, save k, eval k) and a heartbeat every second; process 0
-names the processes that stay in one phase too long (:class:`_Stalls`).
+names the processes that stay in one phase too long (:class:`_Stalls`), and sends its own
+heartbeat, so that the others name it when it stops (:meth:`_Watch.watch_process_0`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def start(coordinator: str | None, prog: str, stall_s: float = 0.0,
     _keepalive(connection)
     connection.sendall(f"{process_id}\n".encode())
     watch.add(0, connection)
-    threading.Thread(target=watch.beat, daemon=True, name="jaxzero-heartbeat").start()
+    threading.Thread(target=watch.watch_process_0, args=(stall_s, stall_exit_s), daemon=True,
+                     name="jaxzero-watch-0").start()
+  threading.Thread(target=watch.beat, daemon=True, name="jaxzero-heartbeat").start()
   atexit.register(leaving)
 
 
@@ -112,6 +115,7 @@ class _Watch:
     self._connections: dict[int, socket.socket] = {}
     self._said: dict[int, str] = {}
     self.stalls: _Stalls | None = None  # process 0's
+    self._heard_0 = time.time()  # when a non-zero process last heard from process 0
 
   def phase(self, name: str) -> None:
     now = time.time()
@@ -121,9 +125,39 @@ class _Watch:
       self._send(0, f"{PHASE} {now:.3f} {name}")
 
   def beat(self) -> None:
-    """A non-zero process's heartbeat to process 0, every second while it runs."""
-    while self._send(0, BEAT):
+    """This process's heartbeat to those it is connected to, every second while it runs:
+    process 0's to every other process, theirs to process 0."""
+    while True:
+      with self._lock:
+        peers = list(self._connections)
+      if self.process_id != 0 and not any(self._send(p, BEAT) for p in peers):
+        return  # (process 0's connections arrive as the others join)
+      for peer in peers if self.process_id == 0 else ():
+        self._send(peer, BEAT)
       time.sleep(_BEAT_S)
+
+  def watch_process_0(self, stall_s: float, exit_s: float) -> None:
+    """A non-zero process's watch of process 0, which watches every other one: where its
+    heartbeat stops (SIGSTOP, a frozen host) for distributed.stall_s (else 60 s), says
+    so, once per that time while it lasts; past distributed.stall_exit_s, stops."""
+    limit, reported = stall_s or 60.0, None
+    while True:
+      time.sleep(_BEAT_S)
+      silent = time.time() - self._heard_0
+      if silent <= limit and not (exit_s and silent > exit_s):
+        reported = None
+        continue
+      if exit_s and silent > exit_s:
+        _say_line(f"{self.prog}: error: process 0 has been silent for {silent:.0f} s (its "
+                  f"heartbeat stopped), past distributed.stall_exit_s={exit_s:g}; process "
+                  f"{self.process_id} stops")
+        self.leaving(FAILED)
+        os._exit(1)  # pylint: disable=protected-access
+      if reported is None or time.time() - reported >= limit:
+        reported = time.time()
+        _say_line(f"{self.prog}: process 0 has been silent for {silent:.0f} s (its heartbeat "
+                  "stopped: a stopped process or a frozen host); process "
+                  f"{self.process_id} waits for it")
 
   def _send(self, peer: int, line: str) -> bool:
     with self._lock:
@@ -165,6 +199,8 @@ class _Watch:
         break
       buffer += chunk
       *lines, buffer = buffer.split(b"\n")
+      if peer == 0:
+        self._heard_0 = time.time()
       for line in lines:
         word, _, value = line.decode(errors="replace").partition(" ")
         if self.stalls is not None:

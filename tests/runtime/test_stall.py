@@ -165,3 +165,41 @@ def test_stall_exit_s_below_the_report_limit_stops_the_run_at_its_own_time(monke
   err = capfd.readouterr().err
   assert re.search(r"error: stalled for 12\d s, past distributed.stall_exit_s=10: ", err), err
   assert "(limit 300 s)" not in err  # not a stall by the report's measure
+
+
+def test_a_stopped_process_0_is_named_by_the_others(tmp_path, tmp_path_factory):
+  """Process 0 watches every other process; its own heartbeat to them names it when it
+  stops (SIGSTOP), and the run goes on when it resumes."""
+  coordinator, phase_file = f"127.0.0.1:{free_port()}", tmp_path / "phase"
+  args = [arg for s in settings(1) for arg in ("--set", s)]
+  cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+  procs = [subprocess.Popen(  # pylint: disable=consider-using-with
+      [sys.executable, "-c", WATCHED, "--config", TINY, *args, "--workdir", str(tmp_path / "w"),
+       "--no-progress"], cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+      env=child_env(cache, alone=True, JAXZERO_COORDINATOR=coordinator,
+                    JAXZERO_NUM_PROCESSES="2", JAXZERO_PROCESS_ID=str(rank),
+                    JAX_NUM_CPU_DEVICES="1", PHASE_FILE=str(tmp_path / f"phase{rank}"),
+                    LINGER_IN="step 3" if rank == 0 else ""))
+      for rank in range(2)]
+  phase_file = tmp_path / "phase0"
+  stderr1 = Lines(procs[1].stderr)
+  try:
+    deadline = time.monotonic() + 300
+    while not (phase_file.exists() and phase_file.read_text() == "step 3"):
+      assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+      time.sleep(0.02)
+    procs[0].send_signal(signal.SIGSTOP)
+    try:
+      stderr1.wait_for("process 0 has been silent for ", STALL_S + 5 + 2)
+    finally:
+      procs[0].send_signal(signal.SIGCONT)
+    codes = [p.wait(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert codes == [0, 0], stderr1.lines[-20:]
+  said = [line for line in stderr1.lines if "process 0 has been silent" in line]
+  assert said[0].startswith("jaxzero.train: process 0 has been silent for ")
+  assert said[0].rstrip().endswith("(its heartbeat stopped: a stopped process or a frozen "
+                                   "host); process 1 waits for it")
