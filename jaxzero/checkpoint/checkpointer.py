@@ -130,8 +130,8 @@ class Checkpointer(CheckpointDirectory):
     lora = _lora_difference(info.get("lora"), self._info.get("lora"))
     if lora:
       raise CheckpointError(f"checkpoint {self.step_dir(step)} does not fit this config "
-                            f"({'; '.join(lora)}); set {', '.join(_lora_settings(info))} to "
-                            "resume it, or train other adapters in another --workdir")
+                            f"({'; '.join(lora)}); {_lora_settings(info)} to resume it, or "
+                            "train other adapters in another --workdir")
     check_same_lora_scale(info.get("lora"), self._info.get("lora"), self.step_dir(step))
 
   def restore(self, step: int, target, into: SideTarget | None = None,
@@ -285,9 +285,14 @@ def check_same_lora_scale(saved: dict | None, wanted: dict | None, where: pathli
   adapter's update would be scaled otherwise, a different model from the first step on
   (a PEFT adapter with another alpha, lora.init_from, is refused likewise)."""
   if saved and wanted and saved.get("alpha") != wanted.get("alpha"):
-    raise CheckpointError(f"checkpoint {where} was trained with lora.alpha={saved['alpha']:g}, "
-                          f"this config has lora.alpha={wanted['alpha']:g}: the adapters would "
-                          f"be scaled otherwise; set lora.alpha={saved['alpha']:g}")
+    was, now = saved["alpha"], wanted["alpha"]
+    if _made_by_lora_call(saved):
+      raise CheckpointError(f"checkpoint {where} was trained with jaxzero.lora(alpha={was:g}), "
+                            f"this model has alpha={now:g}: the adapters would be scaled "
+                            f"otherwise; make it with jaxzero.lora(..., alpha={was:g})")
+    raise CheckpointError(f"checkpoint {where} was trained with lora.alpha={was:g}, this "
+                          f"config has lora.alpha={now:g}: the adapters would be scaled "
+                          f"otherwise; set lora.alpha={was:g}")
 
 
 # The optimizer's state under global-norm clipping, optax.chain(clip, inner): the clip's
@@ -371,13 +376,21 @@ def _lora_difference(saved: dict | None, current: dict | None) -> list[str]:
           for k in _LORA_SHAPE if value(saved, k) != value(current, k)]
 
 
-def _lora_settings(info: dict) -> list[str]:
-  """The --set arguments for a checkpoint's LoRA shape settings (lora.rank=0 without)."""
+def _made_by_lora_call(record: dict | None) -> bool:
+  """Whether a run's LoRA record is jaxzero.lora's (targets: a regex), not lora.*'s."""
+  return bool(record) and isinstance(record["targets"], str)
+
+
+def _lora_settings(info: dict) -> str:
+  """How to make a checkpoint's LoRA shape again: the --set arguments, or jaxzero.lora's."""
   lora = info.get("lora")
   if not lora:
-    return ["lora.rank=0"]
-  return [f"lora.rank={lora['rank']}", f"lora.targets={','.join(lora['targets'])}",
-          f"lora.base_dtype={lora.get('base_dtype', '')}"]
+    return "train without LoRA (lora.rank=0; no jaxzero.lora)"
+  if _made_by_lora_call(lora):
+    return (f"make the model with jaxzero.lora(rank={lora['rank']}, alpha={lora['alpha']:g}, "
+            f"targets={lora['targets']!r})")
+  return (f"set lora.rank={lora['rank']}, lora.targets={','.join(lora['targets'])}, "
+          f"lora.base_dtype={lora.get('base_dtype', '')}")
 
 
 def _changed_settings(saved: dict, current: dict) -> str:

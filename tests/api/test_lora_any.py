@@ -182,6 +182,6 @@ def test_a_lora_state_saves_and_restores_on_another_mesh(one_device, tmp_path):
   # refuses it (the step-4 loss moved from 4.09 to 3.61 at alpha 64).
   other = jaxzero.lora(MLP, rank=4, alpha=64.0, targets=r"(up|down)/kernel")
   with pytest.raises(CheckpointError, match=re.escape(
-      "was trained with lora.alpha=8, this config has lora.alpha=64: the adapters would be "
-      "scaled otherwise; set lora.alpha=8")):
+      "was trained with jaxzero.lora(alpha=8), this model has alpha=64: the adapters would "
+      "be scaled otherwise; make it with jaxzero.lora(..., alpha=8)")):
     engine(2, other).restore(tmp_path)

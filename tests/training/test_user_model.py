@@ -130,6 +130,15 @@ def test_a_factory_models_lora_is_recorded_and_another_alpha_is_refused(tmp_path
   loop.train(cfg(8), tmp_path / "w", devices=jax.devices()[:2], progress=False)
   with CheckpointReader(tmp_path / "w") as reader:
     assert reader.info(1)["lora"] == {"rank": 2, "alpha": 8.0, "targets": "mlp/kernel"}
-  with pytest.raises(CheckpointError, match="was trained with lora.alpha=8, this config has "
-                                            "lora.alpha=64"):
+  with pytest.raises(CheckpointError, match=re.escape(
+      "was trained with jaxzero.lora(alpha=8), this model has alpha=64: the adapters would be "
+      "scaled otherwise; make it with jaxzero.lora(..., alpha=8)")):
     loop.train(cfg(64), tmp_path / "w", 2, devices=jax.devices()[:2], progress=False)
+  # Another rank: the settings to make it again, as jaxzero.lora's arguments.
+  (tmp_path / "lora_lm_r4.py").write_text((tmp_path / "lora_lm_8.py").read_text().replace(
+      "rank=2", "rank=4"))
+  other = dataclasses.replace(cfg(8), model_factory="lora_lm_r4:make")
+  with pytest.raises(CheckpointError, match=re.escape(
+      "(lora.rank=2 in the checkpoint, 4 here); make the model with jaxzero.lora(rank=2, "
+      "alpha=8, targets='mlp/kernel') to resume it")):
+    loop.train(other, tmp_path / "w", 2, devices=jax.devices()[:2], progress=False)
