@@ -7,7 +7,8 @@ process starts. Output lines carry the process rank. When one process
 fails the launcher stops the others and exits with that process's error, so
 nothing waits on a dead peer; Ctrl-C and SIGTERM are forwarded to every process, and a
 hangup (unless ignored, as under nohup) reaches them as SIGTERM: they agree to stop at
-their next logged step, save it and exit, and are waited for (a second signal kills them). A
+their next logged step, save it and exit, and are waited for (up to 10 minutes; a second
+signal kills them). A
 launcher killed outright (SIGKILL, the OOM killer) leaves none running: on Linux the
 kernel sends each of them SIGTERM (jaxzero.runtime.distributed.stop_with_launcher).
 """
@@ -35,6 +36,10 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 # After a failure the others get SIGTERM, then SIGKILL: a survivor may be stuck
 # in a collective with the dead process and never reach a step boundary.
 _STOP_GRACE_S = 5
+# After Ctrl-C, SIGTERM or a hangup they stop at their next logged step and save it: they
+# are waited for, up to this long (a hangup leaves no one to send a second signal, and a
+# process stuck in a collective would never stop).
+_INTERRUPT_GRACE_S = 600
 _TAIL_LINES = 15
 
 
@@ -131,7 +136,7 @@ class Launch:
     self.readers: list[threading.Thread] = []
     self.exited_at: list[float | None] = [None] * nproc  # (time.monotonic())
     self.interrupted: int | None = None
-    self.killed = False  # by a second signal, before they had saved
+    self.killed = False  # after an interrupt, before they had saved
 
   def run(self) -> int:
     coordinator = f"127.0.0.1:{free_port()}"
@@ -222,10 +227,12 @@ class Launch:
     if self.interrupted is None:
       self._signal_all(signal.SIGTERM)
     # After an interrupt, until they have saved (a second signal kills them).
-    deadline = time.monotonic() + _STOP_GRACE_S
-    while any(p.poll() is None for p in self.procs) and (
-        self.interrupted is not None or time.monotonic() < deadline):
+    deadline = time.monotonic() + (
+        _STOP_GRACE_S if self.interrupted is None else _INTERRUPT_GRACE_S)
+    while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
       time.sleep(0.1)
+    if self.interrupted is not None and any(p.poll() is None for p in self.procs):
+      self.killed = True
     self._signal_all(signal.SIGKILL)
     for proc in self.procs:
       proc.wait()
@@ -235,8 +242,8 @@ class Launch:
   def _report(self, failed: int | None) -> int:
     if self.interrupted is not None:
       _say(f"interrupted by {signal.Signals(self.interrupted).name}; "
-           + ("killed the processes at the second signal, before they saved" if self.killed
-              else "every process stopped"))
+           + (f"killed the processes (a second signal, or {_INTERRUPT_GRACE_S} s without "
+              "stopping) before they saved" if self.killed else "every process stopped"))
       return 128 + self.interrupted
     if failed is None:
       return 0

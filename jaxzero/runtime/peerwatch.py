@@ -143,6 +143,9 @@ class _Watch:
     limit, reported = stall_s or 60.0, None
     while True:
       time.sleep(_BEAT_S)
+      with self._lock:
+        if 0 in self._said:  # it left (normally, or on an error it said): not silent
+          return
       silent = time.time() - self._heard_0
       if silent <= limit and not (exit_s and silent > exit_s):
         reported = None

@@ -203,3 +203,20 @@ def test_a_stopped_process_0_is_named_by_the_others(tmp_path, tmp_path_factory):
   assert said[0].startswith("jaxzero.train: process 0 has been silent for ")
   assert said[0].rstrip().endswith("(its heartbeat stopped: a stopped process or a frozen "
                                    "host); process 1 waits for it")
+
+
+def test_process_0_that_said_goodbye_is_not_reported_silent(monkeypatch, capfd):
+  import os
+  import types
+  from jaxzero.runtime import peerwatch
+  exited = threading.Event()
+  monkeypatch.setattr(peerwatch, "os", types.SimpleNamespace(
+      write=os.write, _exit=lambda code: (exited.set(), threading.Event().wait())))
+  watch = peerwatch._Watch(1, "jaxzero.train")  # pylint: disable=protected-access
+  watch._said[0] = peerwatch.BYE  # pylint: disable=protected-access
+  watch._heard_0 = time.time() - 10  # pylint: disable=protected-access
+  checking = threading.Thread(target=watch.watch_process_0, args=(3.0, 4.0), daemon=True)
+  checking.start()
+  checking.join(5)
+  assert not checking.is_alive() and not exited.is_set()
+  assert "silent" not in capfd.readouterr().err
