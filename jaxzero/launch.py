@@ -65,8 +65,7 @@ def main(argv=None) -> int:
   # Bad training arguments are said once, before any process starts (each would say it).
   # A mesh that names its size takes it; else every device of every process.
   n_devices = lambda cfg: mesh_lib.devices_needed(cfg.mesh) or args.nproc * args.devices_per_proc
-  done = train.check_arguments(train_args, also=_fits_the_launch(args.nproc, n_devices),
-                               n_devices=n_devices)
+  done = train.check_arguments(train_args, n_devices, also=_fits_the_launch(args.nproc, n_devices))
   if done is not None:  # an error said once, or only --help or --print-config asked for
     return done
   return Launch(args.nproc, args.devices_per_proc, train_args).run()

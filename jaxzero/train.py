@@ -103,9 +103,9 @@ def _check_steps(parser, args, cfg) -> None:
                  "trained; train to a step at or past the one resumed from")
 
 
-def check_arguments(argv: list[str], also=None, n_devices=None) -> int | None:
+def check_arguments(argv: list[str], n_devices, also=None) -> int | None:
   """None when a run of `argv` may start: it parses, its config loads (resolved for
-  `n_devices(cfg)` devices in all, where given) and `also(cfg)`, a launcher's own checks,
+  `n_devices(cfg)` devices in all) and `also(cfg)`, a launcher's own checks,
   raises no ConfigError. Else the exit code: 2 with the error said in one line, or 0 where
   `argv` asks only for the help or the config (said here, once).
 
@@ -119,7 +119,7 @@ def check_arguments(argv: list[str], also=None, n_devices=None) -> int | None:
 
   def body():
     loaded = cli.load_config(args)
-    n = n_devices(loaded.cfg) if n_devices else mesh_devices(loaded.cfg)
+    n = n_devices(loaded.cfg)
     cfg = loaded.resolve(n)
     _check_steps(parser, args, cfg)
     if also is not None:
@@ -131,11 +131,6 @@ def check_arguments(argv: list[str], also=None, n_devices=None) -> int | None:
   except SystemExit as e:
     code = e.code or 0
   return code if code or args.print_config else None
-
-
-def mesh_devices(cfg) -> int:
-  from jaxzero.parallel import mesh  # pylint: disable=import-outside-toplevel
-  return mesh.devices_for(cfg.mesh)
 
 
 def _main(argv) -> int:

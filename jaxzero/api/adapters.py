@@ -18,6 +18,8 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import math
+import numbers
 from typing import Any, Callable
 
 import flax
@@ -48,15 +50,16 @@ def lora(model: Any, *, rank: int, alpha: float = 16.0, targets: str = r".*kerne
   fully matches the regex `targets` (default: every Linear and Dense kernel)."""
   # The checks jaxzero.train's config runs on lora.rank and lora.alpha (alpha 0 would scale
   # the adapters' gradients to zero: nothing would train).
-  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+  if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
     raise ConfigError(f"jaxzero.lora(rank={rank!r}) must be a positive integer")
-  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+  if (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not alpha > 0
+      or not math.isfinite(alpha)):
     raise ConfigError(f"jaxzero.lora(alpha={alpha!r}) must be a positive number (PEFT's "
                       "lora_alpha: the adapters are scaled by alpha / rank)")
   if not isinstance(targets, str):
     raise ConfigError(f"jaxzero.lora(targets={targets!r}) must be a regular expression "
                       "(a str) over the parameters' '/'-joined paths")
-  return Lora(model, rank, float(alpha), targets)
+  return Lora(model, int(rank), float(alpha), targets)
 
 
 def build(model: Any, loss_fn: Callable | None, *, shard_size: int, init_args: tuple = (),

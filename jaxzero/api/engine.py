@@ -244,9 +244,9 @@ class Engine:
       self._warned_dtypes = True
       name = self.cfg.precision.compute
       log.warning("the batch's leaves %s are wider than precision=%s: a weight that meets one "
-                  "is promoted, and that matmul runs in the wider dtype; give the model's "
-                  "inputs in %s (as FSDP2's cast_forward_inputs does) to compute in it",
-                  ", ".join(wide), name, name)
+                  "is promoted, and that matmul runs in the wider dtype (unless the model "
+                  "casts its inputs); give the model's inputs in %s (as FSDP2's "
+                  "cast_forward_inputs does) to compute in it", ", ".join(wide), name, name)
 
   def step(self, state, batch) -> tuple[Any, dict]:
     """One optimizer step on `batch` (any pytree whose leading axis is the batch). `state`

@@ -196,7 +196,7 @@ def _sliding_window_from_hf(hf_config: Mapping[str, Any], family: str) -> int:
     key = "layer_types" if hf_config.get("layer_types") else "max_window_layers"
     types = list(hf_config.get("layer_types") or [
         "sliding_attention" if i >= _integer({"max_window_layers": 28, **hf_config},
-                                                  "max_window_layers", least=0) else "full"
+                                             "max_window_layers", least=0) else "full"
         for i in range(int(hf_config["num_hidden_layers"]))])
     n_sliding = types.count("sliding_attention")
     if n_sliding == 0:

@@ -140,9 +140,11 @@ def check_adapter(path: str | pathlib.Path, model: LlamaConfig, record: dict) ->
   _check_every_layer(path, found, model.n_layers)
   targets = _peft_targets(found)
   if not targets:
+    said = " and ".join(f"{k}={found[k]!r}" for k in ("target_modules", "exclude_modules")
+                        if found.get(k))
     raise HFCheckpointError(
-        f"lora.init_from={path}: target_modules={found.get('target_modules')!r} adapts none of "
-        f"the modules jaxzero adapts ({', '.join(map(lora_lib.peft_name, lora_lib.ALL_TARGETS))})")
+        f"lora.init_from={path}: {said or 'no target_modules'} adapts none of the modules "
+        f"jaxzero adapts ({', '.join(map(lora_lib.peft_name, lora_lib.ALL_TARGETS))})")
   for key, want, have in (("rank", record["rank"], found.get("r")),
                           ("alpha", record["alpha"], found.get("lora_alpha")),
                           ("targets", ",".join(record["targets"]), ",".join(targets))):

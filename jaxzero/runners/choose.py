@@ -37,7 +37,9 @@ def make_runner(program: TrainProgram, workdir: str | pathlib.Path | None = None
     raise ConfigError(f"a model that draws randomness per row (Model.keyed_rows: dropout) "
                       f"with offload.optimizer={offload.optimizer}, offload.params="
                       f"{offload.params}: it trains with its optimizer state on the device; "
-                      "set offload.optimizer=device (jaxzero.Offload(optimizer='device'))")
+                      "set offload.optimizer=device"
+                      + (" and offload.params=device or pinned_host" if offload.params == "nvme"
+                         else "") + " (jaxzero.Offload(...) likewise)")
   if check:
     runner.check()
   return runner

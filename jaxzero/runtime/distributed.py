@@ -5,7 +5,8 @@ Each coordinate comes from the first that has it: the config's ``distributed.*``
 ``jaxzero.launch`` sets them), then the cluster as JAX detects it, in JAX's order (Open MPI,
 SLURM, Kubernetes). With none of these the run is a single process; a launcher JAX does not
 detect (torchrun, Open MPI 5, MPICH and Intel MPI, MVAPICH2) is refused rather than run as
-separate single processes. All of it must happen before JAX starts its backends, which is why the CLI calls :func:`initialize` right after loading the config.
+separate single processes. All of it must happen before JAX starts its backends, which is
+why the CLI calls :func:`initialize` right after loading the config.
 """
 
 from __future__ import annotations

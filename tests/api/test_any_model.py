@@ -828,5 +828,6 @@ def test_a_batch_wider_than_the_compute_dtype_is_warned_of_once(caplog):
   said = [r.getMessage() for r in caplog.records if "wider than precision" in r.getMessage()]
   assert said == ["the batch's leaves ['x'] (float32), ['y'] (float32) are wider than "
                   "precision=bfloat16: a weight that meets one is promoted, and that matmul "
-                  "runs in the wider dtype; give the model's inputs in bfloat16 (as FSDP2's "
-                  "cast_forward_inputs does) to compute in it"]
+                  "runs in the wider dtype (unless the model casts its inputs); give the "
+                  "model's inputs in bfloat16 (as FSDP2's cast_forward_inputs does) to compute "
+                  "in it"]

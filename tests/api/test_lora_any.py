@@ -136,12 +136,18 @@ def test_bad_targets_are_one_line(targets, message):
     ({"rank": 4, "alpha": 0}, r"jaxzero.lora\(alpha=0\) must be a positive number \(PEFT's "
      r"lora_alpha: the adapters are scaled by alpha / rank\)"),
     ({"rank": 4, "alpha": -16.0}, r"jaxzero.lora\(alpha=-16.0\) must be a positive number"),
+    ({"rank": 4, "alpha": float("inf")}, r"jaxzero.lora\(alpha=inf\) must be a positive number"),
     ({"rank": 4, "targets": ["up"]}, r"jaxzero.lora\(targets=\['up'\]\) must be a regular "
      "expression"),
 ])
 def test_bad_lora_arguments_are_one_line_at_the_call(arguments, message):
   with pytest.raises(ConfigError, match=f"^{message}"):
     jaxzero.lora(MLP, **arguments)
+
+
+def test_numpy_scalars_are_lora_arguments_too():
+  made = jaxzero.lora(MLP, rank=np.int64(4), alpha=np.float32(16))
+  assert (made.rank, made.alpha) == (4, 16.0) and type(made.rank) is int
 
 
 def test_frozen_weights_in_host_memory_train_the_same(one_device):

@@ -5,10 +5,10 @@ output resolves to the same config, and bad input is one line with exit code 2."
 import argparse
 import dataclasses
 import json
-import re
 import logging
 import math
 import pathlib
+import re
 import sys
 
 import jax
