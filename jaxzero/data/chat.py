@@ -9,9 +9,12 @@ in a sandbox with transformers' settings, filters and arguments. A template that
 assistant text with ``{% generation %}`` gives the spans itself, as transformers'
 ``assistant_masks`` takes them. Otherwise they are found by rendering prefixes, as TRL
 does: the conversation up to message i with the generation prompt must begin the whole
-rendering, and message i ends where ``messages[:i+1]``'s rendering ends; a record for
-which it does not (a template that rewrites earlier turns) is skipped. A record that
-cannot be used raises :class:`Skip` (counted, not fatal).
+rendering, and message i ends where ``messages[:i+1]``'s rendering ends (less the
+template's end-of-text token where it ends only the whole conversation, as Phi-3's); a
+record for which it does not (a template that rewrites earlier turns) is skipped. A
+record's ``tools`` and ``chat_template_kwargs`` go to the template as TRL passes them, and
+an assistant's tool call may have no content. A record that cannot be used raises
+:class:`Skip` (counted, not fatal).
 """
 
 from __future__ import annotations
@@ -52,16 +55,19 @@ class ChatTemplate:
     """Whether the template marks the assistant's text with {% generation %} blocks."""
     return "generation" in _compile(self.text).environment.extensions[_EXTENSION].seen
 
-  def render(self, messages: list[dict], generation_prompt: bool = False
-             ) -> tuple[str, list[tuple[int, int]]]:
-    """(the text, the character spans of its {% generation %} blocks)."""
+  def render(self, messages: list[dict], generation_prompt: bool = False, tools=None,
+             **kwargs) -> tuple[str, list[tuple[int, int]]]:
+    """(the text, the character spans of its {% generation %} blocks); `tools` and
+    `kwargs` (a record's chat_template_kwargs) go to the template as transformers'
+    apply_chat_template passes them."""
     pieces: list[str] = []
     spans: list[tuple[int, int]] = []
     token = _TRACKING.set((pieces, spans))
     try:
-      for piece in _compile(self.text).generate(
-          messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
-          add_generation_prompt=generation_prompt, tools=None, documents=None):
+      for piece in _compile(self.text).generate(**{
+          **kwargs, "messages": messages, "bos_token": self.bos_token,
+          "eos_token": self.eos_token, "add_generation_prompt": generation_prompt,
+          "tools": tools, "documents": None}):
         pieces.append(piece)
     except Exception as e:  # raise_exception() and a template's own errors
       raise Skip(f"the chat template refused it ({e})") from None
@@ -198,7 +204,7 @@ def record_text(record, fmt: str, template: ChatTemplate | None
     messages = _messages(record, "messages")
     if not any(m["role"] == "assistant" for m in messages):
       raise Skip("no assistant message")
-    return (*_chat(messages, _needs(template), len(messages)), False)
+    return (*_chat(messages, _needs(template), len(messages), **_extras(record)), False)
   for key in ("prompt", "completion"):
     if key not in record:
       raise Skip(f"no {key!r} field")
@@ -210,24 +216,48 @@ def record_text(record, fmt: str, template: ChatTemplate | None
       raise Skip("an empty completion")
     return prompt + completion, [(len(prompt), len(prompt) + len(completion))], True
   prompt, completion = _messages(record, "prompt"), _messages(record, "completion")
-  return (*_chat(prompt + completion, _needs(template), len(completion)), False)
+  return (*_chat(prompt + completion, _needs(template), len(completion), **_extras(record)),
+          False)
 
 
-def _chat(messages: list[dict], template: ChatTemplate, last: int):
+def _extras(record: dict) -> dict:
+  """What a record gives the template besides its messages, as TRL passes it: its tools
+  (a list of function schemas, or that list as JSON text) and chat_template_kwargs."""
+  tools, kwargs = record.get("tools"), record.get("chat_template_kwargs") or {}
+  if isinstance(tools, str):
+    try:
+      tools = json.loads(tools)
+    except ValueError:
+      raise Skip("'tools' is text but not JSON") from None
+  if tools is not None and not isinstance(tools, list):
+    raise Skip("'tools' is not a list of function schemas")
+  if not isinstance(kwargs, dict):
+    raise Skip("'chat_template_kwargs' is not an object")
+  return {**kwargs, "tools": tools or None}
+
+
+def _chat(messages: list[dict], template: ChatTemplate, last: int, **extras):
   """(text, spans) of a chat whose targets are the assistant's messages among the
   `last` ones."""
-  text, marked = template.render(messages)
+  text, marked = template.render(messages, **extras)
   first = len(messages) - last
   if template.marks_generation:  # the template's own spans, of the last messages only
-    before = len(template.render(messages[:first], generation_prompt=True)[0]) if first else 0
+    before = (len(template.render(messages[:first], generation_prompt=True, **extras)[0])
+              if first else 0)
     spans = [span for span in marked if span[0] >= before]
   else:
     spans = []
     for i in range(first, len(messages)):
       if messages[i]["role"] != "assistant":
         continue
-      start = template.render(messages[:i], generation_prompt=True)[0]
-      end = template.render(messages[:i + 1])[0]
+      start = template.render(messages[:i], generation_prompt=True, **extras)[0]
+      end = template.render(messages[:i + 1], **extras)[0]
+      eos = template.eos_token
+      if (not text.startswith(end) and eos and end.endswith(eos)
+          and text.startswith(end[:-len(eos)])):
+        # A template that ends the conversation with its end-of-text token (Phi-3's):
+        # it ends this turn only where the turn is the last.
+        end = end[:-len(eos)]
       if not (text.startswith(start) and text.startswith(end)):
         raise Skip("the chat template renders a conversation's beginning differently from "
                    "the whole, so its assistant tokens cannot be found")
@@ -247,7 +277,11 @@ def _messages(record: dict, key: str) -> list[dict]:
   messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
               for m in messages]
   for message in messages:
-    if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+    # An assistant's tool call may have no content (OpenAI's content=None, dropped above).
+    calls = isinstance(message, dict) and "content" not in message and isinstance(
+        message.get("tool_calls"), list) and message.get("role") == "assistant"
+    if not calls and (not isinstance(message, dict)
+                      or not isinstance(message.get("content"), str)):
       raise Skip(f"a message without string 'content' in {key!r}")
     if message.get("role") not in ROLES:
       raise Skip(f"unknown role {message.get('role')!r} (roles: {', '.join(ROLES)})")

@@ -35,7 +35,7 @@ from jaxzero.utils.files import write_json_atomic
 MASK_FILE, STARTS_FILE = "mask.bin", "starts.bin"
 SUFFIXES = (".jsonl", ".parquet")
 # Bump when the rendering, the targets or the files change: caches are then rebuilt.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -466,3 +466,35 @@ def test_a_plain_completions_token_across_the_boundary_is_the_prompts_as_in_trl(
   tokens = hf.convert_ids_to_tokens(np.asarray(examples.tokens[:]).tolist())
   assert tokens[-2:] == ["Ġthree", "</s>"]
   assert np.asarray(examples.mask[:]).tolist()[-2:] == [0, 1]
+
+
+def test_a_records_tools_reach_the_template_and_a_tool_call_needs_no_content(tmp_path):
+  """As TRL renders a record: its `tools` (a list, or that list as JSON text) and its
+  chat_template_kwargs go to the template; an assistant's tool call with content None
+  (OpenAI's shape) is rendered, not skipped."""
+  tooled = ("{% if tools %}[tools: {{ tools | map(attribute='name') | join(',') }}]{% endif %}"
+            "{% if think %}[think]{% endif %}{% for m in messages %}{{ m['role'] }}: "
+            "{% if 'tool_calls' in m %}call {{ m['tool_calls'][0]['name'] }}{% else %}"
+            "{{ m['content'] }}{% endif %};{% endfor %}")
+  call = [{"role": "user", "content": "weather?"},
+          {"role": "assistant", "content": None, "tool_calls": [{"name": "get_weather"}]},
+          {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "sunny"}]
+  template = chat.ChatTemplate("t", tooled, "", "")
+  text, spans, _ = chat.record_text({"messages": call, "tools": '[{"name": "get_weather"}]',
+                                     "chat_template_kwargs": {"think": True}}, "chat", template)
+  assert text == ("[tools: get_weather][think]user: weather?;assistant: call get_weather;"
+                  "tool: sunny;assistant: sunny;")
+  assert [text[a:b] for a, b in spans] == ["assistant: call get_weather;", "assistant: sunny;"]
+  with pytest.raises(chat.Skip, match="'tools' is text but not JSON"):
+    chat.record_text({"messages": call, "tools": "[oops"}, "chat", template)
+
+
+def test_a_template_that_ends_the_conversation_with_its_eos_keeps_multi_turn_records():
+  """Phi-3's templates end the whole conversation with the end-of-text token: an earlier
+  turn's rendering ends with it, the whole does not there. The turn is its span without
+  it, as in the whole; the last turn's span keeps it."""
+  phi3 = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+          "{% if add_generation_prompt %}<|assistant|>{% else %}{{ eos_token }}{% endif %}")
+  template = chat.ChatTemplate("phi3", phi3, "<s>", "<|endoftext|>")
+  text, spans, _ = chat.record_text({"messages": CHATS[1]}, "chat", template)
+  assert [text[a:b] for a, b in spans] == ["six it is<|end|>", "six<|end|><|endoftext|>"]
