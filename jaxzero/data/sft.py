@@ -63,7 +63,7 @@ def open_examples(data, workdir, *, model_vocab_size: int | None = None,
     if path.suffix not in SUFFIXES:
       raise DataError(f"data.format={data.format!r} reads records from {' or '.join(SUFFIXES)} "
                       f"files; data.source={data.source!r} includes {path}")
-  tokenizer = tokens_lib.load_tokenizer(data.tokenizer, data.eos_token)
+  tokenizer = tokens_lib.load_tokenizer(data.tokenizer, data.eos_token, data.format)
   tokens_lib.check_vocab(data.tokenizer, tokenizer.vocab_size, model_vocab_size)
   template = chat.load_template(data)
   if data.format == "chat" and template is None:

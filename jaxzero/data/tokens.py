@@ -246,8 +246,14 @@ class TextTokenizer:
                     np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
 
 
-def load_tokenizer(name: str, eos_token: str = "") -> TextTokenizer:
-  """``"byte"``, or a Hugging Face ``tokenizer.json`` (or a directory holding one)."""
+def load_tokenizer(name: str, eos_token: str = "", fine_tuning: str = "") -> TextTokenizer:
+  """``"byte"``, or a Hugging Face ``tokenizer.json`` (or a directory holding one).
+
+  Its separator, the end-of-text token: `eos_token` (data.eos_token) where given, else the
+  first of EOS_NAMES it has. For `fine_tuning` records (data.format) the one its
+  ``tokenizer_config.json`` names comes first, as TRL appends ``tokenizer.eos_token`` to a
+  completion; a chat (rendered by its template, which ends its own turns) needs none.
+  """
   if name == "byte":
     return TextTokenizer("byte", "byte", BYTE_VOCAB, (BYTE_SEPARATOR,),
                          lambda texts, _start: [np.frombuffer(t.encode(), np.uint8) for t in texts],
@@ -268,7 +274,13 @@ def load_tokenizer(name: str, eos_token: str = "") -> TextTokenizer:
   tokenizer.no_truncation()
   tokenizer.no_padding()
   vocab = tokenizer.get_vocab(with_added_tokens=True)
-  eos = _eos_id(tokenizer, eos_token, name)
+  configured = _configured_eos(path) if fine_tuning else ""
+  try:
+    separator = (_eos_id(tokenizer, eos_token, name, configured),)
+  except DataError:
+    if fine_tuning != "chat" or eos_token:
+      raise
+    separator = ()
 
   def encode(texts: list[str], start: bool) -> list[list[int]]:
     return [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=start)]
@@ -279,7 +291,18 @@ def load_tokenizer(name: str, eos_token: str = "") -> TextTokenizer:
             for e in tokenizer.encode_batch(texts, add_special_tokens=start)]
 
   return TextTokenizer(str(path.resolve()), hashlib.sha256(blob).hexdigest(),
-                       max(vocab.values()) + 1, (eos,), encode, encode_spans)
+                       max(vocab.values()) + 1, separator, encode, encode_spans)
+
+
+def _configured_eos(path: pathlib.Path) -> str:
+  """The eos_token the tokenizer_config.json beside `path` names ("" where none)."""
+  try:
+    named = json.loads((path.parent / "tokenizer_config.json").read_text(encoding="utf-8"))
+  except (OSError, ValueError):
+    return ""
+  eos = named.get("eos_token") if isinstance(named, dict) else None
+  eos = eos.get("content") if isinstance(eos, dict) else eos
+  return eos if isinstance(eos, str) else ""
 
 
 def _byte_spans(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -289,9 +312,10 @@ def _byte_spans(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   return ids, np.stack([char, char + 1], axis=1), np.zeros(ids.size, bool)
 
 
-def _eos_id(tokenizer, eos_token: str, name: str) -> int:
-  """The document separator: data.eos_token if set, else the first of EOS_NAMES present."""
-  for token in ([eos_token] if eos_token else EOS_NAMES):
+def _eos_id(tokenizer, eos_token: str, name: str, configured: str = "") -> int:
+  """The document separator: data.eos_token if set, else `configured` (the tokenizer's
+  own, for fine-tuning) or the first of EOS_NAMES present."""
+  for token in ([eos_token] if eos_token else filter(None, (configured, *EOS_NAMES))):
     token_id = tokenizer.token_to_id(token)
     if token_id is not None:
       return token_id

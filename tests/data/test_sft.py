@@ -498,3 +498,41 @@ def test_a_template_that_ends_the_conversation_with_its_eos_keeps_multi_turn_rec
   template = chat.ChatTemplate("phi3", phi3, "<s>", "<|endoftext|>")
   text, spans, _ = chat.record_text({"messages": CHATS[1]}, "chat", template)
   assert [text[a:b] for a, b in spans] == ["six it is<|end|>", "six<|end|><|endoftext|>"]
+
+
+def _tokenizer_with(path, specials, eos):
+  """A byte-level BPE tokenizer with `specials`, whose tokenizer_config.json names `eos`."""
+  tokenizers = pytest.importorskip("tokenizers")
+  transformers = pytest.importorskip("transformers")
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.train_from_iterator(["five six"] * 10, tokenizers.trainers.BpeTrainer(
+      vocab_size=280, special_tokens=specials,
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos).save_pretrained(path)
+  return path
+
+
+def test_fine_tuning_ends_a_completion_with_the_tokenizers_own_eos_and_chat_needs_none(
+    tmp_path):
+  """A completion ends with tokenizer_config.json's eos_token, as TRL appends
+  tokenizer.eos_token (an Instruct tokenizer's <|eot_id|>, not <|end_of_text|>), once; a
+  chat ends its turns by its template, so a tokenizer with no usual end-of-text token
+  takes chat records."""
+  instruct = _tokenizer_with(tmp_path / "instruct", ["<|end_of_text|>", "<|eot_id|>"],
+                             "<|eot_id|>")
+  source = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "five", "completion": " six"},
+                                               {"prompt": "five", "completion": "six<|eot_id|>"}])
+  examples = sft.open_examples(DataConfig(source=str(source), format="prompt_completion",
+                                          tokenizer=str(instruct)), tmp_path, progress=False)
+  ends = [int(examples.tokens[examples.starts[i + 1] - 1]) for i in range(2)]
+  lasts = [int(examples.tokens[examples.starts[i + 1] - 2]) for i in range(2)]
+  assert ends == [1, 1] and lasts[1] != 1  # <|eot_id|> (id 1: the specials come first), once
+  odd = _tokenizer_with(tmp_path / "odd", ["<｜end▁of▁sentence｜>"], "<｜end▁of▁sentence｜>")
+  (odd / "tokenizer_config.json").write_text("{}")  # and nothing names it
+  chats = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHATS[0]}])
+  examples = sft.open_examples(DataConfig(source=str(chats), format="chat", tokenizer=str(odd),
+                                          chat_template=str(write_template(tmp_path))),
+                               tmp_path, progress=False)
+  assert len(examples) == 1
