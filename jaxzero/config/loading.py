@@ -370,6 +370,11 @@ def _validate_data_format(cfg: Config) -> None:
   if d.source == "stdlib":
     raise ConfigError(f"data.format={d.format!r} reads records from .jsonl or .parquet files; "
                       "set data.source to them")
+  if _changed(d, "data", ["text_field"]):  # the records' fields are the format's own
+    keys = "'messages'" if d.format == "chat" else "'prompt' and 'completion'"
+    raise ConfigError(f"data.text_field={d.text_field!r} with data.format={d.format!r}: it "
+                      f"names the text of data.format='text' records; {d.format} records "
+                      f"hold {keys}; leave it unset")
   if cfg.model_factory:
     raise ConfigError(f"data.format={d.format!r} gives the built-in models' batches "
                       "(tokens, loss_mask, segment_ids); model_factory's loss takes token windows")

@@ -113,7 +113,7 @@ def _records(path: pathlib.Path) -> Iterator[tuple[str, object]]:
         if line.strip():
           try:
             yield f"{path.name}:{line_no}", json.loads(line)
-          except (json.JSONDecodeError, UnicodeDecodeError) as e:
+          except (ValueError, RecursionError) as e:  # (a line nested past Python's limit)
             yield f"{path.name}:{line_no}", chat.Skip(f"not valid JSON ({e.__class__.__name__})")
     return
   row = 0

@@ -173,7 +173,7 @@ def _jsonl_pieces(path: pathlib.Path, field: str) -> Iterator[_Piece]:
 def _json_text(line: bytes, field: str, path: pathlib.Path, line_no: int) -> str:
   try:
     record = json.loads(line)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+  except (ValueError, RecursionError) as e:  # (JSONDecodeError and UnicodeDecodeError too)
     raise DataError(f"{path}:{line_no}: not valid JSON ({e})") from None
   if not isinstance(record, dict) or field not in record:
     keys = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__

@@ -109,6 +109,17 @@ def write_template(tmp_path, text=None):
   return path
 
 
+def test_a_line_nested_past_pythons_limit_is_a_record_not_valid_json(tmp_path):
+  source = write_jsonl(tmp_path / "chat.jsonl", [
+      '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", {"messages": CHATS[0]}])
+  examples = sft.open_examples(DataConfig(source=str(source), format="chat",
+                                          chat_template=str(write_template(tmp_path))),
+                               tmp_path, progress=False)
+  assert len(examples) == 1
+  assert examples.skipped == {"not valid JSON (RecursionError)": {"count": 1,
+                                                                  "first": "chat.jsonl:1"}}
+
+
 def test_bad_records_are_counted_with_their_first_place(tmp_path):
   good = {"messages": CHATS[0]}
   source = write_jsonl(tmp_path / "chat.jsonl", [
@@ -332,6 +343,9 @@ def test_bad_fine_tuning_data_is_one_line(setting, message, tmp_path):
      "data.packing with pipeline.schedule=1f1b is not supported yet"),
     (["data.format=chat", "data.source=x.jsonl", "model_factory=m:f"],
      "model_factory's loss takes token windows"),
+    (["data.format=chat", "data.source=x.jsonl", "data.text_field=conversations"],
+     "data.text_field='conversations' with data.format='chat': it names the text of "
+     "data.format='text' records; chat records hold 'messages'; leave it unset"),
 ])
 def test_fine_tuning_settings_that_do_not_go_together_are_one_line(overrides, message):
   with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
