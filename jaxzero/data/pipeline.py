@@ -27,6 +27,7 @@ class RunData(NamedTuple):
   train: batches_lib.Batches | sft.ExampleBatches
   held_out: EvalBatches | sft.ExampleBatches | None
   description: str  # what the training batches hold, for the banner
+  held_out_left_out: str = ""  # the held-out examples left out, by reason, for the banner
 
 
 def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
@@ -70,7 +71,8 @@ def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
       evaluation = rows_of(held_out, cfg.eval.batches, eval_rows, "fixed")
     except DataError as e:  # the training examples fit: say which split this is
       raise DataError(f"the held-out examples ({_held_out_name(d)}): {e}") from e
-  return RunData(train, evaluation, _describe_examples(d, examples, train))
+  return RunData(train, evaluation, _describe_examples(d, examples, train),
+                 "; ".join(_left_out(held_out, evaluation)) if evaluation else "")
 
 
 def check_held_out_apart(d) -> None:
@@ -104,14 +106,20 @@ def _naming_eval_source(d, open_held_out):
                     .replace("files of data.source", "files of data.eval_source")) from e
 
 
-def _describe_examples(d, examples: sft.Examples, train: sft.ExampleBatches) -> str:
+def _left_out(examples: sft.Examples, batches: sft.ExampleBatches) -> list[str]:
+  """What of `examples` the rows leave out or cut, by reason."""
   left_out = [f"{v['count']} {reason} (first at {v['first']})"
               for reason, v in examples.skipped.items()]
-  left_out += [f"{n} {reason}" for reason, n in train.dropped.items()]
-  if train.truncated:
-    left_out.append(f"{train.truncated} truncated to train.seq_len+1")
-  packed = f"packed {len(examples) / train.n_rows:.2g} per row" if d.packing else "one per row"
-  return (f"{d.source} ({d.format}): {len(examples):,} examples, {train.n_tokens:,} tokens in "
+  left_out += [f"{n} {reason}" for reason, n in batches.dropped.items()]
+  if batches.truncated:
+    left_out.append(f"{batches.truncated} truncated to train.seq_len+1")
+  return left_out
+
+
+def _describe_examples(d, examples: sft.Examples, train: sft.ExampleBatches) -> str:
+  left_out, kept = _left_out(examples, train), len(train.lengths)
+  packed = f"packed {kept / train.n_rows:.2g} per row" if d.packing else "one per row"
+  return (f"{d.source} ({d.format}): {kept:,} examples, {train.n_tokens:,} tokens in "
           f"{train.n_rows:,} rows ({packed}, {train.fill:.0%} filled)"
           + (f"; left out: {'; '.join(left_out)}" if left_out else ""))
 

@@ -253,7 +253,6 @@ class ExampleBatches:
     lengths = np.diff(examples.starts)
     long = lengths > window
     self.dropped = dict(_count(long, "longer than train.seq_len+1") if overlong == "drop" else {})
-    self.truncated = 0 if overlong == "drop" else int(long.sum())
     lengths = np.minimum(lengths, window)
     keep = ~long if overlong == "drop" else np.ones(len(lengths), bool)
     # Truncation may cut every target away.
@@ -261,6 +260,7 @@ class ExampleBatches:
                           bool)
     self.dropped.update(_count(keep & ~has_target, "no target within train.seq_len+1"))
     keep &= has_target
+    self.truncated = int((long & keep).sum())  # of the examples kept
     if not keep.any():
       raise DataError(f"no example fits train.seq_len={seq_len} with data.overlong={overlong!r}"
                       f" ({sum(self.dropped.values())} dropped)")

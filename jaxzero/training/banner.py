@@ -133,7 +133,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
     when = (f"every {cfg.eval.every} steps and at the end" if cfg.eval.every
             else "never (eval.every=0)")
     lines.append(f"  eval      {held_out} ({run.eval_batches.n_tokens:,} tokens): {n} batches "
-                 f"of {rows} x {window - 1} tokens, {when}")
+                 f"of {rows} x {window - 1} tokens, {when}"
+                 + (f"; left out: {run.eval_left_out}" if run.eval_left_out else ""))
   lines.append(f"  workdir   {workdir} ({CONFIG_FILE}, metrics.jsonl, tb/, checkpoints/)")
   return "\n".join(lines)
 

@@ -64,6 +64,7 @@ class Run:
   batches: Any  # the training batches by step (jaxzero.data.pipeline)
   eval_batches: Any = None  # the held-out split's fixed batches, if any
   data_description: str = ""  # what the training batches hold, for the banner
+  eval_left_out: str = ""  # the held-out examples left out, for the banner
 
   @property
   def program(self) -> engine_lib.TrainProgram:
@@ -103,7 +104,8 @@ def build(cfg: Config, devices=None, workdir: str | pathlib.Path | None = None,
   micro = mesh_lib.micro_batch(cfg.train, layout.data_parallel_size)
   progress = progress and jax.process_index() == 0
   data = pipeline.open_data(cfg, workdir, micro * layout.data_parallel_size, progress=progress)
-  return Run(cfg, layout, runner, data.train, data.held_out, data.description)
+  return Run(cfg, layout, runner, data.train, data.held_out, data.description,
+             data.held_out_left_out)
 
 
 @dataclasses.dataclass

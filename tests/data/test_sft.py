@@ -164,7 +164,7 @@ def test_overlong_examples_are_truncated_or_dropped_and_counted():
   late = dataclasses.replace(examples, mask=examples.mask.copy())
   late.mask[5:5 + 12] = 0  # example 1's targets begin at its 13th token
   truncated = sft.ExampleBatches(late, 9, 1, 2, 0, packing=False, overlong="truncate")
-  assert truncated.truncated == 1  # cut to 10 tokens, it has no target left: dropped too
+  assert truncated.truncated == 0  # cut to 10 tokens, it has no target left: dropped instead
   assert truncated.dropped == {"no target within train.seq_len+1": 1}
   assert truncated.n_rows == 3
   dropped = sft.ExampleBatches(examples, 9, 1, 2, 0, packing=False, overlong="drop")
@@ -465,6 +465,24 @@ def test_held_out_examples_that_fit_nowhere_are_named_as_held_out(tmp_path):
   with pytest.raises(DataError, match=r"^the held-out examples \(data.eval_source='.*long.jsonl'\)"
                                       r": no example fits train.seq_len=64"):
     pipeline.open_data(cfg, tmp_path, 8, progress=False)
+
+
+def test_the_banner_counts_the_examples_kept_and_says_what_the_held_out_split_leaves_out(
+    tmp_path):
+  from jaxzero.data import pipeline
+  long_chat = [{"role": "user", "content": "and three " * 20},
+               {"role": "assistant", "content": "six " * 20}]
+  held_out = write_jsonl(tmp_path / "eval.jsonl", [{"messages": CHATS[0]}] * 3 + [
+      {"messages": long_chat}, {"messages": [{"role": "human", "content": "hi"}]}])
+  train = write_jsonl(tmp_path / "train.jsonl", [{"messages": CHATS[0]}] * 3 + [
+      {"messages": long_chat}])
+  cfg = sft_config(tmp_path, f"data.source={train}", f"data.eval_source={held_out}",
+                   "data.eval_fraction=0.0", "data.overlong=drop")
+  data = pipeline.open_data(cfg, tmp_path, 8, progress=False)
+  assert ": 3 examples, " in data.description  # not 4: one is dropped
+  assert data.held_out_left_out == (
+      "1 unknown role 'human' (roles: system, user, assistant, tool) (first at eval.jsonl:5); "
+      "1 longer than train.seq_len+1")
 
 
 def test_a_plain_completions_token_across_the_boundary_is_the_prompts_as_in_trl(tokenizer_dir,
