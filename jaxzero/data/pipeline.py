@@ -13,6 +13,9 @@ training does not read; that, and that it names any, is checked before tokenizin
 from __future__ import annotations
 
 import dataclasses
+import logging
+import pathlib
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -21,6 +24,8 @@ from jaxzero.data import batches as batches_lib
 from jaxzero.data import sft
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import DataError
+
+log = logging.getLogger(__name__)
 
 
 class RunData(NamedTuple):
@@ -34,6 +39,7 @@ def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
   """The batches of `cfg` with `rows` rows per micro-batch (all data-parallel devices'),
   tokenizing its sources into the cache if needed."""
   d, t = cfg.data, cfg.train
+  _warn_of_held_out_files(d)
   eval_rows = t.global_batch // t.grad_accum
   held_out_cfg = dataclasses.replace(d, source=d.eval_source)
   if d.eval_source:
@@ -73,6 +79,26 @@ def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
       raise DataError(f"the held-out examples ({_held_out_name(d)}): {e}") from e
   return RunData(train, evaluation, _describe_examples(d, examples, train),
                  "; ".join(_left_out(held_out, evaluation)) if evaluation else "")
+
+
+# Names a dataset gives its held-out splits (Hugging Face's test-00000-of-00001.parquet,
+# test_sft-*.parquet, validation/, dev.jsonl, ...).
+_HELD_OUT_NAME = re.compile(r"(test|valid|validation|eval|dev)([_\-.]|$)", re.IGNORECASE)
+
+
+def _warn_of_held_out_files(d) -> None:
+  """Warns where a directory source reads files a dataset names as a held-out split:
+  they are trained on (and data.eval_fraction holds out other files' rows)."""
+  root = pathlib.Path(d.source).expanduser()
+  if d.source == "stdlib" or not root.is_dir():
+    return
+  named = [p for p in tokens_lib.match_files(d.source)
+           if any(_HELD_OUT_NAME.match(part) for part in p.relative_to(root.resolve()).parts)]
+  if named:
+    log.warning("data.source=%s reads %d file(s) named as a held-out split (first %s): they "
+                "are trained on; name the training files (a glob, such as %s/**/train*) and "
+                "give the others as data.eval_source", d.source, len(named),
+                named[0].relative_to(root.resolve()), d.source.rstrip("/"))
 
 
 def check_held_out_apart(d) -> None:

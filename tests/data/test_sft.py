@@ -568,3 +568,21 @@ def test_fine_tuning_ends_a_completion_with_the_tokenizers_own_eos_and_chat_need
                                           chat_template=str(write_template(tmp_path))),
                                tmp_path, progress=False)
   assert len(examples) == 1
+
+
+def test_a_directory_source_that_holds_a_test_split_is_warned_of(tmp_path, caplog):
+  """A dataset snapshot (Hugging Face's data/train_sft-*.parquet beside test_sft-*): the
+  directory reads both, and the test split would be trained on."""
+  from jaxzero.data import pipeline
+  snapshot = tmp_path / "snapshot"
+  (snapshot / "data").mkdir(parents=True)
+  for name in ("train_sft-00000.jsonl", "test_sft-00000.jsonl"):
+    write_jsonl(snapshot / "data" / name, [{"messages": c} for c in CHATS * 12])
+  cfg = sft_config(tmp_path, f"data.source={snapshot}")
+  pipeline.open_data(cfg, tmp_path, 8, progress=False)
+  assert ("reads 1 file(s) named as a held-out split (first data/test_sft-00000.jsonl): they "
+          "are trained on") in caplog.text
+  caplog.clear()
+  pipeline.open_data(sft_config(tmp_path, f"data.source={snapshot}/**/train*"), tmp_path, 8,
+                     progress=False)
+  assert "held-out split" not in caplog.text
