@@ -67,11 +67,13 @@ class Groups:
 
   def sum_shardings(self, reduced: Any, compute: Any) -> Any:
     """Where the running gradient sum lives: in the reduce layout; per group, a row
-    each, whole within it (split over `tensor` as its weight is used), or in the
-    reduce layout under hybrid sharding."""
+    each, whole within it (split over `tensor` as its weight is used), or, where the
+    groups are hybrid sharding's replicas (stages 2-3), in the reduce layout within
+    each. (At stage 1 the groups span `fsdp` too, which the reduce layout splits.)"""
     if not self.axes:
       return reduced
-    return jax.tree.map(lambda r, c: self.sharding((r if self.layout.hybrid else c).spec),
+    within_replicas = self.layout.hybrid and self.axes == ("replica",)
+    return jax.tree.map(lambda r, c: self.sharding((r if within_replicas else c).spec),
                         reduced, compute)
 
   def sum_shape(self, leaf) -> tuple[int, ...]:

@@ -108,8 +108,8 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
       f"jaxzero.train: {model}",
       f"  mesh      {mesh} = {_devices(devices)}, "
       f"{jax.process_count()} process{'es' if jax.process_count() > 1 else ''}",
-      f"  ZeRO      stage {stage} ({config_lib.strategy_name(stage, hybrid)}), state sharded "
-      f"over {layout.shard_size} devices{_whole_text(kept_whole(run.program))}; "
+      f"  ZeRO      stage {stage} ({config_lib.strategy_name(stage, hybrid)}), "
+      f"{_sharded_text(layout)}{_whole_text(kept_whole(run.program))}; "
       f"remat {cfg.remat.policy}; offload {offload}; "
       f"compute {cfg.precision.compute}{_loss_scaling(cfg.precision)}"
       f"{' with fp8 matmuls' if cfg.precision.matmul == 'fp8' else ''}, grads "
@@ -137,6 +137,17 @@ def text(run, budget: Budget, workdir: pathlib.Path, total_steps: int) -> str:
                  + (f"; left out: {run.eval_left_out}" if run.eval_left_out else ""))
   lines.append(f"  workdir   {workdir} ({CONFIG_FILE}, metrics.jsonl, tb/, checkpoints/)")
   return "\n".join(lines)
+
+
+def _sharded_text(layout) -> str:
+  """Which of the state ZeRO shards: the optimizer's from stage 1, the gradients from 2,
+  the parameters at 3 (NO_SHARD: none)."""
+  sharded = [name for role, name in (("optimizer", "optimizer state"), ("grads", "gradients"),
+                                     ("params", "parameters")) if layout.is_sharded(role)]
+  if not sharded:
+    return "state replicated on every data-parallel device"
+  what = "state" if len(sharded) == 3 else " and ".join(sharded)
+  return f"{what} sharded over {layout.shard_size} devices"
 
 
 def host_line(budget: Budget) -> str:

@@ -18,8 +18,8 @@ def tiny_config(**zero) -> config.Config:
       model=LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=128,
                         rope_theta=10_000.0),
       zero=config.ZeroConfig(**zero),
-      mesh=config.MeshConfig(replica=2 if zero.get("strategy", "").startswith("HYBRID") else 1,
-                             fsdp=-1),
+      mesh=config.MeshConfig(replica=2 if zero.get("strategy", "").startswith("HYBRID")
+                             or zero.get("hybrid") else 1, fsdp=-1),
       train=dataclasses.replace(c.train, steps=10, global_batch=16, grad_accum=2, seq_len=32,
                                 lr=3e-3, warmup_steps=2),
       precision=config.PrecisionConfig(compute="float32"),
@@ -47,7 +47,9 @@ def single_device_losses(tmp_path_factory):
     {"stage": 3},
     pytest.param({"strategy": "HYBRID_SHARD"}, marks=pytest.mark.slow),
     pytest.param({"strategy": "HYBRID_SHARD_ZERO2"}, marks=pytest.mark.slow),
-], ids=["stage0", "stage1", "stage2", "stage3", "hybrid_shard_2x4", "hybrid_shard_zero2_2x4"])
+    pytest.param({"stage": 1, "hybrid": True}, marks=pytest.mark.slow),  # (it crashed)
+], ids=["stage0", "stage1", "stage2", "stage3", "hybrid_shard_2x4", "hybrid_shard_zero2_2x4",
+        "hybrid_zero1_2x4"])
 def test_stage_matches_single_device(zero, single_device_losses, tmp_path):
   got = losses(tiny_config(**zero), tmp_path)
   assert len(got) == 10

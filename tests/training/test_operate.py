@@ -448,3 +448,14 @@ def test_a_profile_window_is_cut_to_the_steps_the_run_trains(tmp_path):
   whole = profiling.StepProfiler((3, 5), tmp_path, first=1, last=10)
   assert (whole.window, whole.note) == ((3, 5), None)
   assert profiling.StepProfiler(None, tmp_path, first=1, last=10).note is None
+
+
+def test_the_banner_says_which_of_the_state_each_stage_shards():
+  import types
+  from jaxzero.parallel.zero import SHARDED_ROLES
+  layouts = {stage: types.SimpleNamespace(shard_size=4, is_sharded=lambda role, stage=stage:
+                                          role in SHARDED_ROLES[stage]) for stage in range(4)}
+  # pylint: disable-next=protected-access
+  assert [banner._sharded_text(layouts[s]) for s in range(4)] == [
+      "state replicated on every data-parallel device", "optimizer state sharded over 4 devices",
+      "optimizer state and gradients sharded over 4 devices", "state sharded over 4 devices"]
