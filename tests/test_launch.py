@@ -1,6 +1,7 @@
 """`python -m jaxzero.launch`: two processes train to the same losses as one, checkpoints
 move between process counts, and a dead process ends the launch instead of hanging it."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -222,20 +223,12 @@ def test_a_killed_process_ends_the_launch_within_60s(tmp_path, launch_env):
 def test_a_hangup_of_the_launcher_stops_its_processes(tmp_path, launch_env):
   """A closed terminal or a dropped ssh (SIGHUP) reaches every process as SIGTERM, a
   preemption: they save the step they are at, and none runs on without the launcher."""
-  err = tmp_path / "err.txt"
-  with open(err, "w") as err_file:
-    launcher = subprocess.Popen(
-        [sys.executable, *launch_args(tmp_path / "w", sets=["train.steps=1000"])], cwd=ROOT,
-        env=launch_env, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
-  try:
+  with launched(tmp_path, launch_env, ["train.steps=1000"]) as (launcher, err):
     pids = wait_for(lambda: re.search(r"process 0 \(pid (\d+)\), process 1 \(pid (\d+)\)",
                                       err.read_text()), launcher)
     wait_for(lambda: (tmp_path / "w" / "metrics.jsonl").exists(), launcher)  # mid-run
     os.kill(launcher.pid, signal.SIGHUP)
     code = launcher.wait(timeout=90)
-  finally:
-    if launcher.poll() is None:
-      os.killpg(launcher.pid, signal.SIGKILL)
   assert code == 128 + signal.SIGHUP, err.read_text()
   said = err.read_text()
   assert ("SIGHUP: the processes stop and save at their next logged step (train.log_every); "
@@ -279,6 +272,22 @@ def _running(pid: int) -> bool:
     return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
   except (FileNotFoundError, ProcessLookupError):
     return False
+
+
+@contextlib.contextmanager
+def launched(tmp_path, launch_env, sets):
+  """A two-process launch in a session of its own, its stderr in tmp_path/err.txt: yields
+  (the launcher, that file); whatever still runs at the end is killed."""
+  err = tmp_path / "err.txt"
+  with open(err, "w") as err_file:
+    launcher = subprocess.Popen(
+        [sys.executable, *launch_args(tmp_path / "w", sets=sets)], cwd=ROOT, env=launch_env,
+        stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
+  try:
+    yield launcher, err
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
 
 
 def wait_for(condition, launcher, timeout_s=300):
@@ -329,14 +338,8 @@ def test_after_a_ctrl_c_the_launcher_waits_for_the_save_and_a_second_kills(tmp_p
                                                                           launch_env):
   """The processes agree to stop at a logged step, however far off: waited for (it was
   cut at 60 s, unsaved and unsaid). A second Ctrl-C kills them, and says so."""
-  err = tmp_path / "err.txt"
-  with open(err, "w") as err_file:
-    launcher = subprocess.Popen(
-        [sys.executable, *launch_args(tmp_path / "w", sets=[
-            "train.steps=100000", "train.log_every=100000", "checkpoint.every=0",
-            "eval.every=0"])], cwd=ROOT,
-        env=launch_env, stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True)
-  try:
+  sets = ["train.steps=100000", "train.log_every=100000", "checkpoint.every=0", "eval.every=0"]
+  with launched(tmp_path, launch_env, sets) as (launcher, err):
     wait_for(lambda: err.read_text().count("compiled the train step") == 2, launcher)
     time.sleep(2)  # training, between logged steps
     os.kill(launcher.pid, signal.SIGINT)
@@ -344,9 +347,6 @@ def test_after_a_ctrl_c_the_launcher_waits_for_the_save_and_a_second_kills(tmp_p
     assert launcher.poll() is None  # waiting for the agreed step
     os.kill(launcher.pid, signal.SIGINT)
     code = launcher.wait(timeout=60)
-  finally:
-    if launcher.poll() is None:
-      os.killpg(launcher.pid, signal.SIGKILL)
   assert code == 128 + signal.SIGINT, err.read_text()
   assert ("interrupted by SIGINT; killed the processes (a second signal, or 600 s without "
           "stopping) before they saved") in err.read_text()
