@@ -104,7 +104,7 @@ def check_context(cfg: Config) -> None:
                       "takes no query offset here; use model.attention=auto (blockwise)")
 
 
-def _context_fits(seq: int, context: int, balanced: bool) -> bool:
+def context_fits(seq: int, context: int, balanced: bool) -> bool:
   """Whether `context` cuts `seq` into equal parts (halved again where `balanced`) that
   attention tiles whole."""
   chunks = context * (2 if balanced and context > 1 else 1)
@@ -118,7 +118,7 @@ def _valid_contexts(cfg: Config) -> str:
   """The mesh.context values up to 64 that train.seq_len and context.load_balance allow."""
   seq = cfg.train.seq_len
   return ", ".join(str(d) for d in range(1, min(seq, 64) + 1)
-                   if _context_fits(seq, d, cfg.context.load_balance))
+                   if context_fits(seq, d, cfg.context.load_balance))
 
 
 def check_tensor(tensor: int, model) -> None:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxzero.config.mesh_checks import ATTENTION_TILE, CONTEXT_TILE
+from jaxzero.config.mesh_checks import ATTENTION_TILE, CONTEXT_TILE, context_fits
 from jaxzero.errors import ConfigError
 from jaxzero.parallel.mesh import CONTEXT
 
@@ -39,13 +39,12 @@ def check_sequence(T: int, C: int, balanced: bool) -> None:
   ATTENTION_TILE positions, or a multiple of CONTEXT_TILE (else its tiles would be as
   small as the piece's largest divisor). jaxzero.train's config checks train.seq_len
   likewise; here a model of one's own's sequences are checked as they are traced."""
-  chunks = C * (2 if balanced else 1)
-  if C == 1 or (T % chunks == 0 and (T // chunks <= ATTENTION_TILE
-                                     or T // chunks % CONTEXT_TILE == 0)):
+  if context_fits(T, C, balanced):
     return
+  chunks = C * (2 if balanced else 1)
   first = -(-T // chunks) * chunks
   fits = [t for t in range(first, first + chunks * CONTEXT_TILE + 1, chunks)
-          if t // chunks <= ATTENTION_TILE or t // chunks % CONTEXT_TILE == 0][:1]
+          if context_fits(t, C, balanced)][:1]
   raise ConfigError(
       f"a sequence of {T} positions over context={C}: attention cuts it into {chunks} equal "
       f"pieces{' (2 a device: load-balanced)' if balanced else ''} of at most "
