@@ -26,6 +26,7 @@ import hashlib
 import json
 import pathlib
 
+from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -131,9 +132,8 @@ def _read_template(path: pathlib.Path, tokenizer_dir: pathlib.Path | None) -> Ch
     if folder is not None and (folder / "tokenizer_config.json").is_file():
       config = _read_json(folder / "tokenizer_config.json")
       break
-  token = lambda key: (config.get(key) or {}).get("content", "") if isinstance(
-      config.get(key), dict) else config.get(key) or ""
-  template = ChatTemplate(str(path.resolve()), text, token("bos_token"), token("eos_token"))
+  template = ChatTemplate(str(path.resolve()), text, tokens_lib.named_token(config, "bos_token"),
+                          tokens_lib.named_token(config, "eos_token"))
   _compile(text)  # a syntax error is one line now, not a skip per record
   for key in ("bos_token", "eos_token"):
     if key in text and not getattr(template, key):

@@ -294,15 +294,21 @@ def load_tokenizer(name: str, eos_token: str = "", fine_tuning: str = "") -> Tex
                        max(vocab.values()) + 1, separator, encode, encode_spans)
 
 
+def named_token(tokenizer_config: dict, key: str) -> str:
+  """The token a tokenizer_config.json names under `key` (eos_token, ...: a string, or an
+  added token's {"content": ...}); "" where none."""
+  token = tokenizer_config.get(key) if isinstance(tokenizer_config, dict) else None
+  token = token.get("content") if isinstance(token, dict) else token
+  return token if isinstance(token, str) else ""
+
+
 def _configured_eos(path: pathlib.Path) -> str:
   """The eos_token the tokenizer_config.json beside `path` names ("" where none)."""
   try:
     named = json.loads((path.parent / "tokenizer_config.json").read_text(encoding="utf-8"))
   except (OSError, ValueError):
     return ""
-  eos = named.get("eos_token") if isinstance(named, dict) else None
-  eos = eos.get("content") if isinstance(eos, dict) else eos
-  return eos if isinstance(eos, str) else ""
+  return named_token(named, "eos_token")
 
 
 def _byte_spans(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -184,9 +184,8 @@ def _tokenizer_ids(data: dict) -> dict[str, Any]:
   named = _read_json(source.parent / "tokenizer_config.json") or {}
   ids = {}
   for field in _ID_FIELDS:
-    token = named.get(field[:-len("_id")])
-    token = token.get("content") if isinstance(token, dict) else token
-    token_id = vocab.token_to_id(token) if isinstance(token, str) else None
+    token = tokens_lib.named_token(named, field[:-len("_id")])
+    token_id = vocab.token_to_id(token) if token else None
     if token_id is not None:
       ids[field] = token_id
   if ids.get("eos_token_id", separator) != separator:
