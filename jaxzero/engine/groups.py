@@ -6,8 +6,10 @@ embedding's two gradients once, where XLA would reduce them apart). Under hybrid
 sharding each ``replica`` group reduce-scatters within ``fsdp`` every micro-step, and
 only the shards cross ``replica``, once. A vmap over a leading group axis, which
 ``spmd_axis_name`` places one row per group, does both; with no such axes every
-method is the identity. Each group's loss and gradient weigh by its share of the batch's
-targets (Model.batch_weight), so the step is the whole batch's, as on one device.
+method is the identity. Each group differentiates its loss times its share of the batch's
+targets (Model.batch_weight; 1/groups without one), so that its gradient is its rows' part
+of the whole batch's, as one device forms it, and the reduce is a plain sum: a float16
+gradient then overflows where one device's would, not at groups x its size.
 """
 
 from __future__ import annotations
@@ -83,14 +85,13 @@ class Groups:
                 batch_weight: Callable | None = None) -> Callable:
     """`micro` (params, batch, layers_sum, scale) -> (loss, grads, layers_sum) run once
     per group on its rows, each group's sums a row of the stacked ones. Each group's loss
-    is the mean over its own targets; weighed by its share of the batch's targets
-    (`batch_weight`, Model.batch_weight: a loss mask gives groups unequal counts), its
-    loss and, through the scale it is differentiated with, its gradient add up to the
-    whole batch's, as on one device. Without `batch_weight` the groups weigh alike."""
+    is the mean over its own targets; it is differentiated times its share of the batch's
+    targets (`batch_weight`, Model.batch_weight: a loss mask gives groups unequal counts;
+    without it the groups weigh alike), and times the loss scale, so the groups' losses
+    and gradients sum to the whole batch's, as on one device."""
     if not self.axes:
       return micro
-    weighed = batch_weight is not None
-    grouped = jax.vmap(micro, in_axes=(None, 0, 0 if per_layer else None, 0 if weighed else None),
+    grouped = jax.vmap(micro, in_axes=(None, 0, 0 if per_layer else None, 0),
                        spmd_axis_name=self.axes)
     rows = tuple(a for a in AXES if a not in self.axes) or None
 
@@ -98,23 +99,21 @@ class Groups:
       split = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
           x.reshape(self.count, -1, *x.shape[1:]),
           self.sharding(P(rows, *[None] * (x.ndim - 1)))), batch)
-      if not weighed:
-        losses, grads, layers_sum = grouped(params, split, layers_sum, scale)
-        return losses.mean(), grads, layers_sum
-      counts = jax.vmap(batch_weight)(split)
-      total = counts.sum()
-      # (Groups' shares, times their number: the reduce takes the groups' mean.)
-      share = jnp.where(total > 0, counts * self.count / jnp.where(total > 0, total, 1.0), 1.0)
+      share = jnp.full((self.count,), 1.0 / self.count, jnp.float32)
+      if batch_weight is not None:
+        counts = jax.vmap(batch_weight)(split)
+        total = counts.sum()
+        share = jnp.where(total > 0, counts / jnp.where(total > 0, total, 1.0), share)
       losses, grads, layers_sum = grouped(params, split, layers_sum,
                                           share if scale is None else scale * share)
-      return (losses * share).mean(), grads, layers_sum
+      return (losses * share).sum(), grads, layers_sum
     return run
 
   def reduce(self, grad_sum: Any, shardings: Any, reduce_dtype) -> Any:
-    """The one reduce across groups (stage 1: into shards), in `reduce_dtype`, to the
-    mean over groups in float32."""
+    """The one reduce across groups (stage 1: into shards), in `reduce_dtype`: the sum
+    of the groups' parts, in float32."""
     if not self.axes:
       return grad_sum
     return jax.tree.map(
         lambda g, sh: jax.lax.with_sharding_constraint(g.astype(reduce_dtype).sum(axis=0), sh)
-        .astype(jax.numpy.float32) / self.count, grad_sum, shardings)
+        .astype(jnp.float32), grad_sum, shardings)

@@ -1,7 +1,7 @@
 """float16 training with DeepSpeed's dynamic loss scaling, on 8 devices.
 
 A small shape of the tiny preset trains 40 steps in float16 at stage 3 to within 2%
-of the float32 run's loss (stage 2, hybrid and tensor layouts equal one device over 8
+of the float32 run's loss (every stage, hybrid and tensor layouts equal one device over 8
 steps); a huge initial scale overflows, is skipped and
 settles; the scaler is checkpointed and restored exactly; the optimizer on
 the host and the NVMe tier train as in memory.
@@ -117,8 +117,11 @@ def test_offloaded_optimizer_trains_as_in_memory(offload, tmp_path):
 
 
 # Each against one device. The loss is scaled once, on the whole batch's mean, so the
-# float16 gradients are the whole batch's wherever the partitioned program reduces them.
-LAYOUTS = {"stage2": ["zero.stage=2"], "stage3": [],
+# float16 gradients are the whole batch's wherever the partitioned program reduces them:
+# at stages 0-1 and across hybrid replicas too, where each part is its rows' share of
+# the whole (not its own mean, which summed would overflow at groups x the size).
+LAYOUTS = {"stage0": ["zero.stage=0"], "stage1": ["zero.stage=1"], "stage2": ["zero.stage=2"],
+           "stage3": [],
            "hybrid_2x4": ["zero.strategy=HYBRID_SHARD", "mesh.replica=2", "mesh.fsdp=4"],
            "tensor2": ["mesh.fsdp=4", "mesh.tensor=2"],
            "pipeline2_1f1b": ["mesh.fsdp=4", "mesh.pipeline=2", "pipeline.schedule=1f1b"]}
@@ -138,22 +141,18 @@ def test_every_layout_scales_and_trains_as_one_device(layout, one_device_fp16, t
   history = train(small(*MOVING, *LAYOUTS[layout]), tmp_path, steps=8).history
   one = one_device_fp16
   assert [r["loss_scale"] for r in history] == [r["loss_scale"] for r in one]
-  assert [r["skipped_steps"] for r in history] == [r["skipped_steps"] for r in one]
+  skipped, one_skipped = ([r["skipped_steps"] for r in h] for h in (history, one))
+  if layout in ("stage0", "stage1", "hybrid_2x4"):
+    # One device sums the batch's float16 weight gradients in float16; groups add their
+    # parts in zero.reduce_dtype (float32 here), which holds a sum that overflows float16:
+    # at the edge they may take a step one device skips (step 8 here), never skip one it
+    # takes (each group's own mean, summed, did: steps 4-8 at stages 0-1).
+    assert all(s <= o for s, o in zip(skipped, one_skipped)), (skipped, one_skipped)
+  else:
+    assert skipped == one_skipped
   assert one[-1]["skipped_steps"] >= 1 and len({r["loss_scale"] for r in one}) > 2
   # float16 sums reduced in another order: ~6e-6 seen, where float32 agrees to 1e-7.
   np.testing.assert_allclose([r["loss"] for r in history], [r["loss"] for r in one], rtol=1e-4)
-
-
-@pytest.mark.parametrize("stage", [0, 1])
-def test_stages_0_and_1_scale_each_devices_own_gradient(stage, tmp_path):
-  # Each device's float16 gradient stays apart until the step's one reduce (as
-  # DeepSpeed keeps each rank's), so one device's share may overflow where the
-  # whole batch's would not: the scale may move otherwise than on one device.
-  history = train(small(*MOVING, f"zero.stage={stage}"), tmp_path, steps=8).history
-  losses = [r["loss"] for r in history]
-  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
-  skipped = [r["skipped_steps"] for r in history]
-  assert skipped == sorted(skipped) and all(r["nonfinite"] == 0 for r in history)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
