@@ -127,3 +127,18 @@ def inputs_held(stages: int, micro: int, schedule: str = "gpipe") -> int:
   interleaved, whose backward recomputes each tick's chunk from its input); for 1F1B at
   most S (stage 0's; stage s holds S - s)."""
   return min(micro, stages) if schedule == "1f1b" else micro
+
+
+def kept_for_backward(stages: int, micro: int, schedule: str = "gpipe",
+                      virtual: int = 1) -> tuple[float, int]:
+  """What a stage keeps for its backward at the peak: (sets of its layers' residuals, each
+  one micro-batch's; stage inputs, each one micro-batch's, beyond those residuals).
+  GPipe: every tick's residuals, M + S - 1 (autodiff keeps the bubble's ticks too);
+  interleaved: every tick's chunk input, V M + S - 1, and one chunk's residuals (1/V of
+  the stage's) recomputed from it in the backward; 1F1B: one micro-batch's residuals
+  and the inputs of at most S."""
+  if schedule == "1f1b":
+    return 1.0, inputs_held(stages, micro, schedule)
+  if virtual > 1:
+    return 1.0 / virtual, virtual * micro + stages - 1
+  return float(micro + stages - 1), 0

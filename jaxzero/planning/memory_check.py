@@ -111,12 +111,12 @@ def activation_bytes(cfg, micro_batch: int, shard_size: int, params_sharded: boo
   and under stage 3 one layer's gathered weights twice (the gather of the next layer
   overlaps the current). The mesh divides it: mesh.context splits each row's tokens
   (attention gathers the whole row's keys and values), mesh.tensor the heads, the MLP
-  and the vocabulary, mesh.pipeline the layers. GPipe and interleaved stages hold every
-  micro-batch and take the loss of the merged batch; 1F1B holds the stage inputs of at
-  most one micro-batch per stage, and one micro-batch's residuals.
+  and the vocabulary, mesh.pipeline the layers, with what a stage keeps for its backward
+  (jaxzero.parallel.pipeline.kept_for_backward); GPipe and interleaved take the loss of
+  the merged batch.
   """
   from jaxzero.models.llama import count_params  # pylint: disable=import-outside-toplevel
-  from jaxzero.parallel.pipeline import inputs_held  # pylint: disable=import-outside-toplevel
+  from jaxzero.parallel.pipeline import kept_for_backward  # pylint: disable=import-outside-toplevel
   m, t, mesh = cfg.model, cfg.train, cfg.mesh
   c = 4 if cfg.precision.compute == "float32" else 2
   row = t.seq_len // mesh.context  # this device's tokens of a row
@@ -134,11 +134,9 @@ def activation_bytes(cfg, micro_batch: int, shard_size: int, params_sharded: boo
   layers = m.n_layers // mesh.pipeline
   saved = layers * tokens * saved_per_token * c
   if mesh.pipeline > 1:
-    held = inputs_held(mesh.pipeline, t.grad_accum, cfg.pipeline.schedule)
-    # 1F1B keeps the stage inputs of the micro-batches in flight and one micro-batch's
-    # residuals; GPipe and interleaved keep every micro-batch's residuals.
-    saved = (saved + held * tokens * layer_input * c if cfg.pipeline.schedule == "1f1b"
-             else held * saved)
+    residual_sets, inputs = kept_for_backward(mesh.pipeline, t.grad_accum,
+                                              cfg.pipeline.schedule, cfg.pipeline.virtual_stages)
+    saved = residual_sets * saved + inputs * tokens * layer_input * c
   working = tokens * (4 * m.dim + 3 * mlp) * 4
   working += micro_batch * heads * row * min(t.seq_len, 512) * 4
   if mesh.context > 1:  # a layer's gathered keys and values, and their gradients

@@ -54,16 +54,17 @@ def run_bytes(cfg, local_devices: int) -> int:
 def offloaded_matmul_bytes(cfg, rows: int) -> int:
   """Per device: the matmul outputs remat.policy=offload_matmuls keeps in pinned_host
   during a step, for micro-batches of `rows` rows: each of the device's layers' (over the
-  mesh's split of tokens, layers and heads), for every micro-batch its pipeline stage
-  holds at once (GPipe and interleaved: all of them; jaxzero.parallel.pipeline)."""
-  from jaxzero.parallel.pipeline import inputs_held  # pylint: disable=import-outside-toplevel
+  mesh's split of tokens, layers and heads), as many sets as its pipeline stage keeps
+  for its backward (GPipe: every tick's; interleaved: one chunk's;
+  jaxzero.parallel.pipeline.kept_for_backward)."""
+  from jaxzero.parallel.pipeline import kept_for_backward  # pylint: disable=import-outside-toplevel
   m, t, mesh = cfg.model, cfg.train, cfg.mesh
   compute = 4 if cfg.precision.compute == "float32" else 2
   kv = 2 * m.n_kv_heads * (m.dim // m.n_heads)
-  held = inputs_held(mesh.pipeline, t.grad_accum, cfg.pipeline.schedule) \
-      if mesh.pipeline > 1 else 1
-  return (rows * t.seq_len // mesh.context * (m.n_layers // mesh.pipeline) * held
-          * (3 * m.dim + kv + 2 * m.mlp_dim) // mesh.tensor * compute)
+  held = kept_for_backward(mesh.pipeline, t.grad_accum, cfg.pipeline.schedule,
+                           cfg.pipeline.virtual_stages)[0] if mesh.pipeline > 1 else 1
+  return int(rows * t.seq_len // mesh.context * (m.n_layers // mesh.pipeline) * held
+             * (3 * m.dim + kv + 2 * m.mlp_dim) // mesh.tensor * compute)
 
 
 def size_for_run(cfg, local_devices: int, environ=os.environ) -> int | None:

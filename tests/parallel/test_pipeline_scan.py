@@ -49,6 +49,12 @@ def test_the_bubble():
   assert pipeline.bubble_fraction(4, 8, "1f1b") == pytest.approx(3 / 11)
   assert pipeline.bubble_fraction(4, 8, "interleaved", virtual=2) == pytest.approx(3 / 19)
   assert (pipeline.inputs_held(4, 8), pipeline.inputs_held(4, 8, "1f1b")) == (8, 4)
+  # Kept for the backward (residual sets, extra stage inputs): GPipe every tick's
+  # residuals, the bubble's too; interleaved each tick's chunk input and one chunk's
+  # residuals (it was counted as GPipe's, 2.9x over XLA's); 1F1B S inputs.
+  assert pipeline.kept_for_backward(4, 8) == (11, 0)
+  assert pipeline.kept_for_backward(4, 8, "interleaved", virtual=2) == (0.5, 19)
+  assert pipeline.kept_for_backward(4, 8, "1f1b") == (1, 4)
   np.testing.assert_equal(pipeline.bubble_fraction(1, 8), 0.0)
 
 

@@ -93,9 +93,10 @@ def test_host_ram_is_the_cgroups_limit_where_smaller(tmp_path, files, expected_g
 
 
 def test_offloaded_matmuls_are_held_for_every_micro_batch_a_pipeline_stage_holds():
-  """remat.policy=offload_matmuls under GPipe keeps every micro-batch's matmul outputs
-  until its backward: the pool's share does not shrink as grad_accum cuts the rows, and a
-  stage holds its own layers' only. Context and tensor split them too."""
+  """remat.policy=offload_matmuls under GPipe keeps every tick's matmul outputs until its
+  backward (M + S - 1 ticks, the bubble's too): the pool's share does not shrink as
+  grad_accum cuts the rows, and a stage holds its own layers' only. Interleaved recomputes
+  each chunk from its input: one chunk's. Context and tensor split them too."""
   tiny = lambda *sets: config.load(str(ROOT / "configs/tiny_zero3.py"), [
       "remat.policy=offload_matmuls", "train.global_batch=32", "precision.compute=bfloat16",
       *sets])
@@ -105,7 +106,11 @@ def test_offloaded_matmuls_are_held_for_every_micro_batch_a_pipeline_stage_holds
   for accum in (4, 8):
     gpipe = tiny("mesh.pipeline=2", f"train.grad_accum={accum}")
     assert pinned_pool.offloaded_matmul_bytes(gpipe, 32 // accum) == \
-        tokens * m.n_layers // 2 * per_token
+        tokens // accum * (accum + 1) * m.n_layers // 2 * per_token
+  interleaved = tiny("mesh.pipeline=2", "train.grad_accum=4", "pipeline.schedule=interleaved",
+                     "pipeline.virtual_stages=2")
+  assert pinned_pool.offloaded_matmul_bytes(interleaved, 8) == \
+      tokens // 4 * m.n_layers // 2 // 2 * per_token
   one = tiny("train.grad_accum=4")
   assert pinned_pool.offloaded_matmul_bytes(one, 8) == tokens // 4 * m.n_layers * per_token
   split = tiny("train.grad_accum=4", "mesh.context=2", "mesh.tensor=2")
