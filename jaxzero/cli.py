@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import shlex
+import signal
 import sys
 from typing import Any
 
@@ -97,13 +98,22 @@ def load_config(args) -> Loaded:
   else:
     cfg = config_lib.apply_overrides(preset, args.set)
     config_lib.validate(cfg)
+  # --set zero.stage or zero.hybrid spells out the strategy named before it (the config
+  # file's, the DeepSpeed or Accelerate file's, or an earlier --set's: apply_overrides);
+  # what the strategy decided is then its origin's.
   replaced = [k for k in ("zero.stage", "zero.hybrid") if k in sets]
-  if file is not None and named and not cfg.zero.strategy and replaced:
-    # --set zero.stage or zero.hybrid spells the file's strategy out (apply_overrides).
+  named_by_set = [a.partition("=")[2].strip() for a, key in zip(args.set, sets)
+                  if key == "zero.strategy"]
+  if named_by_set:
+    named, was = named_by_set[-1], "--set"
+  elif file is None:
+    named, was = preset.zero.strategy, args.config
+  else:
     was = origins.get("zero.strategy", "base")
-    origins.update({"zero.stage": was, "zero.hybrid": was,
-                    "zero.strategy": f"--set {replaced[0]} replaces {named} ({was})"})
   origins.update({key: "--set" for key in sets})
+  if named and not cfg.zero.strategy and replaced:
+    origins.update({key: was for key in ("zero.stage", "zero.hybrid") if key not in sets})
+    origins["zero.strategy"] = f"--set {replaced[0]} replaces {named} ({was})"
   mesh_lib.use_cpu_devices_for(cfg.mesh)  # -1 means what it means to jaxzero.plan
   return Loaded(cfg, origins, file, sets)
 
@@ -122,6 +132,12 @@ def run_main(prog: str, body) -> int:
   logging.getLogger("absl").setLevel(logging.WARNING)
   try:
     return body() or 0
+  except BrokenPipeError:
+    # The reader of stdout left (`--print-config | head`): what it read is the output.
+    # Stdout goes to devnull so that the exit's flush does not fail again; the status
+    # is a shell's for a process that SIGPIPE ended.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + int(signal.SIGPIPE)
   except USER_ERRORS as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     if distributed.joined():

@@ -2,8 +2,8 @@
 device (jaxzero.planning.memory_check) beside what the run then used.
 
 On a GPU the measure is the device's own: bytes in use once the state exists,
-and ``memory_stats()``'s peak after step 1. On a CPU it is the process's resident
-memory: its growth from before the state was created, over this process's
+and ``memory_stats()``'s peak after the run's first step. On a CPU it is the process's
+resident memory: its growth from before the state was created, over this process's
 devices, with the step's peak taken from the process's peak RSS (which also
 holds XLA's compilation), and labelled so.
 """
@@ -40,8 +40,9 @@ class FirstStepMemory:
   def state_created(self) -> None:
     self._state = _device_in_use(self._local) if self._device else _rss() - self._before
 
-  def measure(self, state) -> tuple[str, dict]:
-    """After step 1: (the line to print, the figures for step 1's metrics record)."""
+  def measure(self, state, step: int = 1) -> tuple[str, dict]:
+    """After the run's first step, `step` (a resumed run's is past 1): (the line to print,
+    the figures for that step's metrics record)."""
     jax.block_until_ready(state)
     b = self.budget
     predicted_state = b.state - b.disk - (0 if b.platform == "cpu" else b.host)
@@ -60,11 +61,13 @@ class FirstStepMemory:
               "memory_ratio": peak / max(b.needed, 1), "memory_measured_as": how}
     if not b.activations_estimated:  # the ratio of what was predicted: the model state
       fields["memory_ratio"] = state_bytes / max(predicted_state, 1)
-      line = (f"memory after step 1, per device: predicted state {format_bytes(predicted_state)} "
+      line = (f"memory after step {step}, per device: predicted state "
+              f"{format_bytes(predicted_state)} "
               f"(activations not estimated); measured ({how}) state {format_bytes(state_bytes)},"
               f" peak {format_bytes(peak)}: the state {fields['memory_ratio']:.2f}x predicted")
       return line, fields
-    line = (f"memory after step 1, per device: predicted state {format_bytes(predicted_state)} + "
+    line = (f"memory after step {step}, per device: predicted state "
+            f"{format_bytes(predicted_state)} + "
             f"{b.activations_text} = {format_bytes(b.needed)}; measured "
             f"({how}) state {format_bytes(state_bytes)}, peak {format_bytes(peak)}: "
             f"{fields['memory_ratio']:.2f}x predicted")

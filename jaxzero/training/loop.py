@@ -378,7 +378,7 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
       done = step + 1
       _say(profiler.after(done, state))
       if memory is not None and step == start:
-        line, fields = memory.measure(state)
+        line, fields = memory.measure(state, done)
         metrics.annotate(done, fields)
         _say(line)
       evaluate = evaluator is not None and (done % cfg.eval.every == 0 or done == total)

@@ -175,6 +175,43 @@ def test_print_config_prints_the_resolved_config_and_exits(capsys):
           "zero.min_shard_size=100000  # base"} <= set(lines)
 
 
+def test_print_config_names_who_named_a_strategy_that_a_stage_replaces(capsys, tmp_path):
+  """zero.strategy decides zero.hybrid; a later --set zero.stage spells the strategy out,
+  and the hybrid flag is the strategy's origin's (an earlier --set's, the config file's),
+  not the base's."""
+  assert train_cli.main(["--config", TINY, "--set", "zero.strategy=HYBRID_SHARD", "--set",
+                         "zero.stage=1", "--print-config"]) == 0
+  lines = set(capsys.readouterr().out.splitlines())
+  assert {"zero.stage=1  # --set", "zero.hybrid=True  # --set",
+          "zero.strategy=  # --set zero.stage replaces HYBRID_SHARD (--set)"} <= lines, lines
+  preset = tmp_path / "hybrid.py"
+  preset.write_text("import dataclasses\nfrom jaxzero import config\n\ndef get_config():\n"
+                    f"  c = config.read({TINY!r})\n  return dataclasses.replace(c, zero="
+                    "dataclasses.replace(c.zero, strategy='HYBRID_SHARD'))\n")
+  assert train_cli.main(["--config", str(preset), "--set", "zero.stage=1",
+                         "--print-config"]) == 0
+  lines = set(capsys.readouterr().out.splitlines())
+  assert {"zero.stage=1  # --set", f"zero.hybrid=True  # {preset}",
+          f"zero.strategy=  # --set zero.stage replaces HYBRID_SHARD ({preset})"} <= lines
+
+
+def test_print_config_into_a_closed_pipe_is_no_traceback(capsys, monkeypatch):
+  """`--print-config | head -2`: the reader leaves; the exit is SIGPIPE's status, quiet."""
+  import os  # pylint: disable=import-outside-toplevel
+
+  class ClosedPipe(io.StringIO):
+    def write(self, text):
+      raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self):
+      return 1
+  monkeypatch.setattr(sys, "stdout", ClosedPipe())
+  redirected = []
+  monkeypatch.setattr(os, "dup2", lambda fd, to: redirected.append(to))
+  assert train_cli.main(["--config", TINY, "--print-config"]) == 141
+  assert redirected == [1]  # stdout, to devnull: the exit's flush does not fail again
+
+
 def test_print_config_quotes_a_value_the_shell_would_split(capsys, tmp_path):
   source = tmp_path / "my corpus.txt"
   source.write_text("some text " * 100)
@@ -322,9 +359,11 @@ def test_resume_step_goes_back_to_an_earlier_checkpoint(run, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_saving_step_does_not_slow_the_next_step_s_figures(run, tmp_path, monkeypatch):
+def test_a_saving_step_does_not_slow_the_next_step_s_figures(run, tmp_path, monkeypatch,
+                                                             capsys):
   """The blocking part of an asynchronous save (here 5 s) is no step's time: the step after
-  a save shows the step's own speed in tokens/s and MFU."""
+  a save shows the step's own speed in tokens/s and MFU. (The memory line names the
+  resumed run's first step.)"""
   from jaxzero.checkpoint import checkpointer
   real_save = checkpointer.Checkpointer.save
 
@@ -339,6 +378,8 @@ def test_a_saving_step_does_not_slow_the_next_step_s_figures(run, tmp_path, monk
   records = {r["step"]: r for r in map(json.loads, (workdir / "metrics.jsonl").open())}
   assert sorted(records) == [1, 2, 3, 4, 5, 6]
   assert records[5]["step_time_s"] < 2.5, records[5]
+  assert "memory_ratio" in records[3]
+  assert "memory after step 3, per device:" in capsys.readouterr().out
 
 
 def test_a_resume_step_with_no_checkpoint_is_refused_before_the_build(run, tmp_path,
