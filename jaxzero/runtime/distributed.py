@@ -144,10 +144,10 @@ def resolve(dist: DistributedConfig, environ) -> Peers | None:
 
 
 def detect_cluster(environ) -> Peers | None:
-  """An Open MPI job, a SLURM step or a Kubernetes indexed Job, as JAX will detect it (in
-  JAX's order: mpirun inside an srun step is the Open MPI job). A launcher JAX does not
-  detect (Open MPI 5, torchrun, MPICH, Intel MPI, MVAPICH2) is refused rather than run as
-  separate single processes."""
+  """An Open MPI job, a SLURM step or a Kubernetes indexed Job (a JobSet of one Job), as
+  JAX will detect it (in JAX's order: mpirun inside an srun step is the Open MPI job). A
+  launcher JAX does not detect (Open MPI 5, torchrun, MPICH, Intel MPI, MVAPICH2), or a
+  JobSet of several Jobs, is refused rather than run as separate groups of processes."""
   if "OMPI_MCA_orte_hnp_uri" in environ:
     return Peers(None, _cluster_int(environ, "OMPI_COMM_WORLD_SIZE", 1),
                  _cluster_int(environ, "OMPI_COMM_WORLD_RANK", 0), "Open MPI")
@@ -155,6 +155,16 @@ def detect_cluster(environ) -> Peers | None:
     return Peers(None, _cluster_int(environ, "SLURM_NTASKS", 1),
                  _cluster_int(environ, "SLURM_PROCID", 0), "SLURM")
   if "KUBERNETES_SERVICE_HOST" in environ and "JOB_COMPLETION_INDEX" in environ:
+    jobs = _cluster_int(environ, "GLOBAL_REPLICAS", 1) if environ.get(
+        "GLOBAL_REPLICAS", "").strip() else 1
+    if jobs > 1:
+      # JAX's bootstrap joins the pods of this pod's Job only (its parallelism, its pod
+      # 0): each of a JobSet's Jobs would train alone, into the same workdir.
+      raise ConfigError(
+          f"GLOBAL_REPLICAS={jobs}: a JobSet of {jobs} Jobs, whose pods JAX joins Job by "
+          f"Job; set in each pod {ENV_COORDINATOR} (Job 0's pod 0, host:port), "
+          f"{ENV_NUM_PROCESSES} ({jobs} x the pods of a Job) and {ENV_PROCESS_ID} "
+          "(JOB_GLOBAL_INDEX x the pods of a Job + JOB_COMPLETION_INDEX)")
     # The process count is the Job's parallelism, which only JAX asks the API for.
     return Peers(None, None, _cluster_int(environ, "JOB_COMPLETION_INDEX", 0), "Kubernetes")
   for launcher, size in (("an Open MPI 5 job (mpirun without OMPI_MCA_orte_hnp_uri)",

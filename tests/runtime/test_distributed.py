@@ -69,6 +69,19 @@ def test_a_kubernetes_job_needs_jax_k8s_unless_it_is_one_pod(monkeypatch):
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: object() if name == "kubernetes" else found(name, *a))
   assert resolve(DistributedConfig(), k8s) == Peers(None, None, 3, "Kubernetes")
+  # A JobSet of one Job is that Job; of several, JAX would join each Job's pods apart.
+  assert resolve(DistributedConfig(), {**k8s, "GLOBAL_REPLICAS": "1"}) == \
+      Peers(None, None, 3, "Kubernetes")
+  with pytest.raises(ConfigError, match=re.escape(
+      "GLOBAL_REPLICAS=4: a JobSet of 4 Jobs, whose pods JAX joins Job by Job; set in each "
+      "pod JAXZERO_COORDINATOR (Job 0's pod 0, host:port), JAXZERO_NUM_PROCESSES (4 x the "
+      "pods of a Job) and JAXZERO_PROCESS_ID (JOB_GLOBAL_INDEX x the pods of a Job + "
+      "JOB_COMPLETION_INDEX)")):
+    resolve(DistributedConfig(), {**k8s, "GLOBAL_REPLICAS": "4", "JOB_GLOBAL_INDEX": "2"})
+  explicit = {"JAXZERO_COORDINATOR": "job-0-0.js:1234", "JAXZERO_NUM_PROCESSES": "8",
+              "JAXZERO_PROCESS_ID": "5"}
+  assert resolve(DistributedConfig(), {**k8s, "GLOBAL_REPLICAS": "4", **explicit}) == \
+      Peers("job-0-0.js:1234", 8, 5, EXPLICIT)
 
 
 @pytest.mark.parametrize("cfg, environ, message", [
