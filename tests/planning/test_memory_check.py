@@ -88,7 +88,7 @@ def test_what_would_fit_combines_the_fixes_and_counts_a_pipeline_s_devices():
                                platform="gpu", host_ram=None)
   assert memory_check.suggest(runner.program, budget).startswith(
       "ZeRO-3 with remat.policy=full and micro-batch 1 would fit on 32 such devices, each "
-      "weight split 16 ways (~11.")
+      "weight split 16 ways (~12.8")  # (GPipe: 3 ticks of residuals a stage, the bubble's too)
   # A run at all three already, which the rough estimate says would fit: not offered itself.
   at_all = loop.prepare(dataclasses.replace(cfg, remat=dataclasses.replace(
       cfg.remat, policy="full")), devices, check=False)  # (micro-batch 1 already)
