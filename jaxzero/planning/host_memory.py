@@ -58,9 +58,10 @@ def runner_share(state: dict, devices: int) -> int:
 
 def pinned_bytes(program, state: dict, local_devices: int, estimate_activations: bool) -> int:
   """What this process places in XLA's pinned pool: each of its devices' weights in
-  pinned_host (exact, from the shardings) with a micro-step's gradient of the trained ones
-  on its way back (a frozen LoRA base has none), and the matmul outputs
-  remat.policy=offload_matmuls keeps there (pinned_pool.offloaded_matmul_bytes)."""
+  pinned_host (exact, from the shardings; under DPU twice, its copy too) with a
+  micro-step's gradient of the trained ones on its way back (a frozen LoRA base has none),
+  and the matmul outputs remat.policy=offload_matmuls keeps there
+  (pinned_pool.offloaded_matmul_bytes)."""
   cfg = program.cfg
   weights = state.get("pinned_pool", state["host"])  # per device
   trained = weights - state.get("host_frozen", 0)
@@ -71,7 +72,8 @@ def pinned_bytes(program, state: dict, local_devices: int, estimate_activations:
   if estimate_activations and cfg.remat.policy == "offload_matmuls":
     rows = mesh_lib.micro_batch(cfg.train, program.layout.data_parallel_size)
     activations = pinned_pool.offloaded_matmul_bytes(cfg, rows)
-  return (weights + gradient + activations) * local_devices
+  copy = state.get("delayed_copy", 0) if cfg.offload.params == "pinned_host" else 0
+  return (weights + copy + gradient + activations) * local_devices
 
 
 def save_copy_bytes(runner, devices) -> int:

@@ -64,6 +64,7 @@ class Budget:
   save_copy: int = 0  # of host_process, a checkpoint save's copy of the device state
   # False for a user's model (model_factory): its activations are not estimated (0 above).
   activations_estimated: bool = True
+  delayed_copy: int = 0  # DPU's copy of the weights on the device (offload.delayed_update)
 
   @property
   def activations_text(self) -> str:
@@ -94,7 +95,7 @@ class Budget:
   @property
   def needed(self) -> int:
     """What must fit in `available`: on a CPU host memory is device memory."""
-    on_device = self.state + self.activations - self.disk
+    on_device = self.state + self.delayed_copy + self.activations - self.disk
     return on_device if self.platform == "cpu" else on_device - self.host
 
   @property
@@ -227,7 +228,9 @@ def budget(runner, devices, estimate_activations: bool | None = None,
                 host_ram=None if on_a_cpu else host_memory_bytes(),
                 local_devices=local, pinned_process=host.pinned, save_copy=host.save_copy,
                 pinned_limit=None if not host.pinned else pinned_pool.limit_bytes(),
-                activations_estimated=estimate_activations)
+                activations_estimated=estimate_activations,
+                delayed_copy=state.get("delayed_copy", 0) if cfg.offload.params == "device"
+                else 0)
 
 
 # ----------------------------------------------------------------------------

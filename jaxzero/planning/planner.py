@@ -95,7 +95,8 @@ class Row:
   host_bytes: int  # state leaves placed in pinned_host
   nvme_bytes: int  # state leaves in the NVMe tier's files (the runner's plan)
   transfer_bytes: int  # host <-> device bytes per step, both ways (the runner's plan)
-  total_bytes: int  # XLA's figure for what the device holds during the step
+  total_bytes: int  # XLA's figure for what the device holds during the step, with what the
+  # runner holds beside the program (beside_program: Twin-Flow's optimizer layers, DPU's copy)
   theory_state_bytes: int  # the ZeRO formula for params + grads + optimizer
   theory_formula: str
   fits: bool  # the device's share of total_bytes (device_bytes) <= the HBM budget
@@ -181,11 +182,24 @@ def xla_host_bytes(stats) -> int:
           - stats.host_alias_size_in_bytes + stats.host_temp_size_in_bytes)
 
 
-def device_bytes(stats, cfg: Config, state: dict, micro: int) -> int:
+def beside_program(runner: Runner, state: dict) -> int:
+  """Device bytes a runner holds through the step outside its compiled program (`state`:
+  its plan()): a runner whose program is the gradient step updates outside it, and keeps
+  on the device the optimizer state it does not offload (Twin-Flow's first layers) and,
+  under DPU, the copy of the weights its update writes while the next step runs."""
+  if runner.device_program != "gradients":
+    return 0
+  offloaded = state["nvme"] + state["host"] - state.get("pinned_pool", state["host"])
+  copy = state.get("delayed_copy", 0) if runner.program.cfg.offload.params == "device" else 0
+  return max(0, state["optimizer"] - offloaded) + copy
+
+
+def device_bytes(stats, cfg: Config, state: dict, micro: int, beside: int = 0) -> int:
   """XLA's total less what a GPU keeps in pinned_host, where the compiler counted it on
   the device (XLA:CPU does): the weights placed there (exact, from the runner's plan(),
-  `state`) and remat.policy=offload_matmuls's activations (estimated: pinned_pool)."""
-  total = xla_total_bytes(stats)
+  `state`) and remat.policy=offload_matmuls's activations (estimated: pinned_pool); plus
+  what the runner holds `beside` the program (beside_program)."""
+  total = xla_total_bytes(stats) + beside
   if xla_host_bytes(stats) > 0:  # the compiler reported them apart
     return total
   on_host = state.get("pinned_pool", state["host"])
@@ -296,9 +310,10 @@ def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
   micro = mesh_lib.micro_batch(program.cfg.train, program.layout.data_parallel_size)
   compiled = compile_step(runner, micro, MEMORY_COMPILE_OPTIONS)
   state = runner.plan()
-  on_device = device_bytes(compiled.memory_analysis(), program.cfg, state, micro)
+  beside = beside_program(runner, state)
+  on_device = device_bytes(compiled.memory_analysis(), program.cfg, state, micro, beside)
   row = _row(runner, state, variant, compiled.memory_analysis(), micro, on_device <= hbm_bytes,
-             rates, devices_per_process)
+             rates, devices_per_process, beside)
   compiles = 1
   if comm:
     compiles += 1
@@ -309,13 +324,13 @@ def _plan_variant(runner: Runner, variant: Variant, hbm_bytes: int,
       compiles += 1
       return device_bytes(
           compile_step(runner, micro_batch, MEMORY_COMPILE_OPTIONS).memory_analysis(),
-          program.cfg, state, micro_batch)
+          program.cfg, state, micro_batch, beside)
     row.max_micro_batch = largest_micro_batch(total_at, hbm_bytes, micro, on_device)
   return row, compiles
 
 
 def _row(runner: Runner, state: dict, variant: Variant, stats, micro: int, fits: bool,
-         rates: dict, devices_per_process: int) -> Row:
+         rates: dict, devices_per_process: int, beside: int = 0) -> Row:
   cfg, layout = runner.program.cfg, runner.program.layout
   seconds, step_s, bound = predicted_step(cfg, runner.program.n_params, layout.mesh.size,
                                           state["transfer"], state.get("host_update", 0), rates,
@@ -324,7 +339,7 @@ def _row(runner: Runner, state: dict, variant: Variant, stats, micro: int, fits:
   theory, formula = (zero_formula.theory_state_bytes(cfg, layout, program.n_params,
                                                      program.n_frozen, program.frozen_bytes)
                      if program.n_frozen else zero_formula.theory_state_bytes(cfg, layout))
-  total = xla_total_bytes(stats)
+  total = xla_total_bytes(stats) + beside
   return Row(
       strategy=variant.strategy, stage=variant.stage, hybrid=variant.hybrid,
       devices=layout.mesh.size, mesh=(layout.mesh.shape["replica"], layout.mesh.shape["fsdp"]),

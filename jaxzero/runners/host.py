@@ -60,11 +60,16 @@ class HostRunner(nvme.NvmeRunner):
     self.fraction = offload.optimizer_fraction
     stacked = [leaf for leaf in self.leaves if leaf.stacked]
     self.n_layers = stacked[0].shape[0] if stacked else 0
-    self.device_layers = self.n_layers - round(self.fraction * self.n_layers)
+    # DeepSpeed's rule (stage3.py): int((1 - ratio) x layers) on the device, the rest
+    # on the host, however a half would round.
+    self.device_layers = int((1 - self.fraction) * self.n_layers)
     self._host_units: dict[str, Any] = {}
     self._first_units: dict[str, Any] = {}
     self._device_fns: dict[str, Any] = {}
     self._pending: concurrent.futures.Future | None = None  # DPU: the update in flight
+    # DPU's copy of the weights the next gradient step reads, placed where they live.
+    self._copy_weights = jax.jit(lambda params: jax.tree.map(jnp.copy, params),
+                                 out_shardings=program.shardings.params)
     self._thread = concurrent.futures.ThreadPoolExecutor(1, "jaxzero-host-update")
 
   # -- structure and the runner protocol ---------------------------------------------
@@ -133,6 +138,8 @@ class HostRunner(nvme.NvmeRunner):
         # (DPU: a step's gradients wait on the host for the update in flight.)
         host_process=on_host + workspace + self.delayed * params * grad,
         host_store=on_host, host_workspace=workspace,
+        # DPU: the weights' copy the update writes while the next step reads these.
+        delayed_copy=self.delayed * planned["params"],
         transfer=planned["transfer"] + params * (grad + compute) // devices,
         host_update=params * (grad + 2 * 4 * kinds + compute))
     return planned
@@ -255,12 +262,17 @@ class HostRunner(nvme.NvmeRunner):
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": jnp.int32(not finite)}
     if self._lr is not None:
       metrics["lr"] = self._lr(state.step)
-    if finite:  # its weights: a copy, as the next step's gradient reads these
-      working = latest._replace(params=jax.tree.map(jnp.copy, latest.params))
+    if finite:  # its weights: a copy (the next step's gradient reads these), where they live
+      working = latest._replace(params=self._copy_weights(latest.params))
       # The gradients go down now, ahead of the next step's program on the device's
       # queue; the update's own work on the device (the new weights) may wait behind it.
       sent = self._gradients_down(state.store, grads)
-      self._pending = self._thread.submit(self._update, working, grads, grad_norm, None, sent)
+      # The update keeps only the gradients of chunks updated on the device (Twin-Flow):
+      # the others are on their way down, and the device is free of them meanwhile.
+      kept = [g if any(self.keeps_on_device(leaf, s) for s in leaf.starts()) else None
+              for leaf, g in zip(self.leaves, jax.tree.leaves(grads))]
+      del grads
+      self._pending = self._thread.submit(self._update, working, kept, grad_norm, None, sent)
     else:
       self._pending = None
     return latest._replace(step=self._next_step(state.step)), metrics
@@ -300,10 +312,12 @@ class HostRunner(nvme.NvmeRunner):
   def _update(self, state: NvmeState, grads: Any, grad_norm: jax.Array, scale=None,
               sent: dict | None = None):
     """The update, chunk by chunk: (new compute copy, new optimizer scalars). `sent`: the
-    gradient boxes already on the host (else each goes down as its chunk comes)."""
+    gradient boxes already on the host (else each goes down as its chunk comes); `grads`
+    then needs only the leaves of chunks kept on the device (a list, None elsewhere)."""
     sh, store = self.program.shardings, state.store
     params = jax.tree.leaves(jax.device_put(state.params, on_device(sh.params)))
-    grads, scalars = jax.tree.leaves(grads), jax.tree.leaves(state.opt_state)
+    scalars = jax.tree.leaves(state.opt_state)
+    grads = grads if isinstance(grads, list) else jax.tree.leaves(grads)  # (DPU: a list)
     scale = jnp.float32(1.0) if scale is None else scale
     # Each host device's copy of the replicated values (this process's, across processes).
     local = [_local(x) for x in (*scalars, grad_norm, scale)]

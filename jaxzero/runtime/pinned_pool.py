@@ -43,7 +43,8 @@ def run_bytes(cfg, local_devices: int) -> int:
   shards = max(1, cfg.mesh.fsdp if hybrid else mesh_lib.data_parallel_needed(cfg.mesh))
   needed = 0
   if cfg.offload.params == "pinned_host":  # the weights, and a micro-step's gradient
-    needed += (compute + grad) * phi // shards * local_devices
+    copies = 2 if cfg.offload.delayed_update else 1  # DPU: the copy its update writes
+    needed += (copies * compute + grad) * phi // shards * local_devices
   if cfg.remat.policy == "offload_matmuls":
     data = max(1, mesh_lib.data_parallel_needed(cfg.mesh))
     rows = max(1, t.global_batch // (t.grad_accum * data))
