@@ -2,8 +2,9 @@
 
 The stage, MiCS (``mics_shard_size``: HYBRID_SHARD over groups of that size) and the
 optimizer and parameter offload blocks (``cpu``: pinned_host; ``nvme``: the NVMe tier, one
-directory for both). ZeRO++ quantization and hierarchical partitioning, and partial offload,
-are refused; ``stage3_param_persistence_threshold`` is ``zero.min_shard_size``, and the
+directory for both; the optimizer's ``ratio``, partial offload at stage 3: Twin-Flow's
+``offload.optimizer_fraction``). ZeRO++ quantization and hierarchical partitioning are
+refused; ``stage3_param_persistence_threshold`` is ``zero.min_shard_size``, and the
 bucket and prefetch knobs are accepted as unneeded.
 """
 
@@ -126,9 +127,17 @@ def _offload(tr: Translation, zero: dict, key: str, target: str, legacy: str) ->
     raise tr.error(f"{where}device=nvme needs {where}nvme_path, a directory on local disk")
   if device not in ("none", "cpu", "nvme"):
     raise tr.error(f"{where}device={device!r} is not valid; choose one of: none, cpu, nvme")
-  if block.get("ratio", 1) != 1:
-    raise tr.error(f"{where}ratio: partial offload is not available; offload all (ratio 1) "
-                   f"or nothing")
+  ratio = block.get("ratio", 1)
+  if ratio != 1:
+    if (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+        or not 0 <= ratio <= 1):
+      raise tr.error(f"{where}ratio={ratio!r} must be a number from 0 to 1")
+    if key != "offload_optimizer" or device != "cpu" or zero.get("stage", 0) != 3:
+      # DeepSpeed's partial offload: ZeRO-Offload++'s Twin-Flow, of the optimizer state
+      # in CPU memory at stage 3 (its config asserts the stage).
+      raise tr.error(f"{where}ratio={ratio} (partial offload) applies to offload_optimizer "
+                     "with device cpu at stage 3, as in DeepSpeed")
+    tr.set("offload.optimizer_fraction", float(ratio), f"{where}ratio")
   if key in zero:
     tr.set(target, {"cpu": "pinned_host", "nvme": "nvme"}.get(device, "device"), f"{where}device")
   elif not zero.get(legacy):

@@ -230,6 +230,24 @@ def test_nvme_optimizer_offload_is_the_nvme_tier(tmp_path):
     assert str(e.value) == message
 
 
+def test_a_partial_optimizer_offload_is_twin_flow_at_stage_3():
+  """offload_optimizer.ratio: DeepSpeed's partial offload (ZeRO-Offload++), the share of
+  the optimizer state in CPU memory, only at stage 3 (its config asserts it)."""
+  cfg = from_ds({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
+                                                                          "ratio": 0.3}}})
+  assert (cfg.offload.optimizer, cfg.offload.optimizer_fraction) == ("pinned_host", 0.3)
+  where = "ds_config: zero_optimization.offload_optimizer.ratio"
+  for block, message in (
+      ({"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}},
+       f"{where}=0.3 (partial offload) applies to offload_optimizer with device cpu at "
+       "stage 3, as in DeepSpeed"),
+      ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}},
+       f"{where}=1.5 must be a number from 0 to 1")):
+    with pytest.raises(ConfigError) as e:
+      from_ds({"zero_optimization": block})
+    assert str(e.value) == message
+
+
 def test_zero_infinity_puts_parameters_gradients_and_optimizer_on_nvme(tmp_path):
   # DeepSpeed's ZeRO-Infinity block as its docs give it: both on NVMe, with buffer knobs.
   nvme = {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
