@@ -30,11 +30,13 @@ class Variant:
     return config_lib.strategy_name(self.stage, self.hybrid)
 
   def apply(self, cfg: Config) -> Config:
+    offload = dataclasses.replace(cfg.offload, optimizer=self.offload_optimizer,
+                                  params=self.offload_params)
+    if self.offload_optimizer != "pinned_host":  # DPU and Twin-Flow are the host update's
+      offload = dataclasses.replace(offload, delayed_update=False, optimizer_fraction=1.0)
     return dataclasses.replace(
         cfg, zero=dataclasses.replace(cfg.zero, stage=self.stage, strategy="", hybrid=self.hybrid),
-        remat=dataclasses.replace(cfg.remat, policy=self.remat),
-        offload=dataclasses.replace(cfg.offload, optimizer=self.offload_optimizer,
-                                    params=self.offload_params))
+        remat=dataclasses.replace(cfg.remat, policy=self.remat), offload=offload)
 
 
 def variants(cfg: Config, sweep: str, replica: int) -> list[Variant]:

@@ -315,6 +315,21 @@ def test_a_lora_offload_sweep_rests_the_frozen_base_in_host_memory():
     planner.plan(config.load(LLAMA_8B, ["lora.rank=8", "zero.stage=1"]), 8, H100, "offload")
 
 
+def test_an_offload_sweep_of_a_delayed_twin_flow_config_has_every_row():
+  """DPU and Twin-Flow are the host update's: the sweep's rows without it drop them (they
+  were refused, so only the host rows were planned)."""
+  cfg = config.load(LLAMA_8B, ["offload.optimizer=pinned_host", "offload.delayed_update=true",
+                               "offload.optimizer_fraction=0.5"])
+  rows = variants.variants(cfg, "offload", 1)
+  assert {(v.offload_optimizer, v.offload_params) for v in rows} >= {
+      ("device", "device"), ("pinned_host", "device")}
+  for v in rows:
+    config.validate(v.apply(cfg))  # each is a config jaxzero.train accepts
+    kept = v.apply(cfg).offload
+    assert (kept.delayed_update, kept.optimizer_fraction) == (
+        (True, 0.5) if v.offload_optimizer == "pinned_host" else (False, 1.0))
+
+
 def test_full_remat_s_predicted_step_adds_one_forward_pass_of_every_weight():
   """A LoRA run's frozen base costs 4 a token (no weight gradient), and its forward, 2 a
   token, again under full remat: 4/3 of the step would count the base 5.3, not 6."""
