@@ -216,7 +216,8 @@ def main(argv=None) -> int:
   for name, offload in (("none", ["offload.optimizer=device"]),
                         ("exact", ["offload.optimizer=pinned_host"]),
                         ("delayed", ["offload.optimizer=pinned_host",
-                                     "offload.delayed_update=true"])):
+                                     "offload.delayed_update=true",
+                                     "offload.delayed_update_after=0"])):
     runs[name] = in_a_process(args, [*sets, *offload])
     # Each run's own figures as it ends, on stderr: a run cut short still tells them.
     print(f"{name}: {json.dumps(runs[name], default=str)}", file=sys.stderr, flush=True)

@@ -63,6 +63,9 @@ def test_llama3_rope_scaling_needs_its_frequency_band():
      "offload.delayed_update=True applies to the optimizer in host memory"),
     (["offload.optimizer=pinned_host", "offload.delayed_update=true",
       "precision.compute=float16"], "a step that overflows would skip an update already under way"),
+    (["offload.optimizer=pinned_host", "offload.delayed_update=true",
+      "offload.delayed_update_after=-1"],
+     "offload.delayed_update_after=-1 must be a step count >= 0 (0: DPU from the first step)"),
 ])
 def test_offload_settings_that_cannot_run_are_one_line(assignments, expected):
   with pytest.raises(ConfigError) as info:

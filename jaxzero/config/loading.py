@@ -224,6 +224,9 @@ def validate_offload(cfg: Config) -> None:
     if value != default and o.optimizer != "pinned_host":
       raise ConfigError(f"offload.{key}={value} applies to the optimizer in host memory: set "
                         f"offload.optimizer=pinned_host (got offload.optimizer={o.optimizer})")
+  if o.delayed_update_after < 0:
+    raise ConfigError(f"offload.delayed_update_after={o.delayed_update_after} must be a step "
+                      "count >= 0 (0: DPU from the first step)")
   if o.delayed_update and cfg.precision.scales_loss:
     raise ConfigError("offload.delayed_update=true with precision.compute=float16: a step that "
                       "overflows would skip an update already under way; use bfloat16 or "

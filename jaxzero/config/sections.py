@@ -181,6 +181,9 @@ class OffloadConfig:
   # update (DPU): step n's update runs on the host while the device computes step n+1
   # on the weights before it (off: every step is exact).
   delayed_update: bool = False
+  # DPU's warm-up, as the ZeRO-Offload paper's: the first steps, where the gradients
+  # change fastest, are exact; DPU runs from the step after this many.
+  delayed_update_after: int = 40
   # offload.optimizer=pinned_host: the share of the layers whose optimizer state lives
   # on the host (the last ones); the rest stays on the device (ZeRO-Offload++ Twin-Flow).
   optimizer_fraction: float = 1.0

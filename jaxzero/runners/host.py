@@ -10,10 +10,10 @@ updates of its neighbours; the host holds the state once, plus the chunks in fli
 
 ``offload.delayed_update`` is the ZeRO-Offload paper's one-step delayed parameter update
 (DPU): step n's update runs on a thread while the device computes step n + 1's gradient on
-the weights from before step n's update. ``offload.optimizer_fraction`` f keeps the state
-of the first (1 - f) of the layers on the device, updated there (Twin-Flow). Checkpoints
-hold the store as the NVMe runner's do (its ``nvme`` item): every runner resumes every
-other's.
+the weights from before step n's update, after ``offload.delayed_update_after`` exact
+steps. ``offload.optimizer_fraction`` f keeps the state of the first int((1 - f) x layers)
+layers on the device, updated there (Twin-Flow). Checkpoints hold the store as the NVMe
+runner's do (its ``nvme`` item): every runner resumes every other's.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class HostRunner(nvme.NvmeRunner):
     super().__init__(program, directory=None)
     offload = program.cfg.offload
     self.delayed = offload.delayed_update
+    self.delayed_after = offload.delayed_update_after
     self.fraction = offload.optimizer_fraction
     stacked = [leaf for leaf in self.leaves if leaf.stacked]
     self.n_layers = stacked[0].shape[0] if stacked else 0
@@ -234,7 +235,8 @@ class HostRunner(nvme.NvmeRunner):
 
   def step(self, state: NvmeState, batch: jax.Array, grad_step=None):
     self.check_current(state)
-    if not self.delayed:
+    # DPU from the step after its warm-up (the first steps exact, none in flight).
+    if not self.delayed or int(jax.device_get(state.step)) < self.delayed_after:
       return super().step(state, batch, grad_step)
     return self._delayed_step(state, batch, grad_step)
 

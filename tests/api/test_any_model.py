@@ -384,7 +384,7 @@ def test_the_nvme_tiers_files_go_when_the_engine_is_closed_left_or_collected(tmp
 
 @pytest.mark.parametrize("offload", [
     pytest.param(jaxzero.Offload("pinned_host"), marks=pytest.mark.slow),
-    jaxzero.Offload("pinned_host", delayed_update=True),
+    jaxzero.Offload("pinned_host", delayed_update=True, delayed_update_after=0),
     jaxzero.Offload("nvme")], ids=["host", "dpu", "nvme"])
 def test_an_offloaded_engine_refuses_a_state_a_later_init_replaced(offload, tmp_path):
   """Its optimizer state lives in the engine's one store: a second init replaces it, and

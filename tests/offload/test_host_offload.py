@@ -165,10 +165,17 @@ def one_step_stale(cfg: config.Config) -> np.ndarray:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_delayed_update_equals_its_one_step_stale_reference(no_offload, stage):
-  cfg = tiny(stage, "pinned_host", delayed_update=True)
+  cfg = tiny(stage, "pinned_host", delayed_update=True, delayed_update_after=0)
   got = losses(cfg)
   np.testing.assert_allclose(got, one_step_stale(cfg), rtol=1e-6, atol=0)
   assert not np.allclose(got, no_offload(stage), rtol=1e-6)  # stale: not the exact losses
+  # Its warm-up: exact steps first (after 1, step 2's gradient is on the exact weights,
+  # step 3's on those before step 2's update); after them all, every step is exact.
+  warmed = losses(tiny(stage, "pinned_host", delayed_update=True, delayed_update_after=1))
+  np.testing.assert_allclose(warmed[:2], no_offload(stage)[:2], rtol=1e-6, atol=0)
+  assert not np.allclose(warmed[2], no_offload(stage)[2], rtol=1e-6)
+  np.testing.assert_allclose(losses(tiny(stage, "pinned_host", delayed_update=True)),
+                             no_offload(stage), rtol=1e-6, atol=0)
 
 
 @pytest.mark.slow
@@ -390,7 +397,8 @@ def test_a_checkpoint_of_another_precision_resumes_under_offload(optimizer, para
 
 @pytest.mark.slow
 @pytest.mark.parametrize("offload", [dict(optimizer="pinned_host"),
-                                     dict(optimizer="pinned_host", delayed_update=True)],
+                                     dict(optimizer="pinned_host", delayed_update=True,
+                                          delayed_update_after=0)],
                          ids=["host", "dpu"])
 def test_an_offloaded_run_evaluates_the_state_it_saves(offload, tmp_path):
   """Evaluation under ZeRO-Offload (it crashed: the offloaded state has no frozen weights):

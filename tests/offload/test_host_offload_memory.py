@@ -47,7 +47,7 @@ def test_a_delayed_update_holds_one_copy_of_the_weights_and_no_gradient_on_the_d
   """The device's live bytes after each gradient step: DPU's are one weights' copy over
   the exact update's (it held the whole gradient too, for the update in flight)."""
   def live_after_gradient_steps(delayed: bool) -> tuple[list[float], int]:
-    cfg = tiny(3, "pinned_host", delayed_update=delayed)
+    cfg = tiny(3, "pinned_host", delayed_update=delayed, delayed_update_after=0)
     program = engine(cfg)
     runner = make_runner(program)
     mesh_devices = set(program.layout.mesh.devices.flat)
