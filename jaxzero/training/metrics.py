@@ -98,7 +98,7 @@ class MetricsLogger:
     if not self.is_main or not records:
       return
     for record in records:
-      self._file.write(json.dumps(record) + "\n")
+      self._file.write(json_line(record) + "\n")
       # (Not an overflowing fp16 step's infinite norm: metrics.jsonl has it.)
       scalars = {tag: record[key] for key, tag in TB_TAGS.items()
                  if record.get(key) is not None and math.isfinite(record[key])}
@@ -292,3 +292,11 @@ def _logged_step(line: str) -> float:
     return json.loads(line)["step"]
   except (ValueError, KeyError, TypeError):
     return math.inf
+
+
+def json_line(record: dict) -> str:
+  """`record` as one line of JSON: a non-finite float (an overflowing fp16 step's norm, a
+  diverged loss) is null, as JSON has no NaN or Infinity (the record's `nonfinite` says
+  which step it was)."""
+  return json.dumps({key: None if isinstance(value, float) and not math.isfinite(value)
+                     else value for key, value in record.items()}, allow_nan=False)

@@ -6,6 +6,7 @@ ZeRO stage 0 (gradients per device, reduced once) and stage 3.
 """
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,10 @@ def test_skip_drops_that_update_and_trains_on(stage, poison, tmp_path):
   assert [r["nonfinite"] for r in history] == [0, 0, 1, 0, 0]
   losses = np.array([r["loss"] for r in history])
   assert np.isnan(losses[POISONED_STEP - 1]) and np.isfinite(np.delete(losses, 2)).all()
+  # metrics.jsonl stays JSON (which has no NaN): the step's loss is null, its flag set.
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  bad = json.loads(lines[POISONED_STEP - 1], parse_constant=lambda name: pytest.fail(name))
+  assert (bad["loss"], bad["nonfinite"]) == (None, 1)
   np.testing.assert_array_equal(master_at(tmp_path, POISONED_STEP),
                                 master_at(tmp_path, POISONED_STEP - 1))
   assert not np.array_equal(master_at(tmp_path, 5), master_at(tmp_path, POISONED_STEP))
