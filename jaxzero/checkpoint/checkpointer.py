@@ -38,16 +38,20 @@ _NOT_ON_RESUME = ("init_std",)
 
 
 def run_info(model: LlamaConfig, compute_dtype: str, seed: int,
-             factory: str = "", lora: dict | None = None) -> dict[str, Any]:
+             factory: str = "", lora: dict | None = None,
+             data: dict | None = None) -> dict[str, Any]:
   """What a checkpoint records about its run besides the state: the architecture
   (for shape checks and export; a user's model: its factory), the compute dtype,
-  the data seed, and a LoRA run's adapters (jaxzero.models.lora.run_record)."""
+  the data seed, a LoRA run's adapters (jaxzero.models.lora.run_record), and the
+  settings that place a step in the data (`data`: config key -> value)."""
   architecture = ({"factory": factory} if factory else
                   {k: v for k, v in dataclasses.asdict(model).items()
                    if k not in _NOT_ARCHITECTURE})
   info = {"model": architecture, "compute_dtype": compute_dtype, "seed": seed}
   if lora:
     info["lora"] = lora
+  if data:
+    info["data"] = data
   return info
 
 
@@ -186,6 +190,13 @@ class Checkpointer(CheckpointDirectory):
     if info.get("seed") != self._info["seed"]:
       log.warning("checkpoint %s was trained with seed=%s, this config has seed=%s: the data "
                   "order changes from here on", where, info.get("seed"), self._info["seed"])
+    saved_data, data = info.get("data", {}), self._info.get("data", {})
+    moved = [f"{key}={saved_data[key]} (now {value})" for key, value in data.items()
+             if key in saved_data and saved_data[key] != value]
+    if moved:  # a step's rows are found from these: the run goes on at another place
+      log.warning("checkpoint %s was trained with %s: the steps from here on read other "
+                  "rows than an uninterrupted run would (rows may repeat or be skipped)",
+                  where, ", ".join(moved))
     item = self.side_saved(step)
     # The leaves on the side (saved in the side item, or to be restored into
     # `into`) are not in `state`, or not read from it.

@@ -86,6 +86,14 @@ def open_data(cfg, workdir, rows: int, *, progress: bool = True) -> RunData:
 _HELD_OUT_NAME = re.compile(r"(test|valid|validation|eval|dev)([_\-.]|$)", re.IGNORECASE)
 
 
+def position_settings(cfg) -> dict:
+  """The settings a step's rows are found from (step x global batch into the split's
+  windows or packed rows): a checkpoint records them, and a run resumed under others
+  reads other rows from there on."""
+  return {"train.global_batch": cfg.train.global_batch, "train.seq_len": cfg.train.seq_len,
+          "data.eval_fraction": cfg.data.eval_fraction, "data.packing": cfg.data.packing}
+
+
 def _warn_of_held_out_files(d) -> None:
   """Warns where a directory source reads files a dataset names as a held-out split:
   they are trained on (and data.eval_fraction holds out other files' rows)."""

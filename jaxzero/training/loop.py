@@ -156,7 +156,8 @@ def _run_locked(cfg: Config, workdir: pathlib.Path, steps: int | None, runner: R
   checkpoints = runners_base.checkpointer(
       workdir, cfg.checkpoint.keep,
       checkpoint_lib.run_info(cfg.model, cfg.precision.compute, cfg.seed, cfg.model_factory,
-                              _lora_record(cfg) or runner.program.model.lora))
+                              _lora_record(cfg) or runner.program.model.lora,
+                              pipeline.position_settings(cfg)))
   stop = StopSignals()
   run = None
   try:

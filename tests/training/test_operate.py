@@ -358,6 +358,20 @@ def test_resume_step_goes_back_to_an_earlier_checkpoint(run, tmp_path):
   assert [json.loads(l)["step"] for l in dropped] == [3, 4]  # the abandoned records kept
 
 
+def test_a_resume_under_another_batch_or_split_says_where_the_data_goes_on(run, tmp_path,
+                                                                          caplog):
+  """A step's rows are found from the global batch, the sequence length and the split:
+  under others the resumed run reads other rows (repeats or skips some), never unawares."""
+  workdir = tmp_path / "w"
+  shutil.copytree(run.workdir, workdir)
+  global_batch = small().train.global_batch
+  with caplog.at_level(logging.WARNING):
+    loop.run_training(small(f"train.global_batch={2 * global_batch}"), workdir, steps=2,
+                      devices=jax.devices()[:8], progress=False, resume_step=2)
+  assert (f"was trained with train.global_batch={global_batch} (now {2 * global_batch}): the "
+          "steps from here on read other rows") in caplog.text
+
+
 @pytest.mark.slow
 def test_a_saving_step_does_not_slow_the_next_step_s_figures(run, tmp_path, monkeypatch,
                                                              capsys):
