@@ -74,6 +74,7 @@ class Checkpointer(CheckpointDirectory):
         enable_async_checkpointing=True)
     self._info = info
     self._unfinished_removed = False
+    read_errors.quiet_background_saves()
 
   def save(self, step: int, state, *, wait: bool = False,
            true_shapes: dict[str, tuple[int, ...]] | None = None) -> pathlib.Path:
@@ -95,12 +96,37 @@ class Checkpointer(CheckpointDirectory):
       # Computed on the devices before the save copies the state off them.
       checksums = integrity.record(state, true_shapes)
       info = {**self._info, TRUE_SHAPES: true_shapes} if true_shapes else self._info
-      self._manager.save(step, force=True, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), info=ocp.args.JsonSave(info),
-          checksums=ocp.args.JsonSave(checksums), **items))
+      try:  # (orbax raises here what an earlier save, written in the background, met)
+        self._manager.save(step, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), info=ocp.args.JsonSave(info),
+            checksums=ocp.args.JsonSave(checksums), **items))
+      except Exception as e:  # pylint: disable=broad-except
+        raise self._write_failure(e) from e
     if wait:
       self.wait()
     return self.step_dir(step)
+
+  def check_saves(self) -> None:
+    """Raises CheckpointError where a save written in the background has failed (a full
+    disk, a lost mount): said when it happens, not at the next save."""
+    try:
+      self._manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._write_failure(e) from e
+
+  def _write_failure(self, error: BaseException) -> CheckpointError:
+    """One line for a failed save; its unfinished files go, freeing what they hold."""
+    self._unfinished_removed = False
+    try:
+      self._remove_unfinished_saves()
+    except OSError:
+      pass
+    complete = sorted(int(p.name) for p in self.directory.iterdir()
+                      if p.name.isdigit()) if self.directory.is_dir() else []
+    kept = (f"the last complete checkpoint is step {complete[-1]}, which a new run resumes"
+            if complete else "no checkpoint is complete")
+    return CheckpointError(f"a checkpoint could not be written in {self.directory}: "
+                           f"{read_errors.write_reason(error)}; {kept}")
 
   def _remove_unfinished_saves(self) -> None:
     # orbax's own cleanup_tmp_directories runs in a thread that close() does not
@@ -115,7 +141,10 @@ class Checkpointer(CheckpointDirectory):
 
   def wait(self) -> None:
     """Blocks until every save has been written and renamed into place."""
-    self._manager.wait_until_finished()
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._write_failure(e) from e
 
   def check_model_shape(self, step: int) -> None:
     """Raises CheckpointError when checkpoint `step` was saved for a model of another shape

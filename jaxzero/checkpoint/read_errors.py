@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import pathlib
 import re
 import sys
@@ -156,6 +157,32 @@ def quiet_abandoned_reads() -> None:
       report(kind, error, traceback)
 
   sys.excepthook = excepthook
+
+
+class _BackgroundSaveTracebacks(logging.Filter):
+  """Keeps the line orbax logs for a save that failed in its background threads, without
+  its traceback (one per thread): the run's own error says what failed, once
+  (jaxzero.checkpoint.checkpointer.Checkpointer.check_saves)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info and "/orbax/" in record.pathname.replace("\\", "/"):
+      record.exc_info, record.exc_text = None, None
+    return True
+
+
+def quiet_background_saves() -> None:
+  """Installs _BackgroundSaveTracebacks on absl's logger (orbax's); idempotent."""
+  absl_log = logging.getLogger("absl")
+  if not any(isinstance(f, _BackgroundSaveTracebacks) for f in absl_log.filters):
+    absl_log.addFilter(_BackgroundSaveTracebacks())
+
+
+def write_reason(error: BaseException) -> str:
+  """Why a write failed, in words: the operating system's error where tensorstore gives
+  its number (a full disk: "no space left on device"), else as `reason`."""
+  code = next((m.group(1) for m in map(re.compile(r"os_error_code='(\d+)'").search,
+                                         map(str, _causes(error))) if m), None)
+  return os.strerror(int(code)).lower() if code else reason(error)
 
 
 def _loop_closed(error: BaseException | None) -> bool:

@@ -392,6 +392,7 @@ def _train_steps(run: Run, compiled, state, start: int, total: int, workdir: pat
           peerwatch.phase(f"eval {done}")
         guard.check(metrics.log(  # (evaluated as saved: DPU's update in flight applied)
             done, (lambda: evaluator(run.runner.current(state))) if evaluate else None))
+        checkpoints.check_saves()  # a save that failed in the background, said now
       if stop.agreed(at_sync_point=logged):
         break
       if saving:
