@@ -22,8 +22,9 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import multihost
 
 from jaxzero.checkpoint import integrity, read_errors
-from jaxzero.checkpoint.directory import (STATE, TRUE_SHAPES, CheckpointDirectory, check_fits,
-                                          damaged_dir, saved_array, tree_leaf_shapes)
+from jaxzero.checkpoint.directory import (HAS_CHECKSUMS, STATE, TRUE_SHAPES, CheckpointDirectory,
+                                          check_fits, damaged_dir, saved_array,
+                                          tree_leaf_shapes)
 from jaxzero.checkpoint.external_leaves import SideItem, SideTarget
 from jaxzero.errors import CheckpointError, DamagedCheckpointError
 from jaxzero.models.llama import LlamaConfig
@@ -95,7 +96,8 @@ class Checkpointer(CheckpointDirectory):
           items[self._side.name] = side_args
       # Computed on the devices before the save copies the state off them.
       checksums = integrity.record(state, true_shapes)
-      info = {**self._info, TRUE_SHAPES: true_shapes} if true_shapes else self._info
+      info = {**self._info, HAS_CHECKSUMS: True,
+              **({TRUE_SHAPES: true_shapes} if true_shapes else {})}
       try:  # (orbax raises here what an earlier save, written in the background, met)
         self._manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), info=ocp.args.JsonSave(info),

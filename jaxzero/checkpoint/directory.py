@@ -25,6 +25,8 @@ from jaxzero.errors import CheckpointError, DamagedCheckpointError
 STATE, INFO, CHECKSUMS = "state", "info", "checksums"
 # The info key of a checkpoint's padded leaves: {leaf name: true shape}.
 TRUE_SHAPES = "true_shapes"
+# The info key that says the checkpoint was saved with its checksums (CHECKSUMS/).
+HAS_CHECKSUMS = "has_checksums"
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,9 @@ class CheckpointDirectory:
             step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))[CHECKSUMS]
       except Exception as e:  # pylint: disable=broad-except
         raise read_errors.read_failure(where, e, f"its checksums ({CHECKSUMS}/)") from e
+    elif self.info(step).get(HAS_CHECKSUMS):  # saved with them: lost since
+      raise DamagedCheckpointError(f"checkpoint {where} is damaged: its checksums "
+                                   f"({CHECKSUMS}/) are missing")
     else:
       log.warning("checkpoint %s has no checksums (saved by an older jaxzero): its values are "
                   "%s", where, unchecked)

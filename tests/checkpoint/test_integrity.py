@@ -185,6 +185,18 @@ def test_refuse_names_the_damage_and_changes_nothing(copy_of):
   assert snapshot(copy_of) == before
 
 
+def test_a_checkpoint_saved_with_checksums_that_lost_them_is_damaged(copy_of):
+  """Its run record says it was saved with them: not an older jaxzero's checkpoint, whose
+  values are only checked to be finite (that turned verification off unsaid)."""
+  directory = checkpoint_dir(copy_of)
+  shutil.rmtree(directory / "6" / "checksums")
+  with pytest.raises(DamagedCheckpointError) as error:
+    loop.run_training(make_config(on_damaged="refuse"), copy_of,
+                      devices=jax.devices()[:DEVICES], progress=False)
+  assert str(error.value).startswith(
+      f"checkpoint {directory / '6'} is damaged: its checksums (checksums/) are missing")
+
+
 def test_values_that_differ_from_their_checksum_are_caught(copy_of, monkeypatch):
   """Damage that still decodes (here: one weight changed after its checksum was
   taken) is caught by the checksum alone."""
