@@ -157,9 +157,14 @@ def _main(argv) -> int:
     outcome = loop.run_training(cfg, workdir, steps=args.steps, progress=not args.no_progress,
                                    require_checkpoint=args.resume, resume_step=args.resume_step,
                                    force=args.force)
-    if jax.process_index() != 0:
-      return
-    print(summary(outcome, workdir, args.steps, cfg.train.steps))
+    target = args.steps if args.steps is not None else cfg.train.steps
+    # Stopped early by a signal, saved: not a finished run (a scheduler retries it, a
+    # `train && export` chain stops), the status a shell gives a process the signal ended.
+    code = (128 + int(signal.Signals[outcome.stopped_by])
+            if outcome.stopped_by and outcome.step < target else 0)
+    if jax.process_index() == 0:
+      print(summary(outcome, workdir, args.steps, cfg.train.steps))
+    return code
 
   return cli.run_main("jaxzero.train", body)
 
