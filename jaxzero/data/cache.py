@@ -53,16 +53,21 @@ def index_header(files: list[pathlib.Path], tokenizer, text_field: str) -> dict:
       "tokenizer_sha256": tokenizer.digest,
       "separator": list(tokenizer.separator),
       "text_field": text_field,
-      "files": [{"path": str(f), "bytes": s.st_size, "mtime_ns": s.st_mtime_ns}
-                for f, s in stats],
+      # The change time and the inode too: a file replaced by one of the same size and
+      # modification time (cp -p, rsync -t, tar) is another file; no one sets those.
+      "files": [{"path": str(f), "bytes": s.st_size, "mtime_ns": s.st_mtime_ns,
+                 "ctime_ns": s.st_ctime_ns, "inode": s.st_ino} for f, s in stats],
   }
+
+
+FILE_KEYS = ("path", "bytes", "mtime_ns", "ctime_ns", "inode")
 
 
 def reusable(index: dict | None, want: dict) -> bool:
   """Whether a cache's index was made from the files and settings `want` describes."""
   if index is None:
     return False
-  files = [{k: f.get(k) for k in ("path", "bytes", "mtime_ns")} for f in index.get("files") or []]
+  files = [{k: f.get(k) for k in FILE_KEYS} for f in index.get("files") or []]
   return files == want["files"] and all(index.get(k) == v for k, v in want.items()
                                          if k != "files")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pathlib
 import re
 from typing import NamedTuple
@@ -22,6 +23,7 @@ import numpy as np
 
 from jaxzero.data import batches as batches_lib
 from jaxzero.data import sft
+from jaxzero.data import sources
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import DataError
 
@@ -97,16 +99,17 @@ def position_settings(cfg) -> dict:
 def _warn_of_held_out_files(d) -> None:
   """Warns where a directory source reads files a dataset names as a held-out split:
   they are trained on (and data.eval_fraction holds out other files' rows)."""
-  root = pathlib.Path(d.source).expanduser()
+  # (As match_files names the files: under the path given, links in it unresolved.)
+  root = pathlib.Path(os.path.abspath(os.path.expanduser(d.source)))
   if d.source == "stdlib" or not root.is_dir():
     return
-  named = [p for p in tokens_lib.match_files(d.source)
-           if any(_HELD_OUT_NAME.match(part) for part in p.relative_to(root.resolve()).parts)]
+  named = [p for p in sources.match_files(d.source)
+           if any(_HELD_OUT_NAME.match(part) for part in p.relative_to(root).parts)]
   if named:
     log.warning("data.source=%s reads %d file(s) named as a held-out split (first %s): they "
                 "are trained on; name the training files (a glob, such as %s/**/train*) and "
                 "give the others as data.eval_source", d.source, len(named),
-                named[0].relative_to(root.resolve()), d.source.rstrip("/"))
+                named[0].relative_to(root), d.source.rstrip("/"))
 
 
 def check_held_out_apart(d) -> None:
@@ -119,10 +122,10 @@ def check_held_out_apart(d) -> None:
                          if d.source == "stdlib" else
                          f"data.format={d.format!r} reads records; name a file of them"))
     return
-  held_out = {p.resolve() for p in tokens_lib.match_files(d.eval_source, "data.eval_source")}
+  held_out = {p.resolve() for p in sources.match_files(d.eval_source, "data.eval_source")}
   if d.source == "stdlib":
     return
-  shared = sorted({p.resolve() for p in tokens_lib.match_files(d.source)} & held_out)
+  shared = sorted({p.resolve() for p in sources.match_files(d.source)} & held_out)
   if shared:
     raise DataError(f"data.eval_source={d.eval_source!r} names {len(shared)} file(s) that "
                     f"data.source={d.source!r} trains on too (first {shared[0]}); point them "

@@ -28,6 +28,7 @@ import numpy as np
 from jaxzero.data import batches as batches_lib
 from jaxzero.data import cache as cache_lib
 from jaxzero.data import chat
+from jaxzero.data import sources
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import DataError
 from jaxzero.utils.files import write_json_atomic
@@ -58,9 +59,9 @@ class Examples:
 def open_examples(data, workdir, *, model_vocab_size: int | None = None,
                   progress: bool = True) -> Examples:
   """The examples of `data` (a DataConfig with a fine-tuning format), tokenized once."""
-  files = tokens_lib.match_files(data.source)
+  files = sources.match_files(data.source, exclude=sources.run_outputs(data, workdir))
   for path in files:
-    if path.suffix not in SUFFIXES:
+    if path.suffix.lower() not in SUFFIXES:
       raise DataError(f"data.format={data.format!r} reads records from {' or '.join(SUFFIXES)} "
                       f"files; data.source={data.source!r} includes {path}")
   tokenizer = tokens_lib.load_tokenizer(data.tokenizer, data.eos_token, data.format)
@@ -107,7 +108,7 @@ def _read_index(cache: pathlib.Path) -> dict | None:
 
 def _records(path: pathlib.Path) -> Iterator[tuple[str, object]]:
   """(FILE:LINE, record, or the reason it is unreadable) of each row."""
-  if path.suffix == ".jsonl":
+  if path.suffix.lower() == ".jsonl":
     with open(path, "rb") as f:
       for line_no, line in enumerate(f, 1):
         if line.strip():

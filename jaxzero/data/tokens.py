@@ -1,18 +1,19 @@
 """Token streams: the embedded corpus or your own files, tokenized once into a cache.
 
 ``data.source`` is ``"stdlib"`` (the Python standard library's source files as bytes,
-vocabulary 256) or a path, directory or glob of ``.txt``, ``.jsonl`` or ``.parquet`` files,
-tokenized once with ``data.tokenizer`` into a memory-mapped token file plus a JSON index in
-``data.cache_dir``. The cache is reused only while the index matches the source files (paths,
-sizes, mtimes) and the tokenizer (content hash). Documents are joined into one stream, each
-followed by the tokenizer's end-of-text token (NUL for bytes); jaxzero.data.batches cuts it.
+vocabulary 256) or a path, directory or glob of ``.txt``, ``.jsonl`` or ``.parquet`` files
+(jaxzero.data.sources), tokenized once with ``data.tokenizer`` into a memory-mapped token
+file plus a JSON index in ``data.cache_dir``. The cache is reused only while the index
+matches the source files (paths, sizes, modification and change times, inodes) and the
+tokenizer (content hash). Documents are joined into one stream, each followed by the
+tokenizer's end-of-text token (NUL for bytes); jaxzero.data.batches cuts it.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import functools
-import glob
 import hashlib
 import json
 import os
@@ -24,13 +25,14 @@ import numpy as np
 
 from jaxzero.data.cache import (INDEX_FILE, TOKENS_FILE, cache_name, cache_root, cached,
                                 index_header, read_index, remove_on_failure)
+from jaxzero.data import sources
 from jaxzero.errors import DataError
 from jaxzero.utils.files import write_json_atomic
+
 
 BYTE_VOCAB = 256
 # NUL never occurs in text, so it is the byte-level document separator.
 BYTE_SEPARATOR = 0
-SUFFIXES = (".txt", ".jsonl", ".parquet")
 # End-of-document tokens of common tokenizer families, tried in this order:
 # Llama 3, GPT-2/NeoX/Qwen, Llama 1-2/Mistral, Gemma.
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
@@ -103,29 +105,6 @@ def stdlib_corpus(max_bytes: int) -> np.ndarray:
   return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
-# ----------------------------------------------------------------------------- source files
-
-
-def match_files(source: str, setting: str = "data.source") -> list[pathlib.Path]:
-  """The files `source` (the value of `setting`) names, sorted: a file, a directory
-  (searched recursively for supported files) or a glob (``**`` recurses)."""
-  pattern = os.path.abspath(os.path.expanduser(source))
-  if os.path.isdir(pattern):
-    found = glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
-    files = [p for p in found if os.path.isfile(p) and p.endswith(SUFFIXES)]
-  else:
-    files = [p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
-    for path in files:
-      if not path.endswith(SUFFIXES):
-        raise DataError(f"{setting}={source!r} matches {path}, which is not one of "
-                        f"{', '.join(SUFFIXES)}")
-  if not files:
-    stdlib = "'stdlib' nor " if setting == "data.source" else ""
-    raise DataError(f"{setting}={source!r} is neither {stdlib}a file, directory or glob "
-                    f"matching any {', '.join(SUFFIXES)} file")
-  return [pathlib.Path(p) for p in sorted(files)]
-
-
 class _Piece(NamedTuple):
   """Part of a document; a document is its pieces in order."""
   text: str
@@ -141,14 +120,14 @@ class _Piece(NamedTuple):
 
 def _pieces(path: pathlib.Path, text_field: str) -> Iterator[_Piece]:
   reader = {".txt": _text_pieces, ".jsonl": _jsonl_pieces, ".parquet": _parquet_pieces}
-  return reader[path.suffix](path, text_field)
+  return reader[path.suffix.lower()](path, text_field)
 
 
 def _text_pieces(path: pathlib.Path, _field: str) -> Iterator[_Piece]:
   """A .txt file is one document, read in line-aligned pieces to bound memory."""
   lines, chars, first = [], 0, True
   try:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is no text)
       for line in f:
         lines.append(line)
         chars += len(line)
@@ -157,15 +136,39 @@ def _text_pieces(path: pathlib.Path, _field: str) -> Iterator[_Piece]:
           yield _Piece(text, first, False, len(text.encode()))
           lines, chars, first = [], 0, False
   except UnicodeDecodeError as e:
-    raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    offset = _first_undecodable_byte(path)
+    raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {offset:,}, line "
+                    f"{_line_of(path, offset):,})") from None
   text = "".join(lines)
   if text or not first:
     yield _Piece(text, first, True, len(text.encode()))
 
 
+def _first_undecodable_byte(path: pathlib.Path) -> int:
+  """The file offset of the first byte that is not UTF-8 (the text reader's error counts
+  from its buffer)."""
+  decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 20):
+      pending = len(decoder.getstate()[0])  # bytes of a character begun in the last chunk
+      try:
+        decoder.decode(chunk)
+      except UnicodeDecodeError as e:
+        return offset - pending + e.start
+      offset += len(chunk)
+  return offset
+
+
+def _line_of(path: pathlib.Path, offset: int) -> int:
+  with open(path, "rb") as f:
+    return f.read(offset).count(b"\n") + 1
+
+
 def _jsonl_pieces(path: pathlib.Path, field: str) -> Iterator[_Piece]:
   with open(path, "rb") as f:
     for line_no, line in enumerate(f, 1):
+      if line_no == 1:
+        line = line.removeprefix(codecs.BOM_UTF8)  # (a byte-order mark is no JSON)
       text = _json_text(line, field, path, line_no) if line.strip() else ""
       yield _Piece(text, True, True, len(line))
 
@@ -207,7 +210,11 @@ def open_parquet(path: pathlib.Path):
   try:
     return pq.ParquetFile(path)
   except Exception as e:  # pyarrow raises several types for a bad file
-    raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    raise DataError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
+
+
+def _one_line(error: BaseException) -> str:
+  return " ".join(str(error).split())
 
 
 def _parquet_pieces(path: pathlib.Path, column: str) -> Iterator[_Piece]:
@@ -218,7 +225,14 @@ def _parquet_pieces(path: pathlib.Path, column: str) -> Iterator[_Piece]:
                     "set data.text_field")
   rows = max(table.metadata.num_rows, 1)
   bytes_per_row = path.stat().st_size / rows
-  for batch in table.iter_batches(batch_size=ENCODE_BATCH, columns=[column]):
+  batches = table.iter_batches(batch_size=ENCODE_BATCH, columns=[column])
+  while True:
+    try:
+      batch = next(batches, None)
+    except Exception as e:  # pylint: disable=broad-except  # pyarrow's, for a damaged page
+      raise DataError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
+    if batch is None:
+      return
     for text in batch.column(0).to_pylist():
       if text is not None and not isinstance(text, str):
         raise DataError(f"{path}: column {column!r} holds {type(text).__name__}, not strings")
@@ -335,7 +349,7 @@ def _eos_id(tokenizer, eos_token: str, name: str, configured: str = "") -> int:
 
 
 def _open_files(data, workdir, progress: bool, model_vocab_size: int | None) -> TokenSource:
-  files = match_files(data.source)
+  files = sources.match_files(data.source, exclude=sources.run_outputs(data, workdir))
   tokenizer = load_tokenizer(data.tokenizer, data.eos_token)
   check_vocab(data.tokenizer, tokenizer.vocab_size, model_vocab_size)
   cache = cache_root(data, workdir) / cache_name(data, tokenizer)

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero.config import DataConfig
 from jaxzero.data import batches as batches_lib
+from jaxzero.data import sources
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import DataError
 from jaxzero.parallel.mesh import AXES, make_mesh
@@ -115,6 +116,16 @@ def test_cache_is_reused_until_a_source_file_changes(corpus, tokenizer_file, tmp
   assert len(calls) == 3  # another tokenizer gets its own entry ...
   tokens_lib.open_tokens(cfg, None, progress=False)
   assert len(calls) == 3  # ... and leaves this one valid
+  # Replaced by a file of the same size and modification time (cp -p, rsync -t, tar):
+  # another file all the same (its inode and change time differ).
+  import os  # pylint: disable=import-outside-toplevel
+  stat = (corpus / "b.jsonl").stat()
+  replacement = corpus / "b.new"
+  replacement.write_bytes((corpus / "b.jsonl").read_bytes().replace(b"lazy", b"LAZY"))
+  os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  replacement.replace(corpus / "b.jsonl")
+  tokens_lib.open_tokens(cfg, None, progress=False)
+  assert len(calls) == 4
 
 
 # ----------------------------------------------------------------------------- batches
@@ -273,3 +284,64 @@ def test_a_training_split_too_short_after_the_held_out_part_names_eval_fraction(
   with pytest.raises(DataError, match=r"the training split, after data.eval_fraction=0.99999 "
                      r"of [\d,]+ tokens is held out: corpus has \d+ tokens, fewer than"):
     pipeline.open_data(run, tmp_path, 8, progress=False)
+
+
+def test_a_directory_names_each_file_once_however_links_reach_it(tmp_path, caplog):
+  """Links to directories are not followed (a loop hung the search, an alias repeated
+  files); a linked source directory works (it crashed); a file's name with glob
+  characters is that file; suffixes in any case count, other files are named as left
+  out; the run's own directories are never its data."""
+  import logging  # pylint: disable=import-outside-toplevel
+  root = tmp_path / "corpus"
+  (root / "sub").mkdir(parents=True)
+  for name in ("a.txt", "B.TXT", "data1.txt", "data[1].txt", "notes.md", "sub/c.txt"):
+    (root / name).write_text(f"text of {name}\n")
+  (root / "sub" / "up").symlink_to("..")  # a loop
+  (root / "alias").symlink_to("sub")  # the same files again
+  (root / "run" / "checkpoints").mkdir(parents=True)
+  (root / "run" / "metrics.jsonl").write_text('{"step": 1}\n')  # a workdir inside it
+  (tmp_path / "link").symlink_to(root)
+  names = lambda files: [str(p.relative_to(root)) for p in files]
+  with caplog.at_level(logging.WARNING):
+    found = sources.match_files(str(tmp_path / "link"),
+                                   exclude=sources.run_outputs(DataConfig(), root / "run"))
+  assert [str(p.relative_to(tmp_path / "link")) for p in found] == [
+      "B.TXT", "a.txt", "data1.txt", "data[1].txt", "sub/c.txt"]
+  assert "holds 1 file(s) that are not .txt, .jsonl, .parquet, left out" in caplog.text
+  assert "reaches 1 file(s) a run writes" in caplog.text
+  assert names(sources.match_files(str(root / "data[1].txt"))) == ["data[1].txt"]
+  assert len(sources.match_files(str(root / "**" / "*.txt"))) == 4  # each file once
+  # The held-out-name warning of a linked directory source (it raised ValueError).
+  from jaxzero.data import pipeline  # pylint: disable=import-outside-toplevel
+  warn = pipeline._warn_of_held_out_files  # pylint: disable=protected-access
+  warn(DataConfig(source=str(tmp_path / "link")))
+
+
+def test_a_byte_order_mark_is_no_text_and_an_undecodable_byte_is_found_in_the_file(tmp_path):
+  plain = tokens_lib.open_tokens(config(write(tmp_path / "a.txt", "hello\n"),
+                                        cache_dir=tmp_path / "c1"), None, progress=False).tokens
+  for name, data in (("b.txt", b"\xef\xbb\xbfhello\n"),
+                     ("b.jsonl", b'\xef\xbb\xbf{"text": "hello\\n"}\n')):
+    (tmp_path / name).write_bytes(data)
+    marked = tokens_lib.open_tokens(config(tmp_path / name, cache_dir=tmp_path / name[2:]),
+                                    None, progress=False).tokens
+    assert np.array_equal(marked, plain), name
+  # Past the text reader's buffer: the offset is the file's (it was the buffer's).
+  (tmp_path / "bad.txt").write_bytes(b"x" * 99_999 + b"\n" + b"abc\xff")
+  with pytest.raises(DataError, match=r"bad.txt: not UTF-8 text \(invalid start byte at byte "
+                                      r"100,003, line 2\)"):
+    tokens_lib.open_tokens(config(tmp_path / "bad.txt", cache_dir=tmp_path / "c3"), None,
+                           progress=False)
+
+
+def test_a_parquet_file_whose_data_page_is_damaged_is_one_line(tmp_path):
+  pq = pytest.importorskip("pyarrow.parquet")
+  pa = pytest.importorskip("pyarrow")
+  path = tmp_path / "d.parquet"
+  pq.write_table(pa.table({"text": ["hello world"] * 1000}), path)
+  damaged = bytearray(path.read_bytes())
+  damaged[4:40] = b"\x07" * 36  # the first page's header; the footer still reads
+  path.write_bytes(bytes(damaged))
+  with pytest.raises(DataError, match=r"d.parquet: not a readable Parquet file \(.*page header"):
+    tokens_lib.open_tokens(config(path, cache_dir=tmp_path / "c"), None, progress=False)
+
