@@ -369,6 +369,16 @@ def _row(runner: Runner, state: dict, variant: Variant, stats, micro: int, fits:
       host_update_bytes=state.get("host_update", 0), seconds=seconds, step_s=step_s, bound=bound)
 
 
+def _kept_text(stages: int, micro: int, schedule: str, virtual: int) -> str:
+  """What a stage keeps for its backward (pipeline.kept_for_backward), in words."""
+  residuals, inputs = pipeline.kept_for_backward(stages, micro, schedule, virtual)
+  if schedule == "1f1b":
+    return f"one micro-batch's residuals and the inputs of {inputs} of its {micro}"
+  if virtual > 1:
+    return f"{inputs} ticks' chunk inputs and one chunk's residuals"
+  return f"{int(residuals)} ticks' residuals ({micro} micro-batches and the bubble's)"
+
+
 def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:
   notes = []
   if cfg.precision.compute != "float32":
@@ -389,9 +399,8 @@ def _notes(cfg: Config, sweep, rows: list[Row]) -> list[str]:
         f"{named}, {micro} micro-batches a step: bubble {pipeline.BUBBLE_FORMULAS[schedule]} = "
         f"{pipeline.bubble_fraction(stages, micro, schedule, virtual):.1%}"
         f"{' of its slots (a slot lasts a backward)' if schedule == '1f1b' else ''}; each "
-        "stage holds "
-        f"the inputs of {pipeline.inputs_held(stages, micro, schedule)} of its {micro} "
-        "micro-batches at once (in 'activations'); the state columns are one "
+        f"stage keeps for its backward {_kept_text(stages, micro, schedule, virtual)} "
+        "(in 'activations'); the state columns are one "
         "device's, with its stage's layers only, the ZeRO formula column the whole model's over N")
   if any(not r.xla_separates_host for r in rows):
     notes.append("XLA's CPU compiler does not separate pinned_host memory: its figures count "

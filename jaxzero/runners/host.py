@@ -139,11 +139,18 @@ class HostRunner(nvme.NvmeRunner):
         # (DPU: a step's gradients wait on the host for the update in flight.)
         host_process=on_host + workspace + self.delayed * params * grad,
         host_store=on_host, host_workspace=workspace,
-        # DPU: the weights' copy the update writes while the next step reads these.
-        delayed_copy=self.delayed * planned["params"],
+        # DPU: the weights' copy the update writes while the next step reads these, and
+        # the gradients of the leaves it updates on the device (Twin-Flow's layers).
+        delayed_copy=self.delayed * (planned["params"] + self._device_leaves_grad_bytes()),
         transfer=planned["transfer"] + params * (grad + compute) // devices,
         host_update=params * (grad + 2 * 4 * kinds + compute))
     return planned
+
+  def _device_leaves_grad_bytes(self) -> int:
+    """Per device: the gradient bytes of the leaves with a chunk updated on the device."""
+    grad = state_bytes_lib.grad_bytes_per_param(self.program)
+    return int(sum(grad * np.prod(leaf.sharding.shard_shape(leaf.shape)) for leaf in self.leaves
+                   if any(self.keeps_on_device(leaf, s) for s in leaf.starts())))
 
   def open_store(self) -> host_store.HostStore:
     # DPU: the update in flight is the replaced state's; it ends with its store, and the
@@ -319,7 +326,8 @@ class HostRunner(nvme.NvmeRunner):
     sh, store = self.program.shardings, state.store
     params = jax.tree.leaves(jax.device_put(state.params, on_device(sh.params)))
     scalars = jax.tree.leaves(state.opt_state)
-    grads = grads if isinstance(grads, list) else jax.tree.leaves(grads)  # (DPU: a list)
+    # (DPU's: None where no chunk of the leaf is updated on the device.)
+    grads = jax.tree.leaves(grads, is_leaf=lambda x: x is None)
     scale = jnp.float32(1.0) if scale is None else scale
     # Each host device's copy of the replicated values (this process's, across processes).
     local = [_local(x) for x in (*scalars, grad_norm, scale)]

@@ -43,11 +43,14 @@ def test_the_plan_and_the_check_count_what_the_runner_keeps_on_the_device():
 
 
 @pytest.mark.slow
-def test_a_delayed_update_holds_one_copy_of_the_weights_and_no_gradient_on_the_device():
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_a_delayed_update_holds_what_the_plan_counts_on_the_device(fraction):
   """The device's live bytes after each gradient step: DPU's are one weights' copy over
-  the exact update's (it held the whole gradient too, for the update in flight)."""
+  the exact update's (it held the whole gradient too, for the update in flight), and
+  under Twin-Flow the gradients of the leaves updated on the device: what the plan says."""
   def live_after_gradient_steps(delayed: bool) -> tuple[list[float], int]:
-    cfg = tiny(3, "pinned_host", delayed_update=delayed, delayed_update_after=0)
+    cfg = tiny(3, "pinned_host", delayed_update=delayed, delayed_update_after=0,
+               optimizer_fraction=fraction)
     program = engine(cfg)
     runner = make_runner(program)
     mesh_devices = set(program.layout.mesh.devices.flat)
@@ -65,12 +68,49 @@ def test_a_delayed_update_holds_one_copy_of_the_weights_and_no_gradient_on_the_d
     step = runner.compile(state, jax.device_put(tokens[0], program.batch_sharding))
     for batch in tokens:
       state, _ = step(state, jax.device_put(batch, program.batch_sharding))
-    params = runner.plan()["params"]
+    planned = runner.plan()["delayed_copy"]
     runner.close()
-    return seen, params
-  exact, params = live_after_gradient_steps(False)
-  delayed, _ = live_after_gradient_steps(True)
-  # (Beside the copy, a few gradient boxes still on their way down: 15% seen; the whole
+    return seen, planned
+  exact, _ = live_after_gradient_steps(False)
+  delayed, planned = live_after_gradient_steps(True)
+  # (Beside it, a few gradient boxes still on their way down: 15-31% seen; the whole
   # gradient held was 100% more.)
   extra = delayed[-1] - exact[-1]
-  assert 0.9 * params <= extra <= 1.25 * params, (extra, params)
+  assert 0.9 * planned <= extra <= 1.4 * planned, (extra, planned)
+
+
+@pytest.mark.slow
+def test_parameters_in_a_top_level_list_update_on_the_host():
+  """A user's parameters as a list of subtrees (Model.specs is any tree): the update took
+  the list for its flattened gradient leaves (an AttributeError)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  import jaxzero  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  def init(key):
+    k1, k2 = jax.random.split(key)
+    return [{"w": jax.random.normal(k1, (16, 64)) * 0.2, "b": jnp.zeros((64,))},
+            {"w": jax.random.normal(k2, (64, 8)) * 0.2, "b": jnp.zeros((8,))}]
+
+  def apply(p, x):
+    return jnp.tanh(x @ p[0]["w"] + p[0]["b"]) @ p[1]["w"] + p[1]["b"]
+
+  def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+  rng = np.random.default_rng(2)
+  batches = [{"x": rng.normal(size=(16, 16)).astype(np.float32),
+              "y": rng.normal(size=(16, 8)).astype(np.float32)} for _ in range(2)]
+  losses = {}
+  for offload in (None, "pinned_host"):
+    e = jaxzero.Engine((init, apply), optimizer=optax.adamw(1e-2), loss_fn=loss_fn,
+                       zero=jaxzero.Zero(stage=3),
+                       mesh=jaxzero.mesh(fsdp=8, devices=jax.devices()[:8]),
+                       min_shard_size=0, offload=offload)
+    state, losses[offload] = e.init(jax.random.key(0)), []
+    for batch in batches:
+      state, metrics = e.step(state, batch)
+      losses[offload].append(float(metrics["loss"]))
+    e.close()
+  np.testing.assert_allclose(losses["pinned_host"], losses[None], rtol=1e-6)
+
