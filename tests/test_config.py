@@ -294,3 +294,9 @@ def test_settings_that_do_not_do_what_they_seem_are_said_at_start():
   assert [line.split(" ")[0] for line in said] == [
       "train.warmup_steps=500", "offload.nvme_dir='/nvme'", "data.eval_fraction=0.01"]
   assert "never reaches train.lr=" in said[0] and "never evaluates" in said[2]
+  # DPU's warm-up: unused without DPU, or so long that DPU never runs.
+  for sets, expected in ((["offload.delayed_update_after=5"], "delayed_update is off"),
+                         (["offload.optimizer=pinned_host", "offload.delayed_update=true",
+                           "train.steps=40"], "every step is exact, DPU never runs")):
+    said = config.notices(config.apply_overrides(config.base(), sets))
+    assert len(said) == 1 and expected in said[0], said

@@ -13,7 +13,7 @@ import traceback
 
 from jaxzero.config import mesh_checks
 from jaxzero.config.overrides import apply_overrides, check_literals, check_types
-from jaxzero.config.sections import Config, PrecisionConfig
+from jaxzero.config.sections import Config, OffloadConfig, PrecisionConfig
 from jaxzero.errors import ConfigError
 from jaxzero.models import lora as lora_lib
 
@@ -313,6 +313,13 @@ def notices(cfg: Config) -> list[str]:
   if o.nvme_dir and "nvme" not in (o.optimizer, o.params):
     said.append(f"offload.nvme_dir={o.nvme_dir!r} is unused: nothing is offloaded to NVMe "
                 "(offload.optimizer=nvme or offload.params=nvme)")
+  default_after = OffloadConfig.delayed_update_after
+  if o.delayed_update_after != default_after and not o.delayed_update:
+    said.append(f"offload.delayed_update_after={o.delayed_update_after} is unused: "
+                "offload.delayed_update is off (every step is exact)")
+  elif o.delayed_update and o.delayed_update_after >= t.steps:
+    said.append(f"offload.delayed_update_after={o.delayed_update_after} is not before "
+                f"train.steps={t.steps}: every step is exact, DPU never runs")
   if d.eval_fraction and not cfg.eval.every:
     said.append(f"data.eval_fraction={d.eval_fraction} holds data out of training that "
                 "eval.every=0 never evaluates: set eval.every, or leave data.eval_fraction 0")
