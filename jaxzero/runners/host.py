@@ -61,8 +61,7 @@ class HostRunner(nvme.NvmeRunner):
     self.fraction = offload.optimizer_fraction
     stacked = [leaf for leaf in self.leaves if leaf.stacked]
     self.n_layers = stacked[0].shape[0] if stacked else 0
-    # DeepSpeed's rule (stage3.py): int((1 - ratio) x layers) on the device, the rest
-    # on the host, however a half would round.
+    # DeepSpeed's rule (stage3.py): int((1 - ratio) x layers) on the device.
     self.device_layers = int((1 - self.fraction) * self.n_layers)
     self._host_units: dict[str, Any] = {}
     self._first_units: dict[str, Any] = {}
@@ -122,10 +121,9 @@ class HostRunner(nvme.NvmeRunner):
     """The program's bytes (weights in pinned_host counted in `host` and `pinned_pool`)
     with the host store's share: per device, and this process's (`host_process`: the
     store and the update's workspace, outside XLA's pinned pool, which the memory check
-    adds). `transfer` adds each host
-    chunk's gradient down and its new compute-dtype box up; `host_update` is the bytes the
-    host's update reads and writes a step (the gradient read; K copies read and written;
-    the compute copy written)."""
+    adds). `transfer` adds each host chunk's gradient down and its new compute-dtype box
+    up; `host_update` is the bytes the host's update reads and writes a step (the gradient
+    read; K copies read and written; the compute copy written)."""
     planned = self.program.state_bytes()
     devices = len(self.program.layout.mesh.local_devices)
     kinds = len(self.leaves[0].kinds)
@@ -141,16 +139,12 @@ class HostRunner(nvme.NvmeRunner):
         host_store=on_host, host_workspace=workspace,
         # DPU: the weights' copy the update writes while the next step reads these, and
         # the gradients of the leaves it updates on the device (Twin-Flow's layers).
-        delayed_copy=self.delayed * (planned["params"] + self._device_leaves_grad_bytes()),
+        delayed_copy=self.delayed * (planned["params"] + int(sum(
+            grad * np.prod(leaf.sharding.shard_shape(leaf.shape)) for leaf in self.leaves
+            if any(self.keeps_on_device(leaf, s) for s in leaf.starts())))),
         transfer=planned["transfer"] + params * (grad + compute) // devices,
         host_update=params * (grad + 2 * 4 * kinds + compute))
     return planned
-
-  def _device_leaves_grad_bytes(self) -> int:
-    """Per device: the gradient bytes of the leaves with a chunk updated on the device."""
-    grad = state_bytes_lib.grad_bytes_per_param(self.program)
-    return int(sum(grad * np.prod(leaf.sharding.shard_shape(leaf.shape)) for leaf in self.leaves
-                   if any(self.keeps_on_device(leaf, s) for s in leaf.starts())))
 
   def open_store(self) -> host_store.HostStore:
     # DPU: the update in flight is the replaced state's; it ends with its store, and the
@@ -241,8 +235,7 @@ class HostRunner(nvme.NvmeRunner):
   # -- the step ------------------------------------------------------------------------
 
   def step(self, state: NvmeState, batch: jax.Array, grad_step=None):
-    self.check_current(state)
-    # DPU from the step after its warm-up (the first steps exact, none in flight).
+    self.check_current(state)  # (DPU after its warm-up: the first steps exact)
     if not self.delayed or int(jax.device_get(state.step)) < self.delayed_after:
       return super().step(state, batch, grad_step)
     return self._delayed_step(state, batch, grad_step)

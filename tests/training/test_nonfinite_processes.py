@@ -78,8 +78,9 @@ def finish(process):
 
 
 def losses(workdir):
+  """The losses metrics.jsonl records, NaN where it wrote null (a non-finite value)."""
   lines = (workdir / "metrics.jsonl").read_text().splitlines()
-  return [json.loads(line)["loss"] for line in lines]
+  return np.array([json.loads(line)["loss"] for line in lines], dtype=float)
 
 
 def test_stop_ends_both_processes_with_one_line_and_saves_nothing_poisoned(runs):
