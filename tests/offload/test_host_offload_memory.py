@@ -3,6 +3,8 @@ the start-up check count it: Twin-Flow's optimizer layers (DeepSpeed's split of 
 DPU's copy of the weights, and no more (the update in flight holds no gradient that is
 already on its way down)."""
 
+import threading
+
 import jax
 import pytest
 
@@ -61,8 +63,18 @@ def test_a_delayed_update_holds_what_the_plan_counts_on_the_device(fraction):
       live = [a for a in jax.live_arrays() if a.sharding.device_set == mesh_devices]
       seen.append(sum(a.nbytes / (1 if a.sharding.is_fully_replicated else len(mesh_devices))
                       for a in live))
+      measured_once.set()
       return out
     runner._gradients = measured  # pylint: disable=protected-access
+    # The update in flight waits until the next gradient step is measured: what DPU
+    # holds then does not depend on how fast the host updates.
+    measured_once, update = threading.Event(), runner._update  # pylint: disable=protected-access
+
+    def held(*args, **kwargs):
+      measured_once.wait()
+      measured_once.clear()
+      return update(*args, **kwargs)
+    runner._update = held  # pylint: disable=protected-access
     tokens = batches(cfg)
     state = runner.init()
     step = runner.compile(state, jax.device_put(tokens[0], program.batch_sharding))
