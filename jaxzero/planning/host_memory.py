@@ -72,8 +72,7 @@ def pinned_bytes(program, state: dict, local_devices: int, estimate_activations:
   if estimate_activations and cfg.remat.policy == "offload_matmuls":
     rows = mesh_lib.micro_batch(cfg.train, program.layout.data_parallel_size)
     activations = pinned_pool.offloaded_matmul_bytes(cfg, rows)
-  copy = state.get("delayed_copy", 0) if cfg.offload.params == "pinned_host" else 0
-  return (weights + copy + gradient + activations) * local_devices
+  return (weights + state.get("delayed_pinned", 0) + gradient + activations) * local_devices
 
 
 def save_copy_bytes(runner, devices) -> int:

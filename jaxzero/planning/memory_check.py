@@ -64,7 +64,7 @@ class Budget:
   save_copy: int = 0  # of host_process, a checkpoint save's copy of the device state
   # False for a user's model (model_factory): its activations are not estimated (0 above).
   activations_estimated: bool = True
-  delayed_copy: int = 0  # DPU's copy of the weights on the device (offload.delayed_update)
+  delayed: int = 0  # what DPU keeps on the device beside the state (its weights' copy)
 
   @property
   def activations_text(self) -> str:
@@ -95,7 +95,7 @@ class Budget:
   @property
   def needed(self) -> int:
     """What must fit in `available`: on a CPU host memory is device memory."""
-    on_device = self.state + self.delayed_copy + self.activations - self.disk
+    on_device = self.state + self.delayed + self.activations - self.disk
     return on_device if self.platform == "cpu" else on_device - self.host
 
   @property
@@ -229,8 +229,7 @@ def budget(runner, devices, estimate_activations: bool | None = None,
                 local_devices=local, pinned_process=host.pinned, save_copy=host.save_copy,
                 pinned_limit=None if not host.pinned else pinned_pool.limit_bytes(),
                 activations_estimated=estimate_activations,
-                delayed_copy=state.get("delayed_copy", 0) if cfg.offload.params == "device"
-                else 0)
+                delayed=state.get("delayed_device", 0))
 
 
 # ----------------------------------------------------------------------------

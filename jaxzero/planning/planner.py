@@ -190,8 +190,7 @@ def beside_program(runner: Runner, state: dict) -> int:
   if runner.device_program != "gradients":
     return 0
   offloaded = state["nvme"] + state["host"] - state.get("pinned_pool", state["host"])
-  copy = state.get("delayed_copy", 0) if runner.program.cfg.offload.params == "device" else 0
-  return max(0, state["optimizer"] - offloaded) + copy
+  return max(0, state["optimizer"] - offloaded) + state.get("delayed_device", 0)
 
 
 def device_bytes(stats, cfg: Config, state: dict, micro: int, beside: int = 0) -> int:

@@ -61,13 +61,12 @@ class HostRunner(nvme.NvmeRunner):
     self.fraction = offload.optimizer_fraction
     stacked = [leaf for leaf in self.leaves if leaf.stacked]
     self.n_layers = stacked[0].shape[0] if stacked else 0
-    # DeepSpeed's rule (stage3.py): int((1 - ratio) x layers) on the device.
-    self.device_layers = int((1 - self.fraction) * self.n_layers)
+    self.device_layers = int((1 - self.fraction) * self.n_layers)  # DeepSpeed's (stage3.py)
     self._host_units: dict[str, Any] = {}
     self._first_units: dict[str, Any] = {}
     self._device_fns: dict[str, Any] = {}
     self._pending: concurrent.futures.Future | None = None  # DPU: the update in flight
-    # DPU's copy of the weights the next gradient step reads, placed where they live.
+    # DPU's copy of the weights (the next gradient step reads them), where they live.
     self._copy_weights = jax.jit(lambda params: jax.tree.map(jnp.copy, params),
                                  out_shardings=program.shardings.params)
     self._thread = concurrent.futures.ThreadPoolExecutor(1, "jaxzero-host-update")
@@ -125,23 +124,24 @@ class HostRunner(nvme.NvmeRunner):
     up; `host_update` is the bytes the host's update reads and writes a step (the gradient
     read; K copies read and written; the compute copy written)."""
     planned = self.program.state_bytes()
-    devices = len(self.program.layout.mesh.local_devices)
-    kinds = len(self.leaves[0].kinds)
+    devices, kinds = len(self.program.layout.mesh.local_devices), len(self.leaves[0].kinds)
     on_host = self.host_bytes()
     params = on_host // (4 * kinds)  # parameters updated on the host, this process
     compute = np.dtype(engine_lib.dtype_of(self.cfg.precision.compute)).itemsize
     grad = state_bytes_lib.grad_bytes_per_param(self.program)
-    workspace = self.workspace_bytes()
+    workspace, copy = self.workspace_bytes(), planned["params"]
+    pinned = self.cfg.offload.params == "pinned_host"
     planned.update(
         nvme=0, host=planned["host"] + self.host_bytes_per_device(), pinned_pool=planned["host"],
         # (DPU: a step's gradients wait on the host for the update in flight.)
         host_process=on_host + workspace + self.delayed * params * grad,
         host_store=on_host, host_workspace=workspace,
-        # DPU: the weights' copy the update writes while the next step reads these, and
-        # the gradients of the leaves it updates on the device (Twin-Flow's layers).
-        delayed_copy=self.delayed * (planned["params"] + int(sum(
+        # DPU: the weights' copy its update writes (where they live), the gradients it
+        # updates on the device (Twin-Flow's).
+        delayed_device=self.delayed * (copy * (not pinned) + int(sum(
             grad * np.prod(leaf.sharding.shard_shape(leaf.shape)) for leaf in self.leaves
             if any(self.keeps_on_device(leaf, s) for s in leaf.starts())))),
+        delayed_pinned=self.delayed * copy * pinned,
         transfer=planned["transfer"] + params * (grad + compute) // devices,
         host_update=params * (grad + 2 * 4 * kinds + compute))
     return planned

@@ -40,7 +40,7 @@ def test_the_plan_and_the_check_count_what_the_runner_keeps_on_the_device():
   # does in it (the plan left it out: "fits" where it did not).
   assert all_host <= 8 < half < all_device == state["optimizer"]  # (8: the step counts)
   # DPU: a second copy of the weights, in the plan and in the start-up check.
-  assert delayed - all_host == delayed_state["delayed_copy"] == state["params"] > 0
+  assert delayed - all_host == delayed_state["delayed_device"] == state["params"] > 0
   assert delayed_needed == needed + state["params"]
 
 
@@ -80,7 +80,7 @@ def test_a_delayed_update_holds_what_the_plan_counts_on_the_device(fraction):
     step = runner.compile(state, jax.device_put(tokens[0], program.batch_sharding))
     for batch in tokens:
       state, _ = step(state, jax.device_put(batch, program.batch_sharding))
-    planned = runner.plan()["delayed_copy"]
+    planned = runner.plan()["delayed_device"]
     runner.close()
     return seen, planned
   exact, _ = live_after_gradient_steps(False)
