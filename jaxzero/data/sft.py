@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxzero.data import batches as batches_lib
 from jaxzero.data import cache as cache_lib
-from jaxzero.data import chat
+from jaxzero.data import chat, documents
 from jaxzero.data import sources
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import DataError
@@ -118,7 +118,7 @@ def _records(path: pathlib.Path) -> Iterator[tuple[str, object]]:
             yield f"{path.name}:{line_no}", chat.Skip(f"not valid JSON ({e.__class__.__name__})")
     return
   row = 0
-  for batch in tokens_lib.open_parquet(path).iter_batches(batch_size=tokens_lib.ENCODE_BATCH):
+  for batch in documents.open_parquet(path).iter_batches(batch_size=documents.PARQUET_ROWS):
     for record in batch.to_pylist():
       row += 1
       yield f"{path.name}:row {row}", record
@@ -182,7 +182,7 @@ def _write_examples(files, tokenizer, template, data, partial: dict, progress: b
           if isinstance(record, chat.Skip):
             raise record
           text, spans, plain = chat.record_text(record, data.format, template)
-          if not tokens_lib.is_unicode(text):
+          if not documents.is_unicode(text):
             raise chat.Skip("a lone UTF-16 surrogate (half of a character)")
           pending.append((where, text, spans, plain))
         except chat.Skip as reason:

@@ -2,8 +2,8 @@
 
 ``data.source`` is ``"stdlib"`` (the Python standard library's source files as bytes,
 vocabulary 256) or a path, directory or glob of ``.txt``, ``.jsonl`` or ``.parquet`` files
-(jaxzero.data.sources), tokenized once with ``data.tokenizer`` into a memory-mapped token
-file plus a JSON index in ``data.cache_dir``. The cache is reused only while the index
+(jaxzero.data.sources, read by jaxzero.data.documents), tokenized once with
+``data.tokenizer`` into a memory-mapped token file plus a JSON index in ``data.cache_dir``. The cache is reused only while the index
 matches the source files (paths, sizes, modification and change times, inodes) and the
 tokenizer (content hash). Documents are joined into one stream, each followed by the
 tokenizer's end-of-text token (NUL for bytes); jaxzero.data.batches cuts it.
@@ -11,7 +11,6 @@ tokenizer's end-of-text token (NUL for bytes); jaxzero.data.batches cuts it.
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import functools
 import hashlib
@@ -19,13 +18,13 @@ import json
 import os
 import pathlib
 import sysconfig
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from jaxzero.data.cache import (INDEX_FILE, TOKENS_FILE, cache_name, cache_root, cached,
                                 index_header, read_index, remove_on_failure)
-from jaxzero.data import sources
+from jaxzero.data import documents, sources
 from jaxzero.errors import DataError
 from jaxzero.utils.files import write_json_atomic
 
@@ -36,8 +35,6 @@ BYTE_SEPARATOR = 0
 # End-of-document tokens of common tokenizer families, tried in this order:
 # Llama 3, GPT-2/NeoX/Qwen, Llama 1-2/Mistral, Gemma.
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
-# .txt documents are tokenized in line-aligned pieces of about this many characters.
-TEXT_CHUNK = 1 << 20
 # Pieces encoded per call of the tokenizer (it parallelises within a call).
 ENCODE_BATCH = 1024
 
@@ -103,140 +100,6 @@ def stdlib_corpus(max_bytes: int) -> np.ndarray:
     if total >= max_bytes:
       break
   return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
-
-
-class _Piece(NamedTuple):
-  """Part of a document; a document is its pieces in order."""
-  text: str
-  first: bool  # begins a document: the tokenizer adds its start tokens
-  last: bool  # ends a document: the separator follows
-  size: int  # bytes of the source file it accounts for (progress)
-
-  @property
-  def empty(self) -> bool:
-    """An empty document, skipped; an empty last piece still ends its document."""
-    return self.first and not self.text
-
-
-def _pieces(path: pathlib.Path, text_field: str) -> Iterator[_Piece]:
-  reader = {".txt": _text_pieces, ".jsonl": _jsonl_pieces, ".parquet": _parquet_pieces}
-  return reader[path.suffix.lower()](path, text_field)
-
-
-def _text_pieces(path: pathlib.Path, _field: str) -> Iterator[_Piece]:
-  """A .txt file is one document, read in line-aligned pieces to bound memory."""
-  lines, chars, first = [], 0, True
-  try:
-    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is no text)
-      for line in f:
-        lines.append(line)
-        chars += len(line)
-        if chars >= TEXT_CHUNK:
-          text = "".join(lines)
-          yield _Piece(text, first, False, len(text.encode()))
-          lines, chars, first = [], 0, False
-  except UnicodeDecodeError as e:
-    offset = _first_undecodable_byte(path)
-    raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {offset:,}, line "
-                    f"{_line_of(path, offset):,})") from None
-  text = "".join(lines)
-  if text or not first:
-    yield _Piece(text, first, True, len(text.encode()))
-
-
-def _first_undecodable_byte(path: pathlib.Path) -> int:
-  """The file offset of the first byte that is not UTF-8 (the text reader's error counts
-  from its buffer)."""
-  decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
-  with open(path, "rb") as f:
-    while chunk := f.read(1 << 20):
-      pending = len(decoder.getstate()[0])  # bytes of a character begun in the last chunk
-      try:
-        decoder.decode(chunk)
-      except UnicodeDecodeError as e:
-        return offset - pending + e.start
-      offset += len(chunk)
-  return offset
-
-
-def _line_of(path: pathlib.Path, offset: int) -> int:
-  with open(path, "rb") as f:
-    return f.read(offset).count(b"\n") + 1
-
-
-def _jsonl_pieces(path: pathlib.Path, field: str) -> Iterator[_Piece]:
-  with open(path, "rb") as f:
-    for line_no, line in enumerate(f, 1):
-      if line_no == 1:
-        line = line.removeprefix(codecs.BOM_UTF8)  # (a byte-order mark is no JSON)
-      text = _json_text(line, field, path, line_no) if line.strip() else ""
-      yield _Piece(text, True, True, len(line))
-
-
-def _json_text(line: bytes, field: str, path: pathlib.Path, line_no: int) -> str:
-  try:
-    record = json.loads(line)
-  except (ValueError, RecursionError) as e:  # (JSONDecodeError and UnicodeDecodeError too)
-    raise DataError(f"{path}:{line_no}: not valid JSON ({e})") from None
-  if not isinstance(record, dict) or field not in record:
-    keys = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
-    raise DataError(f"{path}:{line_no}: no {field!r} field (found {keys}); "
-                    "set data.text_field")
-  text = record[field]
-  if not isinstance(text, str):
-    raise DataError(f"{path}:{line_no}: field {field!r} is {type(text).__name__}, not a string")
-  if not is_unicode(text):
-    raise DataError(f"{path}:{line_no}: field {field!r} holds a lone UTF-16 surrogate (a "
-                    "\\ud800-\\udfff escape, half of a character), which no tokenizer encodes")
-  return text
-
-
-def is_unicode(text: str) -> bool:
-  """Whether `text` encodes as UTF-8: a JSON string can hold half of a surrogate pair."""
-  try:
-    text.encode()
-  except UnicodeEncodeError:
-    return False
-  return True
-
-
-def open_parquet(path: pathlib.Path):
-  """A pyarrow ParquetFile, or one line naming what is wrong."""
-  try:
-    import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise DataError(f"{path}: reading Parquet needs pyarrow: "
-                    "pip install 'jaxzero[parquet]'") from None
-  try:
-    return pq.ParquetFile(path)
-  except Exception as e:  # pyarrow raises several types for a bad file
-    raise DataError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
-
-
-def _one_line(error: BaseException) -> str:
-  return " ".join(str(error).split())
-
-
-def _parquet_pieces(path: pathlib.Path, column: str) -> Iterator[_Piece]:
-  table = open_parquet(path)
-  names = table.schema_arrow.names
-  if column not in names:
-    raise DataError(f"{path}: no column {column!r} (columns: {', '.join(names)}); "
-                    "set data.text_field")
-  rows = max(table.metadata.num_rows, 1)
-  bytes_per_row = path.stat().st_size / rows
-  batches = table.iter_batches(batch_size=ENCODE_BATCH, columns=[column])
-  while True:
-    try:
-      batch = next(batches, None)
-    except Exception as e:  # pylint: disable=broad-except  # pyarrow's, for a damaged page
-      raise DataError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
-    if batch is None:
-      return
-    for text in batch.column(0).to_pylist():
-      if text is not None and not isinstance(text, str):
-        raise DataError(f"{path}: column {column!r} holds {type(text).__name__}, not strings")
-      yield _Piece(text or "", True, True, int(bytes_per_row))
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -389,9 +252,8 @@ def _tokenize_file(path: pathlib.Path, tokenizer: TextTokenizer, text_field: str
                    bar) -> dict:
   """Appends one file's tokens to `out`; returns its token and document counts."""
   counts = {"tokens": 0, "documents": 0}
-  batch: list[_Piece] = []
-  pieces = _pieces(path, text_field)
-  for piece in pieces:
+  batch: list[documents.Piece] = []
+  for piece in documents.pieces(path, text_field):
     batch.append(piece)
     if len(batch) == ENCODE_BATCH:
       _write_pieces(batch, tokenizer, out, counts, bar)
@@ -400,7 +262,8 @@ def _tokenize_file(path: pathlib.Path, tokenizer: TextTokenizer, text_field: str
   return counts
 
 
-def _write_pieces(pieces: list[_Piece], tokenizer: TextTokenizer, out, counts: dict, bar) -> None:
+def _write_pieces(pieces: list[documents.Piece], tokenizer: TextTokenizer, out, counts: dict,
+                  bar) -> None:
   """Encodes pieces (start tokens only on first pieces) and appends them with separators."""
   encoded: list[np.ndarray | None] = [None] * len(pieces)
   for start in (True, False):

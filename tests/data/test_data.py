@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxzero.config import DataConfig
 from jaxzero.data import batches as batches_lib
+from jaxzero.data import documents as documents_lib
 from jaxzero.data import sources
 from jaxzero.data import tokens as tokens_lib
 from jaxzero.errors import DataError
@@ -95,6 +96,40 @@ def test_byte_level_text_file_is_its_bytes_then_nul(tmp_path):
   source = tokens_lib.open_tokens(config(path, cache_dir=tmp_path / "cache"), None, progress=False)
   assert np.asarray(source.tokens).tobytes() == "héllo\n".encode() + b"\0"
   assert source.vocab_size == 256
+
+
+def _trained(kind: str, text: str):
+  """A tiny BPE tokenizer of a Llama family: byte-level (Llama 3) or SentencePiece's
+  Metaspace (Llama 2, Mistral), starting each document with <s> and ending it with </s>."""
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet() if kind == "byte_level" else []
+  tok.pre_tokenizer = (tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+                       if kind == "byte_level" else tokenizers.pre_tokenizers.Metaspace())
+  tok.train_from_iterator([text], tokenizers.trainers.BpeTrainer(
+      vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet))
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
+      single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+  return tok
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
+def test_a_long_text_is_tokenized_in_bounded_pieces_as_it_is_whole(kind, tmp_path, monkeypatch):
+  rng = np.random.default_rng(0)
+  words = ["the", "fox", "naïve", "12345", "(x)", "don't", "\t", ""]
+  line = lambda n: " ".join(rng.choice(words, n))
+  # Short lines, then one line of 40 pieces' length: a file may be a single line.
+  text = "\n".join([line(int(n)) for n in rng.integers(0, 30, 60)] + [line(700), "", "end"])
+  tok = _trained(kind, text)
+  tok.save(str(tmp_path / "tokenizer.json"))
+  monkeypatch.setattr(documents_lib, "TEXT_CHUNK", 64)
+  pieces = list(documents_lib.text_pieces(write(tmp_path / "doc.txt", text), ""))
+  assert "".join(p.text for p in pieces) == text
+  assert len(pieces) > 40 and max(len(p.text) for p in pieces) <= 3 * 64
+  source = tokens_lib.open_tokens(config(tmp_path / "doc.txt", tmp_path / "tokenizer.json"),
+                                  tmp_path / "run", progress=False)
+  # The tokens of the whole text at once: each piece ends where the tokenizer splits words.
+  assert np.asarray(source.tokens).tolist() == tok.encode(text).ids + [tok.token_to_id("</s>")]
 
 
 def test_cache_is_reused_until_a_source_file_changes(corpus, tokenizer_file, tmp_path,
