@@ -132,6 +132,8 @@ def read_leaf_block(cfg: LlamaConfig, path: Path, index: tuple[slice, ...],
   ``tensor[hf_index]`` of one Hugging Face tensor (e.g. SafetensorsReader.read).
   It is asked for one layer's tensor at a time, and for only the part of it
   that ``index`` needs where the layout allows."""
+  if any(s.stop <= s.start for s in index):  # a device's shard wholly in a leaf's padding
+    return np.zeros([s.stop - s.start for s in index], dtype)
   tensor = _TENSORS[_TEMPLATE_OF[path]]
   shape = _layer_shape(cfg, path)
   if path[0] != "layers":

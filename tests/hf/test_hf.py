@@ -220,6 +220,25 @@ def test_zero3_load_shards_qwen2_biases(tmp_path):
                params_from_hf(state_dict, cfg))
 
 
+def test_a_shard_wholly_in_a_leafs_padding_is_zeros_not_a_read_past_the_tensor(tmp_path):
+  """dim 12 and 6 heads on 8 devices: leaves pad to 16 and 8, so the last shards hold
+  padding only (each read an empty slice of the file, which safetensors refused)."""
+  model = LlamaConfig(vocab_size=64, dim=12, n_layers=2, n_heads=6, n_kv_heads=3, mlp_dim=20,
+                      family="qwen2", qkv_bias=True)
+  state_dict = random_state_dict(model)
+  cfg = dataclasses.replace(config.base(), model=model, zero=config.ZeroConfig(min_shard_size=0),
+                            precision=config.PrecisionConfig(compute="float32"))
+  program = engine_lib.TrainProgram(cfg, Layout.from_config(cfg, make_mesh(1, 8)),
+                                    trainable.llama(model))
+  params = hf_load.load_params(write_checkpoint(tmp_path, model, state_dict), model,
+                               program.shardings.master)
+  assert params["final_norm"].shape == (16,) and params["layers"]["bq_LxHxE"].shape == (2, 8, 2)
+  want = params_from_hf(state_dict, model)
+  jax.tree.map(np.testing.assert_array_equal, program.padding.unpad(jax.device_get(params)), want)
+  nonzero = lambda tree: [np.count_nonzero(leaf) for leaf in jax.tree.leaves(tree)]
+  assert nonzero(jax.device_get(params)) == nonzero(want)  # zeros past the true shapes
+
+
 def test_bfloat16_checkpoint_loads_exactly(tmp_path):
   ml_dtypes = pytest.importorskip("ml_dtypes")
   cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=64)
