@@ -31,11 +31,16 @@ def write_config(cfg: config_lib.Config, workdir: pathlib.Path) -> pathlib.Path:
   path = workdir / CONFIG_FILE
   recorded = dataclasses.asdict(cfg)
   for section, field in _PATH_FIELDS:
-    named = pathlib.Path(recorded[section][field]).expanduser()
-    if recorded[section][field] and named.exists():
-      recorded[section][field] = str(named.absolute())
+    recorded[section][field] = recorded_path(recorded[section][field])
   write_json_atomic(path, recorded)
   return path
+
+
+def recorded_path(name: str) -> str:
+  """`name` as an absolute path where it names a file or directory here, for records read
+  from another directory; otherwise as given (a Hugging Face Hub id, an unset "")."""
+  path = pathlib.Path(name).expanduser()
+  return str(path.absolute()) if name and path.exists() else name
 
 
 def _devices(devices) -> str:

@@ -305,7 +305,8 @@ def _load_base(run: Run, path: str):
 def _lora_record(cfg: Config) -> dict | None:
   """What checkpoints record of the run's LoRA (jaxzero.models.lora.run_record)."""
   return lora_lib.run_record(cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets,
-                             cfg.init.hf_checkpoint, cfg.lora.base_dtype, cfg.lora.dropout)
+                             banner.recorded_path(cfg.init.hf_checkpoint),  # read elsewhere
+                             cfg.lora.base_dtype, cfg.lora.dropout)
 
 
 def _restore(run: Run, checkpoints: checkpoint_lib.Checkpointer,

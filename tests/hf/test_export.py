@@ -506,8 +506,8 @@ def export_run(tmp_path, base, init: bool = True, out=None, **data) -> pathlib.P
 
 def test_a_run_records_its_tokenizer_and_base_so_that_export_finds_them_from_anywhere(
     tmp_path, monkeypatch):
-  """A run started with relative paths records them absolute in WORKDIR/config.json: an
-  export run from elsewhere copies that tokenizer, not whatever the same relative path
+  """A run started with relative paths records them absolute in WORKDIR/config.json and in
+  a LoRA run's checkpoints: an export run from elsewhere copies that tokenizer, not whatever the same relative path
   names there (or nothing)."""
   hf_base(tmp_path / "train_here" / "base")
   cfg = config.base()
@@ -515,6 +515,9 @@ def test_a_run_records_its_tokenizer_and_base_so_that_export_finds_them_from_any
                             init=dataclasses.replace(cfg.init, hf_checkpoint="base"))
   monkeypatch.chdir(tmp_path / "train_here")
   banner.write_config(cfg, tmp_path / "w")
+  # A LoRA run's checkpoints name the base too (--merged and --peft read it from there).
+  lora = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=4))
+  assert loop._lora_record(lora)["base_model"] == str(tmp_path / "train_here" / "base")
   (tmp_path / "elsewhere" / "base").mkdir(parents=True)
   monkeypatch.chdir(tmp_path / "elsewhere")
   run = metadata.read_run(tmp_path / "w")
