@@ -64,8 +64,12 @@ def offloaded_matmul_bytes(cfg, rows: int) -> int:
   kv = 2 * m.n_kv_heads * (m.dim // m.n_heads)
   held = kept_for_backward(mesh.pipeline, t.grad_accum, cfg.pipeline.schedule,
                            cfg.pipeline.virtual_stages)[0] if mesh.pipeline > 1 else 1
+  # q, k, v, gate and up are split over mesh.tensor by heads and MLP columns; o's and
+  # down's outputs by the sequence (sequence parallelism), unless mesh.context splits it.
+  per_token = ((m.dim + kv + 2 * m.mlp_dim) / mesh.tensor
+               + 2 * m.dim / (mesh.tensor if mesh.context == 1 else 1))
   return int(rows * t.seq_len // mesh.context * (m.n_layers // mesh.pipeline) * held
-             * (3 * m.dim + kv + 2 * m.mlp_dim) // mesh.tensor * compute)
+             * per_token * compute)
 
 
 def size_for_run(cfg, local_devices: int, environ=os.environ) -> int | None:

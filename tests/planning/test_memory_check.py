@@ -42,6 +42,25 @@ def test_the_activation_estimate_follows_the_mesh(mesh):
   assert 0.6 <= estimate / compiled <= 2.0, (estimate, compiled)
 
 
+@pytest.mark.slow
+def test_under_context_and_tensor_each_layer_keeps_its_whole_input():
+  """Context 4 x tensor 2: the sequence is split over context, so a layer's saved input is
+  whole over tensor (no sequence parallelism); it was counted halved (0.48x of XLA's
+  bytes per layer). Vocabulary 256: a layer's weights, not the embedding's share."""
+  def both(layers):
+    cfg = config.load(TINY, [*SHAPE, "model.vocab_size=256", f"model.n_layers={layers}",
+                             "train.grad_accum=1", "mesh.fsdp=1", "mesh.context=4",
+                             "mesh.tensor=2", "train.global_batch=2", "remat.policy=full"])
+    devices = jax.devices()[:8]
+    compiled = planner.plan(cfg, 8, 80 * 10**9, [Variant(3, False, cfg.remat.policy)],
+                            search=False).rows[0].activation_bytes
+    estimate = memory_check.budget(loop.prepare(cfg, devices, check=False), devices).activations
+    return estimate, compiled
+  (estimate_4, compiled_4), (estimate_16, compiled_16) = both(4), both(16)
+  per_layer = (estimate_16 - estimate_4) / (compiled_16 - compiled_4)
+  assert 0.9 <= per_layer <= 1.1, per_layer
+
+
 def test_the_long_context_preset_fits_an_80_gb_device():
   """configs/llama8b_128k.py on 8 devices of 80 GB: the plan compiles it at 32.1 GB a
   device; the check counted every device as holding all 131,072 tokens (100.7 GB)."""

@@ -96,7 +96,8 @@ def test_offloaded_matmuls_are_held_for_every_micro_batch_a_pipeline_stage_holds
   """remat.policy=offload_matmuls under GPipe keeps every tick's matmul outputs until its
   backward (M + S - 1 ticks, the bubble's too): the pool's share does not shrink as
   grad_accum cuts the rows, and a stage holds its own layers' only. Interleaved recomputes
-  each chunk from its input: one chunk's. Context and tensor split them too."""
+  each chunk from its input: one chunk's. Context and tensor split them too (tensor the
+  sequence between blocks only where context does not split it)."""
   tiny = lambda *sets: config.load(str(ROOT / "configs/tiny_zero3.py"), [
       "remat.policy=offload_matmuls", "train.global_batch=32", "precision.compute=bfloat16",
       *sets])
@@ -113,6 +114,9 @@ def test_offloaded_matmuls_are_held_for_every_micro_batch_a_pipeline_stage_holds
       tokens // 4 * m.n_layers // 2 // 2 * per_token
   one = tiny("train.grad_accum=4")
   assert pinned_pool.offloaded_matmul_bytes(one, 8) == tokens // 4 * m.n_layers * per_token
+  tensor = tiny("train.grad_accum=4", "mesh.tensor=2")  # (sequence parallel: all halved)
+  assert pinned_pool.offloaded_matmul_bytes(tensor, 8) == tokens // 4 * m.n_layers * per_token // 2
+  # Under context parallelism o's and down's outputs are whole over tensor.
   split = tiny("train.grad_accum=4", "mesh.context=2", "mesh.tensor=2")
   assert pinned_pool.offloaded_matmul_bytes(split, 8) == \
-      tokens // 4 // 2 * m.n_layers * per_token // 2
+      tokens // 4 // 2 * m.n_layers * (per_token // 2 + 2 * m.dim * 2 // 2)
