@@ -1,6 +1,5 @@
-"""The documents of a data file, as text in pieces: a .txt file is one document, read in
-pieces of about TEXT_CHUNK characters; a .jsonl line or a Parquet row is one document (its
-data.text_field), a piece of its own.
+"""The documents of a data file, as text in pieces of about TEXT_CHUNK characters: a .txt
+file is one document, a .jsonl line or a Parquet row one (its data.text_field).
 
 Invariants: a document's pieces, joined, are its text; in text with spaces, pieces end where
 byte-level and SentencePiece tokenizers split words, so tokenizing them one by one gives
@@ -13,12 +12,12 @@ from __future__ import annotations
 import codecs
 import json
 import pathlib
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 from jaxzero.errors import DataError
 
-# .txt documents are read in pieces of about this many characters (see text_pieces).
-TEXT_CHUNK = 1 << 20
+# Documents are tokenized in pieces of about this many characters (see _cut).
+TEXT_CHUNK = 1 << 16
 # Parquet rows read at a time.
 PARQUET_ROWS = 1024
 
@@ -42,25 +41,44 @@ def pieces(path: pathlib.Path, text_field: str) -> Iterator[Piece]:
 
 
 def text_pieces(path: pathlib.Path, _field: str) -> Iterator[Piece]:
-  """A .txt file is one document, read in pieces of about TEXT_CHUNK characters to bound
-  memory (a file may be one long line). Pieces end where byte-level and SentencePiece
-  tokenizers split words anyway (_piece_end), so each tokenizes as it does in the whole."""
+  """A .txt file is one document, read TEXT_CHUNK characters at a time (a file may be one
+  long line)."""
   try:
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is no text)
-      held, first = "", True
-      while block := f.read(TEXT_CHUNK):
-        text = held + block
-        cut = _piece_end(text)
-        if cut:
-          yield Piece(text[:cut], first, False, len(text[:cut].encode()))
-          first = False
-        held = text[cut:]
+      for text, first, last in _cut(iter(lambda: f.read(TEXT_CHUNK), "")):
+        yield Piece(text, first, last, len(text.encode()))
   except UnicodeDecodeError as e:
     offset = _first_undecodable_byte(path)
     raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {offset:,}, line "
                     f"{_line_of(path, offset):,})") from None
+
+
+def _record_pieces(text: str, size: int) -> Iterator[Piece]:
+  """One record's document (a .jsonl line's, a Parquet row's), in pieces where it is long;
+  its `size` in the file is counted on its last."""
+  if len(text) <= TEXT_CHUNK:
+    yield Piece(text, True, True, size)
+    return
+  blocks = (text[i:i + TEXT_CHUNK] for i in range(0, len(text), TEXT_CHUNK))
+  for piece, first, last in _cut(blocks):
+    yield Piece(piece, first, last, size if last else 0)
+
+
+def _cut(blocks: Iterable[str]) -> Iterator[tuple[str, bool, bool]]:
+  """A document's text, given in blocks, as pieces (text, first, last) of about a block
+  each, ending where byte-level and SentencePiece tokenizers split words anyway
+  (_piece_end): each piece tokenizes as it does in the whole, and no tokenizer call (nor
+  its memory, about 60 bytes a character) grows with the document."""
+  held, first = "", True
+  for block in blocks:
+    text = held + block
+    cut = _piece_end(text)
+    if cut:
+      yield text[:cut], first, False
+      first = False
+    held = text[cut:]
   if held or not first:
-    yield Piece(held, first, True, len(held.encode()))
+    yield held, first, True
 
 
 def _piece_end(text: str) -> int:
@@ -113,7 +131,7 @@ def jsonl_pieces(path: pathlib.Path, field: str) -> Iterator[Piece]:
       if line_no == 1:
         line = line.removeprefix(codecs.BOM_UTF8)  # (a byte-order mark is no JSON)
       text = _json_text(line, field, path, line_no) if line.strip() else ""
-      yield Piece(text, True, True, len(line))
+      yield from _record_pieces(text, len(line))
 
 
 def _json_text(line: bytes, field: str, path: pathlib.Path, line_no: int) -> str:
@@ -179,4 +197,4 @@ def parquet_pieces(path: pathlib.Path, column: str) -> Iterator[Piece]:
     for text in batch.column(0).to_pylist():
       if text is not None and not isinstance(text, str):
         raise DataError(f"{path}: column {column!r} holds {type(text).__name__}, not strings")
-      yield Piece(text or "", True, True, int(bytes_per_row))
+      yield from _record_pieces(text or "", int(bytes_per_row))

@@ -35,8 +35,10 @@ BYTE_SEPARATOR = 0
 # End-of-document tokens of common tokenizer families, tried in this order:
 # Llama 3, GPT-2/NeoX/Qwen, Llama 1-2/Mistral, Gemma.
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
-# Pieces encoded per call of the tokenizer (it parallelises within a call).
+# Pieces encoded per call of the tokenizer (it parallelises within a call), and at most
+# about this many characters: its memory, about 60 bytes a character.
 ENCODE_BATCH = 1024
+ENCODE_CHARS = 1 << 23
 
 
 class TokenSource(NamedTuple):
@@ -253,11 +255,13 @@ def _tokenize_file(path: pathlib.Path, tokenizer: TextTokenizer, text_field: str
   """Appends one file's tokens to `out`; returns its token and document counts."""
   counts = {"tokens": 0, "documents": 0}
   batch: list[documents.Piece] = []
+  chars = 0
   for piece in documents.pieces(path, text_field):
     batch.append(piece)
-    if len(batch) == ENCODE_BATCH:
+    chars += len(piece.text)
+    if len(batch) == ENCODE_BATCH or chars >= ENCODE_CHARS:
       _write_pieces(batch, tokenizer, out, counts, bar)
-      batch = []
+      batch, chars = [], 0
   _write_pieces(batch, tokenizer, out, counts, bar)
   return counts
 

@@ -114,22 +114,40 @@ def _trained(kind: str, text: str):
 
 
 @pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
-def test_a_long_text_is_tokenized_in_bounded_pieces_as_it_is_whole(kind, tmp_path, monkeypatch):
+def test_a_long_document_is_tokenized_in_bounded_pieces_as_it_is_whole(kind, tmp_path,
+                                                                       monkeypatch):
+  """A .txt file (which may be one line) or a long .jsonl record reaches the tokenizer in
+  pieces of about TEXT_CHUNK characters, in calls of about ENCODE_CHARS: its memory is
+  60 bytes a character, and a 1 GB file was one call. The pieces end where the tokenizer
+  splits words, so the tokens are the whole text's."""
   rng = np.random.default_rng(0)
   words = ["the", "fox", "naïve", "12345", "(x)", "don't", "\t", ""]
   line = lambda n: " ".join(rng.choice(words, n))
-  # Short lines, then one line of 40 pieces' length: a file may be a single line.
+  # Short lines, then one line of 40 pieces' length.
   text = "\n".join([line(int(n)) for n in rng.integers(0, 30, 60)] + [line(700), "", "end"])
   tok = _trained(kind, text)
   tok.save(str(tmp_path / "tokenizer.json"))
   monkeypatch.setattr(documents_lib, "TEXT_CHUNK", 64)
-  pieces = list(documents_lib.text_pieces(write(tmp_path / "doc.txt", text), ""))
-  assert "".join(p.text for p in pieces) == text
-  assert len(pieces) > 40 and max(len(p.text) for p in pieces) <= 3 * 64
-  source = tokens_lib.open_tokens(config(tmp_path / "doc.txt", tmp_path / "tokenizer.json"),
-                                  tmp_path / "run", progress=False)
-  # The tokens of the whole text at once: each piece ends where the tokenizer splits words.
-  assert np.asarray(source.tokens).tolist() == tok.encode(text).ids + [tok.token_to_id("</s>")]
+  monkeypatch.setattr(tokens_lib, "ENCODE_CHARS", 256)
+  calls = []
+  def spied(*args):
+    tokenizer = load_tokenizer(*args)
+    encode = lambda texts, start: calls.append(sum(map(len, texts))) or tokenizer.encode(
+        texts, start)
+    return dataclasses.replace(tokenizer, encode=encode)
+  load_tokenizer = tokens_lib.load_tokenizer
+  monkeypatch.setattr(tokens_lib, "load_tokenizer", spied)
+  for path in (write(tmp_path / "doc.txt", text),
+               write(tmp_path / "doc.jsonl", json.dumps({"text": text}) + "\n")):
+    pieces = list(documents_lib.pieces(path, "text"))
+    assert "".join(p.text for p in pieces) == text
+    assert len(pieces) > 40 and max(len(p.text) for p in pieces) <= 3 * 64
+    source = tokens_lib.open_tokens(config(path, tmp_path / "tokenizer.json"),
+                                    tmp_path / path.suffix, progress=False)
+    want = tok.encode(text).ids + [tok.token_to_id("</s>")]
+    assert np.asarray(source.tokens).tolist() == want, path
+    assert len(calls) > 10 and max(calls) <= 256 + 3 * 64
+    calls.clear()
 
 
 def test_cache_is_reused_until_a_source_file_changes(corpus, tokenizer_file, tmp_path,
