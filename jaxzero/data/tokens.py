@@ -118,6 +118,9 @@ class TextTokenizer:
   # The same, as (ids, each token's [start, end) characters in its text, whether the
   # tokenizer added it (a start token)) per text.
   encode_spans: Callable[[list[str], bool], list] | None = None
+  # What encode adds after a text with its start tokens (a post-processor's "$A </s>"):
+  # a document's end, so a document's first piece drops them and its last piece gains them.
+  end_tokens: tuple[int, ...] = ()
 
   @property
   def dtype(self) -> np.dtype:
@@ -170,7 +173,17 @@ def load_tokenizer(name: str, eos_token: str = "", fine_tuning: str = "") -> Tex
             for e in tokenizer.encode_batch(texts, add_special_tokens=start)]
 
   return TextTokenizer(str(path.resolve()), hashlib.sha256(blob).hexdigest(),
-                       max(vocab.values()) + 1, separator, encode, encode_spans)
+                       max(vocab.values()) + 1, separator, encode, encode_spans,
+                       _end_tokens(tokenizer))
+
+
+def _end_tokens(tokenizer) -> tuple[int, ...]:
+  """The tokens a Hugging Face tokenizer's post-processor adds after a text."""
+  plain, full = (tokenizer.encode("a", add_special_tokens=s).ids for s in (False, True))
+  for lead in range(len(full) - len(plain) + 1) if plain else ():
+    if full[lead:lead + len(plain)] == plain:
+      return tuple(full[lead + len(plain):])
+  return ()
 
 
 def named_token(tokenizer_config: dict, key: str) -> str:
@@ -270,9 +283,12 @@ def _write_pieces(pieces: list[documents.Piece], tokenizer: TextTokenizer, out, 
                   bar) -> None:
   """Encodes pieces (start tokens only on first pieces) and appends them with separators."""
   encoded: list[np.ndarray | None] = [None] * len(pieces)
+  end = list(tokenizer.end_tokens)
   for start in (True, False):
     chosen = [i for i, p in enumerate(pieces) if p.first == start and not p.empty]
     for i, ids in zip(chosen, tokenizer.encode([pieces[i].text for i in chosen], start)):
+      if pieces[i].first != pieces[i].last:  # a document's end tokens end its last piece
+        ids = ids[:len(ids) - len(end)] if pieces[i].first else [*ids, *end]
       encoded[i] = np.asarray(ids, tokenizer.dtype)
   sep = np.asarray(tokenizer.separator, tokenizer.dtype)
   parts = []
