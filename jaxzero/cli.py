@@ -84,10 +84,11 @@ def load_config(args) -> Loaded:
     reader = deepspeed if ds_config else accelerate
     cfg = preset
     config_lib.validate(cfg)
-    # A block's "enabled": "auto" (the HF Trainer's) follows the training dtype, which
-    # --set precision.compute gives here as the Trainer's --fp16/--bf16 flags do there.
-    dtype = [a for a, key in zip(args.set, sets) if key == "precision.compute"]
-    file = reader.read(ds_config or accelerate_config, config_lib.apply_overrides(cfg, dtype))
+    # The file reads its "auto" values (the HF Trainer's) and what it derives from the
+    # config (a warmup floor as a ratio of the lr) from the config with --set applied, as
+    # the Trainer fills them from its command line (--learning_rate, --bf16); --set then
+    # applies over the file too.
+    file = reader.read(ds_config or accelerate_config, config_lib.apply_overrides(cfg, args.set))
     cfg = translated_file.apply_file(file, cfg)
     origins |= {key: f"{file.source}: {origin}" + (' ("auto": the base\'s)' if origin in file.autos
                                                   else "")

@@ -797,6 +797,23 @@ def test_an_auto_precision_block_follows_the_dtype_set_on_the_command_line(tmp_p
       "precision.initial_scale_power": "12", "zero.grad_dtype": "float16"}
 
 
+def test_what_the_file_derives_from_the_config_sees_the_command_lines_set(tmp_path, capsys):
+  """The HF Trainer fills "auto" from its command line (--learning_rate): --set train.lr
+  is the lr a WarmupLR floor is a ratio of (it was the config file's: 30x off)."""
+  from jaxzero import train
+  ds_file = write(tmp_path, "auto.json", json.dumps({
+      "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-5,
+                                                   "warmup_max_lr": "auto",
+                                                   "warmup_num_steps": 5}}}))
+  assert train.main(["--config", TINY, "--deepspeed", ds_file, "--set", "train.lr=1e-4",
+                     "--print-config"]) == 0
+  printed = dict(line.split("  # ")[0].split("=", 1)
+                 for line in capsys.readouterr().out.splitlines())
+  assert float(printed["train.lr"]) == 1e-4
+  assert float(printed["train.warmup_min_ratio"]) == pytest.approx(0.1)  # 1e-5 / 1e-4
+
+
 def test_files_from_the_wild_read_as_deepspeed_reads_them():
   """What each of these files means in DeepSpeed 0.19: an "auto" precision block applies in
   full where the run trains in its dtype, "auto" peaks at the optimizer's lr, the legacy
