@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import logging
 import math
 import pathlib
@@ -158,9 +159,7 @@ def _json(path: str, text: str):
   except ImportError:
     hjson = None
   try:
-    if hjson is not None:
-      return hjson.loads(text, object_pairs_hook=_unique)
-    return json.loads(text, object_pairs_hook=_unique)
+    data = (hjson or json).loads(text, object_pairs_hook=_unique)
   except _DuplicateKey as e:
     raise ConfigError(f"{path}: key {e.args[0]!r} is given twice in one object; DeepSpeed "
                       "refuses duplicate keys, give it once") from None
@@ -169,6 +168,26 @@ def _json(path: str, text: str):
             "; comments and trailing commas (DeepSpeed's hjson) need pip install hjson")
     raise ConfigError(f"{path}: not valid JSON at line {getattr(e, 'lineno', '?')} column "
                       f"{getattr(e, 'colno', '?')}: {getattr(e, 'msg', e)}{hint}") from None
+  swallowed = _swallowed_key(data, "")
+  if swallowed:  # (JSON refuses '"overlap_comm": true "offload_optimizer": {...}' outright)
+    raise ConfigError(f"{path}: {swallowed[0]} reads as the text {swallowed[1][:60]!r}: a "
+                      "comma is missing before the key in it (hjson, as DeepSpeed reads the "
+                      "file, takes an unquoted value to the end of its line)")
+  return data
+
+
+def _swallowed_key(value: Any, where: str) -> tuple[str, str] | None:
+  """The first string in `value` that holds a quoted key and its colon: hjson's unquoted
+  text swallowing the keys after a missing comma."""
+  if isinstance(value, dict):
+    return next(filter(None, (_swallowed_key(v, f"{where}{k}.") for k, v in value.items())),
+                None)
+  if isinstance(value, list):
+    return next(filter(None, (_swallowed_key(v, f"{where}{i}.") for i, v in enumerate(value))),
+                None)
+  if isinstance(value, str) and re.search(r'"[^"]*"\s*:', value):
+    return where.rstrip("."), value
+  return None
 
 
 def _yaml(path: str, text: str):

@@ -672,6 +672,12 @@ def write(tmp_path, name, text):
     ("twice.json", '{"bf16": {"enabled": true, "enabled": false}}',
      "twice.json: key 'enabled' is given twice in one object; DeepSpeed refuses duplicate "
      "keys, give it once"),
+    # hjson (DeepSpeed's reader) takes the unquoted `true "offload...` as one string, and
+    # the offload it names was silently gone.
+    ("comma.json", '{"zero_optimization": {"stage": 3,\n  "overlap_comm": true '
+     '"offload_optimizer": {"device": "cpu"},\n  "contiguous_gradients": true}}',
+     "comma.json: zero_optimization.overlap_comm reads as the text 'true \"offload_optimizer\": "
+     "{\"device\": \"cpu\"},': a comma is missing before the key in it"),
 ])
 def test_bad_ds_config_is_one_line_and_exit_code_2(name, text, message, tmp_path, capsys):
   code = train_cli.main(["--config", TINY, "--deepspeed", write(tmp_path, name, text),
