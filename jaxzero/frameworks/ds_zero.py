@@ -4,7 +4,7 @@ The stage, MiCS (``mics_shard_size``: HYBRID_SHARD over groups of that size) and
 optimizer and parameter offload blocks (``cpu``: pinned_host; ``nvme``: the NVMe tier, one
 directory for both; the optimizer's ``ratio``, partial offload at stage 3: Twin-Flow's
 ``offload.optimizer_fraction``). ZeRO++ quantization and hierarchical partitioning are
-refused; ``stage3_param_persistence_threshold`` is ``zero.min_shard_size``, and the
+refused; ``stage3_param_persistence_threshold`` + 1 is ``zero.min_shard_size``, and the
 bucket and prefetch knobs are accepted as unneeded.
 """
 
@@ -75,7 +75,9 @@ def translate(tr: Translation, ds: dict) -> None:
   threshold = zero.get("stage3_param_persistence_threshold", "auto")
   if threshold != "auto":
     where = "zero_optimization.stage3_param_persistence_threshold"
-    tr.set("zero.min_shard_size", number(tr, threshold, where, int, 0), where)
+    # DeepSpeed keeps a parameter of at most `threshold` elements whole; jaxzero one under
+    # min_shard_size.
+    tr.set("zero.min_shard_size", number(tr, threshold, where, int, 0) + 1, f"{where} + 1")
   if "stage" not in zero:
     for key, value in (("zero.stage", 0), ("zero.strategy", ""), ("zero.hybrid", False)):
       tr.set(key, value, "no zero_optimization.stage: DeepSpeed's default, 0")
