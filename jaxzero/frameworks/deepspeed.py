@@ -44,6 +44,24 @@ UNNEEDED_TOP = {
     # train.log_every, HF's 2000 would log (and check for non-finite steps) that rarely.
     "steps_per_print": "metrics are logged every train.log_every steps (the base's)",
     "dataloader_drop_last": "every batch is full: windows of the token stream, by step",
+    "disable_allgather": "the stage's layout decides the collectives",
+    "dump_state": "--print-config prints the resolved config and where each value came from",
+    "log_level": "jaxzero logs through Python's logging, at INFO",
+    "timers": "metrics.jsonl records step_time_s and tokens/s",
+    "disable_python_gc": "a step is one compiled XLA program, which Python's collector never "
+                         "interrupts",
+    "seq_parallel_communication_data_type": "context parallelism gathers keys and values in "
+                                            "the compute dtype",
+}
+# Keys whose value decides whether jaxzero can honour them: key -> (DeepSpeed's default, the
+# values accepted as unneeded, why another value is refused).
+BY_VALUE = {
+    "gradient_allreduce_op": ("mean", {"mean": "gradients are averaged over the devices"},
+                              "summed gradients (N devices' times the mean) are not available"),
+    "managed_gradient_accumulation": (
+        True, {True: "each step runs train.grad_accum micro-batches itself"},
+        "the script owning the accumulation boundary is not available: a step runs "
+        "train.grad_accum micro-batches"),
 }
 UNNEEDED_ACTIVATIONS = {
     "partition_activations": "activations are sharded over the batch at layer boundaries",
@@ -72,7 +90,7 @@ UNSUPPORTED_WHEN_ENABLED = {
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16",
             "bfloat16", "zero_optimization", "activation_checkpointing", "data_types",
-            "communication_data_type", "sparse_gradients", "wandb", *UNNEEDED_TOP,
+            "communication_data_type", "sparse_gradients", "wandb", *UNNEEDED_TOP, *BY_VALUE,
             "pipeline", "tensor_parallel", "sequence_parallel_size", *REFUSED_WHEN_ENABLED,
             *UNSUPPORTED_WHEN_ENABLED}
 BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow",
@@ -117,6 +135,14 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   if ds.get("sparse_gradients"):
     raise tr.error("sparse_gradients=true: sparse gradients are not available")
   tr.unneeded.update({k: UNNEEDED_TOP[k] for k in ds if k in UNNEEDED_TOP})
+  for key, (default, accepted, refused) in BY_VALUE.items():
+    value = ds.get(key, default)
+    value = value.lower() if isinstance(value, str) else value  # (as DeepSpeed reads it)
+    if value not in accepted:
+      raise tr.error(f"{key}={ds[key]!r}: {refused}; leave it out (DeepSpeed's default is "
+                     f"{default!r})")
+    if key in ds:
+      tr.unneeded[key] = accepted[value]
   _precision(tr, ds, base)
   _wandb(tr, ds.get("wandb", {}), base)
   ds_zero.translate(tr, ds)

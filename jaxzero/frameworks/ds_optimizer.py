@@ -20,12 +20,17 @@ def translate(tr: Translation, ds: dict, base: config_lib.Config) -> None:
 
 def _optimizer(tr: Translation, block: dict, base: config_lib.Config) -> float:
   """Translates the optimizer block; returns its learning rate."""
-  tr.check_keys(block, "optimizer.", {"type", "params"})
+  tr.check_keys(block, "optimizer.", {"type", "params", "legacy_fusion"})
+  if "legacy_fusion" in block:
+    tr.unneeded["optimizer.legacy_fusion"] = "the update is one fused XLA computation"
   kind = str(block.get("type", "")).lower()  # DeepSpeed matches optimizer names this way
   if kind not in ("adam", "adamw"):
     raise tr.error(f"optimizer.type={block.get('type')!r} is not available; jaxzero trains "
                    f"with AdamW or Adam")
   where = "optimizer.params."
+  if isinstance(block.get("params"), dict) and "max_grad_norm" in block["params"]:
+    raise tr.error(f"{where}max_grad_norm: DeepSpeed refuses it as an optimizer parameter; "
+                   "set gradient_clipping (train.clip_norm) instead")
   params = tr.check_keys(block.get("params", {}), where,
                          {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode",
                           "bias_correction", "amsgrad"})
@@ -41,6 +46,7 @@ def _optimizer(tr: Translation, block: dict, base: config_lib.Config) -> float:
   t = base.train
   betas = params.get("betas", [0.9, 0.999])
   if betas == "auto":
+    tr.autos.add(where + "betas")
     betas = [t.b1, t.b2]
   if not isinstance(betas, list) or len(betas) != 2:
     raise tr.error(f"{where}betas={betas!r} must be a list of two numbers")

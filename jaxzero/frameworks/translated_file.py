@@ -58,7 +58,7 @@ class Translation:
   def check_keys(self, block: Any, where: str, known) -> dict:
     """Returns `block` (a mapping at `where`) after refusing any key not in `known`."""
     if not isinstance(block, dict):
-      raise self.error(f"{where or 'the file'} must be a mapping of keys to values, "
+      raise self.error(f"{where.rstrip('.') or 'the file'} must be a mapping of keys to values, "
                        f"not {block!r}")
     for key in block:
       if key not in known:

@@ -354,6 +354,9 @@ def test_auto_fields_take_the_base_values():
   # Gradients reduced in the training dtype, the base's float32: said explicitly.
   assert cfg.precision == b.precision and cfg.mesh == b.mesh
   assert cfg.zero == dataclasses.replace(b.zero, reduce_dtype="float32")
+  # --print-config says each of them was the base's.
+  assert {"optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+          "optimizer.params.weight_decay"} <= deepspeed.translate(ds, b).autos
 
 
 def test_batch_rule_any_two_give_the_third():
@@ -667,6 +670,8 @@ def write(tmp_path, name, text):
      '"gradient_accumulation_steps": 4}',
      "train_batch_size=32 != train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 4 x "
      "8 data-parallel devices = 64; use a mesh of 4 data-parallel devices"),
+    ("block.json", '{"fp16": true}', "block.json: fp16 must be a mapping of keys to values, "
+     "not True"),
     ("stage.json", '{"zero_optimization": {"stage": 5}}',
      "zero_optimization.stage=5 is not valid; choose one of: 0, 1, 2, 3"),
     ("malformed.json", '{\n  "train_batch_size": 32,\n  "bf16": {"enabled" true}\n}',
@@ -709,11 +714,19 @@ def test_deepspeed_019_keys_are_known():
           "compute_grad_norm": True, "parameter_alignment": False, "legacy_stage1": False,
           "pipeline_loading_checkpoint": False, "override_module_apply": True,
           "enable_sanity_checks": False, "zenflow": None,
-          "offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0.8}}}, base())
+          "offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0.8}},
+      # DeepSpeed 0.19's runtime/config.py and constants.py.
+      "disable_allgather": False, "dump_state": False, "log_level": "info", "timers": {},
+      "disable_python_gc": True, "seq_parallel_communication_data_type": "fp32",
+      "gradient_allreduce_op": "MEAN", "managed_gradient_accumulation": True,
+      "optimizer": {"type": "AdamW", "legacy_fusion": False, "params": {"lr": 1e-3}}}, base())
   assert {"hybrid_engine", "dataloader_drop_last", "torch_autocast", "data_efficiency",
           "zero_optimization.leaf_module", "zero_optimization.compute_grad_norm",
           "zero_optimization.enable_sanity_checks",
-          "zero_optimization.offload_optimizer.cpuadam_cores_perc"} <= set(tr.unneeded)
+          "zero_optimization.offload_optimizer.cpuadam_cores_perc", "disable_allgather",
+          "dump_state", "log_level", "timers", "disable_python_gc",
+          "seq_parallel_communication_data_type", "gradient_allreduce_op",
+          "managed_gradient_accumulation", "optimizer.legacy_fusion"} <= set(tr.unneeded)
   assert tr.unneeded["hybrid_engine"] == "disabled, as DeepSpeed's default"
   unsupported = "is a DeepSpeed setting jaxzero does not support; leave it disabled"
   for ds, message in (
@@ -726,6 +739,15 @@ def test_deepspeed_019_keys_are_known():
        f"learning, random-LTD) {unsupported}"),
       ({"curriculum_learning": {"enabled": True}},
        f"curriculum_learning.enabled=true: curriculum learning {unsupported}"),
+      ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op='sum': summed gradients (N "
+       "devices' times the mean) are not available; leave it out (DeepSpeed's default is "
+       "'mean')"),
+      ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation=False: the "
+       "script owning the accumulation boundary is not available: a step runs "
+       "train.grad_accum micro-batches; leave it out (DeepSpeed's default is True)"),
+      ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}},
+       "optimizer.params.max_grad_norm: DeepSpeed refuses it as an optimizer parameter; set "
+       "gradient_clipping (train.clip_norm) instead"),
       ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}},
        "zero_optimization.zenflow: ZenFlow (the less important gradients applied late, from "
        "the CPU) is a DeepSpeed setting jaxzero does not support; leave it out")):

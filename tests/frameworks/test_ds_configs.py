@@ -49,7 +49,8 @@ def test_a_config_from_the_wild_trains_as_written(ds, steps, tmp_path, tmp_path_
                       "--workdir", str(tmp_path / "w"), "--steps", str(steps), "--no-progress",
                       env=env, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  records = [json.loads(line) for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+  records = [json.loads(line)
+             for line in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == list(range(1, steps + 1))
   assert records[-1]["loss"] < records[0]["loss"]
   if ds is FP16_TUTORIAL:
