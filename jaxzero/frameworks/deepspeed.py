@@ -379,9 +379,13 @@ def resolve_batch(cfg: config_lib.Config, tr: Translation, n_devices: int, from_
     how["train.grad_accum"] = ("no gradient_accumulation_steps: DeepSpeed's rule with one "
                                "batch size given, 1")
   if micro is None:  # the micro-batch follows at run time from the other two
-    tbs, gas = (t.global_batch if tbs is None else tbs), (t.grad_accum if gas is None else gas)
+    whose = ""
+    if tbs is None:
+      tbs, names["train_batch_size"] = t.global_batch, "train.global_batch"
+      whose = " (the config's: the file gives no train_batch_size)"
+    gas = t.grad_accum if gas is None else gas
     if tbs % (gas * world):
-      raise tr.error(f"{names['train_batch_size']}={tbs} is not divisible by "
+      raise tr.error(f"{names['train_batch_size']}={tbs}{whose} is not divisible by "
                      f"{names['gradient_accumulation_steps']} {gas} x {world} data-parallel "
                      f"devices; {BATCH_RULE}")
   elif tbs is None:

@@ -672,6 +672,9 @@ def write(tmp_path, name, text):
      "8 data-parallel devices = 64; use a mesh of 4 data-parallel devices"),
     ("block.json", '{"fp16": true}', "block.json: fp16 must be a mapping of keys to values, "
      "not True"),
+    ("gas.json", '{"gradient_accumulation_steps": 3}', "gas.json: train.global_batch=32 (the "
+     "config's: the file gives no train_batch_size) is not divisible by "
+     "gradient_accumulation_steps 3 x 8 data-parallel devices"),
     ("stage.json", '{"zero_optimization": {"stage": 5}}',
      "zero_optimization.stage=5 is not valid; choose one of: 0, 1, 2, 3"),
     ("malformed.json", '{\n  "train_batch_size": 32,\n  "bf16": {"enabled" true}\n}',
