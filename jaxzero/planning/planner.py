@@ -372,7 +372,7 @@ def _kept_text(stages: int, micro: int, schedule: str, virtual: int) -> str:
   """What a stage keeps for its backward (pipeline.kept_for_backward), in words."""
   residuals, inputs = pipeline.kept_for_backward(stages, micro, schedule, virtual)
   if schedule == "1f1b":
-    return f"one micro-batch's residuals and the inputs of {inputs} of its {micro}"
+    return f"two micro-batches' residuals and the inputs of {inputs} of its {micro}"
   if virtual > 1:
     return f"{inputs} ticks' chunk inputs and one chunk's residuals"
   return f"{int(residuals)} ticks' residuals ({micro} micro-batches and the bubble's)"

@@ -54,7 +54,7 @@ def test_the_bubble():
   # residuals (it was counted as GPipe's, 2.9x over XLA's); 1F1B S inputs.
   assert pipeline.kept_for_backward(4, 8) == (11, 0)
   assert pipeline.kept_for_backward(4, 8, "interleaved", virtual=2) == (0.5, 19)
-  assert pipeline.kept_for_backward(4, 8, "1f1b") == (1, 4)
+  assert pipeline.kept_for_backward(4, 8, "1f1b") == (2, 4)
   np.testing.assert_equal(pipeline.bubble_fraction(1, 8), 0.0)
 
 

@@ -61,6 +61,24 @@ def test_under_context_and_tensor_each_layer_keeps_its_whole_input():
   assert 0.9 <= per_layer <= 1.1, per_layer
 
 
+@pytest.mark.slow
+def test_a_1f1b_stage_keeps_two_micro_batches_residuals_a_layer():
+  """1F1B at 4 and 8 layers on 2 stages: the estimate grows per layer as XLA's bytes do
+  (0.43x with one micro-batch's residuals; the loop carries one set into the slot that
+  makes the next)."""
+  def both(layers):
+    cfg = config.load(TINY, [*SHAPE, f"model.n_layers={layers}", "mesh.fsdp=4",
+                             "mesh.pipeline=2", "train.global_batch=32", "train.grad_accum=8",
+                             "pipeline.schedule=1f1b"])
+    devices = jax.devices()[:8]
+    compiled = planner.plan(cfg, 8, 80 * 10**9, [Variant(3, False, cfg.remat.policy)],
+                            search=False).rows[0].activation_bytes
+    estimate = memory_check.budget(loop.prepare(cfg, devices, check=False), devices).activations
+    return estimate, compiled
+  (estimate_4, compiled_4), (estimate_8, compiled_8) = both(4), both(8)
+  assert 0.85 <= (estimate_8 - estimate_4) / (compiled_8 - compiled_4) <= 1.15
+
+
 def test_the_long_context_preset_fits_an_80_gb_device():
   """configs/llama8b_128k.py on 8 devices of 80 GB: the plan compiles it at 32.1 GB a
   device; the check counted every device as holding all 131,072 tokens (100.7 GB)."""
