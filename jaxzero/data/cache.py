@@ -22,7 +22,7 @@ import numpy as np
 from jaxzero.errors import DataError
 
 # Bump when the token file layout or the tokenization rules change: caches are rebuilt.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: long documents tokenized in pieces cut at word boundaries
 TOKENS_FILE, INDEX_FILE = "tokens.bin", "index.json"
 
 

@@ -3,10 +3,11 @@
 ``data.source`` is ``"stdlib"`` (the Python standard library's source files as bytes,
 vocabulary 256) or a path, directory or glob of ``.txt``, ``.jsonl`` or ``.parquet`` files
 (jaxzero.data.sources, read by jaxzero.data.documents), tokenized once with
-``data.tokenizer`` into a memory-mapped token file plus a JSON index in ``data.cache_dir``. The cache is reused only while the index
-matches the source files (paths, sizes, modification and change times, inodes) and the
-tokenizer (content hash). Documents are joined into one stream, each followed by the
-tokenizer's end-of-text token (NUL for bytes); jaxzero.data.batches cuts it.
+``data.tokenizer`` into a memory-mapped token file plus a JSON index in ``data.cache_dir``.
+The cache is reused only while the index matches the source files (paths, sizes,
+modification and change times, inodes) and the tokenizer (content hash). Documents are
+joined into one stream, each followed by the tokenizer's end-of-text token (NUL for
+bytes); jaxzero.data.batches cuts it.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ class TextTokenizer:
   digest: str  # content hash: the cache is valid only for the same tokenizer
   vocab_size: int
   separator: tuple[int, ...]  # appended to every document
-  # (texts, whether to add the start tokens) -> token ids per text
+  # (texts, whether each begins a document) -> token ids per text; a text that does not
+  # begin one continues the text before it (no start tokens, no word-start mark)
   encode: Callable[[list[str], bool], list]
   # The same, as (ids, each token's [start, end) characters in its text, whether the
   # tokenizer added it (a start token)) per text.
@@ -164,7 +166,11 @@ def load_tokenizer(name: str, eos_token: str = "", fine_tuning: str = "") -> Tex
       raise
     separator = ()
 
+  marks_each_text = _marks_each_text(tokenizer)
+
   def encode(texts: list[str], start: bool) -> list[list[int]]:
+    if not start and marks_each_text:  # its own mark stands for the space a piece starts at
+      texts = [t[1:] if t.startswith(" ") else t for t in texts]
     return [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=start)]
 
   def encode_spans(texts: list[str], start: bool) -> list[tuple[list[int], np.ndarray]]:
@@ -179,11 +185,27 @@ def load_tokenizer(name: str, eos_token: str = "", fine_tuning: str = "") -> Tex
 
 def _end_tokens(tokenizer) -> tuple[int, ...]:
   """The tokens a Hugging Face tokenizer's post-processor adds after a text."""
-  plain, full = (tokenizer.encode("a", add_special_tokens=s).ids for s in (False, True))
-  for lead in range(len(full) - len(plain) + 1) if plain else ():
-    if full[lead:lead + len(plain)] == plain:
-      return tuple(full[lead + len(plain):])
+  for probe in ("a", "the", "1", "x"):
+    try:
+      plain, full = (tokenizer.encode(probe, add_special_tokens=s).ids for s in (False, True))
+    except Exception:  # pylint: disable=broad-except  # (a vocabulary without the probe)
+      continue
+    for lead in range(len(full) - len(plain) + 1) if plain else ():
+      if full[lead:lead + len(plain)] == plain:
+        return tuple(full[lead + len(plain):])
   return ()
+
+
+def _marks_each_text(tokenizer) -> bool:
+  """Whether the tokenizer marks every text it encodes as starting a word (the legacy
+  SentencePiece normalizer of Llama 2 and Mistral v0.1 puts "▁" before each): a piece that
+  continues a document at " word" then tokenizes as in the whole only without its space."""
+  try:
+    whole, first, spaced, bare = (tokenizer.encode(text, add_special_tokens=False).ids
+                                  for text in ("a b", "a", " b", "b"))
+  except Exception:  # pylint: disable=broad-except  # (a vocabulary without the probe)
+    return False
+  return whole != first + spaced and whole == first + bare
 
 
 def named_token(tokenizer_config: dict, key: str) -> str:

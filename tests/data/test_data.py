@@ -99,8 +99,9 @@ def test_byte_level_text_file_is_its_bytes_then_nul(tmp_path):
 
 
 def _trained(kind: str, text: str, template: str = "<s> $A"):
-  """A tiny BPE tokenizer of a Llama family: byte-level (Llama 3) or SentencePiece's
-  Metaspace (Llama 2, Mistral), its documents `template` (the separator is </s>)."""
+  """A tiny BPE tokenizer of a Llama family, its documents `template` (the separator is
+  </s>): byte-level (Llama 3), SentencePiece's Metaspace, or the legacy SentencePiece
+  normalizer that Llama 2 and Mistral v0.1 ship ("▁" before every text, spaces as "▁")."""
   tokenizers = pytest.importorskip("tokenizers")
   tok = tokenizers.Tokenizer(tokenizers.models.BPE())
   alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet() if kind == "byte_level" else []
@@ -108,13 +109,17 @@ def _trained(kind: str, text: str, template: str = "<s> $A"):
                        if kind == "byte_level" else tokenizers.pre_tokenizers.Metaspace())
   tok.train_from_iterator([text], tokenizers.trainers.BpeTrainer(
       vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet))
+  if kind == "legacy":  # (trained within words, as SentencePiece trains)
+    tok.pre_tokenizer = None
+    tok.normalizer = tokenizers.normalizers.Sequence([
+        tokenizers.normalizers.Prepend("▁"), tokenizers.normalizers.Replace(" ", "▁")])
   tok.post_processor = tokenizers.processors.TemplateProcessing(
       single=template, special_tokens=[(t, tok.token_to_id(t)) for t in ("<s>", "</s>")])
   return tok
 
 
 @pytest.mark.parametrize("kind, template", [("byte_level", "<s> $A"), ("metaspace", "<s> $A"),
-                                            ("byte_level", "<s> $A </s>")])
+                                            ("legacy", "<s> $A"), ("byte_level", "<s> $A </s>")])
 def test_a_long_document_is_tokenized_in_bounded_pieces_as_it_is_whole(kind, template,
                                                                        tmp_path, monkeypatch):
   """A .txt file (which may be one line) or a long .jsonl record reaches the tokenizer in
@@ -150,6 +155,18 @@ def test_a_long_document_is_tokenized_in_bounded_pieces_as_it_is_whole(kind, tem
     assert np.asarray(source.tokens).tolist() == want, path
     assert len(calls) > 10 and max(calls) <= 256 + 3 * 64
     calls.clear()
+
+
+def test_a_tokenizer_that_cannot_encode_the_probe_text_loads(tmp_path):
+  """What encoding needs is probed at load ("a", "a b"); a word-level tokenizer whose unknown
+  token is missing raises on those, and loads all the same."""
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hello": 0, "</s>": 1},
+                                                         unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.save(str(tmp_path / "tokenizer.json"))
+  loaded = tokens_lib.load_tokenizer(str(tmp_path / "tokenizer.json"))
+  assert loaded.end_tokens == () and loaded.encode(["hello hello"], True) == [[0, 0]]
 
 
 def test_cache_is_reused_until_a_source_file_changes(corpus, tokenizer_file, tmp_path,
