@@ -233,7 +233,7 @@ def _extras(record: dict) -> dict:
     raise Skip("'tools' is not a list of function schemas")
   if not isinstance(kwargs, dict):
     raise Skip("'chat_template_kwargs' is not an object")
-  return {**kwargs, "tools": tools or None}
+  return {**kwargs, "tools": tools}
 
 
 def _chat(messages: list[dict], template: ChatTemplate, last: int, **extras):
@@ -250,14 +250,21 @@ def _chat(messages: list[dict], template: ChatTemplate, last: int, **extras):
     for i in range(first, len(messages)):
       if messages[i]["role"] != "assistant":
         continue
-      start = template.render(messages[:i], generation_prompt=True, **extras)[0]
       end = template.render(messages[:i + 1], **extras)[0]
+      if i:
+        start = template.render(messages[:i], generation_prompt=True, **extras)[0]
+      else:  # a chat the assistant opens has nothing before it to render: from its text on
+        content = messages[0].get("content", "").strip()
+        start = end[:end.rfind(content)] if content and content in end else None
       eos = template.eos_token
       if (not text.startswith(end) and eos and end.endswith(eos)
           and text.startswith(end[:-len(eos)])):
         # A template that ends the conversation with its end-of-text token (Phi-3's):
         # it ends this turn only where the turn is the last.
         end = end[:-len(eos)]
+      if start is None:
+        raise Skip("the chat template does not render an opening assistant message's text "
+                   "as given, so its tokens cannot be found")
       if not (text.startswith(start) and text.startswith(end)):
         raise Skip("the chat template renders a conversation's beginning differently from "
                    "the whole, so its assistant tokens cannot be found")

@@ -110,10 +110,17 @@ def _records(path: pathlib.Path) -> Iterator[tuple[str, object]]:
   """(FILE:LINE, record, or the reason it is unreadable) of each row."""
   if path.suffix.lower() == ".jsonl":
     with open(path, "rb") as f:
+      offset = 0
       for line_no, line in enumerate(f, 1):
-        if line.strip():
+        try:  # (not json.loads' guess, line by line: a UTF-16 file half-decoded)
+          text = line.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+          raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {offset + e.start:,}, "
+                          f"line {line_no:,})") from None
+        offset += len(line)
+        if text.strip():
           try:
-            yield f"{path.name}:{line_no}", json.loads(line)
+            yield f"{path.name}:{line_no}", json.loads(text)
           except (ValueError, RecursionError) as e:  # (a line nested past Python's limit)
             yield f"{path.name}:{line_no}", chat.Skip(f"not valid JSON ({e.__class__.__name__})")
     return
@@ -149,12 +156,15 @@ class _Writer:
     for (where, _text, spans, plain), (ids, offsets, added) in zip(pending, encoded):
       ids = np.asarray(ids, self.tokenizer.dtype)
       starts, ends = np.asarray(offsets).reshape(-1, 2).T
+      # Where a token begins: a tokenizer that trims offsets (GPT-2's) starts " three" after
+      # its space, but it began where the token before it ended.
+      begins = np.minimum(starts, np.concatenate([[0], ends[:-1]]))
       target = np.zeros(ids.size, bool)
       for start, end in spans:
         # A chat's targets are every token with a character in a span, as transformers'
         # assistant_masks marks them; a plain completion's, the tokens that begin in it, as
         # TRL counts the prompt's tokens (a token across the boundary is the prompt's).
-        target |= (starts >= start if plain else ends > start) & (starts < end)
+        target |= (begins >= start if plain else ends > start) & (starts < end)
       target &= ~np.asarray(added, bool)  # a start token the tokenizer adds is not a target
       if plain:  # the end-of-text token ends the completion, and is learned
         sep = np.asarray(self.tokenizer.separator, ids.dtype)

@@ -485,16 +485,25 @@ def test_the_banner_counts_the_examples_kept_and_says_what_the_held_out_split_le
       "1 longer than train.seq_len+1")
 
 
-def test_a_plain_completions_token_across_the_boundary_is_the_prompts_as_in_trl(tokenizer_dir,
-                                                                                tmp_path):
+@pytest.mark.parametrize("trim_offsets", [False, True])
+def test_a_plain_completions_token_across_the_boundary_is_the_prompts_as_in_trl(
+    tokenizer_dir, tmp_path, trim_offsets):
   """Prompt "what is two and " and completion "three" tokenize as one " three": TRL counts
-  the prompt's tokens, so that token is the prompt's; the end-of-text token is learned."""
+  the prompt's tokens, so that token is the prompt's; the end-of-text token is learned. A
+  tokenizer that trims offsets (GPT-2's) starts the token after its space: it is the
+  prompt's all the same."""
+  import shutil
+  from tokenizers import Tokenizer, processors
   from transformers import AutoTokenizer
-  hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+  directory = shutil.copytree(tokenizer_dir, tmp_path / "tokenizer")
+  tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+  tok.post_processor = processors.ByteLevel(trim_offsets=trim_offsets)
+  tok.save(str(directory / "tokenizer.json"))
+  hf = AutoTokenizer.from_pretrained(directory)
   source = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "what is two and ",
                                                  "completion": "three"}])
   examples = sft.open_examples(DataConfig(source=str(source), format="prompt_completion",
-                                          tokenizer=str(tokenizer_dir)), tmp_path, progress=False)
+                                          tokenizer=str(directory)), tmp_path, progress=False)
   tokens = hf.convert_ids_to_tokens(np.asarray(examples.tokens[:]).tolist())
   assert tokens[-2:] == ["Ġthree", "</s>"]
   assert np.asarray(examples.mask[:]).tolist()[-2:] == [0, 1]
@@ -519,6 +528,45 @@ def test_a_records_tools_reach_the_template_and_a_tool_call_needs_no_content(tmp
   assert [text[a:b] for a, b in spans] == ["assistant: call get_weather;", "assistant: sunny;"]
   with pytest.raises(chat.Skip, match="'tools' is text but not JSON"):
     chat.record_text({"messages": call, "tools": "[oops"}, "chat", template)
+
+
+def test_a_chat_the_assistant_opens_trains_on_each_of_its_turns():
+  """A support chat that opens with the assistant's greeting: a template that reads
+  messages[0] (Llama-3.1's, Qwen2.5's) refused the empty conversation before it, and the
+  record was left out as the template's fault."""
+  opens = ("{% if messages[0]['role'] == 'system' %}[sys]{% endif %}{% for m in messages %}"
+           "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+  template = chat.ChatTemplate("t", opens, "", "")
+  greeting = [{"role": "assistant", "content": "hello how can i help"},
+              {"role": "user", "content": "the weather"},
+              {"role": "assistant", "content": "sunny"}]
+  text, spans, _ = chat.record_text({"messages": greeting}, "chat", template)
+  assert [text[a:b] for a, b in spans] == ["hello how can i help<|end|>", "sunny<|end|>"]
+
+
+def test_an_empty_tools_list_reaches_the_template_as_transformers_passes_it():
+  template = chat.ChatTemplate("t", "{% if tools is not none %}[tools]{% endif %}"
+                               "{% for m in messages %}{{ m['content'] }};{% endfor %}", "", "")
+  text, _, _ = chat.record_text({"messages": CHATS[0], "tools": []}, "chat", template)
+  assert text == "[tools]what is two and three;five;"
+
+
+def test_a_jsonl_file_not_in_utf8_is_one_line_not_records_left_out(tmp_path):
+  """A Latin-1 file lost its records with accents (each 'not valid JSON'), and a UTF-16
+  one half-decoded; either is the file's error."""
+  from jaxzero.errors import DataError
+  accented = {"messages": [{"role": "user", "content": "café"},
+                           {"role": "assistant", "content": "crème"}]}
+  lines = "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                  for r in ({"messages": CHATS[0]}, {"messages": CHATS[0]}, accented))
+  data = DataConfig(source=str(tmp_path / "chat.jsonl"), format="chat",
+                    chat_template=str(write_template(tmp_path)))
+  for encoding, where in (("latin-1", "line 3"), ("utf-16", "line 1")):
+    (tmp_path / "chat.jsonl").write_bytes(lines.encode(encoding))
+    with pytest.raises(DataError, match=rf"chat.jsonl: not UTF-8 text \(.* at byte [\d,]+, "
+                                        rf"{where}\)"):
+      sft.open_examples(data, tmp_path / encoding, progress=False)
 
 
 def test_a_template_that_ends_the_conversation_with_its_eos_keeps_multi_turn_records():
