@@ -31,6 +31,7 @@ from jaxzero.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
+TEMPLATES_DIR = "additional_chat_templates"  # transformers 5's other named templates
 # (rendered pieces so far, spans found) while a rendering tracks {% generation %} blocks.
 _TRACKING: contextvars.ContextVar = contextvars.ContextVar("generation_spans", default=None)
 
@@ -45,16 +46,23 @@ class ChatTemplate:
   text: str
   bos_token: str
   eos_token: str
+  # The tokenizer's "tool_use" template, which transformers renders a record with tools
+  # by (Hermes 2 Pro's, Command R's); "" where it has none.
+  tool_use: str = ""
 
   @property
   def digest(self) -> str:
-    return hashlib.sha256(json.dumps([self.text, self.bos_token, self.eos_token]).encode()
-                          ).hexdigest()
+    return hashlib.sha256(json.dumps([self.text, self.bos_token, self.eos_token,
+                                      self.tool_use]).encode()).hexdigest()
 
-  @property
-  def marks_generation(self) -> bool:
+  def chosen(self, tools) -> str:
+    """The template a record is rendered by: tool_use where it has tools, as
+    transformers' get_chat_template picks it."""
+    return self.tool_use if tools is not None and self.tool_use else self.text
+
+  def marks_generation(self, tools=None) -> bool:
     """Whether the template marks the assistant's text with {% generation %} blocks."""
-    return "generation" in _compile(self.text).environment.extensions[_EXTENSION].seen
+    return "generation" in _compile(self.chosen(tools)).environment.extensions[_EXTENSION].seen
 
   def render(self, messages: list[dict], generation_prompt: bool = False, tools=None,
              **kwargs) -> tuple[str, list[tuple[int, int]]]:
@@ -65,7 +73,7 @@ class ChatTemplate:
     spans: list[tuple[int, int]] = []
     token = _TRACKING.set((pieces, spans))
     try:
-      for piece in _compile(self.text).generate(**{
+      for piece in _compile(self.chosen(tools)).generate(**{
           **kwargs, "messages": messages, "bos_token": self.bos_token,
           "eos_token": self.eos_token, "add_generation_prompt": generation_prompt,
           "tools": tools, "documents": None}):
@@ -115,16 +123,16 @@ def _read_json(path: pathlib.Path) -> dict:
 
 
 def _read_template(path: pathlib.Path, tokenizer_dir: pathlib.Path | None) -> ChatTemplate | None:
+  tool_use = ""
   if path.suffix == ".json":
     text = _read_json(path).get("chat_template")
-    if isinstance(text, list):  # named templates: the default one
-      text = next((t.get("template") for t in text
-                   if isinstance(t, dict) and t.get("name") == "default"), None)
+    if isinstance(text, list):  # named templates: the default one, and the one for tools
+      named = {t.get("name"): t.get("template") for t in text if isinstance(t, dict)}
+      text, tool_use = named.get("default"), named.get("tool_use") or ""
   else:
-    try:
-      text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-      raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    text = _read_text(path)
+    if (path.parent / TEMPLATES_DIR / "tool_use.jinja").is_file():
+      tool_use = _read_text(path.parent / TEMPLATES_DIR / "tool_use.jinja")
   if not isinstance(text, str) or not text:
     return None
   config = {}
@@ -133,13 +141,22 @@ def _read_template(path: pathlib.Path, tokenizer_dir: pathlib.Path | None) -> Ch
       config = _read_json(folder / "tokenizer_config.json")
       break
   template = ChatTemplate(str(path.resolve()), text, tokens_lib.named_token(config, "bos_token"),
-                          tokens_lib.named_token(config, "eos_token"))
-  _compile(text)  # a syntax error is one line now, not a skip per record
+                          tokens_lib.named_token(config, "eos_token"),
+                          tool_use if isinstance(tool_use, str) else "")
+  for named in filter(None, (text, template.tool_use)):
+    _compile(named)  # a syntax error is one line now, not a skip per record
   for key in ("bos_token", "eos_token"):
-    if key in text and not getattr(template, key):
+    if key in text + template.tool_use and not getattr(template, key):
       raise DataError(f"the chat template ({path}) uses {key} but no tokenizer_config.json "
                       "beside it or data.tokenizer names one")
   return template
+
+
+def _read_text(path: pathlib.Path) -> str:
+  try:
+    return path.read_text(encoding="utf-8")
+  except UnicodeDecodeError as e:
+    raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 _EXTENSION = "jaxzero.data.chat.Generation"
@@ -241,7 +258,7 @@ def _chat(messages: list[dict], template: ChatTemplate, last: int, **extras):
   `last` ones."""
   text, marked = template.render(messages, **extras)
   first = len(messages) - last
-  if template.marks_generation:  # the template's own spans, of the last messages only
+  if template.marks_generation(extras.get("tools")):  # its own spans, of the last messages
     before = (len(template.render(messages[:first], generation_prompt=True, **extras)[0])
               if first else 0)
     spans = [span for span in marked if span[0] >= before]

@@ -30,7 +30,7 @@ TEMPLATE_FILE = chat.TEMPLATE_FILES[0]  # chat_template.jinja: transformers 5 sa
 # The Hugging Face tokenizer files AutoTokenizer reads beside tokenizer.json; the template
 # file wins over tokenizer_config.json's chat_template there, as in jaxzero.data.chat.
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", TEMPLATE_FILE)
-TEMPLATES_DIR = "additional_chat_templates"  # transformers' named templates, a .jinja each
+TEMPLATES_DIR = chat.TEMPLATES_DIR  # transformers' named templates, a .jinja each
 _ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 

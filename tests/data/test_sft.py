@@ -552,6 +552,36 @@ def test_an_empty_tools_list_reaches_the_template_as_transformers_passes_it():
   assert text == "[tools]what is two and three;five;"
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_record_with_tools_is_rendered_by_the_tool_use_template(tokenizer_dir, tmp_path,
+                                                                   legacy):
+  """A tokenizer with named templates (Hermes 2 Pro's, Command R's) renders a record with
+  tools by its "tool_use" one, as apply_chat_template does: saved by transformers 5 beside
+  chat_template.jinja, or as a list in tokenizer_config.json. The default template left
+  the tools out of the text."""
+  from transformers import AutoTokenizer
+  hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+  default = "{% for m in messages %}{{ m['content'] }};{% endfor %}"
+  tool_use = "[tools: {{ tools | map(attribute='name') | join(',') }}]" + default
+  hf.chat_template = {"default": default, "tool_use": tool_use}
+  hf.save_pretrained(tmp_path / "tok")
+  if legacy:  # the list form of transformers 4
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": default},
+                               {"name": "tool_use", "template": tool_use}]
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    for p in [tmp_path / "tok" / "chat_template.jinja",
+              *(tmp_path / "tok" / "additional_chat_templates").glob("*")]:
+      p.unlink()
+  template = chat.load_template(DataConfig(tokenizer=str(tmp_path / "tok"), format="chat"))
+  tools = [{"name": "get_weather"}]
+  for record_tools in (tools, None):
+    text, _, _ = chat.record_text({"messages": CHATS[0], "tools": record_tools}, "chat",
+                                  template)
+    assert text == hf.apply_chat_template(CHATS[0], tools=record_tools, tokenize=False)
+  assert text == "what is two and three;five;"
+
+
 def test_a_jsonl_file_not_in_utf8_is_one_line_not_records_left_out(tmp_path):
   """A Latin-1 file lost its records with accents (each 'not valid JSON'), and a UTF-16
   one half-decoded; either is the file's error."""
