@@ -85,10 +85,13 @@ def load_config(args) -> Loaded:
     cfg = preset
     config_lib.validate(cfg)
     # The file reads its "auto" values (the HF Trainer's) and what it derives from the
-    # config (a warmup floor as a ratio of the lr) from the config with --set applied, as
-    # the Trainer fills them from its command line (--learning_rate, --bf16); --set then
-    # applies over the file too.
-    file = reader.read(ds_config or accelerate_config, config_lib.apply_overrides(cfg, args.set))
+    # config (a warmup floor as a ratio of the lr) from the config with the training
+    # settings of --set applied, as the Trainer fills them from its command line
+    # (--learning_rate, --bf16, --gradient_checkpointing); the layout (mesh, zero, offload)
+    # is the file's. --set then applies over the file.
+    training = [a for a, key in zip(args.set, sets)
+                if key.split(".")[0] in ("train", "precision", "remat")]
+    file = reader.read(ds_config or accelerate_config, config_lib.apply_overrides(cfg, training))
     cfg = translated_file.apply_file(file, cfg)
     origins |= {key: f"{file.source}: {origin}" + (' ("auto": the base\'s)' if origin in file.autos
                                                   else "")

@@ -39,8 +39,9 @@ class ZeroConfig:
   # empty = grad_dtype.
   reduce_dtype: Literal["", "float32", "bfloat16", "float16"] = ""
   # A model_factory model's parameters with fewer elements stay whole on every
-  # device (DeepSpeed's stage3_param_persistence_threshold). The built-in
-  # Llama family places every parameter by its own annotations.
+  # device (DeepSpeed's stage3_param_persistence_threshold + 1: it keeps those of at most
+  # its value whole). The built-in Llama family places every parameter by its own
+  # annotations.
   min_shard_size: int = 100_000
 
   @property

@@ -53,15 +53,16 @@ UNNEEDED_TOP = {
     "seq_parallel_communication_data_type": "context parallelism gathers keys and values in "
                                             "the compute dtype",
 }
-# Keys whose value decides whether jaxzero can honour them: key -> (DeepSpeed's default, the
-# values accepted as unneeded, why another value is refused).
+# Keys whose value decides whether jaxzero can honour them: key -> (DeepSpeed's default,
+# {value accepted as unneeded: why}, {DeepSpeed's other value, refused: why}).
 BY_VALUE = {
-    "gradient_allreduce_op": ("mean", {"mean": "gradients are averaged over the devices"},
-                              "summed gradients (N devices' times the mean) are not available"),
+    "gradient_allreduce_op": (
+        "mean", {"mean": "gradients are averaged over the devices"},
+        {"sum": "summed gradients (N devices' times the mean) are not available"}),
     "managed_gradient_accumulation": (
         True, {True: "each step runs train.grad_accum micro-batches itself"},
-        "the script owning the accumulation boundary is not available: a step runs "
-        "train.grad_accum micro-batches"),
+        {False: "the script owning the accumulation boundary is not available: a step runs "
+                "train.grad_accum micro-batches"}),
 }
 UNNEEDED_ACTIVATIONS = {
     "partition_activations": "activations are sharded over the batch at layer boundaries",
@@ -138,9 +139,12 @@ def translate(ds: dict, base: config_lib.Config, source: str = "ds_config") -> T
   for key, (default, accepted, refused) in BY_VALUE.items():
     value = ds.get(key, default)
     value = value.lower() if isinstance(value, str) else value  # (as DeepSpeed reads it)
-    if value not in accepted:
-      raise tr.error(f"{key}={ds[key]!r}: {refused}; leave it out (DeepSpeed's default is "
-                     f"{default!r})")
+    if not isinstance(value, (str, bool, int, float)) or value not in {**accepted, **refused}:
+      raise tr.error(f"{key}={ds[key]!r} is not one of DeepSpeed's values: "
+                     f"{', '.join(map(repr, {**accepted, **refused}))}")
+    if value in refused:
+      raise tr.error(f"{key}={ds[key]!r}: {refused[value]}; leave it out (DeepSpeed's default "
+                     f"is {default!r})")
     if key in ds:
       tr.unneeded[key] = accepted[value]
   _precision(tr, ds, base)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import re
 import logging
 import math
 import pathlib
+import re
 from typing import Any
 
 import yaml
@@ -168,7 +168,7 @@ def _json(path: str, text: str):
             "; comments and trailing commas (DeepSpeed's hjson) need pip install hjson")
     raise ConfigError(f"{path}: not valid JSON at line {getattr(e, 'lineno', '?')} column "
                       f"{getattr(e, 'colno', '?')}: {getattr(e, 'msg', e)}{hint}") from None
-  swallowed = _swallowed_key(data, "")
+  swallowed = _swallowed_key(data, "", text)
   if swallowed:  # (JSON refuses '"overlap_comm": true "offload_optimizer": {...}' outright)
     raise ConfigError(f"{path}: {swallowed[0]} reads as the text {swallowed[1][:60]!r}: a "
                       "comma is missing before the key in it (hjson, as DeepSpeed reads the "
@@ -176,16 +176,15 @@ def _json(path: str, text: str):
   return data
 
 
-def _swallowed_key(value: Any, where: str) -> tuple[str, str] | None:
-  """The first string in `value` that holds a quoted key and its colon: hjson's unquoted
-  text swallowing the keys after a missing comma."""
-  if isinstance(value, dict):
-    return next(filter(None, (_swallowed_key(v, f"{where}{k}.") for k, v in value.items())),
+def _swallowed_key(value: Any, where: str, source: str) -> tuple[str, str] | None:
+  """The first string in `value` that holds a quoted key and its colon as it stands in the
+  file's `source` (a quoted string escapes its quotes there): hjson's unquoted text
+  swallowing the keys after a missing comma."""
+  if isinstance(value, (dict, list)):
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    return next(filter(None, (_swallowed_key(v, f"{where}{k}.", source) for k, v in items)),
                 None)
-  if isinstance(value, list):
-    return next(filter(None, (_swallowed_key(v, f"{where}{i}.") for i, v in enumerate(value))),
-                None)
-  if isinstance(value, str) and re.search(r'"[^"]*"\s*:', value):
+  if isinstance(value, str) and re.search(r'"[^"]*"\s*:', value) and value in source:
     return where.rstrip("."), value
   return None
 

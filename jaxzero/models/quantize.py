@@ -11,7 +11,8 @@ Dettmers et al. 2023, and bitsandbytes' blockwise layout):
   fp32 scale a group. QLoRA quantizes them to 8-bit floats (bitsandbytes' dynamic 8-bit
   code); here they are linear int8: within half a step (1/254 of the group's largest
   distance from the mean) of their value, but one block far larger than the rest of its
-  group coarsens the others' scales, which a non-linear code would not. About 0.52 bytes a parameter.
+  group coarsens the others' scales, which a non-linear code would not. About 0.52 bytes a
+  parameter.
 * ``int8``: round(127 · value / absmax), the block scales in fp32: 1.06 bytes a parameter.
 
 A quantized weight is a dict of arrays (``codes``, ``absmax``, and for nf4 ``scale`` and

@@ -11,7 +11,7 @@ axis, which the layer scan slices, nor the leading dimension of a leaf of three 
 more where only it divides and another is as large as the devices (an unnamed layer
 stack's: split, the scan would gather every layer at once). Leaves under
 `min_size` elements stay whole on every device (DeepSpeed's
-stage3_param_persistence_threshold). Invariant: every dimension of every leaf
+stage3_param_persistence_threshold + 1). Invariant: every dimension of every leaf
 has exactly one name.
 """
 
@@ -28,7 +28,7 @@ from jaxzero.models.interface import Leaf
 from jaxzero.parallel.zero import FSDP_DIM_PREFERENCE, KNOWN_LOGICAL_AXES, say_once
 
 NONE = "none"  # a dimension ZeRO never splits
-# DeepSpeed's stage3_param_persistence_threshold: smaller parameters stay whole.
+# Smaller parameters stay whole (DeepSpeed's stage3_param_persistence_threshold + 1).
 DEFAULT_MIN_SIZE = ZeroConfig.min_shard_size
 
 

@@ -125,9 +125,11 @@ def activation_bytes(cfg, micro_batch: int, shard_size: int, params_sharded: boo
   heads, mlp = m.n_heads / mesh.tensor, m.mlp_dim / mesh.tensor
   kv = 2 * m.n_kv_heads * (m.dim // m.n_heads) / mesh.tensor
   # Per layer and token: its input (split along the sequence over mesh.tensor, sequence
-  # parallelism, unless mesh.context splits the sequence: jaxzero.parallel.zero's
-  # Layout.activation_spec) plus the names remat keeps (jaxzero.engine.remat).
-  layer_input = m.dim / (mesh.tensor if mesh.context == 1 else 1)
+  # parallelism, where mesh.context does not split it and mesh.tensor divides it:
+  # jaxzero.parallel.zero's Layout.activation_spec) plus the names remat keeps
+  # (jaxzero.engine.remat).
+  sequence_parallel = mesh.context == 1 and t.seq_len % mesh.tensor == 0
+  layer_input = m.dim / (mesh.tensor if sequence_parallel else 1)
   saved_per_token = layer_input + {
       "none": 4 * m.dim + kv + 2 * mlp,
       "save_matmuls": 3 * m.dim + kv + 2 * mlp,

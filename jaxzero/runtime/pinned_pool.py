@@ -65,9 +65,11 @@ def offloaded_matmul_bytes(cfg, rows: int) -> int:
   held = kept_for_backward(mesh.pipeline, t.grad_accum, cfg.pipeline.schedule,
                            cfg.pipeline.virtual_stages)[0] if mesh.pipeline > 1 else 1
   # q, k, v, gate and up are split over mesh.tensor by heads and MLP columns; o's and
-  # down's outputs by the sequence (sequence parallelism), unless mesh.context splits it.
+  # down's outputs by the sequence (sequence parallelism) where mesh.context does not split
+  # it and mesh.tensor divides it (jaxzero.parallel.zero's Layout.activation_spec).
+  sequence_parallel = mesh.context == 1 and t.seq_len % mesh.tensor == 0
   per_token = ((m.dim + kv + 2 * m.mlp_dim) / mesh.tensor
-               + 2 * m.dim / (mesh.tensor if mesh.context == 1 else 1))
+               + 2 * m.dim / (mesh.tensor if sequence_parallel else 1))
   return int(rows * t.seq_len // mesh.context * (m.n_layers // mesh.pipeline) * held
              * per_token * compute)
 

@@ -745,6 +745,8 @@ def test_deepspeed_019_keys_are_known():
       ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op='sum': summed gradients (N "
        "devices' times the mean) are not available; leave it out (DeepSpeed's default is "
        "'mean')"),
+      ({"gradient_allreduce_op": ["mean"]}, "gradient_allreduce_op=['mean'] is not one of "
+       "DeepSpeed's values: 'mean', 'sum'"),
       ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation=False: the "
        "script owning the accumulation boundary is not available: a step runs "
        "train.grad_accum micro-batches; leave it out (DeepSpeed's default is True)"),
@@ -757,6 +759,12 @@ def test_deepspeed_019_keys_are_known():
     with pytest.raises(ConfigError) as e:
       deepspeed.translate(ds, base())
     assert str(e.value) == f"ds_config: {message}"
+
+
+def test_a_string_holding_escaped_quotes_and_a_colon_is_a_value_not_a_missing_comma(tmp_path):
+  path = write(tmp_path, "group.json", json.dumps({"wandb": {"enabled": True,
+                                                             "group": 'sweep "lr": 1e-4'}}))
+  assert read_mapping(path, "DeepSpeed")["wandb"]["group"] == 'sweep "lr": 1e-4'
 
 
 def test_a_ds_config_is_read_as_deepspeed_reads_it(tmp_path, monkeypatch):
@@ -845,6 +853,12 @@ def test_what_the_file_derives_from_the_config_sees_the_command_lines_set(tmp_pa
                  for line in capsys.readouterr().out.splitlines())
   assert float(printed["train.lr"]) == 1e-4
   assert float(printed["train.warmup_min_ratio"]) == pytest.approx(0.1)  # 1e-5 / 1e-4
+  # The layout is the file's, read against the config file: --set mesh.replica applies
+  # after it (an AutoTP file gives the data axis the devices left: fsdp -1).
+  tp_file = write(tmp_path, "tp.json", json.dumps({"tensor_parallel": {"autotp_size": 2}}))
+  assert train.main(["--config", TINY, "--deepspeed", tp_file, "--set", "mesh.replica=2",
+                     "--print-config"]) == 0
+  assert "mesh.fsdp=-1  # tp.json: tensor_parallel.autotp_size" in capsys.readouterr().out
 
 
 def test_files_from_the_wild_read_as_deepspeed_reads_them():

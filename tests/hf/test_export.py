@@ -507,8 +507,8 @@ def export_run(tmp_path, base, init: bool = True, out=None, **data) -> pathlib.P
 def test_a_run_records_its_tokenizer_and_base_so_that_export_finds_them_from_anywhere(
     tmp_path, monkeypatch):
   """A run started with relative paths records them absolute in WORKDIR/config.json and in
-  a LoRA run's checkpoints: an export run from elsewhere copies that tokenizer, not whatever the same relative path
-  names there (or nothing)."""
+  a LoRA run's checkpoints: an export run from elsewhere copies that tokenizer, not
+  whatever the same relative path names there (or nothing)."""
   hf_base(tmp_path / "train_here" / "base")
   cfg = config.base()
   cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer="base"),

@@ -116,6 +116,10 @@ def test_offloaded_matmuls_are_held_for_every_micro_batch_a_pipeline_stage_holds
   assert pinned_pool.offloaded_matmul_bytes(one, 8) == tokens // 4 * m.n_layers * per_token
   tensor = tiny("train.grad_accum=4", "mesh.tensor=2")  # (sequence parallel: all halved)
   assert pinned_pool.offloaded_matmul_bytes(tensor, 8) == tokens // 4 * m.n_layers * per_token // 2
+  # A sequence tensor does not divide is not split over it: o's and down's outputs whole.
+  odd = tiny("train.grad_accum=4", "mesh.tensor=2", "train.seq_len=127")
+  assert pinned_pool.offloaded_matmul_bytes(odd, 8) == \
+      32 * 127 // 4 * m.n_layers * (per_token // 2 + 2 * m.dim * 2 // 2)
   # Under context parallelism o's and down's outputs are whole over tensor.
   split = tiny("train.grad_accum=4", "mesh.context=2", "mesh.tensor=2")
   assert pinned_pool.offloaded_matmul_bytes(split, 8) == \
