@@ -45,8 +45,13 @@ def text_pieces(path: pathlib.Path, _field: str) -> Iterator[Piece]:
   long line)."""
   try:
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is no text)
+      # The last piece counts what decoding dropped (a byte-order mark, the \r of \r\n), so
+      # that the progress bar ends at the file's size.
+      counted, size = 0, path.stat().st_size
       for text, first, last in _cut(iter(lambda: f.read(TEXT_CHUNK), "")):
-        yield Piece(text, first, last, len(text.encode()))
+        piece = Piece(text, first, last, size - counted if last else len(text.encode()))
+        counted += piece.size
+        yield piece
   except UnicodeDecodeError as e:
     offset = _first_undecodable_byte(path)
     raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {offset:,}, line "

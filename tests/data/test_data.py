@@ -398,6 +398,10 @@ def test_a_byte_order_mark_is_no_text_and_an_undecodable_byte_is_found_in_the_fi
     marked = tokens_lib.open_tokens(config(tmp_path / name, cache_dir=tmp_path / name[2:]),
                                     None, progress=False).tokens
     assert np.array_equal(marked, plain), name
+  # The progress bar ends at the file's size: the last piece counts the mark and the \r's.
+  (tmp_path / "crlf.txt").write_bytes(b"\xef\xbb\xbf" + b"hello world\r\n" * 1000)
+  pieces = list(documents_lib.pieces(tmp_path / "crlf.txt", "text"))
+  assert sum(p.size for p in pieces) == 13_003 and len(pieces) > 1
   # Past the text reader's buffer: the offset is the file's (it was the buffer's).
   (tmp_path / "bad.txt").write_bytes(b"x" * 99_999 + b"\n" + b"abc\xff")
   with pytest.raises(DataError, match=r"bad.txt: not UTF-8 text \(invalid start byte at byte "
