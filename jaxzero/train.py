@@ -154,19 +154,62 @@ def _main(argv) -> int:
     _check_steps(parser, args, cfg)
     workdir = pathlib.Path(args.workdir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
     from jaxzero.training import loop  # pylint: disable=import-outside-toplevel
-    outcome = loop.run_training(cfg, workdir, steps=args.steps, progress=not args.no_progress,
-                                   require_checkpoint=args.resume, resume_step=args.resume_step,
-                                   force=args.force)
-    target = args.steps if args.steps is not None else cfg.train.steps
-    # Stopped early by a signal, saved: not a finished run (a scheduler retries it, a
-    # `train && export` chain stops), the status a shell gives a process the signal ended.
-    code = (128 + int(signal.Signals[outcome.stopped_by])
-            if outcome.stopped_by and outcome.step < target else 0)
-    if jax.process_index() == 0:
-      print(summary(outcome, workdir, args.steps, cfg.train.steps))
-    return code
+    sys.stdout = outliving = _OutlivesItsReader(sys.stdout, workdir)
+    try:
+      outcome = loop.run_training(cfg, workdir, steps=args.steps, progress=not args.no_progress,
+                                  require_checkpoint=args.resume, resume_step=args.resume_step,
+                                  force=args.force)
+      target = args.steps if args.steps is not None else cfg.train.steps
+      # Stopped early by a signal, saved: not a finished run (a scheduler retries it, a
+      # `train && export` chain stops), the status a shell gives a process the signal ended.
+      code = (128 + int(signal.Signals[outcome.stopped_by])
+              if outcome.stopped_by and outcome.step < target else 0)
+      if jax.process_index() == 0:
+        print(summary(outcome, workdir, args.steps, cfg.train.steps))
+      return code
+    finally:
+      if sys.stdout is outliving:
+        sys.stdout = outliving.stream
 
   return cli.run_main("jaxzero.train", body)
+
+
+class _OutlivesItsReader:
+  """Stdout while a run trains: a reader that leaves (`| head`, a `tee` or a log shipper
+  that dies) does not end the run. Its lines go to devnull from then on, said once on
+  stderr; the run saves and ends as it would (its metrics are in metrics.jsonl). Ending
+  it instead lost the steps since the last checkpoint, and under several processes
+  process 0 stopped while the others waited for it in a collective."""
+
+  def __init__(self, stream, workdir: pathlib.Path):
+    self.stream, self.workdir, self.gone = stream, workdir, False
+
+  def write(self, text: str) -> int:
+    try:
+      return self.stream.write(text)
+    except BrokenPipeError:
+      self._reader_left()
+      return len(text)
+
+  def flush(self) -> None:
+    try:
+      self.stream.flush()
+    except BrokenPipeError:
+      self._reader_left()
+
+  def _reader_left(self) -> None:
+    if self.gone:
+      return
+    self.gone = True
+    os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+    try:
+      print(f"jaxzero.train: stdout's reader has gone; training goes on (metrics in "
+            f"{self.workdir / 'metrics.jsonl'})", file=sys.stderr, flush=True)
+    except OSError:  # (stderr went with it)
+      pass
+
+  def __getattr__(self, name):
+    return getattr(self.stream, name)
 
 
 def summary(outcome, workdir: pathlib.Path, steps: int | None, train_steps: int) -> str:

@@ -212,6 +212,35 @@ def test_print_config_into_a_closed_pipe_is_no_traceback(capsys, monkeypatch):
   assert redirected == [1]  # stdout, to devnull: the exit's flush does not fail again
 
 
+@pytest.mark.slow
+def test_a_reader_of_stdout_that_leaves_mid_run_does_not_end_it(tmp_path, capsys, monkeypatch):
+  """`jaxzero.train ... | head -3`, or a log shipper that dies: the run goes on to its end
+  and saves (it exited 141 unsaved; under several processes it hung, process 0 gone from
+  a collective the others waited in)."""
+  import os  # pylint: disable=import-outside-toplevel
+
+  class HeadOfThree(io.StringIO):
+    lines = 0
+
+    def write(self, text):
+      self.lines += text.count("\n")
+      if self.lines > 3:
+        raise BrokenPipeError(32, "Broken pipe")
+      return super().write(text)
+
+    def fileno(self):
+      return 1
+  redirected = []
+  monkeypatch.setattr(sys, "stdout", HeadOfThree())
+  monkeypatch.setattr(os, "dup2", lambda fd, to: redirected.append(to))
+  assert train_cli.main(["--config", TINY, *[f"--set={s}" for s in SMALL],
+                         "--set=eval.every=0", "--set=checkpoint.every=0", "--no-progress",
+                         "--workdir", str(tmp_path / "w")]) == 0
+  assert redirected == [1] and "stdout's reader has gone; training goes on" in \
+      capsys.readouterr().err
+  assert (tmp_path / "w" / "checkpoints" / str(STEPS)).is_dir()
+
+
 def test_print_config_quotes_a_value_the_shell_would_split(capsys, tmp_path):
   source = tmp_path / "my corpus.txt"
   source.write_text("some text " * 100)
