@@ -152,6 +152,12 @@ def _main(argv) -> int:
     import jax  # pylint: disable=import-outside-toplevel
     cfg = loaded.resolve(jax.device_count())  # "auto" batch sizes, on every process's devices
     _check_steps(parser, args, cfg)
+    from jaxzero import config as config_lib  # pylint: disable=import-outside-toplevel
+    own = ("distributed.", "offload.nvme_dir")  # a process's coordinates, its host's disk
+    distributed.check_started_alike({
+        **{k: v for k, v in config_lib.as_dotted(cfg).items() if not k.startswith(own)},
+        "--steps": args.steps, "--resume-step": args.resume_step, "--resume": args.resume,
+        "--force": args.force})
     workdir = pathlib.Path(args.workdir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
     from jaxzero.training import loop  # pylint: disable=import-outside-toplevel
     sys.stdout = outliving = _OutlivesItsReader(sys.stdout, workdir)

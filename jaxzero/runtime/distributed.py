@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -21,6 +23,8 @@ import signal
 import socket
 import sys
 import threading
+
+import numpy as np
 
 from jaxzero.config import Config, DistributedConfig
 from jaxzero.errors import ConfigError
@@ -351,3 +355,32 @@ def _exit(prog: str, message: str) -> None:
   print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(2)  # pylint: disable=protected-access
+
+
+def check_started_alike(record: dict) -> None:
+  """Refuses a run whose processes were started with different settings (`record`: each
+  one's resolved config, less its own coordinates, and its command's options), in one
+  line naming the first that differs, on every process. Left unchecked, another
+  train.lr trained its shards silently, and another seq_len or --steps hung or aborted
+  in a collective."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  if jax.process_count() == 1:
+    return
+  text = json.dumps(record, sort_keys=True, default=str).encode()
+  digests = multihost_utils.process_allgather(
+      np.frombuffer(hashlib.sha256(text).digest(), np.uint8))
+  if (digests == digests[0]).all():
+    return
+  # Every process gathers every record, so that each says the same line.
+  sizes = multihost_utils.process_allgather(np.array([len(text)]))[:, 0]
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:len(text)] = np.frombuffer(text, np.uint8)
+  rows = multihost_utils.process_allgather(padded)
+  records = [json.loads(bytes(row[:n])) for row, n in zip(rows, sizes)]
+  other = next(p for p, r in enumerate(records) if r != records[0])
+  key = next(k for k in sorted({*records[0], *records[other]})
+             if records[0].get(k) != records[other].get(k))
+  raise ConfigError(f"process {other} was started with {key}={records[other].get(key)!r}, "
+                    f"process 0 with {key}={records[0].get(key)!r}; start every process with "
+                    "the same config and options")

@@ -242,6 +242,28 @@ def test_a_coordinator_port_in_use_is_one_line_naming_it(tmp_path):
       "another port")
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_processes_started_with_different_settings_stop_in_one_line(tmp_path):
+  """Process 1 with another train.lr trained its shards at it, silently; another seq_len
+  aborted in gloo, another --steps hung. Every process now names the difference."""
+  coordinator = f"127.0.0.1:{free_port()}"
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--workdir", str(tmp_path / "w"),
+       "--set", f"distributed.coordinator_address={coordinator}",
+       *(["--set", "train.lr=0.1"] if rank else [])],
+      cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+      env=child_env(alone=True, JAXZERO_NUM_PROCESSES="2", JAXZERO_PROCESS_ID=str(rank)))
+           for rank in range(2)]
+  for proc in procs:
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert err.strip().splitlines()[-1] == (
+        "jaxzero.train: error: process 1 was started with train.lr=0.1, process 0 with "
+        "train.lr=0.003; start every process with the same config and options"), err
+  assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
 def test_a_mesh_of_minus_one_never_stops_a_run_of_any_process_count():
   """fsdp=-1 takes the devices there are: 32 processes of one GPU each (or 3 on a CPU)
   run, where a count that does not divide 8 used to be refused before joining. A mesh
