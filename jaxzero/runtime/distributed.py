@@ -263,11 +263,14 @@ def _join(peers: Peers, timeout_s: int, prog: str) -> None:
   Nothing has run yet, so there is nothing to clean up.
   """
   import jax  # pylint: disable=import-outside-toplevel
-  taken = _port_taken(peers) if peers.process_id == 0 else None
+  taken = _port_taken(peers, os.environ) if peers.process_id == 0 else None
   if taken:  # process 0 serves the coordinator there; JAX's own failure may be a crash
-    _exit(prog, f"process 0 could not join the run ({peers.source}): port {taken} of the "
-          f"coordinator address {peers.coordinator} is in use on this host; choose another "
-          "port")
+    where = (f"the coordinator address {peers.coordinator}" if peers.coordinator else
+             f"JAX's coordinator for {peers.source} (JAX_COORDINATOR_PORT, else from the "
+             "job id)")
+    _exit(prog, f"process 0 could not join the run ({peers.source}): port {taken} of {where} "
+          "is in use on this host; choose another port"
+          + ("" if peers.coordinator else " with JAX_COORDINATOR_PORT"))
   done, errors = threading.Event(), []
 
   def connect():
@@ -294,9 +297,15 @@ def _join(peers: Peers, timeout_s: int, prog: str) -> None:
           f"{first_line}")
 
 
-def _port_taken(peers: Peers) -> int | None:
-  """The coordinator's port where something else on this host listens on it, else None."""
+def _port_taken(peers: Peers, environ) -> int | None:
+  """The coordinator's port where something else on this host listens on it, else None.
+  Where the cluster gives the coordinator, the port is JAX's: JAX_COORDINATOR_PORT, else
+  (SLURM) the job id modulo 4096 past 61440."""
   port = (peers.coordinator or "").rpartition(":")[2]
+  if peers.coordinator is None:
+    job = environ.get("SLURM_JOB_ID", "") if peers.source == "SLURM" else ""
+    port = environ.get("JAX_COORDINATOR_PORT", "").strip() or (
+        str(int(job) % 4096 + 61440) if job.isdigit() else "")
   if not port.isdigit():
     return None
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

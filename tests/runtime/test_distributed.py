@@ -235,11 +235,24 @@ def test_a_coordinator_port_in_use_is_one_line_naming_it(tmp_path):
     holder.listen()
     port = holder.getsockname()[1]
     _, err = (proc := train_alone(tmp_path, 0, f"127.0.0.1:{port}", 20)).communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert err.strip().splitlines()[-1] == (
+        "jaxzero.train: error: process 0 could not join the run (config or JAXZERO_* "
+        f"variables): port {port} of the coordinator address 127.0.0.1:{port} is in use on "
+        "this host; choose another port")
+    # A SLURM step: JAX picks the port (JAX_COORDINATOR_PORT here); process 0 segfaulted.
+    slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+                 SLURM_PROCID="0", SLURM_LOCALID="0", JAX_COORDINATOR_PORT=str(port))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxzero.train", "--config", TINY, "--workdir",
+         str(tmp_path / "w")], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env=child_env(alone=True, **slurm))
+    _, err = proc.communicate(timeout=120)
   assert proc.returncode == 2, err
   assert err.strip().splitlines()[-1] == (
-      "jaxzero.train: error: process 0 could not join the run (config or JAXZERO_* variables): "
-      f"port {port} of the coordinator address 127.0.0.1:{port} is in use on this host; choose "
-      "another port")
+      f"jaxzero.train: error: process 0 could not join the run (SLURM): port {port} of JAX's "
+      "coordinator for SLURM (JAX_COORDINATOR_PORT, else from the job id) is in use on this "
+      "host; choose another port with JAX_COORDINATOR_PORT")
 
 
 @pytest.mark.slow
