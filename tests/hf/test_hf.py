@@ -275,8 +275,8 @@ def test_training_starts_from_the_checkpoint(tmp_path):
   assert not any(np.asarray(x).any() for x in jax.tree.leaves(state.opt_state))  # fresh Adam
   # The train step's loss on the sharded state is transformers' loss.
   batch = tokens_BxT(97, (8, 17))
-  loss = jax.jit(lambda p, t: hooks_lib.loss_with_hooks(engine.model, p, t, layout, None))(state.params,
-                                                                                 batch)
+  loss_fn = lambda p, t: hooks_lib.loss_with_hooks(engine.model, p, t, layout, None)
+  loss = jax.jit(loss_fn)(state.params, batch)
   with torch.no_grad():
     logits = model(torch.from_numpy(batch[:, :-1]).long()).logits
     want = torch.nn.functional.cross_entropy(logits.reshape(-1, 97),

@@ -88,7 +88,8 @@ def test_llama8b_on_this_cpu_is_refused_in_one_line_before_allocating(tmp_path):
   assert "GB per device (model state 16.1 GB + activations" in lines[0]
   assert "on 8 devices, but 8 CPU devices share this host's" in lines[0]
   assert "remat.policy=full" in lines[0] and "--force starts it anyway" in lines[0]
-  assert not (tmp_path / "w" / "checkpoints").exists() and not (tmp_path / "w" / "config.json").exists()
+  assert not (tmp_path / "w" / "checkpoints").exists()
+  assert not (tmp_path / "w" / "config.json").exists()
 
 
 def test_plan_and_train_resolve_minus_one_alike(monkeypatch):
@@ -140,7 +141,8 @@ def test_banner_and_config_json(run):
   workdir, stdout, _, _, _ = run
   banner = stdout.split("\nstep ")[0]
   assert banner.startswith("jaxzero.train: Llama, ")
-  assert "mesh      replica 1 x fsdp 8" in banner and "= 8 virtual CPU devices (no GPU here), 1 process" in banner
+  assert "mesh      replica 1 x fsdp 8" in banner
+  assert "= 8 virtual CPU devices (no GPU here), 1 process" in banner
   assert "stage 3 (FULL_SHARD)" in banner and "remat none" in banner
   assert ("micro-batch 1 x grad_accum 2 x 8 data-parallel = global batch 16 sequences of 32 = "
           "512 tokens per step") in banner
@@ -454,11 +456,13 @@ def test_launch_without_dashes_gives_its_own_hint(capsys):
   assert exit_.value.code == 2
   (line,) = capsys.readouterr().err.strip().splitlines()
   assert line == (f"jaxzero.launch: error: --config {TINY} is not a jaxzero.launch argument; "
-                  "put the jaxzero.train arguments after --, e.g. -- --config configs/tiny_zero3.py")
+                  "put the jaxzero.train arguments after --, e.g. -- --config "
+                  "configs/tiny_zero3.py")
 
 
 def test_launch_drops_gloo_chatter():
-  chatter = "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+  chatter = ("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer "
+             "ranks is : 1")
   sink = io.StringIO()
   launch._pump(io.StringIO(f"{chatter}\nstep 1{chatter}/4\nlast\n"), sink, "[0] ", None)
   assert sink.getvalue() == "[0] step 1/4\n[0] last\n"
@@ -484,7 +488,8 @@ def test_export_copies_the_run_tokenizer(tmp_path):
   assert loaded("hello world")["input_ids"] == [2, 3]
   byte_run = tmp_path / "byte"
   byte_run.mkdir()
-  (byte_run / "config.json").write_text(json.dumps({"data": dataclasses.asdict(config.DataConfig())}))
+  (byte_run / "config.json").write_text(
+      json.dumps({"data": dataclasses.asdict(config.DataConfig())}))
   assert metadata.copy_tokenizer(metadata.read_run(byte_run), out) == []
 
 
