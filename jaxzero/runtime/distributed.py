@@ -343,9 +343,15 @@ def join_timeout_message(peers: Peers, timeout_s: int) -> str:
     return (f"{who} could not join the run ({peers.source}) {waited}; check that every "
             "process of the job started")
   if peers.process_id != 0 and not coordinator_reachable(peers.coordinator):
-    return (f"{who} found no coordinator at {peers.coordinator} {waited}: nothing listens "
-            f"there; check {ENV_COORDINATOR} (or distributed.coordinator_address) and that "
-            "process 0 started")
+    host = peers.coordinator.rpartition(":")[0].strip("[]")
+    try:
+      socket.getaddrinfo(host, None)
+      why = "nothing listens there"
+    except OSError:
+      why = f"the host {host!r} does not resolve"
+    return (f"{who} found no coordinator at {peers.coordinator} {waited}: {why}; check "
+            f"{ENV_COORDINATOR} (or distributed.coordinator_address) and that process 0 "
+            "started")
   return (f"{who}: not all {peers.num_processes} processes joined the run at "
           f"{peers.coordinator} {waited}; check that every process started and uses this "
           "coordinator address")

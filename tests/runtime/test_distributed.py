@@ -13,7 +13,7 @@ import pytest
 
 from jaxzero.config import ConfigError, DistributedConfig
 from jaxzero.runtime import xla_flags
-from jaxzero.runtime.distributed import EXPLICIT, Peers, resolve
+from jaxzero.runtime.distributed import EXPLICIT, Peers, join_timeout_message, resolve
 
 from processes import ROOT, TINY, child_env, free_port
 
@@ -275,6 +275,12 @@ def test_processes_started_with_different_settings_stop_in_one_line(tmp_path):
         "jaxzero.train: error: process 1 was started with train.lr=0.1, process 0 with "
         "train.lr=0.003; start every process with the same config and options"), err
   assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+def test_a_coordinator_host_that_does_not_resolve_is_said_so():
+  peers = Peers("nosuchhost.invalid:1234", 2, 1, EXPLICIT)
+  assert "found no coordinator at nosuchhost.invalid:1234 within distributed.timeout_s=5 s: " \
+         "the host 'nosuchhost.invalid' does not resolve;" in join_timeout_message(peers, 5)
 
 
 def test_a_mesh_of_minus_one_never_stops_a_run_of_any_process_count():
