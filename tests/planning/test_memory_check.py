@@ -34,12 +34,25 @@ def test_the_activation_estimate_follows_the_mesh(mesh):
   """Within 0.6x-2x of XLA's temporaries (it was 8x over at context 8, 2.6x over at tensor
   4, 5x under for GPipe, which holds every micro-batch, and 2.9x over interleaved, whose
   backward recomputes each chunk from its input)."""
-  cfg = config.load(TINY, [*SHAPE, "train.grad_accum=1", *mesh])
+  estimate, compiled = estimated_and_compiled(["train.grad_accum=1", *mesh])
+  assert 0.6 <= estimate / compiled <= 2.0, (estimate, compiled)
+
+
+def estimated_and_compiled(sets: list[str]) -> tuple[int, int]:
+  """The check's activation bytes for SHAPE with `sets` on 8 devices, and XLA's."""
+  cfg = config.load(TINY, [*SHAPE, *sets])
   devices = jax.devices()[:8]
   compiled = planner.plan(cfg, 8, 80 * 10**9, [Variant(3, False, cfg.remat.policy)],
                           search=False).rows[0].activation_bytes
   estimate = memory_check.budget(loop.prepare(cfg, devices, check=False), devices).activations
-  assert 0.6 <= estimate / compiled <= 2.0, (estimate, compiled)
+  return estimate, compiled
+
+
+def per_layer(sets: list[str], layers: tuple[int, int]) -> float:
+  """How the check's bytes grow per layer, against XLA's, from `layers[0]` to `layers[1]`."""
+  (estimate_a, compiled_a), (estimate_b, compiled_b) = (
+      estimated_and_compiled([*sets, f"model.n_layers={n}"]) for n in layers)
+  return (estimate_b - estimate_a) / (compiled_b - compiled_a)
 
 
 @pytest.mark.slow
@@ -47,18 +60,10 @@ def test_under_context_and_tensor_each_layer_keeps_its_whole_input():
   """Context 4 x tensor 2: the sequence is split over context, so a layer's saved input is
   whole over tensor (no sequence parallelism); it was counted halved (0.48x of XLA's
   bytes per layer). Vocabulary 256: a layer's weights, not the embedding's share."""
-  def both(layers):
-    cfg = config.load(TINY, [*SHAPE, "model.vocab_size=256", f"model.n_layers={layers}",
-                             "train.grad_accum=1", "mesh.fsdp=1", "mesh.context=4",
-                             "mesh.tensor=2", "train.global_batch=2", "remat.policy=full"])
-    devices = jax.devices()[:8]
-    compiled = planner.plan(cfg, 8, 80 * 10**9, [Variant(3, False, cfg.remat.policy)],
-                            search=False).rows[0].activation_bytes
-    estimate = memory_check.budget(loop.prepare(cfg, devices, check=False), devices).activations
-    return estimate, compiled
-  (estimate_4, compiled_4), (estimate_16, compiled_16) = both(4), both(16)
-  per_layer = (estimate_16 - estimate_4) / (compiled_16 - compiled_4)
-  assert 0.9 <= per_layer <= 1.1, per_layer
+  growth = per_layer(["model.vocab_size=256", "train.grad_accum=1", "mesh.fsdp=1",
+                      "mesh.context=4", "mesh.tensor=2", "train.global_batch=2",
+                      "remat.policy=full"], (4, 16))
+  assert 0.9 <= growth <= 1.1, growth
 
 
 @pytest.mark.slow
@@ -66,17 +71,9 @@ def test_a_1f1b_stage_keeps_two_micro_batches_residuals_a_layer():
   """1F1B at 4 and 8 layers on 2 stages: the estimate grows per layer as XLA's bytes do
   (0.43x with one micro-batch's residuals; the loop carries one set into the slot that
   makes the next)."""
-  def both(layers):
-    cfg = config.load(TINY, [*SHAPE, f"model.n_layers={layers}", "mesh.fsdp=4",
-                             "mesh.pipeline=2", "train.global_batch=32", "train.grad_accum=8",
-                             "pipeline.schedule=1f1b"])
-    devices = jax.devices()[:8]
-    compiled = planner.plan(cfg, 8, 80 * 10**9, [Variant(3, False, cfg.remat.policy)],
-                            search=False).rows[0].activation_bytes
-    estimate = memory_check.budget(loop.prepare(cfg, devices, check=False), devices).activations
-    return estimate, compiled
-  (estimate_4, compiled_4), (estimate_8, compiled_8) = both(4), both(8)
-  assert 0.85 <= (estimate_8 - estimate_4) / (compiled_8 - compiled_4) <= 1.15
+  growth = per_layer(["mesh.fsdp=4", "mesh.pipeline=2", "train.global_batch=32",
+                      "train.grad_accum=8", "pipeline.schedule=1f1b"], (4, 8))
+  assert 0.85 <= growth <= 1.15, growth
 
 
 def test_the_long_context_preset_fits_an_80_gb_device():
