@@ -298,14 +298,10 @@ def _join(peers: Peers, timeout_s: int, prog: str) -> None:
 
 
 def _port_taken(peers: Peers, environ) -> int | None:
-  """The coordinator's port where something else on this host listens on it, else None.
-  Where the cluster gives the coordinator, the port is JAX's: JAX_COORDINATOR_PORT, else
-  (SLURM) the job id modulo 4096 past 61440."""
+  """The coordinator's port where something else on this host listens on it, else None."""
   port = (peers.coordinator or "").rpartition(":")[2]
   if peers.coordinator is None:
-    job = environ.get("SLURM_JOB_ID", "") if peers.source == "SLURM" else ""
-    port = environ.get("JAX_COORDINATOR_PORT", "").strip() or (
-        str(int(job) % 4096 + 61440) if job.isdigit() else "")
+    port = environ.get("JAX_COORDINATOR_PORT", "").strip() or _jax_cluster_port(peers, environ)
   if not port.isdigit():
     return None
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -315,6 +311,19 @@ def _port_taken(peers: Peers, environ) -> int | None:
     except OSError as e:
       return int(port) if e.errno == errno.EADDRINUSE else None
   return None
+
+
+def _jax_cluster_port(peers: Peers, environ) -> str:
+  """The port JAX picks for a cluster's coordinator, from the job id (its SlurmCluster's
+  and OmpiCluster's rule: modulo 4096, past 61440); "" where it is not known here."""
+  if peers.source == "SLURM":
+    job = environ.get("SLURM_JOB_ID", "").strip()
+  elif peers.source == "Open MPI":  # its job ids are multiples of 4096
+    job = environ.get("OMPI_MCA_orte_hnp_uri", "").split(".", 1)[0]
+    job = str(int(job) // 4096) if job.isdigit() else ""
+  else:
+    return ""
+  return str(int(job) % 4096 + 61440) if job.isdigit() else ""
 
 
 def _exit_at_once_on_crash() -> None:

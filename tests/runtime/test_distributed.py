@@ -277,6 +277,17 @@ def test_processes_started_with_different_settings_stop_in_one_line(tmp_path):
   assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
+def test_the_port_jax_picks_for_a_clusters_coordinator_is_the_one_checked():
+  """JAX's SlurmCluster and OmpiCluster rule (job id modulo 4096, past 61440), checked for
+  being in use before process 0 serves it; JAX_COORDINATOR_PORT wins."""
+  from jaxzero.runtime import distributed  # pylint: disable=import-outside-toplevel
+  cluster_port = distributed._jax_cluster_port  # pylint: disable=protected-access
+  assert cluster_port(Peers(None, 2, 0, "SLURM"), {"SLURM_JOB_ID": "7"}) == "61447"
+  uri = {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911"}
+  assert cluster_port(Peers(None, 2, 0, "Open MPI"), uri) == "62624"
+  assert cluster_port(Peers(None, None, 0, "Kubernetes"), {}) == ""
+
+
 def test_a_coordinator_host_that_does_not_resolve_is_said_so():
   peers = Peers("nosuchhost.invalid:1234", 2, 1, EXPLICIT)
   assert "found no coordinator at nosuchhost.invalid:1234 within distributed.timeout_s=5 s: " \
