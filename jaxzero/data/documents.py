@@ -131,18 +131,31 @@ def _line_of(path: pathlib.Path, offset: int) -> int:
 
 
 def jsonl_pieces(path: pathlib.Path, field: str) -> Iterator[Piece]:
+  for line_no, line, size in jsonl_lines(path):
+    text = _json_text(line, field, path, line_no) if line.strip() else ""
+    yield from _record_pieces(text, size)
+
+
+def jsonl_lines(path: pathlib.Path) -> Iterator[tuple[int, str, int]]:
+  """(line number, its text, its bytes) of each line of a .jsonl file, decoded as UTF-8
+  (not json.loads' guess line by line, which half-decoded a UTF-16 file); a byte-order
+  mark is no JSON; a file that is not UTF-8 is one DataError naming the byte and line."""
   with open(path, "rb") as f:
+    offset = 0
     for line_no, line in enumerate(f, 1):
-      if line_no == 1:
-        line = line.removeprefix(codecs.BOM_UTF8)  # (a byte-order mark is no JSON)
-      text = _json_text(line, field, path, line_no) if line.strip() else ""
-      yield from _record_pieces(text, len(line))
+      try:
+        text = line.decode("utf-8-sig" if line_no == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {offset + e.start:,}, "
+                        f"line {line_no:,})") from None
+      offset += len(line)
+      yield line_no, text, len(line)
 
 
-def _json_text(line: bytes, field: str, path: pathlib.Path, line_no: int) -> str:
+def _json_text(line: str, field: str, path: pathlib.Path, line_no: int) -> str:
   try:
     record = json.loads(line)
-  except (ValueError, RecursionError) as e:  # (JSONDecodeError and UnicodeDecodeError too)
+  except (ValueError, RecursionError) as e:  # (JSONDecodeError, a line nested too deep)
     raise DataError(f"{path}:{line_no}: not valid JSON ({e})") from None
   if not isinstance(record, dict) or field not in record:
     keys = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__

@@ -109,20 +109,12 @@ def _read_index(cache: pathlib.Path) -> dict | None:
 def _records(path: pathlib.Path) -> Iterator[tuple[str, object]]:
   """(FILE:LINE, record, or the reason it is unreadable) of each row."""
   if path.suffix.lower() == ".jsonl":
-    with open(path, "rb") as f:
-      offset = 0
-      for line_no, line in enumerate(f, 1):
-        try:  # (not json.loads' guess, line by line: a UTF-16 file half-decoded)
-          text = line.decode("utf-8-sig" if line_no == 1 else "utf-8")
-        except UnicodeDecodeError as e:
-          raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {offset + e.start:,}, "
-                          f"line {line_no:,})") from None
-        offset += len(line)
-        if text.strip():
-          try:
-            yield f"{path.name}:{line_no}", json.loads(text)
-          except (ValueError, RecursionError) as e:  # (a line nested past Python's limit)
-            yield f"{path.name}:{line_no}", chat.Skip(f"not valid JSON ({e.__class__.__name__})")
+    for line_no, text, _ in documents.jsonl_lines(path):
+      if text.strip():
+        try:
+          yield f"{path.name}:{line_no}", json.loads(text)
+        except (ValueError, RecursionError) as e:  # (a line nested past Python's limit)
+          yield f"{path.name}:{line_no}", chat.Skip(f"not valid JSON ({e.__class__.__name__})")
     return
   row = 0
   for batch in documents.open_parquet(path).iter_batches(batch_size=documents.PARQUET_ROWS):
